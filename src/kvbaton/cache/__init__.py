@@ -1,0 +1,1 @@
+"""KV block accounting without tensors: block pool, radix prefix cache, chained block hashes, KV events."""

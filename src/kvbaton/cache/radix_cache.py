@@ -1,0 +1,424 @@
+"""Radix-tree prefix cache over block-aligned token ids, with LRU eviction of unlocked leaf blocks.
+
+Ownership model (shared with `kvbaton.cache.block_pool`):
+- the cache holds exactly ONE pool reference on every block it caches (taken by `insert`, dropped
+  by `evict`/`clear`);
+- a request holds its own reference on every block of its block table (the scheduler calls
+  `pool.ref` on the blocks of a match) and `lock`s the deepest cached node it uses, which pins
+  root..node against eviction;
+- so a cached block in an unlocked node has ref count exactly 1 and evicting it frees it.
+  `check_invariants` verifies this. Callers must therefore lock the node `insert` returns before
+  anything else looks at the cache (while they still hold their own references on those blocks),
+  and unlock only after (or together with) releasing their references.
+
+Structure: one tree per CacheKey namespace; a root holds no blocks. A node holds a run of
+consecutive full blocks (token tuples, block ids, chained hashes starting from `key.root_hash`);
+its children are keyed by the token tuple of their first block. `insert` and a touching
+`match_prefix` split a node where a match ends inside it, so a lock pins exactly the matched
+blocks. The node object keeps the TAIL part on a split and the new node becomes its parent, so a
+handle that is locked stays valid across later splits. Eviction only ever trims blocks from the
+tail of an unlocked leaf; a leaf that becomes empty leaves the tree. Nodes are not merged back.
+
+A `PrefixMatch` (and its node handle) is valid until the next `evict`/`clear` unless its node is
+locked; locking a node that has left the tree raises ValueError.
+
+LRU without clocks: a logical tick advances on every touching match and every insert, and marks
+root..node; so a parent's tick is never older than its children's. Evictable leaves (unlocked,
+childless) sit in a lazy min-heap keyed by (tick, node serial); stale entries are skipped when
+popped and the heap is rebuilt when it grows past twice the node count, so `evict(k)` costs
+O(k log n) rather than a scan of the tree.
+
+Events: `insert` emits one STORED event for the blocks it adopted; `evict` emits one EVICTED event
+per call listing the hashes in eviction order; `clear` emits CLEARED when the cache ends up empty
+and EVICTED (with the hashes) when locked blocks survive. Sequence numbers are 1, 2, 3, ...
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvbaton.cache.block_pool import BlockPool
+from kvbaton.cache.events import KVEvent, KVEventKind
+from kvbaton.cache.hashing import CacheKey, hash_block
+
+BlockTokens = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The cached prefix of a token sequence."""
+
+    block_ids: tuple[int, ...]  # cached blocks covering the matched prefix, in order
+    block_hashes: tuple[int, ...]  # their chained hashes (kvbaton.cache.hashing)
+    node: object  # opaque handle for lock/unlock: the deepest node of the path (root if empty)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class RadixNode:
+    """A run of cached blocks; opaque to callers (they only pass it back to lock/unlock)."""
+
+    __slots__ = (
+        "key", "parent", "children", "token_blocks", "block_ids", "block_hashes", "parent_hash",
+        "lock_ref", "num_direct_locks", "last_access", "serial", "attached",
+    )  # fmt: skip
+
+    def __init__(self, parent: RadixNode | None, parent_hash: int, serial: int, last_access: int) -> None:
+        self.key: BlockTokens | None = None  # token tuple of the first block (None for a root)
+        self.parent = parent
+        self.children: dict[BlockTokens, RadixNode] = {}
+        self.token_blocks: list[BlockTokens] = []
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.parent_hash = parent_hash  # hash of the block just before this node (key.root_hash under a root)
+        self.lock_ref = 0  # locks on this node plus locks on any descendant: > 0 means pinned
+        self.num_direct_locks = 0  # locks taken with this node as the handle
+        self.last_access = last_access
+        self.serial = serial  # creation order; breaks LRU ties deterministically
+        self.attached = True
+
+    @property
+    def tail_hash(self) -> int:
+        return self.block_hashes[-1] if self.block_hashes else self.parent_hash
+
+
+class RadixCache:
+    """Prefix cache over full blocks; see the module docstring for the ownership and lock rules."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self._roots: dict[CacheKey, RadixNode] = {}
+        self._tick = 0
+        self._serials = itertools.count()
+        self._heap_pushes = itertools.count()  # unique third heap field: entries never compare nodes
+        self._evictable_heap: list[tuple[int, int, int, RadixNode]] = []
+        self._num_nodes = 0  # non-root nodes in all trees
+        self._num_cached_blocks = 0
+        self._num_locked_blocks = 0  # blocks in nodes with lock_ref > 0
+        self._cached_block_ids: set[int] = set()
+        self._seq = 0
+        self._events: list[KVEvent] = []
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._num_cached_blocks
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks `evict` could free right now: those in nodes with no lock on them or below them."""
+        return self._num_cached_blocks - self._num_locked_blocks
+
+    @property
+    def last_seq(self) -> int:
+        """Seq of the latest event emitted (taken or not); 0 before any. An empty snapshot is as of it."""
+        return self._seq
+
+    def match_prefix(self, key: CacheKey, token_ids: Sequence[int], *, touch: bool = True) -> PrefixMatch:
+        """Longest cached prefix of the full blocks of `token_ids` under `key`; takes no refs or locks.
+
+        touch=True marks the path as just used and splits the last node at the match end.
+        touch=False changes nothing; its node is then the one holding the last matched block, which
+        may hold more blocks, so locking it pins those too (safe, merely conservative).
+        """
+        root = self._root(key)
+        node, num_in_node, block_ids, block_hashes = self._walk(root, self._token_blocks(token_ids))
+        if touch:
+            if num_in_node < len(node.block_ids):
+                node = self._split(node, num_in_node)
+            self._touch(node)
+        return PrefixMatch(tuple(block_ids), tuple(block_hashes), node)
+
+    def lock(self, node: object) -> None:
+        """Pin root..node against eviction; locks nest and each needs one `unlock`."""
+        radix_node = self._check_node(node)
+        radix_node.num_direct_locks += 1
+        current: RadixNode | None = radix_node
+        while current is not None:
+            current.lock_ref += 1
+            if current.lock_ref == 1:
+                self._num_locked_blocks += len(current.block_ids)
+            current = current.parent
+
+    def unlock(self, node: object) -> None:
+        """Undo one `lock(node)`."""
+        radix_node = self._check_node(node)
+        if radix_node.num_direct_locks == 0:
+            raise ValueError("unlock of a node that is not locked")
+        radix_node.num_direct_locks -= 1
+        current: RadixNode | None = radix_node
+        while current is not None:
+            current.lock_ref -= 1
+            if current.lock_ref == 0:
+                self._num_locked_blocks -= len(current.block_ids)
+            current = current.parent
+        self._push_if_evictable(radix_node)
+
+    def insert(self, key: CacheKey, token_ids: Sequence[int], block_ids: Sequence[int]) -> PrefixMatch:
+        """Cache the blocks of `token_ids` (exactly len(block_ids) full blocks) and return the whole path.
+
+        Positions already cached keep their cached block; the caller keeps (and later releases) its
+        own block there. Blocks at new positions are adopted: the cache takes its own reference.
+        """
+        if len(token_ids) != len(block_ids) * self.block_size:
+            raise ValueError(
+                f"{len(token_ids)} tokens do not fill {len(block_ids)} blocks of {self.block_size} tokens"
+            )
+        token_blocks = self._token_blocks(token_ids)
+        root = self._root(key)
+        node, num_in_node, path_ids, path_hashes = self._walk(root, token_blocks)
+        new_ids = list(block_ids[len(path_ids) :])
+        # Validate everything before changing anything, so a bad call leaves the cache untouched.
+        reused = self._cached_block_ids.intersection(new_ids)
+        if reused or len(set(new_ids)) != len(new_ids):
+            raise ValueError(f"blocks {sorted(reused) or new_ids} are already cached or listed twice")
+        self.pool.ref(new_ids)  # raises (changing nothing) if the caller does not hold them
+        if num_in_node < len(node.block_ids):
+            node = self._split(node, num_in_node)
+        if new_ids:
+            parent_hash = node.tail_hash
+            node = self._add_child(node, token_blocks[len(path_ids) :], new_ids)
+            path_ids.extend(new_ids)
+            path_hashes.extend(node.block_hashes)
+            self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
+        self._touch(node)
+        return PrefixMatch(tuple(path_ids), tuple(path_hashes), node)
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` blocks from unlocked leaves, least recently used first; returns how many."""
+        num_freed, evicted_hashes = self._evict(num_blocks)
+        if evicted_hashes:
+            self._emit(KVEventKind.EVICTED, tuple(evicted_hashes), None)
+        return num_freed
+
+    def clear(self) -> int:
+        """Drop every unlocked block (LRU order); returns how many went back to the free queue."""
+        num_freed, evicted_hashes = self._evict(None)
+        if evicted_hashes:
+            if self._num_cached_blocks == 0:
+                self._emit(KVEventKind.CLEARED, (), None)
+            else:
+                self._emit(KVEventKind.EVICTED, tuple(evicted_hashes), None)
+        return num_freed
+
+    def take_events(self) -> list[KVEvent]:
+        """Events since the last call, in seq order."""
+        events, self._events = self._events, []
+        return events
+
+    def snapshot(self) -> list[KVEvent]:
+        """STORED events, parents first, that rebuild the whole content; all carry the latest seq.
+
+        A consumer resyncing from it ignores later events with seq <= that number.
+        """
+        return [
+            KVEvent(self._seq, KVEventKind.STORED, tuple(node.block_hashes), node.parent_hash, self.block_size)
+            for node in self._iter_nodes(ordered=True)
+        ]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on any inconsistency between tree, counters, heap, events and pool."""
+        self.pool.check_invariants()
+        seen_ids: set[int] = set()
+        num_nodes = num_locked_blocks = 0
+        heap_entries = {(tick, node.serial) for tick, _, _, node in self._evictable_heap}
+        for key, root in self._roots.items():
+            assert root.parent is None and not root.block_ids and root.attached, "malformed root"
+            assert root.parent_hash == key.root_hash, "root hash does not match its cache key"
+            self._check_lock_ref(root)
+        for node in self._iter_nodes(ordered=False):
+            parent = node.parent
+            assert parent is not None and node.attached, "tree node is detached"
+            assert parent.children.get(node.key) is node, "node is not its parent's child under its key"
+            assert node.token_blocks and node.key == node.token_blocks[0], "empty node or wrong key"
+            assert len(node.token_blocks) == len(node.block_ids) == len(node.block_hashes), "ragged node"
+            assert node.parent_hash == parent.tail_hash, "hash chain broken between nodes"
+            assert node.last_access <= parent.last_access, "child touched more recently than parent"
+            chained = node.parent_hash
+            for tokens, block_hash, block_id in zip(node.token_blocks, node.block_hashes, node.block_ids):
+                assert len(tokens) == self.block_size, f"block {block_id} holds {len(tokens)} tokens"
+                chained = hash_block(chained, tokens)
+                assert block_hash == chained, f"block {block_id} has a wrong chained hash"
+                assert block_id not in seen_ids, f"block {block_id} cached twice"
+                seen_ids.add(block_id)
+                ref_count = self.pool.ref_count(block_id)
+                if node.lock_ref == 0:
+                    assert ref_count == 1, f"unlocked cached block {block_id} has ref {ref_count}, expected 1"
+                else:
+                    assert ref_count >= 1, f"locked cached block {block_id} is free"
+            num_nodes += 1
+            num_locked_blocks += len(node.block_ids) if node.lock_ref > 0 else 0
+            self._check_lock_ref(node)
+            if not node.children and node.lock_ref == 0:
+                assert (node.last_access, node.serial) in heap_entries, "evictable leaf missing from heap"
+        assert seen_ids == self._cached_block_ids, "cached block id set out of date"
+        assert len(seen_ids) == self._num_cached_blocks, "num_cached_blocks out of date"
+        assert num_nodes == self._num_nodes, "node count out of date"
+        assert num_locked_blocks == self._num_locked_blocks, "locked block count out of date"
+        expected_seqs = list(range(self._seq - len(self._events) + 1, self._seq + 1))
+        assert [event.seq for event in self._events] == expected_seqs, "event seqs have gaps"
+
+    def _check_lock_ref(self, node: RadixNode) -> None:
+        expected = node.num_direct_locks + sum(child.lock_ref for child in node.children.values())
+        assert node.num_direct_locks >= 0 and node.lock_ref == expected, "lock_ref != own locks + children's"
+
+    def _root(self, key: CacheKey) -> RadixNode:
+        root = self._roots.get(key)
+        if root is None:
+            root = RadixNode(None, key.root_hash, next(self._serials), self._tick)
+            self._roots[key] = root
+        return root
+
+    def _token_blocks(self, token_ids: Sequence[int]) -> list[BlockTokens]:
+        size = self.block_size
+        return [tuple(token_ids[start : start + size]) for start in range(0, len(token_ids) - size + 1, size)]
+
+    def _walk(self, root: RadixNode, token_blocks: list[BlockTokens]) -> tuple[RadixNode, int, list[int], list[int]]:
+        """Follow the longest cached prefix: (last node reached, blocks matched in it, ids, hashes)."""
+        node, num_in_node = root, 0
+        block_ids: list[int] = []
+        block_hashes: list[int] = []
+        position = 0
+        while position < len(token_blocks):
+            child = node.children.get(token_blocks[position])
+            if child is None:
+                break
+            node, num_in_node = child, 0
+            while num_in_node < len(child.token_blocks) and position < len(token_blocks):
+                if child.token_blocks[num_in_node] != token_blocks[position]:
+                    break
+                num_in_node += 1
+                position += 1
+            block_ids.extend(child.block_ids[:num_in_node])
+            block_hashes.extend(child.block_hashes[:num_in_node])
+            if num_in_node < len(child.token_blocks):
+                break
+        return node, num_in_node, block_ids, block_hashes
+
+    def _split(self, node: RadixNode, num_head_blocks: int) -> RadixNode:
+        """Move the first `num_head_blocks` of `node` into a new parent, which is returned."""
+        parent = node.parent
+        assert parent is not None and 0 < num_head_blocks < len(node.block_ids)
+        head = RadixNode(parent, node.parent_hash, next(self._serials), node.last_access)
+        head.key = node.key
+        head.token_blocks = node.token_blocks[:num_head_blocks]
+        head.block_ids = node.block_ids[:num_head_blocks]
+        head.block_hashes = node.block_hashes[:num_head_blocks]
+        head.lock_ref = node.lock_ref  # every lock through `node` also passes through its new parent
+        del node.token_blocks[:num_head_blocks], node.block_ids[:num_head_blocks], node.block_hashes[:num_head_blocks]
+        node.key = node.token_blocks[0]
+        node.parent = head
+        node.parent_hash = head.tail_hash
+        head.children[node.key] = node
+        parent.children[head.key] = head  # type: ignore[index]
+        self._num_nodes += 1
+        return head
+
+    def _add_child(self, parent: RadixNode, token_blocks: list[BlockTokens], block_ids: list[int]) -> RadixNode:
+        child = RadixNode(parent, parent.tail_hash, next(self._serials), self._tick)
+        child.key = token_blocks[0]
+        child.token_blocks = token_blocks
+        child.block_ids = block_ids
+        chained = parent.tail_hash
+        for tokens in token_blocks:
+            chained = hash_block(chained, tokens)
+            child.block_hashes.append(chained)
+        parent.children[child.key] = child
+        self._cached_block_ids.update(block_ids)
+        self._num_cached_blocks += len(block_ids)
+        self._num_nodes += 1
+        return child
+
+    def _touch(self, node: RadixNode) -> None:
+        self._tick += 1
+        current: RadixNode | None = node
+        while current is not None:
+            current.last_access = self._tick
+            current = current.parent
+        self._push_if_evictable(node)
+
+    def _push_if_evictable(self, node: RadixNode) -> None:
+        if node.parent is None or node.children or node.lock_ref > 0 or not node.attached:
+            return
+        heapq.heappush(self._evictable_heap, (node.last_access, node.serial, next(self._heap_pushes), node))
+        if len(self._evictable_heap) > 2 * self._num_nodes + 64:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        self._evictable_heap = [
+            (node.last_access, node.serial, next(self._heap_pushes), node)
+            for node in self._iter_nodes(ordered=False)
+            if not node.children and node.lock_ref == 0
+        ]
+        heapq.heapify(self._evictable_heap)
+
+    def _lru_leaf(self) -> RadixNode | None:
+        """The least recently used evictable leaf, dropping stale heap entries on the way."""
+        heap = self._evictable_heap
+        while heap:
+            tick, _, _, node = heap[0]
+            if node.attached and not node.children and node.lock_ref == 0 and node.last_access == tick:
+                return node
+            heapq.heappop(heap)
+        return None
+
+    def _evict(self, num_blocks: int | None) -> tuple[int, list[int]]:
+        """Trim LRU leaves block by block until `num_blocks` are free (None: all unlocked)."""
+        num_freed = 0
+        evicted_hashes: list[int] = []
+        while num_blocks is None or num_freed < num_blocks:
+            node = self._lru_leaf()
+            if node is None:
+                break
+            block_id = node.block_ids.pop()
+            node.token_blocks.pop()
+            evicted_hashes.append(node.block_hashes.pop())
+            self._cached_block_ids.discard(block_id)
+            self._num_cached_blocks -= 1
+            self.pool.release([block_id])
+            num_freed += self.pool.ref_count(block_id) == 0
+            if not node.block_ids:
+                self._detach(node)
+        return num_freed, evicted_hashes
+
+    def _detach(self, node: RadixNode) -> None:
+        parent = node.parent
+        assert parent is not None and node.key is not None
+        del parent.children[node.key]
+        node.attached = False
+        node.parent = None
+        self._num_nodes -= 1
+        self._push_if_evictable(parent)
+
+    def _check_node(self, node: object) -> RadixNode:
+        if not isinstance(node, RadixNode):
+            raise TypeError(f"expected a node handle from this cache, got {type(node).__name__}")
+        if not node.attached:
+            raise ValueError("node handle is stale: its blocks were evicted")
+        return node
+
+    def _emit(self, kind: KVEventKind, block_hashes: tuple[int, ...], parent_hash: int | None) -> None:
+        self._seq += 1
+        self._events.append(KVEvent(self._seq, kind, block_hashes, parent_hash, self.block_size))
+
+    def _iter_nodes(self, *, ordered: bool) -> Iterator[RadixNode]:
+        """Every non-root node, parents before children; `ordered` sorts namespaces and siblings."""
+        roots = list(self._roots.items())
+        if ordered:
+            roots.sort(key=lambda item: (item[0].model_revision, item[0].kv_layout, item[0].tenant_salt))
+        stack = [root for _, root in reversed(roots)]
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                yield node
+            children = list(node.children.values())
+            if ordered:
+                children.sort(key=lambda child: child.key)  # type: ignore[arg-type, return-value]
+            stack.extend(reversed(children))

@@ -1,0 +1,1 @@
+"""Shared value types: config, requests, sampling parameters, step plans and results, errors."""

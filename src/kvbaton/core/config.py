@@ -1,0 +1,54 @@
+"""Frozen configuration values; derived quantities are properties, never mutated after build."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbaton.core.errors import InvalidRequestError
+
+QUEUE_POLICIES = ("fcfs", "lpm", "preble")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 2048  # KV blocks in the pool
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks <= 1:
+            raise InvalidRequestError(f"num_blocks must be > 1, got {self.num_blocks}")
+
+    @property
+    def num_token_slots(self) -> int:
+        return self.block_size * self.num_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
+    max_num_seqs: int = 128  # running requests at most
+    long_prefill_token_threshold: int = 0  # cap one request's chunk per step; 0 = the whole budget
+    queue_policy: str = "fcfs"  # fcfs | lpm | preble
+    lpm_fallback_waiting: int = 128  # lpm falls back to fcfs above this many waiting requests
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise InvalidRequestError("max_num_batched_tokens must be positive")
+        if self.max_num_seqs <= 0:
+            raise InvalidRequestError("max_num_seqs must be positive")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise InvalidRequestError(f"queue_policy must be one of {QUEUE_POLICIES}, got {self.queue_policy!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "smollm2-135m"  # built-in name, .gguf path or Hugging Face directory
+    dtype: str = "auto"  # "auto" picks the measured default (see kvbaton.model.registry.DEFAULT_DTYPE)
+    device: str = "cpu"
+    max_model_len: int = 0  # 0 = the model's context length
+    seed: int = 0  # seeds the engine RNG used by requests that give no seed of their own
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()

@@ -1,0 +1,52 @@
+"""Sampling parameters of one request (a frozen value, validated once at ingress)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbaton.core.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16  # number of output tokens to generate at most
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 disables
+    seed: int | None = None  # per-request RNG seed; None draws from the engine's RNG
+    stop: tuple[str, ...] = ()  # stop strings; the matched string is not returned
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (returned)
+    ignore_eos: bool = False  # keep going past the model's end-of-sequence token
+    logprobs: int | None = None  # also return the top-N logprobs per sampled token (0 = only the sampled one)
+    n: int = 1  # samples per prompt (each becomes its own engine request)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 16:
+            raise InvalidRequestError(f"n must be an integer in [1, 16], got {self.n!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative integers")

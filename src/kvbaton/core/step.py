@@ -1,0 +1,54 @@
+"""What one engine step runs (`StepPlan`) and what it produced (`StepResult`).
+
+The scheduler emits a plan over metadata only; an executor (the torch model runner, or the
+simulator's cost model) runs it and answers with a result. Both are plain values so the
+same scheduler code drives the live engine and the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    request_id: str
+    start_pos: int  # position of token_ids[0]; equals the request's num_computed_tokens before the step
+    token_ids: tuple[int, ...]  # tokens whose KV this step computes (1 for a decode)
+    block_ids: tuple[int, ...]  # the request's whole block table after allocation for this step
+    samples: bool  # True when the chunk reaches the request's last known token, so a token is sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    step_id: int
+    chunks: tuple[ScheduledChunk, ...]  # decodes first (in running order), then prefill chunks
+    num_batched_tokens: int  # sum of chunk lengths, never above the token budget
+    preempted_ids: tuple[str, ...] = ()  # requests sent back to waiting this step (blocks freed)
+    finished_ids: tuple[str, ...] = ()  # requests that ended while scheduling (e.g. could never fit)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float = 0.0  # log-probability of token_id under the (temperature-scaled) distribution
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step_id: int
+    sampled: dict[str, SampledToken] = field(default_factory=dict)  # one per chunk with samples=True
+    duration_s: float = 0.0  # executor time for the batch (wall clock live, cost model simulated)

@@ -1,0 +1,387 @@
+"""Global prefix index: a radix tree over chained block hashes recording which workers hold each prefix.
+
+Fed optimistically by routing decisions (`on_routed`) and corrected by the workers' KV events.
+A node (`_Segment`) is a run of consecutive blocks with one holder set, so a decision costs
+O(segments on the path), not O(blocks). Invariants (checked by `check_invariants`):
+- every segment is held by at least one worker (an emptied segment is deleted with its subtree);
+- a child's holders are a subset of its parent's. This mirrors the workers' radix caches, which
+  only evict leaves, and it lets `match` read every worker's matched depth off one walk;
+- every indexed block maps to exactly one segment; at most `max_blocks` blocks are indexed, past
+  that the least recently routed subtrees go (recency is an insertion-ordered dict touched
+  deepest-first, so ancestors stay more recent than descendants; no clocks).
+Blocks whose parent block is unknown start a root segment; if their parent shows up later they are
+re-attached under it. Block hashes along one path are distinct (they are chained).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from kvbaton.cache.events import KVEvent, KVEventKind
+from kvbaton.core.errors import InvalidRequestError
+from kvbaton.router.base import WorkerId
+
+
+class _Segment:
+    __slots__ = ("hashes", "parent", "children", "workers", "num_routed")
+
+    def __init__(self, hashes: list[int], parent: _Segment | None, workers: set[WorkerId], num_routed: int) -> None:
+        self.hashes = hashes  # consecutive blocks; the block before hashes[0] is parent.hashes[-1]
+        self.parent = parent
+        self.children: dict[int, _Segment] = {}  # keyed by the child's first hash
+        self.workers = workers
+        self.num_routed = num_routed  # requests routed through this run of blocks: its reuse count
+
+
+class GlobalPrefixIndex:
+    def __init__(self, max_blocks: int = 1_000_000) -> None:
+        if max_blocks <= 0:
+            raise InvalidRequestError(f"max_blocks must be positive, got {max_blocks}")
+        self.max_blocks = max_blocks
+        self._roots: dict[int, _Segment] = {}  # segments whose first block has no known parent
+        self._where: dict[int, _Segment] = {}  # block hash -> its segment
+        self._lru: OrderedDict[int, None] = OrderedDict()  # segments by first hash, least recent first
+        self._worker_lru: dict[WorkerId, OrderedDict[int, None]] = {}  # per worker, segments it holds
+        self._last_seq: dict[WorkerId, int] = {}  # last KV event seq applied per worker
+        self._num_mutations = 0  # bumped by every change; lets callers cache derived estimates
+        self.num_evicted_blocks = 0  # blocks dropped to respect max_blocks
+
+    # ---- reads -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self._where)
+
+    @property
+    def workers(self) -> list[WorkerId]:
+        return sorted(self._worker_lru)
+
+    @property
+    def num_mutations(self) -> int:
+        """Changes so far; an estimate computed at one value stays valid while it is unchanged."""
+        return self._num_mutations
+
+    def num_worker_blocks(self, worker: WorkerId) -> int:
+        lru = self._worker_lru.get(worker, {})
+        return sum(len(self._where[h].hashes) for h in lru)
+
+    def holders(self, block_hash: int) -> frozenset[WorkerId]:
+        segment = self._where.get(block_hash)
+        return frozenset(segment.workers) if segment is not None else frozenset()
+
+    def num_routed(self, block_hash: int) -> int:
+        segment = self._where.get(block_hash)
+        return segment.num_routed if segment is not None else 0
+
+    def match(self, block_hashes: Sequence[int]) -> dict[WorkerId, int]:
+        """Matched leading blocks per worker (workers matching nothing are absent). Does not modify the index."""
+        matched: dict[WorkerId, int] = {}
+        if not block_hashes:
+            return matched
+        if not isinstance(block_hashes, list):
+            block_hashes = list(block_hashes)  # slices must be lists to compare equal to a segment's run
+        segment = self._roots.get(block_hashes[0])
+        holders: set[WorkerId] | None = None
+        depth = 0
+        total = len(block_hashes)
+        while segment is not None:
+            run = segment.hashes
+            end = depth + len(run)
+            if end <= total and block_hashes[depth:end] == run:
+                matched_end = end
+            else:
+                matched_end = depth
+                for block_hash in run:
+                    if matched_end >= total or block_hashes[matched_end] != block_hash:
+                        break
+                    matched_end += 1
+            workers = segment.workers
+            if holders is not None and len(workers) != len(holders):
+                for worker in holders:  # subset invariant: a size change means exactly these dropped out
+                    if worker not in workers:
+                        matched[worker] = depth
+            holders, depth = workers, matched_end
+            if matched_end != end or end >= total:
+                break
+            segment = segment.children.get(block_hashes[end])
+        if holders is not None:
+            for worker in holders:
+                matched[worker] = depth
+        return matched
+
+    def coldest(self, worker: WorkerId, max_num_blocks: int) -> list[tuple[int, int]]:
+        """(num blocks, reuse count) of the worker's least recently routed segments, up to `max_num_blocks` blocks."""
+        out: list[tuple[int, int]] = []
+        budget = max_num_blocks
+        for first_hash in self._worker_lru.get(worker, ()):
+            if budget <= 0:
+                break
+            segment = self._where[first_hash]
+            num_blocks = min(budget, len(segment.hashes))
+            out.append((num_blocks, segment.num_routed))
+            budget -= num_blocks
+        return out
+
+    # ---- routing feedback ----------------------------------------------------------------------
+    def on_routed(self, worker: WorkerId, block_hashes: Sequence[int]) -> None:
+        """The worker was chosen for a prompt with these blocks: it will hold all of them."""
+        if block_hashes:
+            self._num_mutations += 1
+            path = self._insert(worker, None, block_hashes, count_routed=True)
+            self._touch(worker, path)
+            self._enforce_bound()
+
+    # ---- KV events -----------------------------------------------------------------------------
+    def on_kv_events(self, worker: WorkerId, events: Iterable[KVEvent]) -> bool:
+        """Apply the worker's events in order; False at the first seq gap (the rest is not applied).
+
+        On False the caller must fetch a snapshot from the worker and call `apply_snapshot`.
+        Events at or below the last applied seq are duplicates and are skipped.
+        """
+        for event in events:
+            last = self._last_seq.get(worker, 0)
+            if event.seq <= last:
+                continue
+            if event.seq != last + 1:
+                return False
+            self._apply(worker, event)
+            self._last_seq[worker] = event.seq
+        return True
+
+    def apply_snapshot(self, worker: WorkerId, events: Iterable[KVEvent]) -> None:
+        """Replace everything known about the worker with a snapshot: STORED events describing its whole cache.
+
+        Seq numbers inside the snapshot need not be contiguous; the highest one becomes the point
+        from which `on_kv_events` continues.
+        """
+        self._num_mutations += 1
+        self._drop_worker(worker)
+        self._worker_lru.setdefault(worker, OrderedDict())
+        last_seq = self._last_seq.get(worker, 0)
+        for event in events:
+            self._apply(worker, event)
+            last_seq = max(last_seq, event.seq)
+        self._last_seq[worker] = last_seq
+
+    def last_seq(self, worker: WorkerId) -> int:
+        return self._last_seq.get(worker, 0)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        """Purge a worker that left the cluster."""
+        self._num_mutations += 1
+        self._drop_worker(worker)
+        self._worker_lru.pop(worker, None)
+        self._last_seq.pop(worker, None)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _apply(self, worker: WorkerId, event: KVEvent) -> None:
+        self._num_mutations += 1
+        if event.kind is KVEventKind.CLEARED:
+            self._drop_worker(worker)
+        elif event.kind is KVEventKind.EVICTED:
+            for block_hash in event.block_hashes:
+                self._evict_from(worker, block_hash)
+        elif event.block_hashes:
+            parent = self._segment_ending_at(event.parent_hash) if event.parent_hash is not None else None
+            if parent is not None:
+                self._add_worker_upwards(parent, worker)  # the worker's cache is prefix-closed
+            path = self._insert(worker, parent, event.block_hashes, count_routed=False)
+            self._touch(worker, path)
+            self._enforce_bound()
+
+    def _insert(
+        self, worker: WorkerId, start: _Segment | None, block_hashes: Sequence[int], count_routed: bool
+    ) -> list[_Segment]:
+        """Add `worker` along block_hashes below `start` (None: from the roots); returns the segments on the path."""
+        if not isinstance(block_hashes, list):
+            block_hashes = list(block_hashes)  # slices must be lists to compare equal to a segment's run
+        worker_lru = self._worker_lru.setdefault(worker, OrderedDict())
+        path: list[_Segment] = []
+        parent = start
+        depth = 0
+        total = len(block_hashes)
+        while depth < total:
+            head = block_hashes[depth]
+            segment = (parent.children if parent is not None else self._roots).get(head)
+            if segment is None and parent is not None and head in self._roots:
+                segment = self._adopt(parent, self._roots[head])
+            if segment is None:
+                if head in self._where:
+                    break  # a block already indexed elsewhere: never fork a chain's hash
+                # Stop before any block already indexed (a root to adopt next round); scanned in C.
+                rest = block_hashes[depth + 1 :]
+                known = next(filter(self._where.__contains__, rest), None)
+                end = total if known is None else depth + 1 + rest.index(known)
+                segment = self._create(block_hashes[depth:end], parent, worker)
+                depth = end
+            else:
+                run = segment.hashes
+                if block_hashes[depth : depth + len(run)] == run:  # the common case, compared in C
+                    common = len(run)
+                else:
+                    common = 0
+                    limit = min(len(run), total - depth)
+                    while common < limit and run[common] == block_hashes[depth + common]:
+                        common += 1
+                    self._split(segment, common)
+                depth += common
+            if worker not in segment.workers:
+                segment.workers.add(worker)
+                worker_lru[segment.hashes[0]] = None
+            if count_routed:
+                segment.num_routed += 1
+            path.append(segment)
+            parent = segment
+        return path
+
+    def _create(self, hashes: list[int], parent: _Segment | None, worker: WorkerId) -> _Segment:
+        segment = _Segment(hashes, parent, set(), 0)
+        (parent.children if parent is not None else self._roots)[hashes[0]] = segment
+        self._where.update(dict.fromkeys(hashes, segment))
+        self._lru[hashes[0]] = None
+        return segment
+
+    def _split(self, segment: _Segment, offset: int) -> _Segment:
+        """Cut `segment` after `offset` blocks; the tail becomes its only child. Returns the tail."""
+        tail_hashes = segment.hashes[offset:]
+        del segment.hashes[offset:]
+        tail = _Segment(tail_hashes, segment, set(segment.workers), segment.num_routed)
+        tail.children = segment.children
+        for child in tail.children.values():
+            child.parent = tail
+        segment.children = {tail_hashes[0]: tail}
+        self._where.update(dict.fromkeys(tail_hashes, tail))
+        key = tail_hashes[0]
+        self._lru[key] = None
+        self._lru.move_to_end(segment.hashes[0])  # keep the ancestor more recent than its tail
+        for worker in tail.workers:
+            worker_lru = self._worker_lru[worker]
+            worker_lru[key] = None
+            worker_lru.move_to_end(segment.hashes[0])
+        return tail
+
+    def _adopt(self, parent: _Segment, orphan: _Segment) -> _Segment:
+        """Attach a root segment under its now-known parent block; its holders hold the parent too."""
+        del self._roots[orphan.hashes[0]]
+        orphan.parent = parent
+        parent.children[orphan.hashes[0]] = orphan
+        for worker in orphan.workers:
+            self._add_worker_upwards(parent, worker)
+        return orphan
+
+    def _segment_ending_at(self, block_hash: int) -> _Segment | None:
+        segment = self._where.get(block_hash)
+        if segment is None:
+            return None
+        offset = segment.hashes.index(block_hash)
+        if offset + 1 < len(segment.hashes):
+            self._split(segment, offset + 1)
+        return segment
+
+    def _add_worker_upwards(self, segment: _Segment | None, worker: WorkerId) -> None:
+        worker_lru = self._worker_lru.setdefault(worker, OrderedDict())
+        while segment is not None and worker not in segment.workers:
+            segment.workers.add(worker)
+            worker_lru[segment.hashes[0]] = None
+            segment = segment.parent  # subset invariant: stop at the first ancestor that has it
+
+    def _touch(self, worker: WorkerId, path: list[_Segment]) -> None:
+        lru = self._lru
+        worker_lru = self._worker_lru[worker]
+        for segment in reversed(path):  # deepest first: ancestors end up more recent
+            key = segment.hashes[0]
+            lru.move_to_end(key)
+            worker_lru.move_to_end(key)
+
+    def _evict_from(self, worker: WorkerId, block_hash: int) -> None:
+        segment = self._where.get(block_hash)
+        if segment is None or worker not in segment.workers:
+            return
+        offset = segment.hashes.index(block_hash)
+        if offset and not segment.children and len(segment.workers) == 1:
+            trimmed = segment.hashes[offset:]  # sole holder of a leaf: cut its tail in place, no split
+            del segment.hashes[offset:]
+            for _ in map(self._where.pop, trimmed):
+                pass
+            return
+        if offset:
+            segment = self._split(segment, offset)
+        worker_lru = self._worker_lru[worker]
+        stack = [segment]
+        while stack:
+            current = stack.pop()
+            current.workers.discard(worker)
+            worker_lru.pop(current.hashes[0], None)
+            if not current.workers:
+                self._delete_subtree(current)  # descendants' holders are a subset: all empty too
+            else:
+                stack.extend(c for c in current.children.values() if worker in c.workers)
+
+    def _drop_worker(self, worker: WorkerId) -> None:
+        worker_lru = self._worker_lru.get(worker)
+        if not worker_lru:
+            return
+        segments = [self._where[h] for h in worker_lru]
+        worker_lru.clear()
+        for segment in segments:
+            segment.workers.discard(worker)
+        for segment in segments:
+            if not segment.workers and self._where.get(segment.hashes[0]) is segment:
+                self._delete_subtree(segment)
+
+    def _delete_subtree(self, segment: _Segment) -> None:
+        siblings = segment.parent.children if segment.parent is not None else self._roots
+        del siblings[segment.hashes[0]]
+        stack = [segment]
+        while stack:
+            current = stack.pop()
+            key = current.hashes[0]
+            for _ in map(self._where.pop, current.hashes):  # drain the C-level map
+                pass
+            del self._lru[key]
+            for worker in current.workers:
+                self._worker_lru[worker].pop(key, None)
+            stack.extend(current.children.values())
+
+    def _enforce_bound(self) -> None:
+        while len(self._where) > self.max_blocks:
+            coldest = self._where[next(iter(self._lru))]
+            overflow = len(self._where) - self.max_blocks
+            if not coldest.children and len(coldest.hashes) > overflow:
+                trimmed = coldest.hashes[-overflow:]  # the leaf's deepest blocks only
+                del coldest.hashes[-overflow:]
+                for _ in map(self._where.pop, trimmed):
+                    pass
+                self.num_evicted_blocks += overflow
+                return
+            before = len(self._where)
+            self._delete_subtree(coldest)
+            self.num_evicted_blocks += before - len(self._where)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the index's structure is inconsistent."""
+        assert len(self._where) <= self.max_blocks
+        seen: set[int] = set()
+        held: dict[WorkerId, set[int]] = {w: set() for w in self._worker_lru}
+        stack = list(self._roots.values())
+        for segment in stack:
+            assert segment.parent is None
+        while stack:
+            segment = stack.pop()
+            key = segment.hashes[0]
+            assert segment.hashes and segment.workers, f"segment {key} is empty or has no holder"
+            for block_hash in segment.hashes:
+                assert block_hash not in seen, f"block {block_hash} indexed twice"
+                seen.add(block_hash)
+                assert self._where.get(block_hash) is segment
+            for worker in segment.workers:
+                assert worker in held, f"holder {worker} of {key} is not tracked"
+                held[worker].add(key)
+            for first, child in segment.children.items():
+                assert child.hashes[0] == first and child.parent is segment
+                assert child.workers <= segment.workers, f"segment {first} holders not a subset of its parent's"
+                stack.append(child)
+        assert seen == set(self._where), "unreachable blocks indexed"
+        assert set(self._lru) == {h for h in seen if self._where[h].hashes[0] == h}
+        for worker, lru in self._worker_lru.items():
+            assert set(lru) == held[worker], f"worker {worker} segment list differs from the tree"

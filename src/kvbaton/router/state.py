@@ -1,0 +1,58 @@
+"""What the router knows, shared by every placement policy: prefix index, load tracker, prefill-time model.
+
+The server and the simulator own one `RouterState`, feed it heartbeats and KV events, and hand
+it to `create_policy`; the policy reads it to decide and writes each decision back (`commit`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbaton.router.base import RouteRequest, WorkerId
+from kvbaton.router.load import LoadTracker
+from kvbaton.router.prefill_model import PrefillTimeModel
+from kvbaton.router.prefix_index import GlobalPrefixIndex
+
+
+@dataclass(slots=True)
+class RouterState:
+    block_size: int = 16  # tokens per KV block; must equal the workers' block size
+    index: GlobalPrefixIndex = field(default_factory=GlobalPrefixIndex)
+    load: LoadTracker = field(default_factory=LoadTracker)
+    prefill_model: PrefillTimeModel = field(default_factory=PrefillTimeModel)
+    decode_s_per_token: float = 0.02  # prices decode work in the load window (one token of one request)
+
+    def matched_tokens(self, request: RouteRequest, num_matched_blocks: int) -> int:
+        return min(num_matched_blocks * self.block_size, request.num_prompt_tokens)
+
+    def num_blocks_needed(self, request: RouteRequest, num_matched_blocks: int) -> int:
+        """New KV blocks the request allocates on a worker where `num_matched_blocks` are cached."""
+        total_tokens = request.num_prompt_tokens + request.num_output_tokens
+        return max(0, -(-total_tokens // self.block_size) - num_matched_blocks)
+
+    def predicted_work_s(self, request: RouteRequest, num_matched_blocks: int) -> float:
+        """Prefill of the uncached tokens plus the decode work, in predicted seconds."""
+        cached = self.matched_tokens(request, num_matched_blocks)
+        prefill_s = self.prefill_model.predict(request.num_prompt_tokens - cached, cached)
+        return prefill_s + request.num_output_tokens * self.decode_s_per_token
+
+    def commit(
+        self, request: RouteRequest, worker: WorkerId, num_matched_blocks: int, now: float, group: int | None = None
+    ) -> None:
+        """Record a routing decision in the index and the load tracker (which also expires old window work)."""
+        self.index.on_routed(worker, request.block_hashes)
+        self.load.prune(now)
+        cached = self.matched_tokens(request, num_matched_blocks)
+        self.load.on_assigned(
+            worker,
+            request.request_id,
+            now,
+            num_prefill_tokens=request.num_prompt_tokens - cached,
+            num_blocks=self.num_blocks_needed(request, num_matched_blocks),
+            work_s=self.predicted_work_s(request, num_matched_blocks),
+            group=group,
+        )
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        self.index.remove_worker(worker)
+        self.load.remove_worker(worker)

@@ -1,0 +1,139 @@
+"""Per-request KV block tables on top of the block pool and the radix prefix cache.
+
+Ownership rules this module keeps (the scheduler never touches the pool or cache directly):
+  * a running request holds one pool ref on every block id in `request.block_ids`;
+  * the cache holds its own ref on each cached block (taken by `RadixCache.insert`);
+  * while a request holds blocks that are in the cache, it keeps the deepest cached node of its
+    prefix locked, so eviction can never take a block it reads; the lock moves deeper as more of
+    its blocks are cached and is dropped when its blocks are freed.
+A waiting (or preempted) request holds no blocks, no refs and no lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from kvbaton.cache.block_pool import BlockPool
+from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.radix_cache import RadixCache
+from kvbaton.core.request import Request
+
+
+
+@dataclass(slots=True)
+class _CacheHold:
+    node: object  # deepest cached node of the request's prefix; locked while held
+    num_blocks: int  # leading blocks of the request's table known to be cached under `node`
+
+
+class BlockManager:
+    """Grows, caches and frees the block tables of running requests."""
+
+    def __init__(self, pool: BlockPool, cache: RadixCache | None, cache_key: CacheKey, block_size: int) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.cache_key = cache_key
+        self.block_size = block_size
+        self._holds: dict[str, _CacheHold] = {}
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        # At least one token must be computed so the step that finishes the prefill samples.
+        return (request.num_tokens - 1) // self.block_size
+
+    def peek_cached_tokens(self, request: Request) -> int:
+        """Tokens the cache would supply if `request` were admitted now; does not touch LRU order."""
+        if self.cache is None:
+            return 0
+        n = self._max_hit_blocks(request) * self.block_size
+        key = self.cache_key.with_tenant(request.tenant)
+        match = self.cache.match_prefix(key, request.all_token_ids[:n], touch=False)
+        return match.num_blocks * self.block_size
+
+    def attach_prefix(self, request: Request) -> int:
+        """Seed an empty block table with the cached prefix of `request`; returns the hit in tokens.
+
+        Takes the request's refs on the hit blocks and locks their deepest node, so a later
+        eviction (to make room for the rest of this request) cannot take them.
+        """
+        assert not request.block_ids and request.num_computed_tokens == 0
+        if self.cache is None:
+            return 0
+        n = self._max_hit_blocks(request) * self.block_size
+        if n == 0:
+            return 0
+        key = self.cache_key.with_tenant(request.tenant)
+        match = self.cache.match_prefix(key, request.all_token_ids[:n])
+        if match.num_blocks == 0:
+            return 0
+        self.pool.ref(match.block_ids)
+        self.cache.lock(match.node)
+        self._holds[request.request_id] = _CacheHold(match.node, match.num_blocks)
+        request.block_ids = list(match.block_ids)
+        request.num_computed_tokens = match.num_blocks * self.block_size
+        return request.num_computed_tokens
+
+    def try_grow(self, request: Request, end_pos: int) -> bool:
+        """Make the table cover positions [0, end_pos), evicting cached blocks if the pool is short.
+
+        Returns False, allocating nothing, when even an eviction cannot free enough blocks.
+        """
+        num_new = self.num_blocks_for(end_pos) - len(request.block_ids)
+        if num_new <= 0:
+            return True
+        shortfall = num_new - self.pool.num_free_blocks
+        if shortfall > 0 and self.cache is not None:
+            self.cache.evict(shortfall)
+        if not self.pool.can_allocate(num_new):
+            return False
+        request.block_ids.extend(self.pool.allocate(num_new))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Insert the request's newly full, computed blocks into the cache and move its lock deeper."""
+        if self.cache is None:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hold = self._holds.get(request.request_id)
+        if num_full <= (hold.num_blocks if hold else 0):
+            return
+        key = self.cache_key.with_tenant(request.tenant)
+        tokens = request.all_token_ids[: num_full * self.block_size]
+        # Positions already cached keep the cache's block; our duplicate stays in our table.
+        match = self.cache.insert(key, tokens, request.block_ids[:num_full])
+        self.cache.lock(match.node)  # lock the new node before unlocking the old: no evictable gap
+        if hold is not None:
+            self.cache.unlock(hold.node)
+        self._holds[request.request_id] = _CacheHold(match.node, num_full)
+
+    def free(self, request: Request) -> None:
+        """Drop every ref and lock `request` holds; its table becomes empty and nothing is computed."""
+        # Release before unlocking: an unlocked cached block must be held by the cache alone.
+        if request.block_ids:
+            self.pool.release(request.block_ids)
+        hold = self._holds.pop(request.request_id, None)
+        if hold is not None and self.cache is not None:
+            self.cache.unlock(hold.node)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+
+    def num_cached_blocks_of(self, request_id: str) -> int:
+        hold = self._holds.get(request_id)
+        return hold.num_blocks if hold else 0
+
+    def check_invariants(self, running: list[Request]) -> None:
+        """Tables cover computed tokens, hold live refs, and only running requests hold locks."""
+        running_ids = {r.request_id for r in running}
+        assert set(self._holds) <= running_ids, "a non-running request still holds a cache lock"
+        held: set[int] = set()
+        for r in running:
+            assert len(set(r.block_ids)) == len(r.block_ids), f"{r.request_id}: duplicate block ids"
+            assert len(r.block_ids) >= self.num_blocks_for(r.num_computed_tokens), f"{r.request_id}: table short"
+            assert len(r.block_ids) <= self.num_blocks_for(r.num_tokens), f"{r.request_id}: table too long"
+            for b in r.block_ids:
+                assert self.pool.ref_count(b) >= 1, f"{r.request_id}: block {b} has no ref"
+            assert self.num_cached_blocks_of(r.request_id) <= r.num_computed_tokens // self.block_size
+            held.update(r.block_ids)
+        num_cached = self.cache.num_cached_blocks if self.cache is not None else 0
+        assert len(held) <= self.pool.num_used_blocks <= len(held) + num_cached, "pool refs leak"

@@ -1,0 +1,372 @@
+"""The local iteration scheduler: which tokens of which requests one engine step computes.
+
+Each `schedule(now)` builds a `StepPlan` under the token budget and `max_num_seqs`:
+  1. running decodes (one token each), in running order;
+  2. running requests still prefilling, continuing their chunks;
+  3. waiting requests in the queue policy's order (chunked prefill, stall-free: the last one
+     admitted may get a partial chunk that fills the budget) — skipped in a step that preempted.
+`update(plan, result, now)` advances `num_computed_tokens`, appends sampled tokens, caches newly
+full blocks and applies stop conditions. No clock and no RNG: `now` is passed in, ties break
+by running/arrival order, so the same inputs give the same plans and block ids.
+
+Preemption is by recompute: when a running request cannot get a block (after evicting from the
+prefix cache), the most recently admitted running request gives all its blocks back and goes to
+the front of the waiting queue, keeping its output tokens to recompute them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvbaton.cache.block_pool import BlockPool
+from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.radix_cache import RadixCache
+from kvbaton.core.config import SchedulerConfig
+from kvbaton.core.errors import CapacityError, InvalidRequestError
+from kvbaton.core.request import FinishReason, Request, RequestStatus
+from kvbaton.core.step import SampledToken, ScheduledChunk, StepPlan, StepResult
+from kvbaton.scheduler.block_manager import BlockManager
+from kvbaton.scheduler.queue_policies import create_queue_policy
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    request_id: str
+    token: SampledToken
+    finish_reason: FinishReason | None  # set on the request's last token
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_waiting: int
+    num_running: int
+    num_queued_prefill_tokens: int  # uncomputed tokens of waiting requests and of running ones still prefilling
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries_tokens: int  # tokens looked up at admissions (with a cache attached)
+    prefix_cache_hits_tokens: int  # of which the cache supplied
+    num_preemptions: int
+    num_steps: int  # plans with at least one chunk
+
+
+class _StepBuilder:
+    """The plan under construction; chunks keyed by request id so a preemption can withdraw one.
+
+    Insertion order is plan order: decodes, then running prefills, then admissions.
+    """
+
+    def __init__(self, budget_tokens: int) -> None:
+        self.budget_tokens = budget_tokens
+        self.num_tokens = 0  # always the sum of the chunks' lengths
+        self.chunks: dict[str, ScheduledChunk] = {}
+        self.preempted_ids: list[str] = []
+        self.finished_ids: list[str] = []
+
+    @property
+    def budget_left_tokens(self) -> int:
+        return self.budget_tokens - self.num_tokens
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks[chunk.request_id] = chunk
+        self.num_tokens += chunk.num_tokens
+
+    def withdraw(self, request_id: str) -> None:
+        chunk = self.chunks.pop(request_id, None)
+        if chunk is not None:
+            self.num_tokens -= chunk.num_tokens
+
+
+def _token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:
+    """request.all_token_ids[start:end] without copying the whole sequence (decodes are 1 token)."""
+    n = request.num_prompt_tokens
+    if end <= n:
+        return tuple(request.prompt_token_ids[start:end])
+    if start >= n:
+        return tuple(request.output_token_ids[start - n : end - n])
+    return tuple(request.prompt_token_ids[start:]) + tuple(request.output_token_ids[: end - n])
+
+
+class LocalScheduler:
+    """Iteration-level scheduler of one worker (see the module docstring for the step rules)."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_size: int,
+        pool: BlockPool,
+        cache: RadixCache | None,
+        cache_key: CacheKey,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.blocks = BlockManager(pool, cache, cache_key, block_size)
+        self.policy = create_queue_policy(config.queue_policy, lpm_fallback_waiting=config.lpm_fallback_waiting)
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._waiting: deque[Request] = deque()  # FCFS: preempted at the front, then arrival order
+        self._running: list[Request] = []  # admission order; the tail is the preemption victim
+        self._finished: list[Request] = []  # finished since the last take_finished()
+        self._step_id = 0
+        self._num_steps = 0
+        self._num_preemptions = 0
+        self._queries_tokens = 0
+        self._hits_tokens = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if request.num_prompt_tokens >= request.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {request.num_prompt_tokens} tokens; the context holds {request.max_model_len}"
+                " including at least one output token"
+            )
+        num_blocks = self.blocks.num_blocks_for(request.num_prompt_tokens)
+        if num_blocks > self.blocks.pool.num_blocks:
+            raise CapacityError(
+                f"prompt needs {num_blocks} KV blocks; this worker has {self.blocks.pool.num_blocks}"
+            )
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+
+    def abort_request(self, request_id: str, now: float) -> Request | None:
+        """Cancel a request in any state, freeing its blocks at once; idempotent."""
+        return self.finish_request(request_id, FinishReason.ABORT, now)
+
+    def finish_request(self, request_id: str, reason: FinishReason, now: float, message: str = "") -> Request | None:
+        """End a request for a reason found outside the scheduler (stop string, abort); None if not live."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        self._finish(request, reason, now, message)
+        return request
+
+    def take_finished(self) -> list[Request]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    def get_request(self, request_id: str) -> Request | None:
+        """A waiting or running request; None once it has finished."""
+        return self._requests.get(request_id)
+
+    def waiting_request_ids(self) -> list[str]:
+        """The waiting queue in FCFS order (preempted first), before any policy reordering."""
+        return [r.request_id for r in self._waiting]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> StepPlan:
+        self._step_id += 1
+        step = _StepBuilder(self.config.max_num_batched_tokens)
+        decoding = [r for r in self._running if r.num_uncomputed_tokens == 1]
+        prefilling = [r for r in self._running if r.num_uncomputed_tokens > 1]
+        for request in decoding + prefilling:
+            if step.budget_left_tokens == 0:
+                break
+            if request.status is RequestStatus.RUNNING:  # not preempted earlier in this step
+                self._schedule_running(request, step, now)
+        if not step.preempted_ids:  # memory is tight: admitting now would only preempt again
+            self._admit_waiting(step, now)
+        chunks = list(step.chunks.values())
+        if chunks:
+            self._num_steps += 1
+        return StepPlan(
+            step_id=self._step_id,
+            chunks=tuple(chunks),
+            num_batched_tokens=step.num_tokens,
+            preempted_ids=tuple(step.preempted_ids),
+            finished_ids=tuple(step.finished_ids),
+        )
+
+    def _chunk_tokens(self, request: Request, budget_left_tokens: int) -> int:
+        n = min(request.num_uncomputed_tokens, budget_left_tokens)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _make_chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            start_pos=start,
+            token_ids=_token_slice(request, start, end),
+            block_ids=tuple(request.block_ids),
+            samples=end == request.num_tokens,
+        )
+
+    def _schedule_running(self, request: Request, step: _StepBuilder, now: float) -> None:
+        num_tokens = self._chunk_tokens(request, step.budget_left_tokens)
+        end_pos = request.num_computed_tokens + num_tokens
+        while not self.blocks.try_grow(request, end_pos):
+            victim = self._running[-1]
+            if victim is request and len(self._running) == 1:
+                self._running.remove(request)
+                self._fail_unfittable(request, end_pos, step, now)
+                return
+            # The victim may already have a chunk in this step (a decode scheduled before this
+            # prefill): withdraw it, its blocks are going away.
+            step.withdraw(victim.request_id)
+            self._preempt(victim)
+            step.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return
+        step.add(self._make_chunk(request, num_tokens))
+
+    def _admit_waiting(self, step: _StepBuilder, now: float) -> None:
+        if not self._waiting or step.budget_left_tokens == 0 or len(self._running) >= self.config.max_num_seqs:
+            return  # skip the policy's cache probes when nobody could be admitted anyway
+        admitted: set[str] = set()
+        for request in self.policy.order(list(self._waiting), self.blocks.peek_cached_tokens):
+            if step.budget_left_tokens == 0 or len(self._running) >= self.config.max_num_seqs:
+                break
+            hit_tokens = self.blocks.attach_prefix(request)
+            num_tokens = self._chunk_tokens(request, step.budget_left_tokens)
+            end_pos = request.num_computed_tokens + num_tokens
+            if not self.blocks.try_grow(request, end_pos):
+                self.blocks.free(request)
+                if self._running:
+                    break  # admission never preempts; later requests wait behind this one
+                # Nothing runs and the cache is drained: this request (e.g. a preempted one whose
+                # recompute outgrew the pool) can never fit, and would block the queue forever.
+                self._waiting.remove(request)
+                self._fail_unfittable(request, end_pos, step, now)
+                continue
+            if self.blocks.cache is not None:
+                self._queries_tokens += request.num_tokens
+                self._hits_tokens += hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit_tokens
+            if request.first_scheduled_at is None:
+                request.first_scheduled_at = now
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+            admitted.add(request.request_id)
+            step.add(self._make_chunk(request, num_tokens))
+        if admitted:
+            self._waiting = deque(r for r in self._waiting if r.request_id not in admitted)
+
+    def _fail_unfittable(self, request: Request, end_pos: int, step: _StepBuilder, now: float) -> None:
+        message = (
+            f"needs {self.blocks.num_blocks_for(end_pos)} KV blocks for {end_pos} tokens; "
+            f"the pool has {self.blocks.pool.num_blocks} and nothing else can be freed"
+        )
+        self._finish(request, FinishReason.ERROR, now, message)
+        step.finished_ids.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self._running.remove(request)
+        self.blocks.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self._waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: FinishReason, now: float, message: str = "") -> None:
+        """Terminal transition; the caller has already taken `request` out of waiting/running."""
+        self.blocks.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_message = message
+        request.finished_at = now
+        del self._requests[request.request_id]
+        self._finished.append(request)
+
+    # ---- results -------------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[TokenOutput]:
+        """Apply an executed plan; chunks of requests no longer running (aborted, preempted) are ignored."""
+        outputs: list[TokenOutput] = []
+        for chunk in plan.chunks:
+            request = self._requests.get(chunk.request_id)
+            if (
+                request is None
+                or request.status is not RequestStatus.RUNNING
+                or request.num_computed_tokens != chunk.start_pos
+            ):
+                continue
+            request.num_computed_tokens = chunk.end_pos
+            self.blocks.cache_computed_blocks(request)
+            if not chunk.samples:
+                continue
+            token = result.sampled.get(chunk.request_id)
+            if token is None:
+                self._running.remove(request)
+                self._finish(request, FinishReason.ERROR, now, f"executor returned no token in step {plan.step_id}")
+                continue
+            request.output_token_ids.append(token.token_id)
+            if request.first_token_at is None:
+                request.first_token_at = now
+            reason = self._stop_reason(request, token.token_id)
+            if reason is not None:
+                self._running.remove(request)
+                self._finish(request, reason, now)
+            outputs.append(TokenOutput(request.request_id, token, reason))
+        return outputs
+
+    @staticmethod
+    def _stop_reason(request: Request, token_id: int) -> FinishReason | None:
+        sampling = request.sampling
+        if token_id == request.eos_token_id and not sampling.ignore_eos:
+            return FinishReason.STOP
+        if token_id in sampling.stop_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= sampling.max_tokens or request.num_tokens >= request.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        queued = sum(r.num_uncomputed_tokens for r in self._waiting)
+        queued += sum(r.num_uncomputed_tokens for r in self._running if r.num_uncomputed_tokens > 1)
+        cache = self.blocks.cache
+        return SchedulerStats(
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            num_queued_prefill_tokens=queued,
+            num_used_blocks=self.blocks.pool.num_used_blocks,
+            num_free_blocks=self.blocks.pool.num_free_blocks,
+            num_cached_blocks=cache.num_cached_blocks if cache is not None else 0,
+            prefix_cache_queries_tokens=self._queries_tokens,
+            prefix_cache_hits_tokens=self._hits_tokens,
+            num_preemptions=self._num_preemptions,
+            num_steps=self._num_steps,
+        )
+
+    def check_invariants(self) -> None:
+        waiting_ids = [r.request_id for r in self._waiting]
+        running_ids = [r.request_id for r in self._running]
+        assert len(set(waiting_ids)) == len(waiting_ids) and len(set(running_ids)) == len(running_ids)
+        assert set(waiting_ids) | set(running_ids) == set(self._requests), "request tables disagree"
+        assert not set(waiting_ids) & set(running_ids), "a request is both waiting and running"
+        assert len(self._running) <= self.config.max_num_seqs
+        for r in self._waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id}: {r.status}"
+            assert not r.block_ids and r.num_computed_tokens == 0, f"{r.request_id}: waiting but holds blocks"
+        for r in self._running:
+            assert r.status is RequestStatus.RUNNING, f"{r.request_id}: {r.status}"
+            assert 0 < r.num_uncomputed_tokens <= r.num_tokens, f"{r.request_id}: nothing left to compute"
+        for r in self._finished:
+            assert r.status is RequestStatus.FINISHED and not r.block_ids
+        self.blocks.check_invariants(self._running)

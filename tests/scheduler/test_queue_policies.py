@@ -1,0 +1,92 @@
+"""Orders produced by the waiting-queue policies, alone and inside the scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbaton.core.errors import InvalidRequestError
+from kvbaton.core.request import Request, RequestStatus
+from kvbaton.scheduler.queue_policies import (
+    FcfsPolicy,
+    LongestPrefixPolicy,
+    PreblePriorityPolicy,
+    create_queue_policy,
+    preble_group,
+)
+from tests.scheduler.helpers import make_request, make_scheduler, step
+
+
+def _ids(requests: list[Request]) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def _waiting(hits: dict[str, int], prompt_tokens: int = 10, preempted: tuple[str, ...] = ()) -> list[Request]:
+    requests = [make_request(rid, prompt_tokens) for rid in hits]
+    for r in requests:
+        if r.request_id in preempted:
+            r.status = RequestStatus.PREEMPTED
+    return requests
+
+
+def test_fcfs_keeps_order_with_preempted_first() -> None:
+    waiting = _waiting({"a": 0, "p": 0, "b": 9}, preempted=("p",))
+    assert _ids(FcfsPolicy().order(waiting, lambda r: 0)) == ["p", "a", "b"]
+
+
+def test_lpm_orders_by_hit_ties_fcfs() -> None:
+    hits = {"a": 4, "b": 8, "c": 0, "d": 8, "p": 0}
+    waiting = _waiting(hits, preempted=("p",))
+    order = LongestPrefixPolicy(fallback_waiting=5).order(waiting, lambda r: hits[r.request_id])
+    assert _ids(order) == ["p", "b", "d", "a", "c"]
+
+
+def test_lpm_falls_back_to_fcfs_above_threshold() -> None:
+    hits = {"a": 0, "b": 8, "c": 4}
+    probed: list[str] = []
+
+    def cached(r: Request) -> int:
+        probed.append(r.request_id)
+        return hits[r.request_id]
+
+    assert _ids(LongestPrefixPolicy(fallback_waiting=2).order(_waiting(hits), cached)) == ["a", "b", "c"]
+    assert probed == []  # no cache probes once it falls back
+
+
+@pytest.mark.parametrize(
+    ("cached", "prompt", "group"), [(0, 10, 0), (9, 10, 9), (10, 10, 9), (12, 10, 9), (5, 10, 5), (4, 9, 4), (1, 11, 0)]
+)
+def test_preble_group(cached: int, prompt: int, group: int) -> None:
+    assert preble_group(cached, prompt) == group
+
+
+def test_preble_round_robin_with_quotas() -> None:
+    hits = {f"g0_{i}": 0 for i in range(15)} | {f"g9_{i}": 100 for i in range(2)}
+    hits |= {f"g1_{i}": 15 for i in range(25)}
+    waiting = _waiting(hits, prompt_tokens=100, preempted=("g1_3",))
+    order = _ids(PreblePriorityPolicy().order(waiting, lambda r: hits[r.request_id]))
+    g1 = [f"g1_{i}" for i in range(25) if i != 3]
+    g0 = [f"g0_{i}" for i in range(15)]
+    # Round 1: group 9 (quota 100), group 1 (quota 20), group 0 (quota 10); round 2: the rest.
+    assert order == ["g1_3", "g9_0", "g9_1"] + g1[:20] + g0[:10] + g1[20:] + g0[10:]
+
+
+def test_create_queue_policy() -> None:
+    assert create_queue_policy("fcfs").name == "fcfs"
+    lpm = create_queue_policy("lpm", lpm_fallback_waiting=7)
+    assert isinstance(lpm, LongestPrefixPolicy) and lpm.fallback_waiting == 7
+    assert create_queue_policy("preble").name == "preble"
+    with pytest.raises(InvalidRequestError):
+        create_queue_policy("random")
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("fcfs", ["cold", "warm"]), ("lpm", ["warm", "cold"]),
+                                                  ("preble", ["warm", "cold"])])
+def test_scheduler_admits_in_policy_order(policy: str, expected: list[str]) -> None:
+    sched = make_scheduler(prefix_cache=True, queue_policy=policy, max_num_seqs=1, max_num_batched_tokens=32)
+    shared = list(range(300, 316))
+    sched.add_request(make_request("seed", shared + [1], max_tokens=1))
+    step(sched)
+    sched.add_request(make_request("cold", list(range(600, 617)), max_tokens=1))
+    sched.add_request(make_request("warm", shared + [2], max_tokens=1))
+    admitted = [step(sched)[0].chunks[0].request_id for _ in range(2)]
+    assert admitted == expected

@@ -1,0 +1,208 @@
+"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) whose attention reads and writes a paged KV cache.
+
+Shapes: T = tokens of the step (all sequences' new tokens concatenated), H/KVH = query/KV heads,
+Dh = head dim. The KV cache is `[num_layers, 2, num_blocks, block_size, KVH, Dh]`, owned by the caller.
+Checkpoint quirks (GGUF permutations, naming) are the loaders' job: this module takes a Hugging Face-named
+state dict and only fuses q/k/v and gate/up into single matmuls (prepacked for oneDNN on CPU bf16).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvbaton.core.errors import UnsupportedModelError
+from kvbaton.model.attention import AttentionMetadata, paged_attention
+from kvbaton.model.config import ModelConfig, RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
+    """[Dh/2] float32 inverse frequencies, with linear or Llama-3 scaling as in the Hugging Face reference."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "default":
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_len / scaling.low_freq_factor
+        high_freq_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise UnsupportedModelError(f"unsupported rope_scaling type {scaling.rope_type!r}")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm computed in float32 and cast back, like the reference (matters for bf16)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [T, heads, Dh]; cos/sin: [T, 1, Dh]. Rotates halves (the Hugging Face layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Linear(torch.nn.Module):
+    """y = x W^T + b. On CPU in bfloat16 the weight is kept only in oneDNN's prepacked (AMX-blocked) layout.
+
+    That path was measured 1.4-1.9x faster than F.linear on SmolLM2's shapes at 1-16 rows (decode is
+    bound by these matmuls). It uses torch's internal mkldnn ops, so it is probed once at construction
+    and F.linear is the fallback (and the only path on CUDA or in float32). The model must be built on
+    its device: a prepacked weight does not follow `.to()`.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.bias = None if bias is None else _param(bias)
+        self.packed = _prepack_for_cpu(weight, self.bias)
+        self.weight = None if self.packed is not None else _param(weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _prepack_for_cpu(weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return None
+    want = F.linear(probe, weight, bias)
+    return packed if torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2) else None
+
+
+class LlamaLayer(torch.nn.Module):
+    """One decoder block with fused QKV and gate/up weights."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor]) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.input_norm = _param(weights["input_layernorm.weight"])
+        self.post_attention_norm = _param(weights["post_attention_layernorm.weight"])
+        self.qkv_proj = Linear(
+            torch.cat([weights[f"self_attn.{p}_proj.weight"] for p in ("q", "k", "v")], dim=0),
+            torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in ("q", "k", "v")], dim=0)
+            if config.attention_bias
+            else None,
+        )
+        self.o_proj = Linear(weights["self_attn.o_proj.weight"])
+        self.gate_up_proj = Linear(torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]], dim=0))
+        self.down_proj = Linear(weights["mlp.down_proj.weight"])
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, layer_cache: Tensor) -> Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(rms_norm(hidden, self.input_norm, self.eps))
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        hidden = hidden + self.o_proj(paged_attention(q, k, v, layer_cache, meta))
+        gate, up = self.gate_up_proj(rms_norm(hidden, self.post_attention_norm, self.eps)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(torch.nn.Module):
+    """The decoder stack plus LM head; run it under `torch.inference_mode()`."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor]) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = _param(weights["model.embed_tokens.weight"])
+        self.layers = torch.nn.ModuleList(
+            LlamaLayer(config, _sub_dict(weights, f"model.layers.{i}.")) for i in range(config.num_layers)
+        )
+        self.norm = _param(weights["model.norm.weight"])
+        self.lm_head = Linear(weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
+        # cos/sin for every position once, in float32 then cast to the model dtype (as the reference does).
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        angles = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1).to(self.embed_tokens.device)
+        dtype = self.embed_tokens.dtype
+        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+
+    @classmethod
+    def from_hf_state_dict(
+        cls,
+        config: ModelConfig,
+        state_dict: Mapping[str, Tensor],
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> LlamaModel:
+        """Build from Hugging Face names; raises UnsupportedModelError on missing or unexpected tensors."""
+        expected = _expected_names(config)
+        missing = sorted(expected - state_dict.keys())
+        # Rotary caches are recomputed here, never read from a checkpoint; a tied checkpoint may still
+        # carry a copy of the embedding as lm_head.weight.
+        ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        unexpected = sorted(
+            k for k in state_dict.keys() - expected - ignorable if not k.endswith("rotary_emb.inv_freq")
+        )
+        if missing or unexpected:
+            raise UnsupportedModelError(
+                f"state dict does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        weights = {name: state_dict[name].to(device=device, dtype=dtype) for name in expected}
+        with torch.inference_mode(False), torch.no_grad():
+            return cls(config, weights)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
+        """[T] ids and positions in `meta`'s order -> final-normed hidden states [T, hidden]."""
+        if positions.numel() and int(positions.max()) >= self.rope_cos.shape[0]:
+            raise ValueError(f"position beyond max_position_embeddings={self.rope_cos.shape[0]}")
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, Dh], shared by all layers
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer_index, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, meta, kv_cache[layer_index])
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[N, hidden] (rows of `forward`'s output) -> [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+
+def _param(tensor: Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(tensor.contiguous(), requires_grad=False)
+
+
+def _sub_dict(weights: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    return {name[len(prefix) :]: t for name, t in weights.items() if name.startswith(prefix)}
+
+
+def _expected_names(config: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    per_layer = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+    per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if config.attention_bias:
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    for i in range(config.num_layers):
+        names.update(f"model.layers.{i}.{name}" for name in per_layer)
+    return names

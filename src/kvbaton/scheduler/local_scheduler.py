@@ -134,6 +134,35 @@ class LocalScheduler:
         self._requests[request.request_id] = request
         self._waiting.append(request)
 
+    def admit_prefilled(self, request: Request, num_computed_tokens: int, now: float) -> bool:
+        """Admit a request whose first `num_computed_tokens` tokens' KV was computed elsewhere (a handoff).
+
+        The decode side of disaggregation: `request` carries its prompt and the first token the
+        prefill worker sampled. Blocks for the computed positions are allocated now (the KV is
+        written into them by the transfer) and the request runs at once, decoding from its last
+        token. Returns False, changing nothing, when the pool or `max_num_seqs` cannot take it
+        (the caller retries later: backpressure). If it is preempted later it recomputes locally.
+        """
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+        if not 0 < num_computed_tokens < request.num_tokens:
+            raise InvalidRequestError(
+                f"a handed-off request needs 0 < computed ({num_computed_tokens}) < tokens ({request.num_tokens})"
+            )
+        if request.block_ids or request.num_computed_tokens:
+            raise InvalidRequestError(f"{request.request_id}: a handed-off request must arrive holding no blocks")
+        if len(self._running) >= self.config.max_num_seqs or not self.blocks.try_grow(request, num_computed_tokens):
+            return False
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = 0
+        if request.first_scheduled_at is None:
+            request.first_scheduled_at = now
+        request.status = RequestStatus.RUNNING
+        self._requests[request.request_id] = request
+        self._running.append(request)
+        return True
+
     def abort_request(self, request_id: str, now: float) -> Request | None:
         """Cancel a request in any state, freeing its blocks at once; idempotent."""
         return self.finish_request(request_id, FinishReason.ABORT, now)

@@ -1,0 +1,1 @@
+"""The live executor: KV tensor storage, torch model runner, sampler and the engine step loop."""

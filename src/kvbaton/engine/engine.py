@@ -1,0 +1,199 @@
+"""The engine loop of one worker: schedule -> run one mixed batch -> update -> emit outputs.
+
+It owns the request lifecycle on the live side: validation at ingress, detokenization and stop
+strings (which need text, so they live here and not in the scheduler), and a final output for
+every request however it ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvbaton.cache.block_pool import BlockPool
+from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.radix_cache import RadixCache
+from kvbaton.core.config import EngineConfig
+from kvbaton.core.errors import InvalidRequestError
+from kvbaton.core.request import FinishReason, Request
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.core.step import SampledToken, StepResult
+from kvbaton.engine.kv_storage import KVStorage
+from kvbaton.engine.model_runner import ModelRunner
+from kvbaton.engine.sampler import Sampler
+from kvbaton.model.registry import LoadedModel, load_model
+from kvbaton.model.tokenizer import IncrementalDetokenizer
+from kvbaton.scheduler.local_scheduler import LocalScheduler, SchedulerStats
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request (a delta; the final one has finished=True)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    new_logprobs: tuple[SampledToken, ...]  # one per new token; logprob fields set only if requested
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prefix-cache hit at admission (0 on a miss)
+    error: str = ""  # set when finish_reason is ERROR
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # all output text so far (after stop-string truncation)
+    num_emitted_chars: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
+        model_config = self.loaded.config
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        cache_cfg = config.cache
+        dtype_name = str(self.loaded.dtype).removeprefix("torch.")
+        self.kv_layout = model_config.kv_layout_id(dtype_name, cache_cfg.block_size)
+        self.cache_key = CacheKey(self.loaded.revision, self.kv_layout)
+        self.pool = BlockPool(cache_cfg.num_blocks)
+        self.prefix_cache = RadixCache(self.pool, cache_cfg.block_size) if cache_cfg.enable_prefix_cache else None
+        self.scheduler = LocalScheduler(config.scheduler, cache_cfg.block_size, self.pool, self.prefix_cache,
+                                        self.cache_key)
+        self.storage = KVStorage(model_config, cache_cfg.num_blocks, cache_cfg.block_size, self.loaded.dtype,
+                                 config.device)
+        self.runner = ModelRunner(self.loaded.model, self.storage, config.device)
+        self.sampler = Sampler(config.seed)
+        self._clock = clock
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._step_id = 0
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - kvbaton.model.tokenizer.Tokenizer
+        return self.loaded.tokenizer
+
+    # -- ingress --------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    tenant: str = "", slo_class: str = "default", arrival_at: float | None = None) -> str:
+        """Validates and queues one request (one sample: callers expand `n`). Returns its id."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, self._clock() if arrival_at is None else arrival_at,
+                          tenant=tenant, slo_class=slo_class, eos_token_id=self.tokenizer.eos_token_id,
+                          max_model_len=self.max_model_len)
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer))
+        return request_id
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        vocab = self.loaded.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens but the context is {self.max_model_len} tokens "
+                f"(prompt plus at least one output token must fit)"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Idempotent; the request's final output (finish_reason ABORT) comes from the next step()."""
+        self.scheduler.abort_request(request_id, self._clock())
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    def step(self) -> list[RequestOutput]:
+        now = self._clock()
+        plan = self.scheduler.schedule(now)
+        sampled: dict[str, SampledToken] = {}
+        started = time.perf_counter()
+        if plan.chunks:
+            logits, row_ids = self.runner.execute(plan)
+            if row_ids:
+                params = [self._tracked[rid].request.sampling for rid in row_ids]
+                sampled = dict(zip(row_ids, self.sampler.sample(logits, row_ids, params)))
+        self._step_id += 1
+        result = StepResult(plan.step_id, sampled, time.perf_counter() - started)
+        token_outputs = self.scheduler.update(plan, result, self._clock())
+        outputs: list[RequestOutput] = []
+        for out in token_outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is not None:
+                outputs.append(self._on_token(tracked, out.token, out.finish_reason))
+        for request in self.scheduler.take_finished():
+            tracked = self._tracked.pop(request.request_id, None)
+            self.sampler.forget(request.request_id)
+            if tracked is not None and not any(o.request_id == request.request_id and o.finished for o in outputs):
+                outputs.append(self._final_output(tracked))
+        return outputs
+
+    def _on_token(self, tracked: _Tracked, token: SampledToken, finish_reason: FinishReason | None) -> RequestOutput:
+        request = tracked.request
+        stops = request.sampling.stop
+        tracked.text += tracked.detokenizer.push(token.token_id)
+        finished = finish_reason is not None
+        if stops:
+            hit = _find_stop(tracked.text, stops, tracked.num_emitted_chars)
+            if hit >= 0:
+                tracked.text = tracked.text[:hit]
+                if not finished:
+                    self.scheduler.finish_request(request.request_id, FinishReason.STOP, self._clock())
+                finished, finish_reason = True, FinishReason.STOP
+        # Hold back a tail that could still become a stop string, so no stop text is ever streamed.
+        holdback = 0 if finished or not stops else max(len(s) for s in stops) - 1
+        emit_to = max(tracked.num_emitted_chars, len(tracked.text) - holdback)
+        new_text = tracked.text[tracked.num_emitted_chars:emit_to]
+        tracked.num_emitted_chars = emit_to
+        return RequestOutput(request.request_id, (token.token_id,), new_text, (token,), finished, finish_reason,
+                             request.num_prompt_tokens, max(request.num_cached_tokens, 0))
+
+    def _final_output(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        new_text = tracked.text[tracked.num_emitted_chars:]
+        tracked.num_emitted_chars = len(tracked.text)
+        return RequestOutput(request.request_id, (), new_text, (), True, request.finish_reason,
+                             request.num_prompt_tokens, max(request.num_cached_tokens, 0), request.finish_message)
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def check_invariants(self) -> None:
+        """Block accounting: pool, cache and scheduler agree; when idle, only the cache holds blocks."""
+        self.scheduler.check_invariants()
+        self.pool.check_invariants()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
+        if not self.scheduler.has_unfinished_requests():
+            cached = self.prefix_cache.num_cached_blocks if self.prefix_cache is not None else 0
+            assert self.pool.num_used_blocks == cached, (
+                f"idle engine holds {self.pool.num_used_blocks} blocks but the prefix cache has only {cached}"
+            )
+
+
+def _find_stop(text: str, stops: Sequence[str], num_emitted_chars: int) -> int:
+    """Earliest index where a stop string starts, looking only where a new match can begin."""
+    best = -1
+    for stop in stops:
+        start = max(0, num_emitted_chars - len(stop) + 1)
+        idx = text.find(stop, start)
+        if idx >= 0 and (best < 0 or idx < best):
+            best = idx
+    return best

@@ -1,0 +1,105 @@
+"""Offline Python API: `LLM(model=...).generate(prompts, SamplingParams)` over one in-process engine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbaton.core.errors import KvbatonError
+from kvbaton.core.request import FinishReason
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.core.step import SampledToken
+from kvbaton.engine.engine import Engine
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int  # sample index in [0, n)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int  # prefix-cache hit of the first sample
+    arrival_at: float
+
+    @property
+    def ttft_s(self) -> float:
+        first = self.outputs[0].first_token_at
+        return (first - self.arrival_at) if first is not None else float("nan")
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first, of the first sample (0 with a single token)."""
+        out = self.outputs[0]
+        if out.first_token_at is None or out.finished_at is None or len(out.token_ids) < 2:
+            return 0.0
+        return (out.finished_at - out.first_token_at) / (len(out.token_ids) - 1)
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", *, dtype: str = "auto", block_size: int = 16,
+                 num_blocks: int = 2048, enable_prefix_cache: bool = True, max_num_batched_tokens: int = 512,
+                 max_num_seqs: int = 128, queue_policy: str = "fcfs", max_model_len: int = 0, seed: int = 0) -> None:
+        config = EngineConfig(
+            model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_cache=enable_prefix_cache),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                      queue_policy=queue_policy),
+        )
+        self.engine = Engine(config)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - kvbaton.model.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | None = None) -> list[GenerateResult]:
+        """Runs all prompts to completion, batched together; results in prompt order.
+
+        A prompt is text (tokenized without a chat template) or a list of token ids.
+        """
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        results: list[GenerateResult] = []
+        owner: dict[str, tuple[GenerateResult, CompletionOutput]] = {}
+        try:
+            for prompt in prompts:
+                now = time.monotonic()
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                result = GenerateResult(ids, [CompletionOutput(i) for i in range(params.n)], 0, now)
+                results.append(result)
+                for out in result.outputs:
+                    rid = self.engine.add_request(ids, params, arrival_at=now)
+                    owner[rid] = (result, out)
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    result, out = owner[delta.request_id]
+                    now = time.monotonic()
+                    if delta.new_token_ids and out.first_token_at is None:
+                        out.first_token_at = now
+                        if out.index == 0:
+                            result.num_cached_tokens = delta.num_cached_tokens
+                    out.token_ids.extend(delta.new_token_ids)
+                    out.logprobs.extend(delta.new_logprobs)
+                    out.text += delta.new_text
+                    if delta.finished:
+                        out.finish_reason, out.error, out.finished_at = delta.finish_reason, delta.error, now
+        except (KvbatonError, KeyboardInterrupt):
+            for rid in owner:
+                self.engine.abort_request(rid)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return results

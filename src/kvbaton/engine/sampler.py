@@ -1,0 +1,71 @@
+"""Turns the logits of sampling positions into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+
+Logprobs are of the raw model distribution (before temperature/top-k/top-p), as vLLM v1
+reports them by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.core.step import SampledToken
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self._generator = torch.Generator().manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._request_generators.pop(request_id, None)
+
+    def sample(
+        self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
+    ) -> list[SampledToken]:
+        """logits: [N, vocab] float32, row i for request_ids[i]."""
+        greedy_ids = torch.argmax(logits, dim=-1)
+        need_logprobs = any(p.logprobs is not None for p in params)
+        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
+        tokens: list[int] = greedy_ids.tolist()
+        for i, p in enumerate(params):
+            if not p.greedy:
+                tokens[i] = self._sample_row(logits[i], p, request_ids[i])
+        out: list[SampledToken] = []
+        for i, p in enumerate(params):
+            if logprobs is None or p.logprobs is None:
+                out.append(SampledToken(tokens[i]))
+                continue
+            row = logprobs[i]
+            top: tuple[tuple[int, float], ...] = ()
+            if p.logprobs > 0:
+                values, ids = torch.topk(row, p.logprobs)
+                top = tuple(zip(ids.tolist(), values.tolist()))
+            out.append(SampledToken(tokens[i], float(row[tokens[i]]), top))
+        return out
+
+    def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
+        scaled = row / p.temperature
+        if p.top_k > 0 and p.top_k < scaled.numel():
+            kth = torch.topk(scaled, p.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
+            drop = cumulative - sorted_probs >= p.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self._generator_for(request_id, p)).item())
+
+    def _generator_for(self, request_id: str, p: SamplingParams) -> torch.Generator:
+        if p.seed is None:
+            return self._generator
+        gen = self._request_generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator().manual_seed(p.seed)
+            self._request_generators[request_id] = gen
+        return gen

@@ -1,0 +1,156 @@
+"""Engine behaviour on tiny-random: sampling options, stop conditions, abort, bad input, block accounting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvbaton import LLM, SamplingParams
+from kvbaton.core.errors import InvalidRequestError, ModelNotFoundError
+from kvbaton.core.request import FinishReason
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny-random", dtype="float32", num_blocks=256)
+
+
+def test_max_tokens_and_length_finish(llm: LLM) -> None:
+    out = llm.generate("abc", SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 7
+    assert out.finish_reason is FinishReason.LENGTH
+    llm.engine.check_invariants()
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(llm: LLM) -> None:
+    sampled = SamplingParams(max_tokens=24, temperature=1.5, top_p=0.95, top_k=50, seed=7, ignore_eos=True)
+    a = llm.generate("once upon a time", sampled)[0].outputs[0].token_ids
+    b = llm.generate("once upon a time", sampled)[0].outputs[0].token_ids
+    greedy = llm.generate("once upon a time", SamplingParams(max_tokens=24, temperature=0.0,
+                                                              ignore_eos=True))[0].outputs[0].token_ids
+    assert a == b
+    assert a != greedy
+
+
+def test_n_samples_are_independent(llm: LLM) -> None:
+    result = llm.generate("xyz", SamplingParams(max_tokens=16, temperature=1.0, n=3, ignore_eos=True))[0]
+    assert [o.index for o in result.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in result.outputs}) > 1
+
+
+def test_top_k_one_is_greedy(llm: LLM) -> None:
+    greedy = llm.generate("hello there", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    top1 = llm.generate("hello there", SamplingParams(max_tokens=12, temperature=0.8, top_k=1, ignore_eos=True))[0]
+    assert greedy.outputs[0].token_ids == top1.outputs[0].token_ids
+
+
+def test_stop_token_ids_end_the_request(llm: LLM) -> None:
+    free = llm.generate("stop me", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    target = free.token_ids[5]
+    first = free.token_ids.index(target)
+    stopped = llm.generate("stop me", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                     stop_token_ids=(target,)))[0].outputs[0]
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.finish_reason is FinishReason.STOP
+
+
+def test_stop_string_is_cut_and_never_returned(llm: LLM) -> None:
+    free = llm.generate("stop me", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    assert len(text) >= 6
+    stop = text[3:5]
+    stopped = llm.generate("stop me", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                     stop=(stop,)))[0].outputs[0]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.text == text[: text.index(stop)]
+    llm.engine.check_invariants()
+
+
+def test_logprobs(llm: LLM) -> None:
+    out = llm.generate("abc", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token_id, sampled in zip(out.token_ids, out.logprobs):
+        assert sampled.token_id == token_id
+        assert len(sampled.top_logprobs) == 3
+        assert sampled.top_logprobs[0][0] == token_id  # greedy picks the most likely
+        assert sampled.logprob == pytest.approx(sampled.top_logprobs[0][1])
+        assert sampled.logprob <= 0.0
+
+
+def test_abort_midway_frees_blocks(llm: LLM) -> None:
+    engine = llm.engine
+    rid = engine.add_request("a long enough prompt to take some blocks" * 4,
+                             SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(rid)
+    engine.abort_request(rid)  # idempotent
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    final = [o for o in outputs if o.request_id == rid and o.finished]
+    assert len(final) == 1 and final[0].finish_reason is FinishReason.ABORT
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", {"max_tokens": 4}, "empty"),
+        ("x" * 2100, {"max_tokens": 4}, "context"),
+    ],
+)
+def test_bad_prompts_are_rejected_cleanly(llm: LLM, prompt: str, params: dict, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate(prompt, SamplingParams(**params))
+    llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1.0},
+                                    {"top_p": 0.0}, {"top_k": -1}, {"logprobs": 99}, {"n": 0}])
+def test_bad_sampling_params(kwargs: dict) -> None:
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_model_name() -> None:
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):
+        LLM("no-such-model")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvbaton.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_generate_json() -> None:
+    proc = _cli("generate", "--model", "tiny-random", "--dtype", "float32", "--prompt", "hello world",
+                "--max-tokens", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) >= {"text", "token_ids", "prompt_token_ids", "cached_tokens", "ttft_s", "tpot_s"}
+    assert len(out["prompt_token_ids"]) == len("hello world")
+    assert out["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", ""], "empty"),
+        (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["--prompt", "x" * 2100], "context"),
+    ],
+)
+def test_cli_bad_input_is_one_clear_line(args: list[str], message: str) -> None:
+    proc = _cli("generate", "--model", "tiny-random", *args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert message in proc.stderr
+
+
+def test_cli_unknown_model_is_one_clear_line() -> None:
+    proc = _cli("generate", "--model", "nope-7b", "--prompt", "hi")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "nope-7b" in proc.stderr

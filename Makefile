@@ -6,8 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp-install
 PROMPT ?= Explain in one sentence why the sky is blue.
+PORT   ?= 8000
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install serve demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +21,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Until the cluster issue lands: a one-shot demo on the real model (chat template, greedy).
+# Router + 2 mixed workers on the real model, OpenAI-compatible API on http://127.0.0.1:$(PORT).
 serve: install
+	$(VENV)/bin/kvbaton serve --model smollm2-135m --workers 2 --policy preble --host 127.0.0.1 --port $(PORT)
+
+# A one-shot generation on the real model (chat template, greedy), no server.
+demo: install
 	$(VENV)/bin/kvbaton generate --model smollm2-135m --chat --max-tokens 64 --prompt "$(PROMPT)"
 
 test: install

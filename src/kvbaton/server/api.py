@@ -1,0 +1,333 @@
+"""The router's HTTP layer: OpenAI-compatible completions and chat over a `ClusterClient`, plus /v1/models,
+/health, /ready, /cluster and Prometheus /metrics.
+
+It validates, applies the chat template and tokenizes once at ingress, expands `n` into one
+`GenerateCall` per sample, merges the samples' delta streams and renders them as OpenAI JSON or SSE.
+Every way a request can end without the client reading it (disconnect while waiting, while streaming,
+or while a non-streaming response is computed) aborts its unfinished samples on the cluster. Bad input
+gets OpenAI's error shape; no traceback ever reaches a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvbaton.core.errors import InvalidRequestError
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.model.tokenizer import Tokenizer
+from kvbaton.server.api_run import SampleRun, abort_on_disconnect
+from kvbaton.server.base import ClusterClient, GenerateCall, TokenDelta
+from kvbaton.server.metrics import ApiMetrics
+from kvbaton.server.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    TokenText,
+    bad_request,
+    chat_logprobs_json,
+    completion_logprobs_json,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _sse(payload: dict[str, object]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.to_json(), status_code=error.status_code, headers=error.headers)
+
+
+class OpenAIServer:
+    """Request handling shared by the routes; one per app, holding no global state."""
+
+    def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 metrics: ApiMetrics, clock: Callable[[], float]) -> None:
+        self.cluster = cluster
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.clock = clock
+        self.created_at = int(time.time())
+        self.token_text = TokenText(tokenizer)
+        self.vocab_size = tokenizer.vocab_size
+        self.background: set[asyncio.Task[None]] = set()  # pump tasks outliving an aborted request
+
+    # -- ingress: prompt -> token ids, sampling -> one call per sample ----------------------------------
+
+    def _prompt_token_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            return tuple(self.tokenizer.encode(prompt))
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        return prompt
+
+    def _check_context(self, num_prompt_tokens: int, sampling: SamplingParams, param: str) -> None:
+        if num_prompt_tokens == 0:
+            raise bad_request("prompt is empty after tokenization", param=param)
+        if num_prompt_tokens + sampling.max_tokens > self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + sampling.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{sampling.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                param=param, code="context_length_exceeded")
+
+    def _calls(self, api_id: str, prompt_token_ids: tuple[int, ...], sampling: SamplingParams, user: str,
+               request: Request, arrival_at: float) -> list[GenerateCall]:
+        tenant = user or request.headers.get("x-tenant", "")
+        one = replace(sampling, n=1)
+        return [GenerateCall(f"{api_id}-{i}", prompt_token_ids, one, arrival_at, tenant=tenant)
+                for i in range(sampling.n)]
+
+    def _headers(self, request: Request) -> dict[str, str]:
+        client_id = request.headers.get("x-request-id")
+        return {"x-request-id": client_id} if client_id else {}
+
+    async def _start(self, request: Request, calls: list[GenerateCall]) -> SampleRun:
+        """Starts the samples; returns once each has produced a first delta (or raises the refusal)."""
+        run = SampleRun(self.cluster, calls, self.metrics, self.clock, self.background)
+        watcher = asyncio.create_task(abort_on_disconnect(request, run))
+        try:
+            await run.start()
+        except BaseException:
+            await run.close()
+            raise
+        finally:
+            watcher.cancel()
+        return run
+
+    def _stream_response(self, run: SampleRun, stream: AsyncIterator[str], request: Request) -> StreamingResponse:
+        # The background close covers a client that left before the generator's first step (whose
+        # `finally` then never runs); it runs after the response however it ended, and is idempotent.
+        return StreamingResponse(stream, media_type="text/event-stream", headers=self._headers(request),
+                                 background=BackgroundTask(run.close))
+
+    async def _run_to_end(self, request: Request, calls: list[GenerateCall]) -> SampleRun:
+        run = SampleRun(self.cluster, calls, self.metrics, self.clock, self.background)
+        watcher = asyncio.create_task(abort_on_disconnect(request, run))
+        try:
+            await run.start()
+            async for _ in run.deltas():
+                pass
+        finally:
+            watcher.cancel()
+            await run.close()
+        failed = run.first_error()
+        if failed:
+            raise ApiError(500, failed, type="server_error", code="generation_failed")
+        return run
+
+    # -- /v1/completions --------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        arrival_at = self.clock()
+        req = parse_completion_request(parse_json_body(await request.body()), self.model_name)
+        prompt_ids = self._prompt_token_ids(req.prompt)
+        self._check_context(len(prompt_ids), req.sampling, "prompt")
+        api_id = f"cmpl-{uuid.uuid4().hex}"
+        calls = self._calls(api_id, prompt_ids, req.sampling, req.user, request, arrival_at)
+        echo_text = ""
+        if req.echo:
+            echo_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
+        created = int(time.time())
+        if req.stream:
+            run = await self._start(request, calls)
+            stream = self._completion_stream(run, req, api_id, created, len(prompt_ids), echo_text)
+            return self._stream_response(run, stream, request)
+        run = await self._run_to_end(request, calls)
+        choices = [
+            {
+                "index": i,
+                "text": echo_text + sample.text,
+                "logprobs": completion_logprobs_json(self.token_text, sample.logprobs, len(echo_text))
+                if req.sampling.logprobs is not None else None,
+                "finish_reason": sample.finish_reason,
+            }
+            for i, sample in enumerate(run.samples)
+        ]
+        body = {"id": api_id, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": choices, "system_fingerprint": None, "usage": run.usage(len(prompt_ids))}
+        return JSONResponse(body, headers=self._headers(request))
+
+    async def _completion_stream(self, run: SampleRun, req: CompletionRequest, api_id: str, created: int,
+                                 num_prompt_tokens: int, echo_text: str) -> AsyncIterator[str]:
+        head = {"id": api_id, "object": "text_completion", "created": created, "model": self.model_name}
+        num_chars = [0] * len(run.samples)  # text sent so far per choice, for logprobs' text_offset
+        try:
+            async for index, delta in run.deltas():
+                if delta.finish_reason == "error":
+                    yield _sse(ApiError(500, delta.error, type="server_error", code="generation_failed").to_json())
+                    break
+                text = (echo_text if num_chars[index] == 0 and echo_text else "") + delta.new_text
+                logprobs = None
+                if req.sampling.logprobs is not None:
+                    logprobs = completion_logprobs_json(self.token_text, delta.logprobs, num_chars[index])
+                if not text and not delta.finished and not delta.logprobs:
+                    continue
+                num_chars[index] += len(text)
+                choice = {"index": index, "text": text, "logprobs": logprobs,
+                          "finish_reason": delta.finish_reason if delta.finished else None}
+                yield _sse({**head, "choices": [choice]})
+            else:
+                if req.include_usage:
+                    yield _sse({**head, "choices": [], "usage": run.usage(num_prompt_tokens)})
+            yield "data: [DONE]\n\n"
+        finally:
+            await run.close()
+
+    # -- /v1/chat/completions ---------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival_at = self.clock()
+        req = parse_chat_request(parse_json_body(await request.body()), self.model_name,
+                                 max_model_len=self.max_model_len)
+        try:
+            prompt_text = self.tokenizer.apply_chat_template(list(req.messages))
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        prompt_ids = tuple(self.tokenizer.encode(prompt_text))
+        sampling = req.sampling
+        if not req.max_tokens_given:  # "as long as the context allows"
+            sampling = replace(sampling, max_tokens=max(self.max_model_len - len(prompt_ids), 1))
+        self._check_context(len(prompt_ids), sampling, "messages")
+        api_id = f"chatcmpl-{uuid.uuid4().hex}"
+        calls = self._calls(api_id, prompt_ids, sampling, req.user, request, arrival_at)
+        created = int(time.time())
+        if req.stream:
+            run = await self._start(request, calls)
+            stream = self._chat_stream(run, req, api_id, created, len(prompt_ids))
+            return self._stream_response(run, stream, request)
+        run = await self._run_to_end(request, calls)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": sample.text, "refusal": None},
+                "logprobs": chat_logprobs_json(self.token_text, sample.logprobs, req.top_logprobs)
+                if req.logprobs else None,
+                "finish_reason": sample.finish_reason,
+            }
+            for i, sample in enumerate(run.samples)
+        ]
+        body = {"id": api_id, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "system_fingerprint": None, "usage": run.usage(len(prompt_ids))}
+        return JSONResponse(body, headers=self._headers(request))
+
+    async def _chat_stream(self, run: SampleRun, req: ChatRequest, api_id: str, created: int,
+                           num_prompt_tokens: int) -> AsyncIterator[str]:
+        head = {"id": api_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+
+        def chunk(index: int, delta: dict[str, object], logprobs: object, finish_reason: str | None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return _sse({**head, "choices": [choice]})
+
+        try:
+            for index in range(len(run.samples)):
+                yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+            async for index, delta in run.deltas():
+                if delta.finish_reason == "error":
+                    yield _sse(ApiError(500, delta.error, type="server_error", code="generation_failed").to_json())
+                    break
+                text = self._chat_delta_chunks(chunk, index, delta, req)
+                if text:
+                    yield text
+            else:
+                if req.include_usage:
+                    yield _sse({**head, "choices": [], "usage": run.usage(num_prompt_tokens)})
+            yield "data: [DONE]\n\n"
+        finally:
+            await run.close()
+
+    def _chat_delta_chunks(self, chunk: Callable[[int, dict[str, object], object, str | None], str], index: int,
+                          delta: TokenDelta, req: ChatRequest) -> str:
+        """The SSE events for one delta: its text (and logprobs) if any, then the finish chunk if it ends."""
+        logprobs = chat_logprobs_json(self.token_text, delta.logprobs, req.top_logprobs) \
+            if req.logprobs and delta.logprobs else None
+        if delta.new_text or logprobs is not None:
+            content_chunk = chunk(index, {"content": delta.new_text}, logprobs, None)
+        else:
+            content_chunk = ""
+        if delta.finished:
+            return content_chunk + chunk(index, {}, None, delta.finish_reason)
+        return content_chunk
+
+    # -- the small endpoints ----------------------------------------------------------------------------
+
+    def models(self) -> dict[str, object]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created_at,
+                                            "owned_by": "kvbaton", "max_model_len": self.max_model_len}]}
+
+    def ready(self) -> JSONResponse:
+        ready, reason = self.cluster.is_ready()
+        return JSONResponse({"ready": ready, "reason": reason}, status_code=200 if ready else 503)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if exc.status_code in (400, 404):  # refusals and cluster failures are counted where they happen
+            request.app.state.server.metrics.observe_failure("invalid_request")
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error_response(bad_request(str(first.get("msg", "invalid request")), param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error_response(ApiError(500, "internal server error", type="server_error"))
+
+
+def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *, max_model_len: int,
+               metrics: ApiMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """The router's FastAPI app; the tokenizer is the model's (the cluster only ever sees token ids)."""
+    metrics = metrics if metrics is not None else ApiMetrics()
+    metrics.attach_cluster(cluster.cluster_info)
+    server = OpenAIServer(cluster, tokenizer, model_name, max_model_len, metrics, clock)
+    app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    _install_error_handlers(app)
+
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/ready", server.ready, methods=["GET"])
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/cluster")
+    async def cluster_info() -> JSONResponse:
+        return JSONResponse(cluster.cluster_info())
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,168 @@
+"""The `n` samples of one API request running on the cluster, merged into one delta stream, and aborted when
+nobody is left to read them.
+
+Each sample has a pump task that drains its `cluster.generate()` stream into a shared queue and records
+the sample's state and metrics as deltas arrive — so the final abort delta of a request whose client left
+is still counted, even though no handler reads it any more. Pumps are held in the app's `background`
+set until their stream ends, which the `ClusterClient` contract bounds (every call ends with one
+finished delta).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import anyio
+from fastapi import Request
+
+from kvbaton.core.errors import InvalidRequestError
+from kvbaton.server.base import ClusterClient, GenerateCall, RejectedError, TokenDelta, TokenLogprob
+from kvbaton.server.metrics import ApiMetrics
+from kvbaton.server.protocol import ApiError, usage_json
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.05  # how often a waiting handler checks whether its client is still there
+
+
+@dataclass(slots=True)
+class SampleState:
+    call: GenerateCall
+    texts: list[str] = field(default_factory=list)
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None  # set by the finished delta; None while running
+    error: str = ""
+    last_token_at: float | None = None  # clock() when the latest tokens arrived; None before the first
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def _refusal(exc: BaseException) -> ApiError:
+    if isinstance(exc, RejectedError):
+        retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+        kind = "rate_limit_exceeded" if exc.status_code == 429 else "service_unavailable"
+        return ApiError(exc.status_code, str(exc), type=kind, code=kind, headers={"Retry-After": retry_after})
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, str(exc))
+    logger.error("cluster failed to start a call", exc_info=exc)
+    return ApiError(500, "internal server error: the cluster failed to start the request", type="server_error")
+
+
+class SampleRun:
+    def __init__(self, cluster: ClusterClient, calls: list[GenerateCall], metrics: ApiMetrics,
+                 clock: Callable[[], float], background: set[asyncio.Task[None]]) -> None:
+        self._cluster = cluster
+        self._metrics = metrics
+        self._clock = clock
+        self._background = background
+        self.samples = [SampleState(call) for call in calls]
+        self._queue: asyncio.Queue[tuple[int, TokenDelta | BaseException]] = asyncio.Queue()
+        self._held: deque[tuple[int, TokenDelta | BaseException]] = deque()  # read by start(), not yet yielded
+        self._aborted: set[int] = set()
+        self._num_unyielded_finishes = len(calls)
+
+    # -- pumps (record state and metrics whether or not anyone reads) ----------------------------------
+
+    async def _pump(self, index: int) -> None:
+        call = self.samples[index].call
+        try:
+            async for delta in self._cluster.generate(call):
+                self._record(index, delta)
+                self._queue.put_nowait((index, delta))
+                if delta.finished:
+                    return
+            raise RuntimeError(f"the cluster ended call {call.request_id} without a finished delta")
+        except Exception as exc:  # handed to the reader, which turns it into an error or a refusal
+            self._queue.put_nowait((index, exc))
+
+    def _record(self, index: int, delta: TokenDelta) -> None:
+        sample = self.samples[index]
+        now = self._clock()
+        if delta.new_token_ids:
+            if sample.last_token_at is None:
+                self._metrics.observe_first_token(len(delta.new_token_ids), now - sample.call.arrival_at)
+            else:
+                self._metrics.observe_tokens(len(delta.new_token_ids), now - sample.last_token_at)
+            sample.last_token_at = now
+        sample.texts.append(delta.new_text)
+        sample.num_output_tokens += len(delta.new_token_ids)
+        sample.logprobs.extend(delta.logprobs)
+        sample.num_cached_tokens = max(sample.num_cached_tokens, delta.num_cached_tokens)
+        if delta.finished:
+            sample.finish_reason = delta.finish_reason or "stop"
+            sample.error = delta.error
+            self._metrics.observe_finished(sample.finish_reason, now - sample.call.arrival_at,
+                                           len(sample.call.prompt_token_ids), sample.num_cached_tokens)
+
+    def _fail(self, index: int, exc: BaseException) -> TokenDelta:
+        """A stream that broke after it started: the sample ends as an error (logged, not shown verbatim)."""
+        logger.error("stream of %s failed", self.samples[index].call.request_id, exc_info=exc)
+        delta = TokenDelta(self.samples[index].call.request_id, (), "", True, "error",
+                           error="internal server error: the cluster stream failed")
+        self._record(index, delta)
+        return delta
+
+    # -- the reader's side ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Launches every sample and waits for each one's first delta; a refusal aborts the rest and raises."""
+        for index in range(len(self.samples)):
+            task = asyncio.create_task(self._pump(index))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        started: set[int] = set()
+        while len(started) < len(self.samples):
+            index, item = await self._queue.get()
+            if isinstance(item, BaseException) and index not in started:
+                self._aborted.add(index)  # the cluster never took it
+                await self.close()
+                if not isinstance(item, InvalidRequestError):  # a 400 is counted by the app's error handler
+                    self._metrics.observe_failure("rejected" if isinstance(item, RejectedError) else "error")
+                raise _refusal(item)
+            started.add(index)
+            self._held.append((index, item))
+
+    async def deltas(self) -> AsyncIterator[tuple[int, TokenDelta]]:
+        """(sample index, delta) in arrival order until every sample has finished."""
+        while self._num_unyielded_finishes:
+            index, item = self._held.popleft() if self._held else await self._queue.get()
+            delta = self._fail(index, item) if isinstance(item, BaseException) else item
+            if delta.finished:
+                self._num_unyielded_finishes -= 1
+            yield index, delta
+
+    async def abort_unfinished(self) -> None:
+        """Idempotent: asks the cluster to abort every sample that has not finished yet."""
+        for index, sample in enumerate(self.samples):
+            if sample.finish_reason is None and index not in self._aborted:
+                self._aborted.add(index)
+                await self._cluster.abort(sample.call.request_id)
+
+    async def close(self) -> None:
+        """Aborts what is still running; shielded so a cancelled handler (client gone) still gets it out."""
+        with anyio.CancelScope(shield=True):
+            await self.abort_unfinished()
+
+    def first_error(self) -> str:
+        return next((s.error or "generation failed" for s in self.samples if s.finish_reason == "error"), "")
+
+    def usage(self, num_prompt_tokens: int) -> dict[str, object]:
+        """Prompt counted once for all n samples (as OpenAI does); cached tokens: the best hit of any sample."""
+        return usage_json(num_prompt_tokens, sum(s.num_output_tokens for s in self.samples),
+                          max((s.num_cached_tokens for s in self.samples), default=0))
+
+
+async def abort_on_disconnect(request: Request, run: SampleRun) -> None:
+    """Runs beside a handler that is not streaming yet; aborts the run once the client has gone."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    await run.abort_unfinished()

@@ -1,0 +1,74 @@
+"""The seam between the HTTP API layer and the cluster that runs requests.
+
+The API layer validates, applies the chat template, tokenizes once at ingress and hands the
+cluster one `GenerateCall` per sample; the cluster streams `TokenDelta`s back until one has
+`finished=True`. Every call ends, in bounded time, with exactly one finished delta (completed,
+aborted, or failed with a reason) — the API layer relies on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvbaton.core.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateCall:
+    request_id: str  # internal id, unique per sample ("<api id>-<sample index>")
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams  # n is already expanded: each call is one sample
+    arrival_at: float  # router clock (time.monotonic) when the HTTP request arrived
+    tenant: str = ""  # prefix-cache namespace; from the `user` field or an x-tenant header
+    slo_class: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" on the finished delta
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit (usage.prompt_tokens_details.cached_tokens)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when requested
+    error: str = ""  # reason when finish_reason == "error"
+    worker_id: str = ""
+    extra: dict[str, float] = field(default_factory=dict)  # e.g. transfer bytes/time in disaggregated mode
+
+
+class RejectedError(Exception):
+    """The cluster refuses the call before running it (HTTP 429/503 with Retry-After)."""
+
+    def __init__(self, message: str, status_code: int = 429, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.retry_after_s = retry_after_s
+
+
+class ClusterClient(Protocol):
+    def generate(self, call: GenerateCall) -> AsyncIterator[TokenDelta]:
+        """Streams deltas for one call; raises RejectedError before the first delta if refused."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Idempotent; the stream of that call ends with a finished delta (finish_reason "abort")."""
+        ...
+
+    def is_ready(self) -> tuple[bool, str]:
+        """(ready, reason): workers registered and making progress."""
+        ...
+
+    def cluster_info(self) -> dict[str, object]:
+        """JSON for /cluster: workers, roles, loads, cache sizes, policy."""
+        ...

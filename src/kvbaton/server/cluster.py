@@ -1,0 +1,413 @@
+"""The router process's view of its workers: a `ClusterClient` over zmq that places, streams and fails calls.
+
+It owns one RouterSocket (workers connect DEALERs) and two asyncio tasks: the receive loop
+(registration, token deltas, heartbeats, KV events, snapshots) and the monitor (pings, dead-worker
+detection). Invariants:
+- every call handed to `generate` ends with exactly one finished delta, also when its worker dies
+  (an "error" delta naming the worker) or the client goes away (the worker is told to abort);
+- a call is in `_calls` and in its worker's `in_flight` from routing until its finished delta;
+- the placement policy sees `choose` once per routed call and `on_finished` once when it ends;
+- a worker leaves the pool (and the policy's index and load state) at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from kvbaton.cache.events import KVEvent, KVEventKind
+from kvbaton.cache.hashing import CacheKey
+from kvbaton.core.errors import CapacityError
+from kvbaton.router.base import RouteRequest
+from kvbaton.router.load import WorkerStats
+from kvbaton.router.policies import create_policy, local_queue_policy
+from kvbaton.router.state import RouterState
+from kvbaton.server import rpc
+from kvbaton.server.base import GenerateCall, RejectedError, TokenDelta
+from kvbaton.server.cluster_registry import (ProcessHandle, WorkerRecord, identity_of, registration_refusal,
+                                             worker_info)
+from kvbaton.server.identity import ClusterIdentity
+from kvbaton.server.router_socket import RouterSocket
+
+log = logging.getLogger("kvbaton.cluster")
+
+_STALL_GRACE_S = 1.0  # a gap between worker checks longer than this (plus the check interval) is a router stall
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    bind_address: str = "tcp://127.0.0.1:*"  # "*" port: zmq picks one; see ClusterManager.address
+    model_name: str = "smollm2-135m"  # workers must serve this model name
+    policy: str = "least_load"  # round_robin | least_load | longest_prefix | preble
+    block_size: int = 16
+    tokenizer_probe_hash: str = ""  # the router tokenizer's; "" skips the check
+    seed: int = 0  # seeds the policy's tie-breaking
+    heartbeat_interval_s: float = 0.05  # asked of workers at register_ack
+    ping_interval_s: float = 0.5
+    # No message from a worker for this long: it is hung. Exits are caught at once (watched process, unreachable
+    # socket), so this only needs to beat a slow engine step on an overloaded host.
+    worker_timeout_s: float = 30.0
+    max_num_waiting: int = 256  # routed calls without a first token, cluster-wide; above: RejectedError
+    retry_after_s: float = 1.0
+
+
+@dataclass(slots=True)
+class _Call:
+    call: GenerateCall
+    worker_id: str
+    queue: asyncio.Queue[TokenDelta]
+    num_tokens_seen: int = 0
+    finished: bool = False
+
+
+class ClusterManager:
+    def __init__(self, config: ClusterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.state = RouterState(block_size=config.block_size)
+        self.policy = create_policy(config.policy, self.state, random.Random(config.seed))
+        self.queue_policy = local_queue_policy(config.policy)
+        self.identity: ClusterIdentity | None = None  # fixed by the first accepted worker
+        self.workers: dict[str, WorkerRecord] = {}  # live workers
+        self.lost_workers: dict[str, str] = {}  # worker id -> why it left
+        self._calls: dict[str, _Call] = {}
+        self._num_waiting = 0  # calls in _calls with num_tokens_seen == 0 (kept as a count: read per routing)
+        self._processes: dict[str, ProcessHandle] = {}
+        # Counters for /metrics (the HTTP layer renders them).
+        self.router_decisions: dict[str, int] = {}  # decision reason -> count
+        self.num_rejected = 0
+        self.num_failed_by_worker_loss = 0
+        self.num_snapshots_requested = 0
+        self.retired_prefix_cache_tokens = [0, 0]  # (queries, hits) of workers that left: keeps totals monotone
+        self._socket: RouterSocket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_check_at = clock()
+        self.address = ""
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Bind the socket and start the receive and monitor loops; returns the bound address."""
+        self._socket = RouterSocket(self.config.bind_address)
+        self.address = self._socket.address
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._monitor_loop())]
+        return self.address
+
+    def watch_process(self, worker_id: str, process: ProcessHandle) -> None:
+        """Let the monitor notice at once when this worker's process exits."""
+        self._processes[worker_id] = process
+
+    async def wait_for_workers(self, num_workers: int, timeout_s: float) -> None:
+        deadline = self.clock() + timeout_s
+        while self.num_serving_workers < num_workers:
+            if self.clock() >= deadline:
+                lost = "; ".join(f"{w}: {why}" for w, why in sorted(self.lost_workers.items()))
+                raise TimeoutError(f"{self.num_serving_workers}/{num_workers} workers serving within {timeout_s:g} s"
+                                   + (f" (lost: {lost})" if lost else ""))
+            await asyncio.sleep(0.05)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait for in-flight calls to end; returns how many were still running at the deadline."""
+        deadline = self.clock() + timeout_s
+        while self._calls and self.clock() < deadline:
+            await asyncio.sleep(0.05)
+        return len(self._calls)
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Tell every worker to stop (they abort what is left), wait for their goodbyes, then close."""
+        for worker_id in sorted(self.workers):
+            self._send(worker_id, rpc.Shutdown("router shutting down"))
+        deadline = self.clock() + timeout_s
+        while self.workers and self.clock() < deadline:
+            await asyncio.sleep(0.05)
+        for worker_id in sorted(self.workers):
+            self._remove_worker(worker_id, "did not acknowledge shutdown")
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._socket is not None:
+            self._socket.close()
+        self._socket = None
+
+    # -- ClusterClient --------------------------------------------------------------------------
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[TokenDelta]:
+        entry = self._route(call)
+        try:
+            while True:
+                delta = await entry.queue.get()
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            if not entry.finished:  # the consumer went away mid-stream: free the worker's blocks
+                self._send(entry.worker_id, rpc.Abort((call.request_id,)))
+                self._end_call(entry)
+
+    async def abort(self, request_id: str) -> None:
+        entry = self._calls.get(request_id)
+        if entry is not None and not entry.finished:
+            self._send(entry.worker_id, rpc.Abort((request_id,)))
+
+    @property
+    def num_serving_workers(self) -> int:
+        """Registered workers whose engine loop runs (they have sent a heartbeat)."""
+        return sum(1 for record in self.workers.values() if record.stats is not None)
+
+    def is_ready(self) -> tuple[bool, str]:
+        serving = sorted(w for w, record in self.workers.items() if record.stats is not None)
+        if serving:
+            return True, f"{len(serving)} worker(s) serving: {', '.join(serving)}"
+        if self.workers:
+            return False, f"{len(self.workers)} worker(s) registered, none has started its engine loop yet"
+        if self.lost_workers:
+            lost = "; ".join(f"{w}: {why}" for w, why in sorted(self.lost_workers.items()))
+            return False, f"no live worker (lost: {lost})"
+        return False, "no worker registered yet"
+
+    def cluster_info(self) -> dict[str, object]:
+        now = self.clock()
+        return {
+            "policy": self.config.policy,
+            "worker_queue_policy": self.queue_policy,
+            "model": self.config.model_name,
+            "identity": None if self.identity is None else {
+                "model_revision": self.identity.model_revision, "kv_layout": self.identity.kv_layout,
+                "block_size": self.identity.block_size},
+            "router_address": self.address,
+            "workers": [worker_info(self.workers[w], self.state, now) for w in sorted(self.workers)],
+            "lost_workers": dict(sorted(self.lost_workers.items())),
+            "num_in_flight": len(self._calls),
+            "num_waiting": self.num_waiting,
+            "index_blocks": self.state.index.num_blocks,
+            "router_decisions": dict(sorted(self.router_decisions.items())),
+            "num_rejected": self.num_rejected,
+            "num_failed_by_worker_loss": self.num_failed_by_worker_loss,
+        }
+
+    # -- reads for /metrics ---------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        """Routed calls that have not produced a token yet (queued somewhere in the cluster)."""
+        return self._num_waiting
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._calls)
+
+    def live_worker_stats(self) -> dict[str, rpc.Stats]:
+        return {w: r.stats for w, r in sorted(self.workers.items()) if r.stats is not None}
+
+    def prefix_cache_totals(self) -> tuple[int, int]:
+        """(queried, hit) prompt tokens over all workers ever registered; never decreases."""
+        queries, hits = self.retired_prefix_cache_tokens
+        for stats in self.live_worker_stats().values():
+            queries += stats.prefix_cache_queries_tokens
+            hits += stats.prefix_cache_hits_tokens
+        return queries, hits
+
+    # -- routing --------------------------------------------------------------------------------
+
+    def _route(self, call: GenerateCall) -> _Call:
+        if call.request_id in self._calls:
+            raise RejectedError(f"request id {call.request_id!r} is already in flight", status_code=400)
+        ready, reason = self.is_ready()
+        if not ready or self.identity is None:
+            self.num_rejected += 1
+            raise RejectedError(f"cluster not ready: {reason}", status_code=503, retry_after_s=self.config.retry_after_s)
+        if self.num_waiting >= self.config.max_num_waiting:
+            self.num_rejected += 1
+            raise RejectedError(f"too many queued requests ({self.num_waiting} waiting, limit "
+                                f"{self.config.max_num_waiting}); retry later", status_code=429,
+                                retry_after_s=self.config.retry_after_s)
+        cache_key = CacheKey(self.identity.model_revision, self.identity.kv_layout)
+        request = RouteRequest.from_tokens(call.request_id, call.prompt_token_ids, cache_key, self.config.block_size,
+                                           call.sampling.max_tokens, call.tenant)
+        now = self.clock()
+        try:
+            decision = self.policy.choose(request, sorted(self.workers), now)
+        except CapacityError as exc:
+            self.num_rejected += 1
+            raise RejectedError(str(exc), status_code=503, retry_after_s=self.config.retry_after_s) from exc
+        self.router_decisions[decision.reason] = self.router_decisions.get(decision.reason, 0) + 1
+        entry = _Call(call, decision.worker_id, asyncio.Queue())
+        self._calls[call.request_id] = entry
+        self._num_waiting += 1
+        self.workers[decision.worker_id].in_flight.add(call.request_id)
+        self._send(decision.worker_id, rpc.AddRequest(call.request_id, call.prompt_token_ids, call.sampling,
+                                                      call.tenant, call.slo_class))
+        return entry
+
+    def _end_call(self, entry: _Call) -> None:
+        entry.finished = True
+        if entry.num_tokens_seen == 0:
+            self._num_waiting -= 1
+        request_id = entry.call.request_id
+        self._calls.pop(request_id, None)
+        record = self.workers.get(entry.worker_id)
+        if record is not None:
+            record.in_flight.discard(request_id)
+        self.policy.on_finished(request_id, self.clock())
+
+    def _on_delta(self, delta: TokenDelta) -> None:
+        entry = self._calls.get(delta.request_id)
+        if entry is None or entry.finished:
+            return  # the consumer already went away; the worker's late abort delta is dropped
+        if delta.new_token_ids and entry.num_tokens_seen == 0:
+            now = self.clock()
+            self.policy.on_first_token(delta.request_id, now - entry.call.arrival_at, now)
+            self._num_waiting -= 1
+        entry.num_tokens_seen += len(delta.new_token_ids)
+        if delta.finished:
+            self._end_call(entry)
+        entry.queue.put_nowait(delta)
+
+    # -- messages -------------------------------------------------------------------------------
+
+    def _send(self, worker_id: str, message: rpc.Message) -> None:
+        error = self._socket.send(worker_id, message) if self._socket is not None else None
+        if error is not None:  # EHOSTUNREACH: the worker's connection is gone
+            if worker_id in self.workers:
+                self._remove_worker(worker_id, self._exit_reason(worker_id) or f"unreachable ({error.strerror})")
+
+    async def _receive_loop(self) -> None:
+        assert self._socket is not None
+        while True:
+            sender, message = await self._socket.recv()
+            try:
+                self._handle(sender, message)
+            except Exception:  # one bad message must not stop the loop every call depends on
+                log.exception("failed to handle %s from %r", type(message).__name__, sender)
+
+    def _handle(self, sender: str, message: rpc.Message) -> None:
+        if isinstance(message, rpc.Register):
+            self._on_register(sender, message)
+            return
+        record = self.workers.get(sender)
+        if record is None:
+            return  # a worker we already dropped (or never accepted): ignore until it registers again
+        record.last_heard_at = self.clock()
+        if isinstance(message, rpc.TokenDeltas):
+            for delta in message.deltas:
+                self._on_delta(delta)
+        elif isinstance(message, rpc.Stats):
+            record.stats = message
+            # The pool's used blocks include the prefix cache's; what the cache alone holds is evictable, so
+            # used - cached approximates the running requests' KV (low when they lock cached blocks).
+            self.state.load.on_stats(WorkerStats(
+                sender, message.num_queued_prefill_tokens, max(message.num_used_blocks - message.num_cached_blocks, 0),
+                message.num_free_blocks, message.num_running, message.num_waiting, message.num_cached_blocks,
+                self.config.block_size), record.last_heard_at)
+        elif isinstance(message, rpc.KVEvents):
+            if record.snapshot_pending:
+                return  # the snapshot on its way covers these
+            if not self.state.index.on_kv_events(sender, (KVEvent.from_wire(e) for e in message.events)):
+                self._request_snapshot(record, "kv event seq gap")
+        elif isinstance(message, rpc.SnapshotResponse):
+            record.snapshot_pending = False
+            # A leading CLEARED at the snapshot's seq makes the index resume from there even when the cache is empty.
+            events = [KVEvent(message.seq, KVEventKind.CLEARED, ()), *(KVEvent.from_wire(e) for e in message.events)]
+            self.state.index.apply_snapshot(sender, events)
+        elif isinstance(message, rpc.Goodbye):
+            self._remove_worker(sender, f"left: {message.reason}")
+
+    def _on_register(self, sender: str, message: rpc.Register) -> None:
+        if sender != message.worker_id:
+            log.warning("register from socket %r claims id %r; refused", sender, message.worker_id)
+            self._send_raw(sender, rpc.RegisterRefuse(message.worker_id, "worker id differs from socket identity"))
+            return
+        offered = identity_of(message)
+        reason = registration_refusal(message, self.config.model_name, self.identity or replace(
+            offered, block_size=self.config.block_size,
+            tokenizer_probe_hash=self.config.tokenizer_probe_hash or offered.tokenizer_probe_hash))
+        if reason:
+            log.warning("refused worker %s: %s", sender, reason)
+            self._send_raw(sender, rpc.RegisterRefuse(sender, reason))
+            return
+        if sender in self.workers:
+            self._remove_worker(sender, "re-registered (restarted)")
+        self.lost_workers.pop(sender, None)
+        if self.identity is None:
+            self.identity = offered
+        self.workers[sender] = WorkerRecord(message, self.clock())
+        self._send(sender, rpc.RegisterAck(sender, self.queue_policy, self.config.heartbeat_interval_s))
+        log.info("worker %s registered (pid %d, %s)", sender, message.pid, message.kv_layout)
+
+    def _send_raw(self, identity: str, message: rpc.Message) -> None:
+        """Send to a peer that is not (or no longer) a pool member; errors are ignored."""
+        if self._socket is not None:
+            self._socket.send(identity, message)
+
+    def _request_snapshot(self, record: WorkerRecord, reason: str) -> None:
+        record.snapshot_pending = True
+        self.num_snapshots_requested += 1
+        self._send(record.register.worker_id, rpc.SnapshotRequest(reason))
+
+    # -- failure detection ----------------------------------------------------------------------
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.config.ping_interval_s, 0.1))
+            try:
+                self.check_workers()
+            except Exception:  # keep detecting dead workers whatever went wrong once
+                log.exception("worker check failed")
+
+    def check_workers(self) -> None:
+        """Drop workers whose process exited or that went silent; ping the rest."""
+        now = self.clock()
+        stalled_s = now - self._last_check_at - _STALL_GRACE_S
+        self._last_check_at = now
+        if stalled_s > 0:
+            # This loop itself was starved (a blocked event loop, a suspended process): whatever the workers
+            # sent meanwhile is still unread in the socket, so the stall must not count as their silence.
+            for record in self.workers.values():
+                record.last_heard_at += stalled_s
+        for worker_id in sorted(self.workers):
+            record = self.workers[worker_id]
+            exit_reason = self._exit_reason(worker_id)
+            if exit_reason:
+                self._remove_worker(worker_id, exit_reason)
+            elif now - record.last_heard_at > self.config.worker_timeout_s:
+                self._remove_worker(worker_id, f"no heartbeat for {now - record.last_heard_at:.1f} s")
+            elif now - record.last_pinged_at >= self.config.ping_interval_s:
+                record.last_pinged_at = now
+                self._send(worker_id, rpc.Ping(now))
+
+    def _exit_reason(self, worker_id: str) -> str:
+        """Why a watched worker process is gone ("" while it runs or when it is not watched)."""
+        process = self._processes.get(worker_id)
+        code = process.poll() if process is not None else None
+        record = self.workers.get(worker_id)
+        pid = record.register.pid if record is not None else "?"
+        return "" if code is None else f"process {pid} exited with code {code}"
+
+    def _remove_worker(self, worker_id: str, reason: str) -> None:
+        record = self.workers.pop(worker_id, None)
+        if record is None:
+            return
+        log.log(logging.INFO if reason.startswith("left:") else logging.WARNING, "worker %s removed: %s", worker_id,
+                reason)
+        self.lost_workers[worker_id] = reason
+        if record.stats is not None:
+            self.retired_prefix_cache_tokens[0] += record.stats.prefix_cache_queries_tokens
+            self.retired_prefix_cache_tokens[1] += record.stats.prefix_cache_hits_tokens
+        for request_id in sorted(record.in_flight):
+            entry = self._calls.get(request_id)
+            if entry is None or entry.finished:
+                continue
+            self.num_failed_by_worker_loss += 1
+            self._end_call(entry)
+            entry.queue.put_nowait(TokenDelta(
+                request_id, (), "", True, "error", len(entry.call.prompt_token_ids),
+                error=f"worker {worker_id} was lost while running this request ({reason})", worker_id=worker_id))
+        self.policy.on_worker_removed(worker_id)

@@ -1,0 +1,72 @@
+"""What the router remembers about each live worker, who may join the pool, and how one is described in /cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvbaton.router.state import RouterState
+from kvbaton.server import rpc
+from kvbaton.server.identity import ClusterIdentity, incompatibility
+
+
+class ProcessHandle(Protocol):
+    """The part of `subprocess.Popen` the monitor needs: None while running, else the exit code."""
+
+    def poll(self) -> int | None: ...
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    register: rpc.Register  # identity and pid as the worker announced them
+    last_heard_at: float  # router clock of the latest message from this worker
+    stats: rpc.Stats | None = None  # latest heartbeat
+    in_flight: set[str] = field(default_factory=set)  # request ids routed here and not finished
+    snapshot_pending: bool = False  # KV events are ignored until the requested snapshot arrives
+    last_pinged_at: float = float("-inf")
+
+
+def identity_of(message: rpc.Register) -> ClusterIdentity:
+    return ClusterIdentity(message.model_revision, message.kv_layout, message.block_size, message.tokenizer_probe_hash)
+
+
+def registration_refusal(message: rpc.Register, model_name: str, expected: ClusterIdentity) -> str:
+    """Why this worker may not join a pool serving `model_name` with identity `expected`; "" when it may."""
+    if message.role != "mixed":
+        return f"role {message.role!r} is not served by this router (only 'mixed')"
+    if message.model_name != model_name:
+        return f"model {message.model_name!r} differs from the router's {model_name!r}"
+    return incompatibility(expected, identity_of(message))
+
+
+def worker_info(record: WorkerRecord, state: RouterState, now: float) -> dict[str, object]:
+    """One worker as JSON: identity, liveness, load and cache occupancy (engine counters as reported)."""
+    reg, stats = record.register, record.stats
+    info: dict[str, object] = {
+        "worker_id": reg.worker_id,
+        "role": reg.role,
+        "pid": reg.pid,
+        "model": reg.model_name,
+        "kv_layout": reg.kv_layout,
+        "num_blocks": reg.num_blocks,
+        "last_heartbeat_age_s": round(now - record.last_heard_at, 3),
+        "num_in_flight": len(record.in_flight),
+        "load_tokens": state.load.load_tokens(reg.worker_id),
+        "window_load_s": round(state.load.window_load_s(reg.worker_id), 6),
+        "indexed_blocks": state.index.num_worker_blocks(reg.worker_id),
+    }
+    if stats is not None:
+        info.update({
+            "num_waiting": stats.num_waiting,
+            "num_running": stats.num_running,
+            "num_queued_prefill_tokens": stats.num_queued_prefill_tokens,
+            "num_used_blocks": stats.num_used_blocks,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_cached_blocks": stats.num_cached_blocks,
+            "prefix_cache_queries_tokens": stats.prefix_cache_queries_tokens,
+            "prefix_cache_hits_tokens": stats.prefix_cache_hits_tokens,
+            "num_preemptions": stats.num_preemptions,
+            "num_steps": stats.num_steps,
+            "invariant_error": stats.invariant_error,
+        })
+    return info

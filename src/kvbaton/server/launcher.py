@@ -1,0 +1,174 @@
+"""`kvbaton serve`: start N local worker processes and the router (cluster manager + HTTP API) in this one.
+
+Order: load the tokenizer (not the weights) -> bind the RPC socket -> spawn workers -> wait until all
+have registered (each was checked against the router's tokenizer probe and the first one's layout) ->
+serve HTTP. On SIGINT/SIGTERM: stop accepting, let in-flight requests finish up to the drain deadline,
+tell the workers to shut down, kill any straggler by pid, exit 0. Workers run in their own session so
+a terminal's Ctrl-C reaches only the router, which then stops them in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+
+from kvbaton.core.errors import KvbatonError
+from kvbaton.model.registry import read_model_source, resolve_model_source
+from kvbaton.server.api import create_app
+from kvbaton.server.cluster import ClusterConfig, ClusterManager
+from kvbaton.server.identity import tokenizer_probe_hash
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model: str = "smollm2-135m"
+    num_workers: int = 2
+    policy: str = "preble"
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = any free port (the printed URL has the real one)
+    rpc_address: str = "tcp://127.0.0.1:*"  # where workers connect; "*" = any free port
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int = 2048  # per worker
+    max_num_batched_tokens: int = 512
+    max_num_waiting: int = 256
+    seed: int = 0
+    startup_timeout_s: float = 300.0  # every worker registered within this
+    drain_timeout_s: float = 30.0  # in-flight requests may finish within this after a stop signal
+    worker_exit_timeout_s: float = 10.0  # then stragglers are killed
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the launcher owns SIGINT/SIGTERM and never re-raises them."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def worker_command(config: ServeConfig, router_address: str, worker_id: str) -> list[str]:
+    return [sys.executable, "-m", "kvbaton.cli", "worker", "--role", "mixed", "--router", router_address,
+            "--model", config.model, "--worker-id", worker_id, "--dtype", config.dtype,
+            "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
+            "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed)]
+
+
+class Launcher:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.url = ""
+        self._stop = asyncio.Event()
+        self._server: _Server | None = None
+
+    def request_stop(self) -> None:
+        """Signal handler: first call drains and stops; a second one stops waiting for the drain."""
+        if self._server is not None:
+            if self._stop.is_set():
+                self._server.force_exit = True
+            self._server.should_exit = True
+        self._stop.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.request_stop)
+        config = self.config
+        model_config, _, tokenizer = read_model_source(resolve_model_source(config.model))  # weights dropped here
+        cluster = ClusterManager(ClusterConfig(
+            bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
+            block_size=config.block_size, tokenizer_probe_hash=tokenizer_probe_hash(tokenizer), seed=config.seed,
+            max_num_waiting=config.max_num_waiting))
+        http_socket = _bind_http(config.host, config.port)  # fail on a taken port before starting any worker
+        address = await cluster.start()
+        try:
+            for i in range(config.num_workers):
+                worker_id = f"w{i}"
+                process = subprocess.Popen(worker_command(config, address, worker_id), start_new_session=True)
+                self.processes[worker_id] = process
+                cluster.watch_process(worker_id, process)
+            if not await self._wait_for_workers(cluster):
+                return 0  # stopped during startup
+            app = create_app(cluster, tokenizer, config.model, max_model_len=model_config.max_position_embeddings)
+            self._server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                                  timeout_graceful_shutdown=int(config.drain_timeout_s)))
+            serving = asyncio.create_task(self._server.serve(sockets=[http_socket]))
+            while not self._server.started and not serving.done():
+                await asyncio.sleep(0.05)
+            if serving.done():
+                raise KvbatonError(f"HTTP server on {config.host}:{config.port} did not start")
+            port = http_socket.getsockname()[1]
+            host = f"[{config.host}]" if ":" in config.host else config.host
+            self.url = f"http://{host}:{port}"
+            print(f"kvbaton: serving {config.model} at {self.url} with {config.num_workers} worker(s), policy "
+                  f"{config.policy} (pids {' '.join(str(p.pid) for p in self.processes.values())})", flush=True)
+            if self._stop.is_set():  # a signal arrived while the server was starting
+                self._server.should_exit = True
+            try:
+                await serving  # returns after a stop signal, once open connections closed or the drain deadline hit
+            except SystemExit as exc:  # uvicorn exits this way when its startup fails
+                raise KvbatonError(f"HTTP server stopped with status {exc.code}") from None
+            await cluster.drain(config.drain_timeout_s)
+            return 0
+        finally:
+            http_socket.close()
+            await cluster.shutdown(timeout_s=config.worker_exit_timeout_s)
+            self._reap()
+            print("kvbaton: stopped", flush=True)
+
+    async def _wait_for_workers(self, cluster: ClusterManager) -> bool:
+        """True once every worker registered; False on a stop signal; raises if a worker died or timed out."""
+        waiting = asyncio.ensure_future(cluster.wait_for_workers(self.config.num_workers,
+                                                                 self.config.startup_timeout_s))
+        try:
+            while not waiting.done():
+                if self._stop.is_set():
+                    return False
+                for worker_id, process in sorted(self.processes.items()):
+                    code = process.poll()
+                    if code is not None:
+                        why = cluster.lost_workers.get(worker_id, "see its output above")
+                        raise KvbatonError(f"worker {worker_id} (pid {process.pid}) exited with code {code} "
+                                           f"during startup: {why}")
+                await asyncio.sleep(0.05)
+            waiting.result()
+            return True
+        except TimeoutError as exc:
+            raise KvbatonError(f"cluster did not start: {exc}") from exc
+        finally:
+            waiting.cancel()
+
+    def _reap(self) -> None:
+        """Wait for every worker to exit; kill (by pid) any still running after the timeout."""
+        deadline_s = time.monotonic() + self.config.worker_exit_timeout_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.0, deadline_s - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5.0)
+
+
+def _bind_http(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise KvbatonError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def serve(config: ServeConfig) -> int:
+    return asyncio.run(Launcher(config).run())

@@ -1,0 +1,120 @@
+"""Prometheus metrics of the router process: vLLM's metric names under a `kvbaton:` prefix.
+
+Each app owns its CollectorRegistry (no process-global state, so tests can build many apps). Latency
+histograms and request/token counters are observed by the API layer as deltas stream through; the
+cluster-wide gauges (running, waiting, KV usage) and the router's decision counters are read from
+`cluster.cluster_info()` at scrape time, so they are never stale and need no background thread.
+
+Expected `cluster_info()` keys (all optional; missing ones read as 0):
+  "workers": [{"num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks"?, ...}, ...]
+  "router_decisions": {reason: count}  # router placement decisions by reason, cumulative
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "kvbaton:"
+# vLLM's buckets (seconds), so dashboards built for vLLM read these unchanged.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+class ClusterCollector(Collector):
+    """Gauges and router counters computed from one `cluster_info()` call per scrape."""
+
+    def __init__(self, cluster_info: Callable[[], Mapping[str, object]]) -> None:
+        self._cluster_info = cluster_info
+
+    def collect(self) -> Iterator[Metric]:
+        info = self._cluster_info()
+        workers = [w for w in info.get("workers", []) or [] if isinstance(w, Mapping)]  # type: ignore[union-attr]
+        running = sum(_number(w.get("num_running")) for w in workers)
+        waiting = sum(_number(w.get("num_waiting")) for w in workers)
+        used_blocks = sum(_number(w.get("num_used_blocks")) for w in workers)
+        total_blocks = sum(
+            _number(w.get("num_blocks")) or _number(w.get("num_used_blocks")) + _number(w.get("num_free_blocks"))
+            for w in workers
+        )
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests running on the workers.", value=running)
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting in the workers' queues.",
+                                value=waiting)
+        yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "KV-cache usage over all workers; 1 means 100%.",
+                                value=used_blocks / total_blocks if total_blocks else 0.0)
+        yield GaugeMetricFamily(f"{PREFIX}num_workers", "Workers registered and alive.", value=len(workers))
+        decisions = CounterMetricFamily(f"{PREFIX}router_decisions", "Router placement decisions, by reason.",
+                                        labels=["reason"])
+        raw_decisions = info.get("router_decisions", {}) or {}
+        for reason, count in sorted(raw_decisions.items()):  # type: ignore[union-attr]
+            decisions.add_metric([str(reason)], _number(count))
+        yield decisions
+
+
+class ApiMetrics:
+    """The metrics one app exposes at /metrics; `observe_*` are called by the API layer."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ttft_s = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token (per sample).",
+                                buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl_s = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between consecutive output tokens.",
+                               buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e_s = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Arrival to last token (per sample).",
+                               buckets=E2E_BUCKETS_S, registry=r)
+        self.request_success = Counter(f"{PREFIX}request_success", "Samples finished, by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.request_failure = Counter(f"{PREFIX}request_failure", "Requests failed or refused, by reason.",
+                                       ["reason"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished samples.", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Output tokens generated.", registry=r)
+        self.prefix_cache_queries = Counter(f"{PREFIX}prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_cache_hits = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                         registry=r)
+        self._cluster_collector: ClusterCollector | None = None
+
+    def attach_cluster(self, cluster_info: Callable[[], Mapping[str, object]]) -> None:
+        """Registers the scrape-time cluster gauges (once per app)."""
+        if self._cluster_collector is None:
+            self._cluster_collector = ClusterCollector(cluster_info)
+            self.registry.register(self._cluster_collector)
+
+    def observe_first_token(self, num_tokens: int, ttft_s: float) -> None:
+        self.generation_tokens.inc(num_tokens)
+        self.ttft_s.observe(max(ttft_s, 0.0))
+
+    def observe_tokens(self, num_tokens: int, gap_s: float) -> None:
+        """`num_tokens` arrived `gap_s` after the previous ones: each gets an equal share of the gap."""
+        self.generation_tokens.inc(num_tokens)
+        for _ in range(num_tokens):
+            self.itl_s.observe(max(gap_s, 0.0) / num_tokens)
+
+    def observe_finished(self, finish_reason: str, e2e_s: float, num_prompt_tokens: int,
+                         num_cached_tokens: int) -> None:
+        if finish_reason == "error":
+            self.request_failure.labels(reason="error").inc()
+            return
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.e2e_s.observe(max(e2e_s, 0.0))
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prefix_cache_queries.inc(num_prompt_tokens)
+        self.prefix_cache_hits.inc(num_cached_tokens)
+
+    def observe_failure(self, reason: str) -> None:
+        self.request_failure.labels(reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,345 @@
+"""OpenAI-compatible wire format: a JSON body becomes a frozen request value or an ApiError; response pieces.
+
+Bodies are checked by hand rather than by pydantic so every bad input gets OpenAI's error shape and a
+message naming the parameter. Sampling ranges are checked once, by `SamplingParams`. Unknown fields are
+ignored (clients send extras); fields whose meaning kvbaton cannot honour (penalties, logit_bias, tools)
+are refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvbaton.core.errors import InvalidRequestError
+from kvbaton.core.sampling import MAX_LOGPROBS, SamplingParams
+from kvbaton.model.tokenizer import Tokenizer, bytes_to_unicode
+from kvbaton.server.base import TokenLogprob
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "n")
+
+
+class ApiError(Exception):
+    """An error meant for the client, rendered as `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def to_json(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    model: str
+    prompt: str | tuple[int, ...]  # text (tokenized at ingress) or token ids
+    sampling: SamplingParams  # n not yet expanded
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    echo: bool
+    user: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    model: str
+    messages: tuple[Mapping[str, object], ...]
+    sampling: SamplingParams  # max_tokens is max_model_len when not given (see max_tokens_given)
+    max_tokens_given: bool  # False: the caller lowers max_tokens to the context left after the prompt
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    user: str
+
+
+def parse_json_body(raw: bytes) -> dict[str, object]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+# -- typed field readers (a missing field and an explicit null both mean "use the default") ----------
+
+
+def _int(body: Mapping[str, object], name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer, got {json.dumps(value)}", param=name)
+    return value
+
+
+def _float(body: Mapping[str, object], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_request(f"{name} must be a number, got {json.dumps(value)}", param=name)
+    return float(value)
+
+
+def _bool(body: Mapping[str, object], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean, got {json.dumps(value)}", param=name)
+    return value
+
+
+def _str(body: Mapping[str, object], name: str, default: str) -> str:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise bad_request(f"{name} must be a string, got {json.dumps(value)}", param=name)
+    return value
+
+
+def _stop(body: Mapping[str, object]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if len(value) > 4:  # OpenAI's limit; keeps the engine's per-token stop scan cheap
+            raise bad_request("stop accepts at most 4 strings", param="stop")
+        return tuple(value)
+    raise bad_request("stop must be a string or a list of strings", param="stop")
+
+
+def _stop_token_ids(body: Mapping[str, object]) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise bad_request("stop_token_ids must be a list of integers", param="stop_token_ids")
+    return tuple(value)
+
+
+def _stream_options(body: Mapping[str, object], stream: bool) -> bool:
+    """include_usage; OpenAI refuses stream_options on a non-streaming request, and so do we."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", param="stream_options")
+    return _bool(options, "include_usage", False)
+
+
+def _refuse_unsupported(body: Mapping[str, object]) -> None:
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+        value = body.get(name)
+        if value is not None and value != (1 if name == "repetition_penalty" else 0):
+            raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias is not supported by this server", param="logit_bias",
+                          code="unsupported_parameter")
+    if body.get("tools") or body.get("functions"):
+        raise bad_request("tool calling is not supported by this server", param="tools",
+                          code="unsupported_parameter")
+    if body.get("suffix"):
+        raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format",
+                          code="unsupported_parameter")
+
+
+def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """Builds SamplingParams; its InvalidRequestError becomes a 400 naming the parameter it is about."""
+    n = _int(body, "n", 1)
+    best_of = _int(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise bad_request("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
+    top_k = _int(body, "top_k", 0)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_float(body, "temperature", 1.0),
+            top_p=_float(body, "top_p", 1.0),
+            top_k=0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
+            seed=_int(body, "seed", None),
+            stop=_stop(body),
+            stop_token_ids=_stop_token_ids(body),
+            ignore_eos=_bool(body, "ignore_eos", False),
+            logprobs=logprobs,
+            n=n,  # type: ignore[arg-type]
+        )
+    except InvalidRequestError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        raise bad_request(message, param=field if field in _SAMPLING_FIELDS else None) from None
+
+
+def _model(body: Mapping[str, object], served_model: str) -> str:
+    model = _str(body, "model", served_model)
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist. This server serves `{served_model}`.",
+                       param="model", code="model_not_found")
+    return model
+
+
+def _prompt(body: Mapping[str, object]) -> str | tuple[int, ...]:
+    """A string, a list of token ids, or a one-element list of either (batches are not supported)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return tuple(prompt)  # type: ignore[arg-type]
+        if all(isinstance(p, str | list) for p in prompt):
+            raise bad_request("only one prompt per request is supported; send a batch as separate requests",
+                              param="prompt")
+    if prompt is None:
+        raise bad_request("prompt is required", param="prompt")
+    raise bad_request("prompt must be a string, a list of token ids, or a one-element list of either",
+                      param="prompt")
+
+
+def parse_completion_request(body: Mapping[str, object], served_model: str) -> CompletionRequest:
+    model = _model(body, served_model)
+    prompt = _prompt(body)
+    _refuse_unsupported(body)
+    stream = _bool(body, "stream", False)
+    logprobs = _int(body, "logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+    echo = _bool(body, "echo", False)
+    if echo and logprobs is not None:
+        raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo",
+                          code="unsupported_parameter")
+    return CompletionRequest(
+        model=model,
+        prompt=prompt,
+        sampling=_sampling(body, max_tokens=_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS),  # type: ignore[arg-type]
+                           logprobs=logprobs),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        echo=echo,
+        user=_str(body, "user", ""),
+    )
+
+
+def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_model_len: int) -> ChatRequest:
+    """max_tokens left out means "up to the context"; the caller clamps it once the prompt length is known."""
+    model = _model(body, served_model)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of {'role', 'content'} objects", param="messages")
+    _refuse_unsupported(body)
+    stream = _bool(body, "stream", False)
+    logprobs = _bool(body, "logprobs", False)
+    top_logprobs = _int(body, "top_logprobs", 0)
+    if not 0 <= top_logprobs <= MAX_LOGPROBS:  # type: ignore[operator]
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}", param="top_logprobs")
+    if top_logprobs and not logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    max_tokens = _int(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None)
+    return ChatRequest(
+        model=model,
+        messages=tuple(messages),
+        sampling=_sampling(body, max_tokens=max_tokens if max_tokens is not None else max_model_len,
+                           logprobs=top_logprobs if logprobs else None),
+        max_tokens_given=max_tokens is not None,
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,  # type: ignore[arg-type]
+        user=_str(body, "user", ""),
+    )
+
+
+# -- response pieces (shapes as OpenAI's, so the official client parses them) -------------------------
+
+
+def usage_json(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, object]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+class TokenText:
+    """Spells token ids for logprobs: the token's own bytes (not a decode of the whole text)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._id_to_token = tokenizer.id_to_token
+        self._byte_of_char = {char: byte for byte, char in bytes_to_unicode().items()}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._id_to_token(token_id)
+        if piece is None:
+            return b""
+        if all(char in self._byte_of_char for char in piece):  # byte-level BPE spelling
+            return bytes(self._byte_of_char[char] for char in piece)
+        return piece.encode("utf-8")
+
+    def token_str(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def completion_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob],
+                             text_offset_chars: int) -> dict[str, object]:
+    """The legacy completions shape: parallel lists, text_offset counting chars from the choice's start."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    offset = text_offset_chars
+    for entry in logprobs:
+        token = text.token_str(entry.token_id)
+        tokens.append(token)
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry.logprob for entry in logprobs],
+        "top_logprobs": [{text.token_str(t): lp for t, lp in entry.top_logprobs} for entry in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob], num_top: int) -> dict[str, object]:
+    def one(token_id: int, logprob: float) -> dict[str, object]:
+        return {"token": text.token_str(token_id), "logprob": logprob, "bytes": list(text.token_bytes(token_id))}
+
+    return {
+        "content": [
+            {**one(entry.token_id, entry.logprob),
+             "top_logprobs": [one(t, lp) for t, lp in entry.top_logprobs[:num_top]]}
+            for entry in logprobs
+        ],
+        "refusal": None,
+    }

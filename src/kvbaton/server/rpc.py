@@ -1,0 +1,256 @@
+"""The router <-> worker message schema and its msgpack framing (never pickle).
+
+Every message is a frozen dataclass; on the wire it is a msgpack array whose first element is
+the message tag and whose other elements are the fields in declaration order (nested values —
+sampling params, deltas, KV events — are arrays too). `encode`/`decode` are the only way
+messages cross a socket, so an unknown tag or a wrong field count is rejected in one place.
+
+Socket roles: the router binds a zmq ROUTER socket; each worker connects a DEALER whose
+identity is its worker id. A DEALER sends one frame (the payload); the ROUTER sees
+[identity, payload].
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields
+from typing import ClassVar
+
+import msgpack
+
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.server.base import TokenDelta, TokenLogprob
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a well-formed kvbaton RPC message."""
+
+
+# -- worker -> router --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    """First message of a worker: who it is and what KV it holds (its layout identity)."""
+
+    TAG: ClassVar[str] = "register"
+    worker_id: str
+    role: str  # mixed | prefill | decode
+    model_name: str
+    model_revision: str
+    kv_layout: str  # ModelConfig.kv_layout_id(dtype, block_size)
+    block_size: int
+    num_blocks: int
+    tokenizer_probe_hash: str  # kvbaton.server.identity.tokenizer_probe_hash
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDeltas:
+    """All request outputs of one engine step (or failed adds), batched into one frame."""
+
+    TAG: ClassVar[str] = "deltas"
+    worker_id: str
+    deltas: tuple[TokenDelta, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Heartbeat: the engine's load and cache occupancy; `num_steps` growing means progress."""
+
+    TAG: ClassVar[str] = "stats"
+    worker_id: str
+    num_waiting: int
+    num_running: int
+    num_queued_prefill_tokens: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    num_preemptions: int
+    num_steps: int
+    monotonic_s: float  # worker clock when sampled
+    invariant_error: str = ""  # "" when engine.check_invariants() passed (checked while idle)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvents:
+    """Prefix-cache events since the last batch, in seq order (KVEvent.to_wire() each)."""
+
+    TAG: ClassVar[str] = "kv_events"
+    worker_id: str
+    events: tuple[list[object], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotResponse:
+    """The whole prefix cache as STORED events; events with seq <= `seq` are already included."""
+
+    TAG: ClassVar[str] = "snapshot"
+    worker_id: str
+    seq: int
+    events: tuple[list[object], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """The worker is exiting (after a shutdown or on its own); its requests have been answered."""
+
+    TAG: ClassVar[str] = "goodbye"
+    worker_id: str
+    reason: str
+
+
+# -- router -> worker --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterAck:
+    TAG: ClassVar[str] = "register_ack"
+    worker_id: str
+    queue_policy: str  # the worker's local waiting-queue policy (preble when the router policy is preble)
+    heartbeat_interval_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterRefuse:
+    TAG: ClassVar[str] = "register_refuse"
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    TAG: ClassVar[str] = "add"
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    tenant: str = ""
+    slo_class: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    TAG: ClassVar[str] = "abort"
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRequest:
+    TAG: ClassVar[str] = "snapshot_request"
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Router liveness: a worker exits when it has heard nothing from the router for too long."""
+
+    TAG: ClassVar[str] = "ping"
+    monotonic_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    TAG: ClassVar[str] = "shutdown"
+    reason: str
+
+
+Message = (Register | TokenDeltas | Stats | KVEvents | SnapshotResponse | Goodbye | RegisterAck | RegisterRefuse
+           | AddRequest | Abort | SnapshotRequest | Ping | Shutdown)
+
+_PLAIN = (Register, Stats, Goodbye, RegisterAck, RegisterRefuse, SnapshotRequest, Ping, Shutdown)
+_BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, SnapshotResponse, AddRequest,
+                                                       Abort)}
+
+
+# -- nested values ------------------------------------------------------------------------------
+
+
+def sampling_to_wire(params: SamplingParams) -> list[object]:
+    return [params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, list(params.stop),
+            list(params.stop_token_ids), params.ignore_eos, params.logprobs, params.n]
+
+
+def sampling_from_wire(raw: list[object]) -> SamplingParams:
+    max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs, n = raw
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,  # type: ignore[arg-type]
+                          seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),  # type: ignore[arg-type]
+                          ignore_eos=bool(ignore_eos), logprobs=logprobs, n=n)  # type: ignore[arg-type]
+
+
+def delta_to_wire(delta: TokenDelta) -> list[object]:
+    logprobs = [[lp.token_id, lp.logprob, [list(pair) for pair in lp.top_logprobs]] for lp in delta.logprobs]
+    return [delta.request_id, list(delta.new_token_ids), delta.new_text, delta.finished, delta.finish_reason,
+            delta.num_prompt_tokens, delta.num_cached_tokens, logprobs, delta.error, delta.worker_id,
+            dict(delta.extra)]
+
+
+def delta_from_wire(raw: list[object]) -> TokenDelta:
+    (request_id, token_ids, text, finished, finish_reason, num_prompt, num_cached, logprobs, error, worker_id,
+     extra) = raw
+    lps = tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
+                for t, lp, top in logprobs)  # type: ignore[union-attr]
+    return TokenDelta(str(request_id), tuple(int(t) for t in token_ids), str(text), bool(finished),  # type: ignore[union-attr]
+                      finish_reason, int(num_prompt), int(num_cached), lps, str(error), str(worker_id),  # type: ignore[arg-type]
+                      {str(k): float(v) for k, v in extra.items()})  # type: ignore[union-attr]
+
+
+# -- framing ------------------------------------------------------------------------------------
+
+
+def to_wire(message: Message) -> list[object]:
+    if isinstance(message, TokenDeltas):
+        return [message.TAG, message.worker_id, [delta_to_wire(d) for d in message.deltas]]
+    if isinstance(message, (KVEvents, SnapshotResponse)):
+        head = [message.TAG, message.worker_id] + ([message.seq] if isinstance(message, SnapshotResponse) else [])
+        return [*head, [list(e) for e in message.events]]
+    if isinstance(message, AddRequest):
+        return [message.TAG, message.request_id, list(message.prompt_token_ids), sampling_to_wire(message.sampling),
+                message.tenant, message.slo_class]
+    if isinstance(message, Abort):
+        return [message.TAG, list(message.request_ids)]
+    return [message.TAG, *astuple(message)]
+
+
+def from_wire(raw: object) -> Message:
+    if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
+        raise ProtocolError("a message is a non-empty array starting with its tag")
+    cls = _BY_TAG.get(raw[0])
+    if cls is None:
+        raise ProtocolError(f"unknown message tag {raw[0]!r}")
+    body = raw[1:]
+    try:
+        if cls is TokenDeltas:
+            worker_id, deltas = body
+            return TokenDeltas(worker_id, tuple(delta_from_wire(d) for d in deltas))
+        if cls is KVEvents:
+            worker_id, events = body
+            return KVEvents(worker_id, tuple(events))
+        if cls is SnapshotResponse:
+            worker_id, seq, events = body
+            return SnapshotResponse(worker_id, int(seq), tuple(events))
+        if cls is AddRequest:
+            request_id, token_ids, sampling, tenant, slo_class = body
+            return AddRequest(request_id, tuple(token_ids), sampling_from_wire(sampling), tenant, slo_class)
+        if cls is Abort:
+            (request_ids,) = body
+            return Abort(tuple(request_ids))
+        if len(body) != len(fields(cls)):
+            raise ProtocolError(f"{raw[0]} has {len(body)} fields, expected {len(fields(cls))}")
+        return cls(*body)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ProtocolError(f"malformed {raw[0]} message: {exc}") from exc
+
+
+def encode(message: Message) -> bytes:
+    return msgpack.packb(to_wire(message), use_bin_type=True)
+
+
+def decode(payload: bytes) -> Message:
+    try:
+        raw = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError) as exc:
+        raise ProtocolError(f"frame is not msgpack: {exc}") from exc
+    return from_wire(raw)

@@ -1,0 +1,241 @@
+"""One worker process: registers with the router, then runs the engine loop and streams results back.
+
+Loop invariant: while the engine has work, messages are drained without blocking between steps
+and every step's outputs go out as one `TokenDeltas` frame; while idle the worker blocks on
+the socket for at most `idle_poll_s`. A heartbeat (`Stats`, plus new `KVEvents`) goes out every
+`heartbeat_interval_s` either way. The worker exits on `Shutdown` (aborting what is left, so every
+request still gets its final delta) or when the router has been silent for `router_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbaton.core.errors import KvbatonError
+from kvbaton.engine.engine import Engine, RequestOutput
+from kvbaton.model.registry import LoadedModel, load_model
+from kvbaton.server import rpc
+from kvbaton.server.base import TokenDelta, TokenLogprob
+from kvbaton.server.identity import tokenizer_probe_hash
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    router_address: str  # e.g. tcp://127.0.0.1:5557
+    worker_id: str
+    role: str = "mixed"
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int = 2048
+    max_num_batched_tokens: int = 512
+    enable_prefix_cache: bool = True
+    seed: int = 0
+    queue_policy: str = ""  # local waiting-queue policy; "" = the one the router names at register_ack
+    register_timeout_s: float = 60.0  # give up when no register_ack/refuse arrives in time
+    router_timeout_s: float = 15.0  # exit when nothing arrived from the router for this long
+    idle_poll_s: float = 0.02
+
+
+def kv_layout_of(loaded: LoadedModel, block_size: int) -> str:
+    """The layout id the engine will have (Engine computes it the same way from the same inputs)."""
+    dtype_name = str(loaded.dtype).removeprefix("torch.")
+    return loaded.config.kv_layout_id(dtype_name, block_size)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
+        self._clock = clock
+        self.engine: Engine | None = None
+        self._wants_logprobs: set[str] = set()
+        self._in_flight: set[str] = set()  # added to the engine, final delta not yet sent
+        self._last_event_seq = 0
+        self._num_step_calls = 0
+        self._checked_at_step_call = -1  # invariants are checked once per idle period
+        self._invariant_error = ""
+        self._last_router_at = 0.0
+        self._stopping = ""
+
+    def register_message(self) -> rpc.Register:
+        cfg = self.config
+        return rpc.Register(cfg.worker_id, cfg.role, cfg.model, self.loaded.revision,
+                            kv_layout_of(self.loaded, cfg.block_size), cfg.block_size, cfg.num_blocks,
+                            tokenizer_probe_hash(self.loaded.tokenizer), os.getpid())
+
+    def run(self) -> str:
+        """Serve until told to stop; returns why it stopped. Raises KvbatonError if refused or orphaned."""
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, self.config.worker_id.encode())
+        socket.setsockopt(zmq.LINGER, 1000)
+        socket.connect(self.config.router_address)
+        try:
+            ack = self._register(socket)
+            self.engine = self._build_engine(self.config.queue_policy or ack.queue_policy)
+            return self._serve(socket, ack.heartbeat_interval_s)
+        finally:
+            socket.close()
+            context.term()
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def _register(self, socket: zmq.Socket) -> rpc.RegisterAck:
+        socket.send(rpc.encode(self.register_message()))
+        deadline = self._clock() + self.config.register_timeout_s
+        while self._clock() < deadline:
+            if not socket.poll(100):
+                continue
+            message = rpc.decode(socket.recv())
+            if isinstance(message, rpc.RegisterAck):
+                return message
+            if isinstance(message, rpc.RegisterRefuse):
+                raise KvbatonError(f"router refused worker {self.config.worker_id}: {message.reason}")
+            if isinstance(message, rpc.Shutdown):
+                raise KvbatonError(f"router shut down before registering worker {self.config.worker_id}")
+        raise KvbatonError(f"no answer from the router at {self.config.router_address} within "
+                           f"{self.config.register_timeout_s:g} s")
+
+    def _build_engine(self, queue_policy: str) -> Engine:
+        cfg = self.config
+        engine_config = EngineConfig(
+            model=cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
+            cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_cache),
+            scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, queue_policy=queue_policy),
+        )
+        engine = Engine(engine_config, loaded=self.loaded, clock=self._clock)
+        if engine.kv_layout != kv_layout_of(self.loaded, cfg.block_size):
+            raise KvbatonError(f"engine KV layout {engine.kv_layout} differs from the registered one")
+        return engine
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _serve(self, socket: zmq.Socket, heartbeat_interval_s: float) -> str:
+        engine = self.engine
+        assert engine is not None
+        self._last_router_at = self._clock()
+        next_heartbeat_at = self._last_router_at
+        while not self._stopping:
+            if not engine.has_unfinished_requests():
+                socket.poll(int(self.config.idle_poll_s * 1000))
+            self._drain(socket)
+            if engine.has_unfinished_requests():
+                self._step(socket)
+            now = self._clock()
+            if now >= next_heartbeat_at:
+                self._send_heartbeat(socket, now)
+                next_heartbeat_at = now + heartbeat_interval_s
+            if not self._stopping and now - self._last_router_at > self.config.router_timeout_s:
+                self._stopping = f"router silent for more than {self.config.router_timeout_s:g} s"
+                self._finish_all(socket)
+                raise KvbatonError(f"worker {self.config.worker_id}: {self._stopping}; exiting")
+        self._finish_all(socket)
+        self._send_heartbeat(socket, self._clock())
+        socket.send(rpc.encode(rpc.Goodbye(self.config.worker_id, self._stopping)))
+        return self._stopping
+
+    def _drain(self, socket: zmq.Socket) -> None:
+        while not self._stopping:
+            try:
+                payload = socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_router_at = self._clock()
+            self._handle(socket, rpc.decode(payload))
+
+    def _handle(self, socket: zmq.Socket, message: rpc.Message) -> None:
+        engine = self.engine
+        assert engine is not None
+        if isinstance(message, rpc.AddRequest):
+            try:
+                engine.add_request(list(message.prompt_token_ids), message.sampling, request_id=message.request_id,
+                                   tenant=message.tenant, slo_class=message.slo_class)
+            except KvbatonError as exc:
+                failed = TokenDelta(message.request_id, (), "", True, "error", len(message.prompt_token_ids),
+                                    error=str(exc), worker_id=self.config.worker_id)
+                socket.send(rpc.encode(rpc.TokenDeltas(self.config.worker_id, (failed,))))
+                return
+            self._in_flight.add(message.request_id)
+            if message.sampling.logprobs is not None:
+                self._wants_logprobs.add(message.request_id)
+        elif isinstance(message, rpc.Abort):
+            for request_id in message.request_ids:
+                engine.abort_request(request_id)
+        elif isinstance(message, rpc.SnapshotRequest):
+            self._send_snapshot(socket)
+        elif isinstance(message, rpc.Shutdown):
+            self._stopping = f"shutdown: {message.reason}"
+        # Ping only refreshes _last_router_at; a late RegisterAck is harmless.
+
+    def _step(self, socket: zmq.Socket) -> None:
+        assert self.engine is not None
+        outputs = self.engine.step()
+        self._num_step_calls += 1
+        for out in outputs:
+            if out.finished:
+                self._in_flight.discard(out.request_id)
+        if outputs:
+            deltas = tuple(self._to_delta(out) for out in outputs)
+            socket.send(rpc.encode(rpc.TokenDeltas(self.config.worker_id, deltas)))
+
+    def _to_delta(self, out: RequestOutput) -> TokenDelta:
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if out.request_id in self._wants_logprobs:
+            logprobs = tuple(TokenLogprob(t.token_id, t.logprob, t.top_logprobs) for t in out.new_logprobs)
+            if out.finished:
+                self._wants_logprobs.discard(out.request_id)
+        reason = out.finish_reason.value if out.finish_reason is not None else None
+        return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, reason,
+                          out.num_prompt_tokens, out.num_cached_tokens, logprobs, out.error, self.config.worker_id)
+
+    def _finish_all(self, socket: zmq.Socket) -> None:
+        """Abort whatever is left and step until each request has sent its final delta."""
+        engine = self.engine
+        assert engine is not None
+        for request_id in sorted(self._in_flight):
+            engine.abort_request(request_id)
+        while engine.has_unfinished_requests():
+            self._step(socket)
+
+    # -- heartbeat, events, snapshot ------------------------------------------------------------
+
+    def _send_heartbeat(self, socket: zmq.Socket, now: float) -> None:
+        engine = self.engine
+        assert engine is not None
+        if engine.prefix_cache is not None:
+            events = engine.prefix_cache.take_events()
+            if events:
+                self._last_event_seq = events[-1].seq
+                socket.send(rpc.encode(rpc.KVEvents(self.config.worker_id, tuple(e.to_wire() for e in events))))
+        if not engine.has_unfinished_requests() and self._checked_at_step_call != self._num_step_calls:
+            self._checked_at_step_call = self._num_step_calls
+            try:
+                engine.check_invariants()
+                self._invariant_error = ""
+            except AssertionError as exc:
+                self._invariant_error = str(exc) or "check_invariants failed"
+        s = engine.stats()
+        socket.send(rpc.encode(rpc.Stats(
+            self.config.worker_id, s.num_waiting, s.num_running, s.num_queued_prefill_tokens, s.num_used_blocks,
+            s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens,
+            s.num_preemptions, s.num_steps, now, self._invariant_error)))
+
+    def _send_snapshot(self, socket: zmq.Socket) -> None:
+        cache = self.engine.prefix_cache if self.engine is not None else None
+        events = []
+        if cache is not None:
+            pending = cache.take_events()  # already reflected in the snapshot below
+            if pending:
+                self._last_event_seq = pending[-1].seq
+            events = cache.snapshot()
+        seq = max([self._last_event_seq, *(e.seq for e in events)])
+        socket.send(rpc.encode(rpc.SnapshotResponse(self.config.worker_id, seq, tuple(e.to_wire() for e in events))))

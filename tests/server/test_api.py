@@ -1,0 +1,236 @@
+"""The HTTP layer through fastapi's TestClient over a fake cluster: shapes, parameters, usage, metrics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvbaton.model.registry import load_model
+from kvbaton.model.tokenizer import Tokenizer
+from kvbaton.server.api import create_app
+from tests.server.api_fakes import REPLY, FakeCluster
+
+MODEL = "tiny-random"
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_model("tiny-random").tokenizer
+
+
+@pytest.fixture()
+def cluster(tokenizer: Tokenizer) -> FakeCluster:
+    return FakeCluster(tokenizer)
+
+
+@pytest.fixture()
+def client(cluster: FakeCluster, tokenizer: Tokenizer) -> Iterator[TestClient]:
+    app = create_app(cluster, tokenizer, MODEL, max_model_len=MAX_MODEL_LEN)
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+def sse_events(text: str) -> list[object]:
+    """The JSON payloads of an SSE body, with "[DONE]" kept as a string; asserts the framing."""
+    assert text.endswith("data: [DONE]\n\n")
+    events: list[object] = []
+    for block in text.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        payload = block.removeprefix("data: ")
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_completion_non_stream_shape_usage_and_call(client: TestClient, cluster: FakeCluster, tokenizer: Tokenizer) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Say hi", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == MODEL
+    assert isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "text": REPLY[:5], "logprobs": None, "finish_reason": "length"}]
+    num_prompt = len(tokenizer.encode("Say hi"))
+    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 5, "total_tokens": num_prompt + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    (call,) = cluster.calls
+    assert call.prompt_token_ids == tuple(tokenizer.encode("Say hi"))
+    assert call.request_id == f"{body['id']}-0"
+    assert call.sampling.max_tokens == 5 and call.sampling.temperature == 0.0 and call.sampling.n == 1
+
+
+@pytest.mark.parametrize("prompt", [[75, 108], [[75, 108]], ["Hi"]])
+def test_completion_prompt_forms(client: TestClient, cluster: FakeCluster, prompt: object) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert cluster.calls[0].prompt_token_ids == (75, 108)  # byte-level: byte b is token 3 + b
+
+
+def test_sampling_parameters_reach_the_cluster(client: TestClient, cluster: FakeCluster) -> None:
+    r = client.post("/v1/completions", json={
+        "model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+        "seed": 11, "stop": ["zz"], "ignore_eos": True, "user": "tenant-a"})
+    assert r.status_code == 200
+    params = cluster.calls[0].sampling
+    assert (params.temperature, params.top_p, params.top_k, params.seed, params.stop, params.ignore_eos) == \
+        (0.7, 0.9, 5, 11, ("zz",), True)
+    assert cluster.calls[0].tenant == "tenant-a"
+    client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "top_k": -1}, headers={"x-tenant": "t2"})
+    assert cluster.calls[1].sampling.top_k == 0 and cluster.calls[1].tenant == "t2"
+
+
+def test_completion_stream_matches_non_stream_and_reports_usage(client: TestClient, tokenizer: Tokenizer) -> None:
+    request = {"model": MODEL, "prompt": "Say hi", "max_tokens": 7, "stream": True,
+               "stream_options": {"include_usage": True}}
+    r = client.post("/v1/completions", json=request)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    chunks, usage_chunk, done = events[:-2], events[-2], events[-1]
+    assert done == "[DONE]"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY[:7]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 6 + ["length"]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 7
+    assert usage_chunk["usage"]["prompt_tokens"] == len(tokenizer.encode("Say hi"))
+
+
+def test_chat_non_stream_applies_template_once(client: TestClient, cluster: FakeCluster, tokenizer: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["message"]["content"] == REPLY[:4]
+    assert body["choices"][0]["finish_reason"] == "length"
+    expected = tuple(tokenizer.encode(tokenizer.apply_chat_template(messages)))
+    assert cluster.calls[0].prompt_token_ids == expected
+    assert body["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_chat_max_completion_tokens_and_default_to_context(client: TestClient, cluster: FakeCluster) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    client.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 3, "max_tokens": 9})
+    assert cluster.calls[0].sampling.max_tokens == 3
+    client.post("/v1/chat/completions", json={"messages": messages})
+    num_prompt = len(cluster.calls[1].prompt_token_ids)
+    assert cluster.calls[1].sampling.max_tokens == MAX_MODEL_LEN - num_prompt
+
+
+def test_chat_stream_chunks(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-2]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == REPLY[:3]
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert events[-2]["usage"]["completion_tokens"] == 3 and events[-2]["choices"] == []
+
+
+def test_n_samples_are_separate_calls(client: TestClient, cluster: FakeCluster) -> None:
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "n": 3, "seed": 1})
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c.request_id for c in cluster.calls] == [f"{body['id']}-{i}" for i in range(3)]
+    assert all(c.sampling.n == 1 for c in cluster.calls)
+    assert body["usage"]["completion_tokens"] == 12 and body["usage"]["prompt_tokens"] == 2
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 2, "n": 2, "stream": True})
+    finishes = [c["choices"][0]["index"] for c in sse_events(r.text)[:-1] if c["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == [0, 1]
+
+
+def test_completion_logprobs(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "logprobs": 2})
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == list(REPLY[:3])
+    assert logprobs["token_logprobs"] == [-0.25, -0.5, -0.75]
+    assert logprobs["text_offset"] == [0, 1, 2]
+    assert [len(top) for top in logprobs["top_logprobs"]] == [2, 2, 2]
+    assert logprobs["top_logprobs"][0]["H"] == -0.25
+
+
+def test_chat_logprobs(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 2, "logprobs": True, "top_logprobs": 3})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == ["H", "e"]
+    assert content[0]["bytes"] == [72] and content[0]["logprob"] == -0.25
+    assert len(content[0]["top_logprobs"]) == 3 and content[0]["top_logprobs"][0]["token"] == "H"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 2, "logprobs": True, "stream": True})
+    chunks = [c for c in sse_events(r.text)[:-1] if c["choices"][0]["logprobs"]]
+    assert [c["choices"][0]["logprobs"]["content"][0]["token"] for c in chunks] == ["H", "e"]
+
+
+def test_cached_tokens_on_shared_prefix(client: TestClient) -> None:
+    system = "You are a careful assistant. " * 4
+    first = client.post("/v1/completions", json={"prompt": system + "Question one?", "max_tokens": 1}).json()
+    second = client.post("/v1/completions", json={"prompt": system + "Question two?", "max_tokens": 1}).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    num_shared_tokens = len(system + "Question ")  # byte-level: one token per character
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == num_shared_tokens // 16 * 16
+
+
+def test_stop_string(client: TestClient, cluster: FakeCluster) -> None:
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 40, "stop": "kvb"})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "Hello from " and choice["finish_reason"] == "stop"
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 40, "stop": ["zzz", "from"],
+                                             "stream": True})
+    chunks = sse_events(r.text)[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_echo_and_request_id_header(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "echo": True},
+                    headers={"x-request-id": "client-42"})
+    assert r.json()["choices"][0]["text"] == "Hi" + REPLY[:2]
+    assert r.headers["x-request-id"] == "client-42"
+    assert "client-42" not in r.json()["id"]
+
+
+def test_small_endpoints(client: TestClient, cluster: FakeCluster) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").status_code == 200
+    cluster.ready = (False, "no live worker (lost: w1: exited with code -9)")
+    r = client.get("/ready")
+    assert r.status_code == 503 and r.json()["reason"] == "no live worker (lost: w1: exited with code -9)"
+    assert client.get("/cluster").json() == cluster.cluster_info()
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_metrics(client: TestClient) -> None:
+    system = "Shared system prompt for the metrics test. "
+    client.post("/v1/completions", json={"prompt": system + "a", "max_tokens": 3})
+    client.post("/v1/completions", json={"prompt": system + "b", "max_tokens": 3})
+    text = client.get("/metrics").text
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(lines["kvbaton:time_to_first_token_seconds_count"]) == 2
+    assert float(lines["kvbaton:inter_token_latency_seconds_count"]) == 4
+    assert float(lines["kvbaton:e2e_request_latency_seconds_count"]) == 2
+    assert float(lines['kvbaton:request_success_total{finished_reason="length"}']) == 2
+    assert float(lines["kvbaton:generation_tokens_total"]) == 6
+    assert float(lines["kvbaton:prefix_cache_queries_total"]) == 2 * (len(system) + 1)
+    assert float(lines["kvbaton:prefix_cache_hits_total"]) == len(system) // 16 * 16
+    assert float(lines["kvbaton:num_requests_waiting"]) == 1
+    assert float(lines["kvbaton:kv_cache_usage_perc"]) == 0.25
+    assert float(lines['kvbaton:router_decisions_total{reason="exploit"}']) == 2
+    assert "kvbaton:num_requests_running" in lines
+
+
+def test_each_app_has_its_own_registry(client: TestClient, tokenizer: Tokenizer) -> None:
+    client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    other = create_app(FakeCluster(tokenizer), tokenizer, MODEL, max_model_len=MAX_MODEL_LEN)
+    with TestClient(other) as other_client:
+        assert "kvbaton:generation_tokens_total 0.0" in other_client.get("/metrics").text
+    assert "kvbaton:generation_tokens_total 2.0" in client.get("/metrics").text

@@ -1,0 +1,151 @@
+"""The HTTP layer end to end: the official openai client against `kvbaton serve --model tiny-random --workers 2`
+in a subprocess (killed by pid at the end). Slow-ish: one server start plus two `kvbaton generate` runs,
+about 30-60 s on a loaded 2-core machine.
+
+Checks: greedy output through the server equals `kvbaton generate`'s (completion and chat); a second request
+sharing a long prefix reports cached_tokens > 0; bad inputs and a client disconnect mid-stream leave every
+worker's block accounting at its idle baseline (only the prefix cache holds blocks, invariants pass).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+MODEL = "tiny-random"
+STARTUP_TIMEOUT_S = 180.0
+PROMPT = "The quick brown fox jumps over the lazy dog. Then"
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[str]
+    url: str
+    worker_pids: list[int]
+
+
+def _first_line(process: subprocess.Popen[str]) -> str:
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(process.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reader.join(STARTUP_TIMEOUT_S)
+    if not lines or not lines[0]:
+        process.kill()
+        raise AssertionError(f"kvbaton serve did not start: {process.communicate(timeout=10)}")
+    return lines[0]
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", MODEL, "--workers", "2", "--port", "0",
+               "--num-blocks", "256", "--drain-timeout", "5"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    worker_pids: list[int] = []
+    try:
+        banner = _first_line(process)
+        match = re.search(r"at (http://127\.0\.0\.1:\d+) .*\(pids ([\d ]+)\)", banner)
+        assert match, banner
+        worker_pids = [int(p) for p in match.group(2).split()]
+        yield Served(process, match.group(1), worker_pids)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                _kill(process.pid)
+                process.wait(10)
+        for pid in worker_pids:  # the launcher reaps its workers; this only guards against a broken launcher
+            _kill(pid)
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120) as oa:
+        yield oa
+
+
+def _generate(*args: str) -> dict[str, object]:
+    command = [sys.executable, "-m", "kvbaton.cli", "generate", "--model", MODEL, "--json", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, check=True)
+    return json.loads(done.stdout)
+
+
+def _wait_idle_baseline(url: str, timeout_s: float = 20.0) -> list[dict[str, object]]:
+    """Polls /cluster until every worker is idle with only cached blocks in use; returns the workers."""
+    deadline = time.monotonic() + timeout_s
+    info: dict[str, object] = {}
+    while time.monotonic() < deadline:
+        info = httpx.get(url + "/cluster", timeout=10).json()
+        workers = info["workers"]
+        if info["num_in_flight"] == 0 and len(workers) == 2 and all(
+            w.get("num_running") == 0 and w.get("num_waiting") == 0 and w.get("invariant_error") == ""
+            and w.get("num_used_blocks") == w.get("num_cached_blocks") for w in workers
+        ):
+            return workers
+        time.sleep(0.1)
+    raise AssertionError(f"workers did not return to the idle baseline: {info}")
+
+
+def test_greedy_output_equals_kvbaton_generate(client: openai.OpenAI) -> None:
+    expected = _generate("--prompt", PROMPT, "--max-tokens", "24")
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert resp.choices[0].text == expected["text"]
+    assert resp.usage.prompt_tokens == len(expected["prompt_token_ids"])
+    assert resp.usage.completion_tokens == len(expected["token_ids"])
+    expected_chat = _generate("--chat", "--prompt", "Hi there!", "--max-tokens", "16")
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there!"}],
+                                          max_tokens=16, temperature=0)
+    assert chat.choices[0].message.content == expected_chat["text"]
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there!"}],
+                                            max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected_chat["text"]
+
+
+def test_shared_prefix_reports_cached_tokens(client: openai.OpenAI) -> None:
+    system = "You are a meticulous assistant who answers in one short sentence. " * 4
+    first = client.completions.create(model=MODEL, prompt=system + "What is 2+2?", max_tokens=4, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=system + "Name a colour.", max_tokens=4,
+                                       temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(system) // 16 * 16 - 16
+
+
+def test_bad_inputs_and_disconnect_leave_block_accounting_at_baseline(served: Served) -> None:
+    _wait_idle_baseline(served.url)
+    bad_bodies = [
+        b"{not json", b'{"prompt": "hi", "max_tokens": "ten"}', b'{"prompt": "hi", "temperature": -1}',
+        b'{"prompt": ""}', b'{"prompt": "hi", "max_tokens": 5000}', b'{"model": "gpt-9", "prompt": "hi"}',
+    ]
+    for raw in bad_bodies:
+        r = httpx.post(served.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code in (400, 404) and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True, "n": 2}
+    started_at = time.monotonic()
+    with httpx.Client(timeout=60) as http, http.stream("POST", served.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: {") for _ in range(6))
+    _wait_idle_baseline(served.url)
+    metrics = httpx.get(served.url + "/metrics", timeout=10).text
+    assert 'kvbaton:request_success_total{finished_reason="abort"} 2.0' in metrics
+    assert time.monotonic() - started_at < 60  # aborted, not run to 1,500 tokens

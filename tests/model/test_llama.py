@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -19,6 +20,15 @@ transformers = pytest.importorskip("transformers")
 
 NUM_NEW_TOKENS = 32
 LOGIT_ATOL = 2e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: one thread is as fast, and immune to OpenMP spin-waits on a shared, oversubscribed CPU."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def hf_model(config: ModelConfig, state: dict[str, torch.Tensor], qwen2: bool = False) -> torch.nn.Module:
@@ -62,7 +72,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new_tokens: int) ->
     ids = list(prompt)
     for _ in range(num_new_tokens):
         ids.append(int(out.logits[0, -1].argmax()))
-        out = model(torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([ids[-1:]]), cache=out.past_key_values, use_cache=True)
     logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1 : -1].float()
     return ids[len(prompt) :], logits
 

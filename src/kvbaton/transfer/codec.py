@@ -1,0 +1,124 @@
+"""Handoff messages and transport handshake frames to and from msgpack bytes (never pickle).
+
+A frame header is a msgpack array `[tag, *fields]`; nested values (layout, transfer id, first
+token) are arrays too. `decode` rejects unknown tags and malformed fields in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvbaton.transfer.layout import KVLayout
+from kvbaton.transfer.messages import (
+    Abort,
+    AbortCause,
+    Ack,
+    FirstToken,
+    LayerChunk,
+    Message,
+    ReserveGranted,
+    ReserveRefused,
+    ReserveRequest,
+    SourceDone,
+    TransferId,
+)
+
+
+class FrameError(ValueError):
+    """Bytes that are not a well-formed transfer frame."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First frame on a new link: the sending (prefill) worker and the KV layout it will send."""
+
+    worker_id: str
+    layout: KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """The receiver accepts the link; `num_blocks` and `shm_path` describe its KV storage."""
+
+    worker_id: str
+    num_blocks: int
+    shm_path: str  # "" for transports that stream the bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The receiver refuses the link (layout mismatch at registration) and closes it."""
+
+    reason: str
+
+
+Frame = Message | Hello | Welcome | Rejected
+
+
+def _layout(layout: KVLayout) -> list[Any]:
+    return [layout.model_revision, layout.dtype, layout.block_size, layout.num_layers, layout.num_kv_heads,
+            layout.head_dim]
+
+
+def _tid(transfer_id: TransferId) -> list[Any]:
+    return [transfer_id.request_id, transfer_id.sample_index]
+
+
+def encode(frame: Frame) -> bytes:
+    if isinstance(frame, ReserveRequest):
+        fields: list[Any] = ["reserve", _tid(frame.transfer_id), _layout(frame.layout), frame.num_tokens]
+    elif isinstance(frame, LayerChunk):
+        fields = ["chunk", _tid(frame.transfer_id), _layout(frame.layout), frame.layer_index, frame.first_position,
+                  frame.num_valid_tokens, list(frame.src_block_ids), list(frame.dst_block_ids)]
+    elif isinstance(frame, SourceDone):
+        token = frame.first_token
+        fields = ["done", _tid(frame.transfer_id), frame.num_tokens,
+                  [token.token_id, token.logprob, [list(pair) for pair in token.top_logprobs]]]
+    elif isinstance(frame, ReserveGranted):
+        fields = ["grant", _tid(frame.transfer_id), list(frame.dst_block_ids)]
+    elif isinstance(frame, ReserveRefused):
+        fields = ["refuse", _tid(frame.transfer_id), frame.reason]
+    elif isinstance(frame, Ack):
+        fields = ["ack", _tid(frame.transfer_id)]
+    elif isinstance(frame, Abort):
+        fields = ["abort", _tid(frame.transfer_id), frame.cause.value, frame.reason]
+    elif isinstance(frame, Hello):
+        fields = ["hello", frame.worker_id, _layout(frame.layout)]
+    elif isinstance(frame, Welcome):
+        fields = ["welcome", frame.worker_id, frame.num_blocks, frame.shm_path]
+    elif isinstance(frame, Rejected):
+        fields = ["rejected", frame.reason]
+    else:
+        raise TypeError(f"cannot encode {type(frame).__name__}")
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def decode(data: bytes) -> Frame:
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        tag, rest = fields[0], fields[1:]
+        return _DECODERS[tag](*rest)
+    except (KeyError, TypeError, IndexError, ValueError, msgpack.UnpackException) as error:
+        raise FrameError(f"malformed transfer frame: {error!r}") from error
+
+
+def _decode_first_token(token_id: int, logprob: float, top: list[list[Any]]) -> FirstToken:
+    return FirstToken(int(token_id), float(logprob), tuple((int(t), float(lp)) for t, lp in top))
+
+
+_DECODERS: dict[str, Any] = {
+    "reserve": lambda tid, layout, num: ReserveRequest(TransferId(*tid), KVLayout(*layout), num),
+    "chunk": lambda tid, layout, layer, first, num, src, dst: LayerChunk(
+        TransferId(*tid), KVLayout(*layout), layer, first, num, tuple(src), tuple(dst)),
+    "done": lambda tid, num, token: SourceDone(TransferId(*tid), num, _decode_first_token(*token)),
+    "grant": lambda tid, dst: ReserveGranted(TransferId(*tid), tuple(dst)),
+    "refuse": lambda tid, reason: ReserveRefused(TransferId(*tid), reason),
+    "ack": lambda tid: Ack(TransferId(*tid)),
+    "abort": lambda tid, cause, reason: Abort(TransferId(*tid), AbortCause(cause), reason),
+    "hello": lambda worker_id, layout: Hello(worker_id, KVLayout(*layout)),
+    "welcome": lambda worker_id, num_blocks, shm_path: Welcome(worker_id, num_blocks, shm_path),
+    "rejected": lambda reason: Rejected(reason),
+}

@@ -1,0 +1,219 @@
+"""The prefill side of handoffs: reserve on the decode worker, stream layer chunks, hold source blocks until the ack.
+
+One `HandoffSource` per prefill worker drives every outgoing transfer. It never reads a clock: `now`
+(seconds) is passed to each call, so the simulator drives the same code with simulated time.
+
+Block ownership: while a leg is STREAMING or AWAITING_ACK it holds one extra reference (in the
+worker's `BlockPool`) on every source block it has streamed, so the blocks stay valid even if the
+request has already left the scheduler. The references are dropped exactly once, when the leg
+ends: on the ack (DONE), or on cancel / failure / lease expiry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbaton.cache.block_pool import BlockPool
+from kvbaton.transfer.layout import KVLayout
+from kvbaton.transfer.messages import (
+    Abort,
+    AbortCause,
+    Ack,
+    FirstToken,
+    LayerChunk,
+    Message,
+    Outgoing,
+    ReserveGranted,
+    ReserveRefused,
+    ReserveRequest,
+    SourceDone,
+    TransferId,
+)
+from kvbaton.transfer.states import SOURCE_LIVE, SOURCE_TRANSITIONS, Outcome, ProtocolError, SourceState, source_outcome
+
+_END_STATE = {AbortCause.CANCELLED: SourceState.CANCELLED, AbortCause.FAILED: SourceState.FAILED,
+              AbortCause.EXPIRED: SourceState.EXPIRED}
+
+
+@dataclass(slots=True)
+class _SourceLeg:
+    transfer_id: TransferId
+    peer: str
+    num_tokens: int
+    state: SourceState
+    lease_expires_at: float
+    dst_block_ids: tuple[int, ...] = ()
+    held_block_ids: list[int] = field(default_factory=list)  # one reference each, taken by this leg
+    ended_at: float = 0.0
+    reason: str = ""
+
+
+class HandoffSource:
+    """All outgoing handoffs of one prefill worker."""
+
+    def __init__(self, layout: KVLayout, pool: BlockPool, lease_s: float, tombstone_s: float = 600.0) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        self.layout = layout
+        self.pool = pool
+        self.lease_s = lease_s
+        self.tombstone_s = tombstone_s  # ended legs are remembered this long so late messages stay ignored
+        self._legs: dict[TransferId, _SourceLeg] = {}
+        self.num_ignored_messages = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def state(self, transfer_id: TransferId) -> SourceState:
+        return self._leg(transfer_id).state
+
+    def outcome(self, transfer_id: TransferId) -> Outcome | None:
+        return source_outcome(self._leg(transfer_id).state)
+
+    def reason(self, transfer_id: TransferId) -> str:
+        return self._leg(transfer_id).reason
+
+    def dst_block_ids(self, transfer_id: TransferId) -> tuple[int, ...]:
+        return self._leg(transfer_id).dst_block_ids
+
+    @property
+    def num_live_transfers(self) -> int:
+        return sum(leg.state in SOURCE_LIVE for leg in self._legs.values())
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(leg.held_block_ids) for leg in self._legs.values())
+
+    # -- caller-driven steps ---------------------------------------------------------------------
+
+    def start(self, transfer_id: TransferId, peer: str, num_tokens: int, now: float) -> Outgoing:
+        """Ask decode worker `peer` to reserve blocks; the prefill may start only once it is granted."""
+        if transfer_id in self._legs:
+            raise ProtocolError(f"transfer {transfer_id} was already started")
+        if num_tokens <= 0:
+            raise ProtocolError(f"transfer {transfer_id}: num_tokens must be positive, got {num_tokens}")
+        self._legs[transfer_id] = _SourceLeg(transfer_id, peer, num_tokens, SourceState.RESERVING, now + self.lease_s)
+        return Outgoing(peer, ReserveRequest(transfer_id, self.layout, num_tokens))
+
+    def stream(self, transfer_id: TransferId, layer_index: int, first_position: int, num_valid_tokens: int,
+               src_block_ids: tuple[int, ...], now: float) -> Outgoing:
+        """The chunk message for KV just produced; the caller's transport moves the bytes with it."""
+        leg = self._live_leg(transfer_id, SourceState.STREAMING)
+        blocks = self.layout.block_range(first_position, num_valid_tokens)
+        if not 0 <= layer_index < self.layout.num_layers:
+            raise ProtocolError(f"transfer {transfer_id}: layer {layer_index} out of range")
+        if num_valid_tokens <= 0 or first_position < 0 or first_position + num_valid_tokens > leg.num_tokens:
+            raise ProtocolError(f"transfer {transfer_id}: positions [{first_position}, "
+                                f"{first_position + num_valid_tokens}) outside [0, {leg.num_tokens})")
+        if len(src_block_ids) != len(blocks):
+            raise ProtocolError(f"transfer {transfer_id}: {len(src_block_ids)} source blocks for {len(blocks)} slots")
+        new_block_ids = sorted(set(src_block_ids) - set(leg.held_block_ids))
+        self.pool.ref(new_block_ids)
+        leg.held_block_ids.extend(new_block_ids)
+        leg.lease_expires_at = now + self.lease_s
+        dst_block_ids = leg.dst_block_ids[blocks.start:blocks.stop]
+        return Outgoing(leg.peer, LayerChunk(transfer_id, self.layout, layer_index, first_position,
+                                             num_valid_tokens, tuple(src_block_ids), dst_block_ids))
+
+    def finish(self, transfer_id: TransferId, first_token: FirstToken, now: float) -> Outgoing:
+        """Every chunk is sent: tell the destination, then wait (holding the blocks) for its ack."""
+        leg = self._live_leg(transfer_id, SourceState.STREAMING)
+        self._move(leg, SourceState.AWAITING_ACK)
+        leg.lease_expires_at = now + self.lease_s
+        return Outgoing(leg.peer, SourceDone(transfer_id, leg.num_tokens, first_token))
+
+    def cancel(self, transfer_id: TransferId, now: float, reason: str = "cancelled") -> list[Outgoing]:
+        """End the leg in any live state and tell the peer; a no-op on an unknown or ended transfer."""
+        return self._abort(transfer_id, AbortCause.CANCELLED, reason, now)
+
+    def fail(self, transfer_id: TransferId, now: float, reason: str) -> list[Outgoing]:
+        """The prefill or the transport failed: end the leg and the peer's."""
+        return self._abort(transfer_id, AbortCause.FAILED, reason, now)
+
+    def on_peer_lost(self, peer: str, now: float) -> list[TransferId]:
+        """The link to `peer` is gone: every live leg with it fails (nothing can be sent to it)."""
+        lost = sorted(leg.transfer_id for leg in self._legs.values() if leg.peer == peer and leg.state in SOURCE_LIVE)
+        for transfer_id in lost:
+            self._end(self._legs[transfer_id], SourceState.FAILED, f"lost the link to {peer}", now)
+        return lost
+
+    def expire(self, now: float) -> list[Outgoing]:
+        """End every live leg whose lease ran out (telling its peer), and forget old ended legs."""
+        outgoing: list[Outgoing] = []
+        for transfer_id in sorted(self._legs):
+            leg = self._legs[transfer_id]
+            if leg.state in SOURCE_LIVE and now >= leg.lease_expires_at:
+                outgoing += self._abort(transfer_id, AbortCause.EXPIRED, f"lease expired in {leg.state.value}", now)
+            elif leg.state not in SOURCE_LIVE and now >= leg.ended_at + self.tombstone_s:
+                del self._legs[transfer_id]
+        return outgoing
+
+    # -- messages from the destination -----------------------------------------------------------
+
+    def on_message(self, message: Message, now: float) -> list[Outgoing]:
+        """Apply a message from the decode worker; late, duplicate and unknown ones are ignored."""
+        leg = self._legs.get(message.transfer_id)
+        if leg is None or leg.state not in SOURCE_LIVE:
+            self.num_ignored_messages += 1
+            return []
+        if isinstance(message, ReserveGranted) and leg.state is SourceState.RESERVING:
+            if len(message.dst_block_ids) != self.layout.num_blocks_for(leg.num_tokens):
+                return self._abort(leg.transfer_id, AbortCause.FAILED, "grant has the wrong number of blocks", now)
+            leg.dst_block_ids = message.dst_block_ids
+            leg.lease_expires_at = now + self.lease_s
+            self._move(leg, SourceState.STREAMING)
+        elif isinstance(message, ReserveRefused) and leg.state is SourceState.RESERVING:
+            self._end(leg, SourceState.REFUSED, message.reason, now)
+        elif isinstance(message, Ack) and leg.state is SourceState.AWAITING_ACK:
+            self._end(leg, SourceState.DONE, "", now)
+        elif isinstance(message, Abort):
+            self._end(leg, _END_STATE[message.cause], f"peer: {message.reason}", now)
+        else:
+            self.num_ignored_messages += 1
+        return []
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _leg(self, transfer_id: TransferId) -> _SourceLeg:
+        leg = self._legs.get(transfer_id)
+        if leg is None:
+            raise ProtocolError(f"unknown transfer {transfer_id}")
+        return leg
+
+    def _live_leg(self, transfer_id: TransferId, expected: SourceState) -> _SourceLeg:
+        leg = self._leg(transfer_id)
+        if leg.state is not expected:
+            raise ProtocolError(f"transfer {transfer_id} is {leg.state.value}, not {expected.value}")
+        return leg
+
+    def _abort(self, transfer_id: TransferId, cause: AbortCause, reason: str, now: float) -> list[Outgoing]:
+        leg = self._legs.get(transfer_id)
+        if leg is None or leg.state not in SOURCE_LIVE:
+            return []
+        self._end(leg, _END_STATE[cause], reason, now)
+        return [Outgoing(leg.peer, Abort(transfer_id, cause, reason))]
+
+    def _end(self, leg: _SourceLeg, state: SourceState, reason: str, now: float) -> None:
+        self._move(leg, state)
+        self.pool.release(leg.held_block_ids)
+        leg.held_block_ids = []
+        leg.ended_at = now
+        leg.reason = reason
+
+    def _move(self, leg: _SourceLeg, state: SourceState) -> None:
+        assert state in SOURCE_TRANSITIONS.get(leg.state, ()), f"{leg.transfer_id}: {leg.state} -> {state}"
+        leg.state = state
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a leg's blocks or state disagree with the pool or each other."""
+        for leg in self._legs.values():
+            assert len(set(leg.held_block_ids)) == len(leg.held_block_ids), f"{leg.transfer_id} holds a block twice"
+            if leg.state not in (SourceState.STREAMING, SourceState.AWAITING_ACK):
+                assert not leg.held_block_ids, f"{leg.transfer_id} is {leg.state.value} but holds blocks"
+            if leg.state is not SourceState.RESERVING and leg.state in SOURCE_LIVE:
+                assert len(leg.dst_block_ids) == self.layout.num_blocks_for(leg.num_tokens)
+        holders: dict[int, int] = {}
+        for leg in self._legs.values():
+            for block_id in leg.held_block_ids:
+                holders[block_id] = holders.get(block_id, 0) + 1
+        for block_id, num_holders in holders.items():
+            assert self.pool.ref_count(block_id) >= num_holders, f"block {block_id} has fewer refs than holders"

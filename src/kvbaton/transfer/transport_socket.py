@@ -1,0 +1,367 @@
+"""Length-prefixed frames over persistent TCP links, and the two link ends the tcp and shm transports share.
+
+Wire format: `u32 little-endian header length | msgpack header | payload`, where only a tcp
+`LayerChunk` has a payload (its KV bytes, K then V, in position order; the size follows from the
+layout). A link starts with Hello -> Welcome | Rejected, so a worker with a different KV layout is
+refused at registration.
+
+`SocketKVReceiver` (decode end) listens and runs one reader thread that accepts links and reads
+frames, so KV lands in storage while the engine keeps decoding; the engine drains what arrived with
+`poll`. `SocketKVSender` (prefill end) keeps one connection per peer and reads replies in `poll`
+on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import select
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbaton.transfer.base import (
+    Delivery,
+    KVTransport,
+    LayoutRejectedError,
+    PeerLost,
+    TransportError,
+    check_storage,
+)
+from kvbaton.transfer.codec import Frame, FrameError, Hello, Rejected, Welcome, decode, encode
+from kvbaton.transfer.layout import KVLayout
+from kvbaton.transfer.messages import LayerChunk, Message
+
+_HEADER_LENGTH = struct.Struct("<I")
+_MAX_HEADER_BYTES = 1 << 24
+
+
+_MAX_IOVECS = 512  # buffers per sendmsg/recvmsg_into call, under every platform's IOV_MAX
+
+
+def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """Write the buffers in order with gathering `sendmsg` calls (one syscall for many block runs)."""
+    index = 0
+    while index < len(buffers):
+        num_sent = sock.sendmsg(buffers[index:index + _MAX_IOVECS])
+        while index < len(buffers) and num_sent >= len(buffers[index]):
+            num_sent -= len(buffers[index])
+            index += 1
+        if num_sent:
+            buffers[index] = buffers[index][num_sent:]
+
+
+def recv_into_buffers(sock: socket.socket, buffers: list[memoryview]) -> bool:
+    """Fill the buffers in order with scattering `recvmsg_into` calls; False if the peer closed first."""
+    index = 0
+    buffers = [buffer for buffer in buffers if len(buffer)]
+    while index < len(buffers):
+        num_received = sock.recvmsg_into(buffers[index:index + _MAX_IOVECS])[0]
+        if num_received == 0:
+            return False
+        while index < len(buffers) and num_received >= len(buffers[index]):
+            num_received -= len(buffers[index])
+            index += 1
+        if num_received:
+            buffers[index] = buffers[index][num_received:]
+    return True
+
+
+def send_frames(sock: socket.socket, frames: list[tuple[Frame, list[memoryview]]]) -> None:
+    """Write frames with their payloads (flat byte views) in gathering writes."""
+    buffers: list[memoryview] = []
+    for frame, payload in frames:
+        header = encode(frame)
+        buffers.append(memoryview(_HEADER_LENGTH.pack(len(header)) + header))
+        buffers += payload
+    send_buffers(sock, buffers)
+
+
+def send_frame(sock: socket.socket, frame: Frame) -> None:
+    send_frames(sock, [(frame, [])])
+
+
+def recv_exact_into(sock: socket.socket, buffer: memoryview) -> bool:
+    """Fill `buffer` from the socket; False if the peer closed the link first."""
+    offset, size = 0, len(buffer)
+    while offset < size:
+        num = sock.recv_into(buffer[offset:])
+        if num == 0:
+            return False
+        offset += num
+    return True
+
+
+def recv_frame(sock: socket.socket) -> Frame | None:
+    """The next frame header, or None when the peer closed the link."""
+    prefix = bytearray(_HEADER_LENGTH.size)
+    if not recv_exact_into(sock, memoryview(prefix)):
+        return None
+    (length,) = _HEADER_LENGTH.unpack(prefix)
+    if length > _MAX_HEADER_BYTES:
+        raise FrameError(f"frame header of {length} bytes")
+    header = bytearray(length)
+    if not recv_exact_into(sock, memoryview(header)):
+        return None
+    return decode(bytes(header))
+
+
+@dataclass(slots=True)
+class _Link:
+    sock: socket.socket
+    peer: str
+    welcome: Welcome | None = None
+
+
+class SocketKVReceiver(KVTransport):
+    """Decode end: accepts links from prefill workers and delivers their frames (see module docstring)."""
+
+    def __init__(self, name: str, layout: KVLayout, kv: np.ndarray, host: str = "127.0.0.1", port: int = 0,
+                 io_timeout_s: float = 30.0) -> None:
+        check_storage(kv, layout)
+        self.name, self.layout, self.kv = name, layout, kv
+        self.io_timeout_s = io_timeout_s  # a peer stalled this long inside one frame counts as lost
+        self._listener = socket.create_server((host, port))
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._links: dict[str, _Link] = {}
+        self._send_lock = threading.Lock()
+        self._inbox: queue.Queue[Delivery | PeerLost] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=f"kv-receiver-{name}", daemon=True)
+        self._thread.start()
+
+    # -- hooks for the tcp / shm variants ---------------------------------------------------------
+
+    def _shm_path(self) -> str:
+        return ""
+
+    def _receive_payload(self, sock: socket.socket, chunk: LayerChunk) -> bool:
+        """Read the chunk's payload (if this transport has one); False if the link closed meanwhile."""
+        return True
+
+    # -- KVTransport --------------------------------------------------------------------------
+
+    def send(self, peer: str, message: Message, source_kv: np.ndarray | None = None) -> None:
+        link = self._links.get(peer)
+        if link is None:
+            raise TransportError(f"{self.name}: no link to {peer}")
+        try:
+            with self._send_lock:
+                send_frame(link.sock, message)
+        except OSError as error:
+            raise TransportError(f"{self.name}: sending to {peer} failed: {error}") from error
+
+    def poll(self, timeout_s: float) -> list[Delivery | PeerLost]:
+        items: list[Delivery | PeerLost] = []
+        try:
+            items.append(self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait())
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return items
+
+    def disconnect(self, peer: str) -> None:
+        link = self._links.get(peer)
+        if link is not None:
+            # The reader thread sees the end of the stream, closes the socket and reports PeerLost.
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # the reader thread closed it first: PeerLost is already on its way
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake_writer.send(b"x")
+        self._thread.join(timeout=10.0)
+        for sock in (self._listener, self._wake_reader, self._wake_writer):
+            sock.close()
+
+    # -- reader thread ----------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        pending: list[socket.socket] = []  # accepted, Hello not yet read
+        try:
+            while not self._closed:
+                socks = [self._listener, self._wake_reader, *pending, *(link.sock for link in self._links.values())]
+                readable, _, _ = select.select(socks, [], [])
+                for sock in readable:
+                    if sock is self._wake_reader:
+                        return
+                    if sock is self._listener:
+                        conn, _ = self._listener.accept()
+                        conn.settimeout(self.io_timeout_s)
+                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        pending.append(conn)
+                    elif sock in pending:
+                        pending.remove(sock)
+                        self._handshake(sock)
+                    else:
+                        self._read_available(sock)
+        finally:
+            for sock in pending:
+                sock.close()
+            for link in list(self._links.values()):
+                link.sock.close()
+            self._links.clear()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        try:
+            hello = recv_frame(sock)
+            if not isinstance(hello, Hello):
+                raise FrameError("a link must start with Hello")
+            reason = self.layout.mismatch(hello.layout)
+            if not reason and hello.worker_id in self._links:
+                reason = f"worker {hello.worker_id} is already linked"
+            if reason:
+                send_frame(sock, Rejected(reason))
+                sock.close()
+                return
+            with self._send_lock:
+                send_frame(sock, Welcome(self.name, self.kv.shape[2], self._shm_path()))
+            self._links[hello.worker_id] = _Link(sock, hello.worker_id)
+        except (OSError, FrameError):
+            sock.close()
+
+    def _read_available(self, sock: socket.socket) -> None:
+        """Read frames from one link while more are already waiting (a batch costs one wake-up)."""
+        peer = next(name for name, link in self._links.items() if link.sock is sock)
+        while True:
+            try:
+                frame = recv_frame(sock)
+                if isinstance(frame, LayerChunk) and not self._receive_payload(sock, frame):
+                    frame = None
+            except (OSError, FrameError) as error:
+                self._lose(peer, f"link error: {error}")
+                return
+            if frame is None:
+                self._lose(peer, "peer closed the link")
+                return
+            if isinstance(frame, (Hello, Welcome, Rejected)):
+                self._lose(peer, f"unexpected {type(frame).__name__} frame")
+                return
+            self._inbox.put(Delivery(peer, frame))
+            if not select.select([sock], [], [], 0)[0]:
+                return
+
+    def _lose(self, peer: str, reason: str) -> None:
+        link = self._links.pop(peer)
+        link.sock.close()
+        self._inbox.put(PeerLost(peer, reason))
+
+
+class SocketKVSender(KVTransport):
+    """Prefill end: one persistent connection per decode peer; replies are read in `poll`."""
+
+    def __init__(self, name: str, layout: KVLayout, io_timeout_s: float = 30.0) -> None:
+        self.name, self.layout = name, layout
+        self.io_timeout_s = io_timeout_s
+        self._links: dict[str, _Link] = {}
+        self._lost: list[PeerLost] = []
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def _on_welcome(self, link: _Link) -> None:
+        """Set up per-peer state once the receiver accepted the link (shm attaches its region)."""
+
+    def _chunk_payload(self, link: _Link, chunk: LayerChunk, source_kv: np.ndarray) -> list[memoryview]:
+        """Move or list the chunk's bytes; what is returned is streamed right after the frame header."""
+        return []
+
+    def _on_link_closed(self, link: _Link) -> None:
+        """Release per-peer state (shm detaches)."""
+
+    # -- KVTransport --------------------------------------------------------------------------
+
+    def connect(self, address: tuple[str, int], timeout_s: float = 10.0) -> str:
+        """Open the persistent link to a decode worker; returns its id. Raises LayoutRejectedError."""
+        try:
+            sock = socket.create_connection(address, timeout=timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send_frame(sock, Hello(self.name, self.layout))
+            reply = recv_frame(sock)
+        except (OSError, FrameError) as error:
+            raise TransportError(f"{self.name}: cannot link to {address}: {error}") from error
+        if not isinstance(reply, Welcome):
+            sock.close()
+            reason = reply.reason if isinstance(reply, Rejected) else "link closed during the handshake"
+            raise LayoutRejectedError(f"{address} refused the link: {reason}")
+        sock.settimeout(self.io_timeout_s)
+        link = _Link(sock, reply.worker_id, reply)
+        try:
+            self._on_welcome(link)
+        except BaseException:
+            sock.close()
+            raise
+        self._links[reply.worker_id] = link
+        return reply.worker_id
+
+    def send(self, peer: str, message: Message, source_kv: np.ndarray | None = None) -> None:
+        self.send_many(peer, [message], source_kv)
+
+    def send_many(self, peer: str, messages: list[Message], source_kv: np.ndarray | None = None) -> None:
+        link = self._links.get(peer)
+        if link is None:
+            raise TransportError(f"{self.name}: no link to {peer}")
+        try:
+            frames: list[tuple[Frame, list[memoryview]]] = []
+            for message in messages:
+                payload: list[memoryview] = []
+                if isinstance(message, LayerChunk):
+                    if source_kv is None:
+                        raise TransportError("a layer chunk needs the source KV storage")
+                    payload = self._chunk_payload(link, message, source_kv)
+                frames.append((message, payload))
+            send_frames(link.sock, frames)
+        except OSError as error:
+            self._lose(peer, f"send failed: {error}")
+            raise TransportError(f"{self.name}: sending to {peer} failed: {error}") from error
+
+    def poll(self, timeout_s: float) -> list[Delivery | PeerLost]:
+        items: list[Delivery | PeerLost] = list(self._lost)
+        self._lost.clear()
+        wait_s = 0.0 if items else timeout_s
+        while self._links:
+            by_sock = {link.sock: link for link in self._links.values()}
+            readable, _, _ = select.select(list(by_sock), [], [], wait_s)
+            if not readable:
+                break
+            for sock in readable:
+                link = by_sock[sock]
+                try:
+                    frame = recv_frame(sock)
+                except (OSError, FrameError) as error:
+                    frame, reason = None, f"link error: {error}"
+                else:
+                    reason = "peer closed the link"
+                if frame is None or isinstance(frame, (Hello, Welcome, Rejected)):
+                    self._lose(link.peer, reason)
+                else:
+                    items.append(Delivery(link.peer, frame))
+            items += self._lost
+            self._lost.clear()
+            wait_s = 0.0
+        return items
+
+    def disconnect(self, peer: str) -> None:
+        if peer in self._links:
+            self._lose(peer, "link dropped")
+
+    def close(self) -> None:
+        for peer in sorted(self._links):
+            self._lose(peer, "closed")
+        self._lost.clear()
+
+    def _lose(self, peer: str, reason: str) -> None:
+        link = self._links.pop(peer)
+        try:
+            link.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already reset by the peer
+        link.sock.close()
+        self._on_link_closed(link)
+        self._lost.append(PeerLost(peer, reason))

@@ -16,7 +16,7 @@ LAYER_RANK = {
     "core": 0, "bench": 1, "cache": 2, "scheduler": 3, "transfer": 4, "router": 5, "sim": 6, "plan": 7,
     "model": 8, "engine": 9, "server": 10, "cli": 11,
 }
-POLICY_CORE = ("core", "bench", "cache", "scheduler", "router", "sim", "plan")
+POLICY_CORE = ("core", "bench", "cache", "scheduler", "transfer", "router", "sim", "plan")
 FORBIDDEN_IN_CORE = ("torch", "fastapi", "zmq", "uvicorn", "starlette")
 
 

@@ -63,7 +63,15 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run a local cluster: N worker processes and the OpenAI-compatible router")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny-random | path to .gguf or HF dir")
-    p.add_argument("--workers", type=int, default=2, help="number of mixed (prefill+decode) worker processes")
+    p.add_argument("--workers", type=int, default=None,
+                   help="mixed (prefill+decode) worker processes (default 2, or 0 with --prefill/--decode)")
+    p.add_argument("--prefill", type=int, default=0, help="prefill worker processes (disaggregated pool)")
+    p.add_argument("--decode", type=int, default=0, help="decode worker processes (disaggregated pool)")
+    p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"), help="how KV moves prefill -> decode")
+    p.add_argument("--local-prefill-threshold", type=int, default=None,
+                   help="prompts with fewer uncached tokens skip the handoff (default: the measured one)")
+    p.add_argument("--kv-load-failure-policy", default="recompute", choices=("recompute", "fail"),
+                   help="when a handoff's KV does not arrive: the decode worker prefills itself, or the request fails")
     p.add_argument("--policy", default="preble", help="round_robin | least_load | longest_prefix | preble")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
@@ -73,6 +81,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
+    p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = all cores)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
     p.add_argument("--seed", type=int, default=0)
 
@@ -80,13 +89,24 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from kvbaton.server.launcher import ServeConfig, serve
 
-    if args.workers < 1:
-        raise KvbatonError(f"--workers must be at least 1, got {args.workers}")
+    from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+
+    num_workers = args.workers if args.workers is not None else (0 if args.prefill or args.decode else 2)
+    if min(num_workers, args.prefill, args.decode) < 0:
+        raise KvbatonError("--workers, --prefill and --decode must not be negative")
+    if args.prefill and not args.decode:
+        raise KvbatonError("--prefill needs at least one --decode worker to hand the KV to")
+    if num_workers + args.decode < 1:
+        raise KvbatonError("give at least one worker: --workers N, or --prefill N --decode M")
+    threshold = args.local_prefill_threshold
     return serve(ServeConfig(
-        model=args.model, num_workers=args.workers, policy=args.policy, host=args.host, port=args.port,
+        model=args.model, num_workers=num_workers, num_prefill=args.prefill, num_decode=args.decode,
+        kv_transport=args.kv_transport, kv_load_failure_policy=args.kv_load_failure_policy,
+        local_prefill_threshold_tokens=DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS if threshold is None else threshold,
+        policy=args.policy, host=args.host, port=args.port,
         rpc_address=args.rpc_address, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting, seed=args.seed,
-        drain_timeout_s=args.drain_timeout))
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
+        threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -102,7 +122,11 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = all cores)")
     p.add_argument("--router-timeout", type=float, default=15.0, help="exit after this long without a word from the router")
+    p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"), help="decode role: how prefill workers write KV")
+    p.add_argument("--kv-host", default="127.0.0.1", help="decode role: address the KV receiver listens on")
+    p.add_argument("--kv-lease", type=float, default=60.0, help="seconds a handoff reservation or held block lives")
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -118,8 +142,9 @@ def _run_worker(args: argparse.Namespace) -> int:
     worker = Worker(WorkerConfig(
         router_address=args.router, worker_id=worker_id, role=args.role, model=args.model, dtype=args.dtype,
         device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, queue_policy=args.policy,
-        router_timeout_s=args.router_timeout))
+        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.threads,
+        queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,
+        kv_host=args.kv_host, kv_lease_s=args.kv_lease))
     print(f"kvbaton worker {worker_id}: {args.model} loaded, registering with {args.router}", file=sys.stderr,
           flush=True)
     reason = worker.run()
@@ -136,7 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
     from kvbaton.bench.cli import add_bench_arguments
 
     add_bench_arguments(sub.add_parser("bench", help="workloads: describe them, or drive a live server"))
+    from kvbaton.plan.cli import add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="goodput placement search: pools, parallelism, replicas"))
+    from kvbaton.sim.cli import add_sim_arguments
+
+    add_sim_arguments(sub.add_parser("sim", help="simulate a workload on a named cluster with the real policy code"))
+    _add_profile(sub)
     return parser
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    # Declared here rather than in kvbaton.engine.profiler so that building the parser never imports torch.
+    p = sub.add_parser("profile", help="time the live engine over batch shapes and fit the simulator's cost model")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny-random | .gguf | HF dir")
+    p.add_argument("--out", required=True, metavar="FILE", help="coefficient JSON for kvbaton sim --cost-model")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quick", action="store_true", help="a small grid (seconds, for smoke tests)")
+    p.add_argument("--json", action="store_true", help="print the written file as one JSON object")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,6 +195,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvbaton.bench.cli import run_bench
 
             return run_bench(args)
+        if args.command == "plan":
+            from kvbaton.plan.cli import run_plan
+
+            return run_plan(args)
+        if args.command == "sim":
+            from kvbaton.sim.cli import run_sim
+
+            return run_sim(args)
+        if args.command == "profile":
+            from kvbaton.engine.profiler import run_profile
+
+            return run_profile(args)
         parser.error(f"unknown command {args.command}")
     except KvbatonError as exc:
         print(f"kvbaton: error: {exc}", file=sys.stderr)

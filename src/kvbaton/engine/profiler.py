@@ -1,0 +1,147 @@
+"""`kvbaton profile`: time the live engine over a grid of batch shapes and fit the simulator's cost model.
+
+Each grid point is a small request mix run to completion through the real `Engine`; every step's
+plan (captured from the scheduler) becomes a `BatchShape` and its wall time, `engine.step()`
+included (scheduling, the forward, sampling: what a live step costs), a sample. Prefill-only and
+decode-only steps fit DistServe's form (`kvbaton.sim.costs.fit`); the file it writes is what
+`kvbaton sim --cost-model FILE` reads. Prefix-cached prefills come from a warm-up request that
+leaves the shared prefix in the radix cache. This module reads the wall clock on purpose: it
+measures the live executor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.core.step import StepPlan
+from kvbaton.engine.engine import Engine
+from kvbaton.sim.costs.base import BatchShape
+from kvbaton.sim.costs.fit import StepSample, fit_linear, fit_quality
+from kvbaton.sim.costs.linear import LinearCostModel
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileGrid:
+    prefill_tokens: tuple[int, ...] = (32, 128, 384, 768)  # new tokens of one prefill
+    cached_tokens: tuple[int, ...] = (0, 256)  # prefix-cache hit under it
+    prefill_batch: tuple[int, ...] = (1, 2)  # prefills in one step
+    decode_batch: tuple[int, ...] = (1, 4, 16)  # decoding requests
+    decode_context_tokens: tuple[int, ...] = (128, 512)  # context of each
+    decode_steps: int = 4  # decode steps timed per (batch, context) point
+    repeats: int = 2
+
+
+QUICK_GRID = ProfileGrid((16, 64, 128), (0, 64), (1, 2), (1, 4), (32, 128), 3, 1)
+
+
+class _Recorder:
+    """Wraps the engine's scheduler so each step's plan is kept with the step's wall time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.plan: StepPlan | None = None
+        original = engine.scheduler.schedule
+
+        def schedule(now: float) -> StepPlan:
+            self.plan = original(now)
+            return self.plan
+
+        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+
+    def run(self, samples: list[StepSample] | None) -> None:
+        """Step until idle; keep (shape, seconds) of every non-empty step when `samples` is given."""
+        while self.engine.has_unfinished_requests():
+            started = time.perf_counter()
+            self.engine.step()
+            elapsed_s = time.perf_counter() - started
+            if samples is not None and self.plan is not None and not self.plan.is_empty:
+                samples.append(StepSample(BatchShape.of_plan(self.plan), elapsed_s))
+
+
+def _tokens(seed: int, n: int, vocab: int) -> list[int]:
+    # Deterministic, non-special ids, distinct per seed so prompts never share by accident.
+    return [17 + (seed * 7919 + i * 104729) % (vocab - 17) for i in range(n)]
+
+
+def measure(engine: Engine, grid: ProfileGrid) -> list[StepSample]:
+    vocab = engine.loaded.config.vocab_size
+    recorder = _Recorder(engine)
+    samples: list[StepSample] = []
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    seed = 0
+    for _ in range(grid.repeats):
+        for cached in grid.cached_tokens:
+            for new in grid.prefill_tokens:
+                for batch in grid.prefill_batch:
+                    seed += 1
+                    prefix = _tokens(seed, cached, vocab)
+                    if cached:
+                        engine.add_request(prefix + [17], one)  # leaves the prefix in the radix cache
+                        recorder.run(None)
+                    for b in range(batch):
+                        engine.add_request(prefix + _tokens(seed * 100 + b, new, vocab), one)
+                    recorder.run(samples)
+    for ctx in grid.decode_context_tokens:
+        for batch in grid.decode_batch:
+            seed += 1
+            decode = SamplingParams(max_tokens=grid.decode_steps + 1, temperature=0.0, ignore_eos=True)
+            for b in range(batch):
+                engine.add_request(_tokens(seed * 100 + b, ctx, vocab), decode)
+            recorder.run(samples)
+    return samples
+
+
+def profile_engine(model: str, out: str | Path, grid: ProfileGrid = ProfileGrid(), dtype: str = "auto",
+                   max_num_batched_tokens: int = 2048) -> dict:
+    """Measure, fit and write the coefficient file; returns what was written."""
+    config = EngineConfig(model=model, dtype=dtype, cache=CacheConfig(num_blocks=4096),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=256))
+    engine = Engine(config)
+    measure(engine, QUICK_GRID)  # warm-up: allocator, kernels, caches; discarded
+    samples = measure(engine, grid)
+    coefficients = fit_linear(samples)
+    kv_bytes = engine.loaded.config.kv_bytes_per_token(engine.loaded.dtype.itemsize)
+    fitted = LinearCostModel({1: coefficients}, kv_bytes, name=f"profile:{model}")
+    quality = {kind: asdict(fit_quality(fitted, [s for s in samples if _kind(s.shape) == kind]))
+               for kind in ("prefill", "decode", "mixed")}
+    payload = {
+        "source": f"kvbaton profile --model {model} (live engine on {engine.config.device}, "
+                  f"dtype {engine.loaded.dtype})",
+        "time_unit": "s",
+        "models": {model: {"kv_bytes_per_token": kv_bytes, "tp": {"1": coefficients.to_json()}}},
+        "fit_quality": quality,
+        "num_samples": len(samples),
+    }
+    Path(out).write_text(json.dumps(payload, indent=2) + "\n")
+    return payload
+
+
+def _kind(shape: BatchShape) -> str:
+    if shape.prefill_new_tokens and shape.num_decodes:
+        return "mixed"
+    return "prefill" if shape.prefill_new_tokens else "decode"
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    payload = profile_engine(args.model, args.out, QUICK_GRID if args.quick else ProfileGrid(), args.dtype)
+    if args.json:
+        print(json.dumps(payload))
+        return 0
+    coeffs = next(iter(payload["models"].values()))["tp"]["1"]
+    a, b, c, d = coeffs["prefill"]
+    da, db, dc = coeffs["decode_small"]
+    print(f"profiled {args.model}: {payload['num_samples']} steps -> {args.out}")
+    print(f"  prefill  {a * 1e3:.3f} ms + {b * 1e6:.3f} us/token + {c * 1e9:.4f} ns/token^2 "
+          f"+ {d * 1e9:.4f} ns/(new x cached)")
+    print(f"  decode   {da * 1e3:.3f} ms + {db * 1e9:.3f} ns/context token + {dc * 1e6:.3f} us/sequence")
+    for kind, q in payload["fit_quality"].items():
+        if q["num_samples"]:
+            print(f"  {kind:<8} mean |error| {100 * q['mean_abs_rel_error']:.1f} % over {q['num_samples']} steps")
+    return 0
+

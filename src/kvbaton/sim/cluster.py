@@ -1,0 +1,406 @@
+"""The discrete-event cluster: arrivals, worker steps and KV transfers on one heap keyed by (time, seq).
+
+Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
+  arrival  -> the placement policy chooses a front worker (mixed, or prefill when disaggregated;
+              a second policy instance, `decode_policy`, picks the decode worker from its pool)
+  steps    -> the worker's LocalScheduler plans, the cost model prices the plan, time advances
+  mixed    -> tokens stream until the exact output length; the policy hears on_first_token
+              and on_finished
+  prefill  -> the real handoff protocol (`sim/handoff.py`): reserve on the decode worker (or be
+              refused and retry: backpressure), then the prefill runs with max_tokens=1 and
+              streams its KV over the prefill worker's egress link (FIFO: transfers contend);
+              on the ack the decode worker adopts the blocks (`LocalScheduler.admit_prefilled`)
+              and decodes from the first token. A request of one output token skips the handoff.
+With an admission policy (`kvbaton.router.admission`), arrivals the policy refuses, and under
+`baseline` prefilled requests the decode stage refuses at handoff, end as `rejected` records.
+Workers report heartbeats (stats + their radix caches' real KV events) to the router state at
+most every `heartbeat_s` of simulated time while busy, and whenever they go idle. Everything is
+a pure function of the inputs and the seed: no clock, and ties on the heap break by `seq`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from kvbaton.bench.records import RequestRecord
+from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.cache.hashing import CacheKey
+from kvbaton.core.config import CacheConfig, SchedulerConfig
+from kvbaton.core.errors import KvbatonError
+from kvbaton.core.request import FinishReason, Request
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.core.step import StepPlan
+from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, DecodeLoad, DecodeSlot, PrefillLoad
+from kvbaton.router.base import RouteRequest
+from kvbaton.router.policies import create_policy, local_queue_policy
+from kvbaton.router.state import RouterState
+from kvbaton.sim.costs.base import CostModel, Parallelism
+from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs
+from kvbaton.sim.links import get_link
+from kvbaton.sim.spec import ClusterSpec
+from kvbaton.sim.worker import SimWorker, TokenFn
+
+_ARRIVAL, _STEP_DONE, _DELIVERY, _RETRY = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    policy: str = "round_robin"  # placement policy over the front (mixed or prefill) pool
+    decode_policy: str = "least_load"  # placement over the decode pool when disaggregated
+    seed: int = 0  # seeds the policies' tie-breaking RNGs
+    cache: CacheConfig = CacheConfig()  # per worker
+    scheduler: SchedulerConfig | None = None  # None: defaults, queue policy paired with `policy`
+    heartbeat_s: float = 0.05  # simulated seconds between a busy worker's stats/KV-event reports
+    max_model_len: int = 8192  # prompt + output may not exceed this (longer requests fail)
+    handoff_lease_s: float = 60.0  # a handoff leg with no progress for this long expires (both sides)
+    handoff_retry_s: float = 0.02  # wait after a refused reservation before asking again
+    max_handoff_attempts: int = 500  # refusals after which the request fails
+    cache_key: CacheKey = CacheKey("sim-model", "sim-layout")
+
+
+@dataclass(slots=True)
+class _Flight:
+    workload: WorkloadRequest
+    front: str  # worker id of the mixed or prefill worker
+    decode: str = ""  # decode worker id when disaggregated
+    prefill_request: Request | None = None  # waiting for its reservation to be granted
+    attempts: int = 0  # refused reservations so far
+    token_times_s: list[float] = field(default_factory=list)
+    first_token_id: int = 0
+    cached_tokens: int | None = None
+    queue_s: float | None = None
+    transfer_bytes: int = 0
+    at_decode: bool = False  # its KV reached the decode worker
+
+
+class _BoundCost:
+    """A cost model with one worker's parallelism bound: the `StageTimeModel` admission prices with."""
+
+    __slots__ = ("cost_model", "parallel")
+
+    def __init__(self, cost_model: CostModel, parallel: Parallelism) -> None:
+        self.cost_model = cost_model
+        self.parallel = parallel
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.cost_model.prefill_s(new_tokens, cached_tokens, self.parallel)
+
+    def decode_s(self, num_seqs: int, context_tokens: int) -> float:
+        return self.cost_model.decode_s(num_seqs, context_tokens, self.parallel)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    worker_id: str
+    role: str
+    num_steps: int
+    busy_s: float
+    num_preemptions: int
+    prefix_cache_hits_tokens: int
+    prefix_cache_queries_tokens: int
+
+
+def stage_time_models(spec: ClusterSpec, cost_model: CostModel) -> dict[str, _BoundCost]:
+    """Per worker id, the step-time model an admission policy for this cluster prices with."""
+    return {w.worker_id: _BoundCost(cost_model, w.parallel) for w in spec.workers}
+
+
+class ClusterSim:
+    def __init__(self, spec: ClusterSpec, cost_model: CostModel, config: SimConfig = SimConfig(),
+                 token_for: TokenFn | None = None, admission: AdmissionPolicy | None = None) -> None:
+        self.spec = spec
+        self.admission = admission
+        self.cost_model = cost_model
+        self.config = config
+        sched = config.scheduler or SchedulerConfig(queue_policy=local_queue_policy(config.policy))
+        # Decode workers keep no prefix cache: their KV arrives by handoff into reserved blocks, and a
+        # reservation cannot evict cached blocks (HandoffDestination allocates from free blocks only).
+        decode_cache = replace(config.cache, enable_prefix_cache=False)
+        self.workers = {w.worker_id: SimWorker(w, sched, decode_cache if w.role == "decode" else config.cache,
+                                               config.cache_key, cost_model, token_for)
+                        for w in spec.workers}
+        self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
+        self.decode_ids = [w.worker_id for w in spec.workers if w.role == "decode"]
+        self.state = RouterState(block_size=config.cache.block_size)
+        self.policy = create_policy(config.policy, self.state, random.Random(config.seed))
+        self.decode_state = RouterState(block_size=config.cache.block_size)
+        self.decode_policy = create_policy(config.decode_policy, self.decode_state, random.Random(config.seed + 1))
+        prefill = {w.worker_id: self.workers[w.worker_id] for w in spec.workers if w.role == "prefill"}
+        self.handoffs: SimHandoffs | None = None
+        if prefill:
+            decode = {wid: self.workers[wid] for wid in self.decode_ids}
+            self.handoffs = SimHandoffs(prefill, decode, get_link(spec.link), cost_model.kv_bytes_per_token,
+                                        config.handoff_lease_s, lambda at, d: self._push(at, _DELIVERY, d))
+            for worker in prefill.values():
+                worker.on_executed = self._stream_from(worker)
+        self._next_expiry_at = config.handoff_lease_s / 10
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._flights: dict[str, _Flight] = {}
+        self._records: list[RequestRecord] = []
+        self._params: dict[int, SamplingParams] = {}
+        self._on_record: Callable[[RequestRecord], None] | None = None
+
+    # ---- the loop ------------------------------------------------------------------------------------
+
+    def run(self, requests: Sequence[WorkloadRequest],
+            on_record: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
+        """Simulate `requests` (arrival_s relative to 0) to completion; records come back in request order."""
+        self._on_record = on_record
+        for request in requests:
+            self._push(request.arrival_s, _ARRIVAL, request)
+        heap = self._heap
+        while heap:
+            now, _, kind, payload = heapq.heappop(heap)
+            self.now = now
+            if kind == _STEP_DONE:
+                self._on_step_done(payload, now)  # type: ignore[arg-type]
+            elif kind == _ARRIVAL:
+                self._on_arrival(payload, now)  # type: ignore[arg-type]
+            elif kind == _DELIVERY:
+                self._on_handoff_events(self.handoffs.deliver(payload, now), now)  # type: ignore[union-attr,arg-type]
+            else:
+                self._start_handoff(self._flights.get(payload), now)  # type: ignore[arg-type]
+            if self.handoffs is not None and now >= self._next_expiry_at:
+                self._next_expiry_at = now + self.config.handoff_lease_s / 10
+                self._on_handoff_events(self.handoffs.expire(now), now)
+        order = {r.request_id: r.index for r in requests}
+        return sorted(self._records, key=lambda r: order[r.request_id])
+
+    def _push(self, at: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, kind, payload))
+
+    def _kick(self, worker: SimWorker, now: float) -> None:
+        """Start the worker's next step if it is idle and has something to run."""
+        if worker.busy:
+            return
+        end = worker.start_step(now)
+        for request in worker.take_finished():
+            self._on_request_finished(worker, request, now)
+        if end is None:
+            self._heartbeat(worker, now, force=True)
+        else:
+            self._push(end, _STEP_DONE, worker)
+
+    # ---- events ----------------------------------------------------------------------------------------
+
+    def _on_arrival(self, wr: WorkloadRequest, now: float) -> None:
+        rid = wr.request_id
+        prompt = wr.prompt_array.tolist()
+        route = RouteRequest.from_tokens(rid, prompt, self.config.cache_key, self.config.cache.block_size,
+                                         num_output_tokens=wr.output_tokens, tenant=wr.tenant)
+        front = self.workers[self.policy.choose(route, self.front_ids, now).worker_id]
+        flight = _Flight(wr, front.worker_id)
+        self._flights[rid] = flight
+        if self.decode_ids:
+            decode_route = RouteRequest(rid, (), route.num_prompt_tokens, wr.output_tokens)
+            flight.decode = self.decode_policy.choose(decode_route, self.decode_ids, now).worker_id
+        if self.admission is not None:
+            decision = self.admission.check_arrival(
+                AdmissionRequest(rid, wr.num_prompt_tokens, wr.output_tokens),
+                PrefillLoad(front.worker_id, front.scheduler.stats().num_queued_prefill_tokens),
+                self._decode_load(flight.decode, exclude=rid) if flight.decode else None, now)
+            if not decision.admitted:
+                self._reject(flight, decision.reason, now)
+                return
+        max_tokens = 1 if front.spec.role == "prefill" else wr.output_tokens
+        request = Request(rid, prompt, self._sampling(max_tokens), now, tenant=wr.tenant, slo_class=wr.slo_class,
+                          max_model_len=self.config.max_model_len)
+        if wr.num_prompt_tokens + wr.output_tokens > self.config.max_model_len:
+            self._fail(flight, f"prompt + output ({wr.num_prompt_tokens + wr.output_tokens} tokens) exceed "
+                               f"max_model_len {self.config.max_model_len}", now)
+            return
+        if front.spec.role == "prefill" and wr.output_tokens > 1:
+            if not self.workers[flight.decode].can_ever_hold(wr.num_prompt_tokens + wr.output_tokens):
+                self._fail(flight, f"decode worker {flight.decode} has too few KV blocks for the request", now)
+                return
+            flight.prefill_request = request
+            self._start_handoff(flight, now)  # the prefill starts once the decode worker grants blocks
+            return
+        self._admit(front, flight, request, now)
+
+    def _admit(self, worker: SimWorker, flight: _Flight, request: Request, now: float) -> None:
+        try:
+            worker.scheduler.add_request(request)
+        except KvbatonError as exc:
+            self._fail(flight, str(exc), now)
+            return
+        self._kick(worker, now)
+
+    def _start_handoff(self, flight: _Flight | None, now: float) -> None:
+        if flight is None or flight.prefill_request is None:
+            return  # ended while waiting to retry
+        request = flight.prefill_request
+        handoffs = self.handoffs
+        assert handoffs is not None
+        handoffs.start(request.request_id, flight.attempts, flight.front, flight.decode, request.num_prompt_tokens, now)
+
+    def _stream_from(self, worker: SimWorker) -> Callable[[StepPlan, float], None]:
+        return lambda plan, now: self.handoffs.on_executed(worker, plan, now)  # type: ignore[union-attr]
+
+    def _on_handoff_events(self, events: list[HandoffEvent], now: float) -> None:
+        for event in events:
+            flight = self._flights.get(event.request_id)
+            if flight is None:
+                continue
+            if event.kind == "granted" and flight.prefill_request is not None:
+                request, flight.prefill_request = flight.prefill_request, None
+                self._admit(self.workers[flight.front], flight, request, now)
+            elif event.kind == "refused":
+                flight.attempts += 1
+                if flight.attempts >= self.config.max_handoff_attempts:
+                    self._fail(flight, f"decode worker {flight.decode} refused {flight.attempts} times: "
+                                       f"{event.reason}", now)
+                else:
+                    self._push(now + self.config.handoff_retry_s, _RETRY, event.request_id)
+            elif event.kind == "complete" and event.adopted is not None:
+                self._adopt(flight, event, now)
+            elif event.kind == "ended":
+                front = self.workers[flight.front]
+                front.scheduler.abort_request(event.request_id, now)
+                front.take_finished()
+                self._fail(flight, f"handoff ended: {event.reason}", now)
+
+    def _adopt(self, flight: _Flight, event: HandoffEvent, now: float) -> None:
+        wr = flight.workload
+        adopted = event.adopted
+        assert adopted is not None
+        request = Request(wr.request_id, wr.prompt_array.tolist(), self._sampling(wr.output_tokens), wr.arrival_s,
+                          tenant=wr.tenant, slo_class=wr.slo_class, max_model_len=self.config.max_model_len,
+                          output_token_ids=[adopted.first_token.token_id])
+        flight.transfer_bytes = self.handoffs.bytes_of.pop(wr.request_id, 0)  # type: ignore[union-attr]
+        self.handoffs.forget(wr.request_id)  # type: ignore[union-attr]
+        decode = self.workers[flight.decode]
+        if self.admission is not None:  # baseline's decode-stage gate: the prefill is already paid for
+            decision = self.admission.check_decode(
+                AdmissionRequest(wr.request_id, wr.num_prompt_tokens, wr.output_tokens),
+                self._decode_load(flight.decode, exclude=wr.request_id), now)
+            if not decision.admitted:
+                decode.pool.release(adopted.block_ids)
+                self._reject(flight, decision.reason, now)
+                return
+        flight.at_decode = True
+        decode.offer_handoff(request, adopted.num_tokens, adopted.block_ids, now)
+        self._kick(decode, now)
+
+    def _on_step_done(self, worker: SimWorker, now: float) -> None:
+        outputs, finished = worker.finish_step(now)
+        for out in outputs:
+            flight = self._flights[out.request_id]
+            if not flight.token_times_s:
+                flight.first_token_id = out.token.token_id
+                self.policy.on_first_token(out.request_id, now - flight.workload.arrival_s, now)
+                if worker.spec.role == "prefill" and flight.workload.output_tokens > 1:
+                    self.handoffs.on_first_token(out.request_id, out.token.token_id, now)  # type: ignore[union-attr]
+            flight.token_times_s.append(now)
+        for request in finished:
+            self._on_request_finished(worker, request, now)
+        self._heartbeat(worker, now, force=False)
+        self._kick(worker, now)
+
+    def _on_request_finished(self, worker: SimWorker, request: Request, now: float) -> None:
+        flight = self._flights[request.request_id]
+        role = worker.spec.role
+        if role != "decode":
+            flight.cached_tokens = max(request.num_cached_tokens, 0)
+            if request.first_scheduled_at is not None:
+                flight.queue_s = request.first_scheduled_at - request.arrival_at
+        if request.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            self._fail(flight, request.finish_message or request.finish_reason.value, now)
+            return
+        if role != "prefill" or flight.workload.output_tokens == 1:
+            self._complete(flight, now)
+            return
+        self.policy.on_finished(request.request_id, now)  # the prefill worker's part is done; the KV is in flight
+
+    # ---- bookkeeping ------------------------------------------------------------------------------------
+
+    def _sampling(self, max_tokens: int) -> SamplingParams:
+        params = self._params.get(max_tokens)
+        if params is None:
+            params = self._params[max_tokens] = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                               ignore_eos=True)
+        return params
+
+    def _heartbeat(self, worker: SimWorker, now: float, force: bool) -> None:
+        if not force and now - worker.last_heartbeat_at < self.config.heartbeat_s:
+            return
+        worker.last_heartbeat_at = now
+        state = self.decode_state if worker.spec.role == "decode" else self.state
+        state.load.on_stats(worker.stats(), now)
+        if worker.cache is not None:
+            events = worker.cache.take_events()
+            if events and worker.spec.role != "decode":
+                if not state.index.on_kv_events(worker.worker_id, events):
+                    state.index.apply_snapshot(worker.worker_id, worker.cache.snapshot())
+
+    def _finish_policies(self, flight: _Flight, now: float) -> None:
+        if self.handoffs is not None:
+            self.handoffs.cancel(flight.workload.request_id, now)
+            self.handoffs.bytes_of.pop(flight.workload.request_id, None)
+        self.policy.on_finished(flight.workload.request_id, now)
+        if flight.decode:
+            self.decode_policy.on_finished(flight.workload.request_id, now)
+
+    def _complete(self, flight: _Flight, now: float) -> None:
+        self._finish_policies(flight, now)
+        wr = flight.workload
+        times = tuple(flight.token_times_s)
+        workers = (flight.front, flight.decode) if flight.decode and len(times) > 1 else (flight.front,)
+        self._emit(RequestRecord(
+            request_id=wr.request_id, arrival_s=wr.arrival_s, status="completed", slo_class=wr.slo_class,
+            tenant=wr.tenant, prompt_tokens=wr.num_prompt_tokens, cached_tokens=flight.cached_tokens,
+            output_tokens=len(times), first_token_s=times[0], token_times_s=times, finish_s=now,
+            queue_s=flight.queue_s, worker_ids=workers, transfer_bytes=flight.transfer_bytes))
+
+    def _fail(self, flight: _Flight, reason: str, now: float) -> None:
+        self._finish_policies(flight, now)
+        wr = flight.workload
+        self._emit(RequestRecord(
+            request_id=wr.request_id, arrival_s=wr.arrival_s, status="failed", reason=reason,
+            slo_class=wr.slo_class, tenant=wr.tenant, prompt_tokens=wr.num_prompt_tokens,
+            output_tokens=len(flight.token_times_s), finish_s=now, worker_ids=(flight.front,),
+            transfer_bytes=flight.transfer_bytes))
+
+    def _decode_load(self, decode_id: str, exclude: str = "") -> DecodeLoad:
+        """What the router knows of a decode worker: the requests it streams and those it routed there."""
+        decoding: list[DecodeSlot] = []
+        incoming: list[DecodeSlot] = []
+        for flight in self._flights.values():
+            if flight.decode != decode_id or flight.workload.request_id == exclude:
+                continue
+            wr = flight.workload
+            num_done = len(flight.token_times_s)
+            slot = DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done)
+            (decoding if flight.at_decode else incoming).append(slot)
+        worker = self.workers[decode_id]
+        return DecodeLoad(decode_id, tuple(decoding), tuple(incoming), worker.pool.num_blocks * worker.block_size)
+
+    def _reject(self, flight: _Flight, reason: str, now: float) -> None:
+        self._finish_policies(flight, now)
+        wr = flight.workload
+        times = tuple(flight.token_times_s)
+        self._emit(RequestRecord(
+            request_id=wr.request_id, arrival_s=wr.arrival_s, status="rejected", reason=reason,
+            slo_class=wr.slo_class, tenant=wr.tenant, prompt_tokens=wr.num_prompt_tokens,
+            output_tokens=len(times), first_token_s=times[0] if times else None, token_times_s=times,
+            finish_s=now, worker_ids=(flight.front,)))
+
+    def _emit(self, record: RequestRecord) -> None:
+        del self._flights[record.request_id]
+        self._records.append(record)
+        if self._on_record is not None:
+            self._on_record(record)
+
+    def worker_reports(self) -> list[WorkerReport]:
+        reports = []
+        for w in self.workers.values():
+            s = w.scheduler.stats()
+            reports.append(WorkerReport(w.worker_id, w.spec.role, w.num_steps, w.busy_s, s.num_preemptions,
+                                        s.prefix_cache_hits_tokens, s.prefix_cache_queries_tokens))
+        return reports

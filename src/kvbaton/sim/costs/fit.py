@@ -1,0 +1,72 @@
+"""Fit `LinearCoefficients` to measured steps: non-negative least squares over DistServe's terms.
+
+Prefill-only steps fit a + b·Σl + c·Σl² + d·Σ l·ctx; decode-only steps fit a + b·Σctx + c·B (one
+regime: a CPU or small GPU shows no batch-size knee worth a second set); mixed steps are kept to
+report how well the combination rule of `LinearCostModel` predicts them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbaton.core.errors import InvalidRequestError
+from kvbaton.sim.costs.base import BatchShape
+from kvbaton.sim.costs.linear import LinearCoefficients, LinearCostModel
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    shape: BatchShape
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class FitQuality:
+    num_samples: int
+    mean_abs_rel_error: float  # mean |predicted - measured| / measured
+    max_abs_rel_error: float
+
+
+def fit_nonnegative(features: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Exact NNLS for a handful of columns: the best unconstrained fit over every column subset that is >= 0."""
+    scale = np.maximum(np.abs(features).max(axis=0), 1e-12)
+    scaled = features / scale
+    best, best_residual = np.zeros(features.shape[1]), float(np.sum(y * y))
+    for size in range(1, features.shape[1] + 1):
+        for cols in itertools.combinations(range(features.shape[1]), size):
+            solution, *_ = np.linalg.lstsq(scaled[:, list(cols)], y, rcond=None)
+            if np.any(solution < 0):
+                continue
+            coeffs = np.zeros(features.shape[1])
+            coeffs[list(cols)] = solution
+            residual = float(np.sum((scaled @ coeffs - y) ** 2))
+            if residual < best_residual - 1e-18:
+                best, best_residual = coeffs, residual
+    return best / scale
+
+
+def fit_linear(samples: Sequence[StepSample]) -> LinearCoefficients:
+    prefill = [s for s in samples if s.shape.prefill_new_tokens and not s.shape.num_decodes]
+    decode = [s for s in samples if s.shape.num_decodes and not s.shape.prefill_new_tokens]
+    if len(prefill) < 4 or len(decode) < 3:
+        raise InvalidRequestError(f"need >= 4 prefill-only and >= 3 decode-only steps, got {len(prefill)}, "
+                                  f"{len(decode)}")
+    xp = np.array([[1.0, sum(s.shape.prefill_new_tokens), sum(n * n for n in s.shape.prefill_new_tokens),
+                    sum(n * c for n, c in zip(s.shape.prefill_new_tokens, s.shape.prefill_context_tokens))]
+                   for s in prefill])
+    xd = np.array([[1.0, s.shape.decode_context_tokens, s.shape.num_decodes] for s in decode])
+    p = fit_nonnegative(xp, np.array([s.duration_s for s in prefill]))
+    d = fit_nonnegative(xd, np.array([s.duration_s for s in decode]))
+    decode_coeffs = (float(d[0]), float(d[1]), float(d[2]))
+    return LinearCoefficients((float(p[0]), float(p[1]), float(p[2]), float(p[3])), decode_coeffs, decode_coeffs)
+
+
+def fit_quality(model: LinearCostModel, samples: Sequence[StepSample]) -> FitQuality:
+    if not samples:
+        return FitQuality(0, 0.0, 0.0)
+    errors = [abs(model.step_s(s.shape) - s.duration_s) / s.duration_s for s in samples if s.duration_s > 0]
+    return FitQuality(len(samples), float(np.mean(errors)), float(np.max(errors)))

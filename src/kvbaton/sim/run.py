@@ -1,0 +1,100 @@
+"""One simulated run from names: workload requests + model/GPU/cost model/cluster spec/policy -> records.
+
+`SimSetup` is what `kvbaton sim` and the benchmarks describe a run with; `simulate` builds the
+cost model, sizes each worker's KV pool from the GPU's memory (catalog models) unless
+`num_blocks` is given, runs `ClusterSim` and returns the records with per-worker figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvbaton.bench.records import RequestRecord
+from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.core.config import CacheConfig, SchedulerConfig
+from kvbaton.core.errors import InvalidRequestError
+from kvbaton.router.admission import AdmissionSLO, create_admission
+from kvbaton.router.policies import local_queue_policy
+from kvbaton.sim.catalog import MODELS, get_gpu
+from kvbaton.sim.cluster import ClusterSim, SimConfig, WorkerReport, stage_time_models
+from kvbaton.sim.costs import CostModel, create_cost_model
+from kvbaton.sim.spec import ClusterSpec, parse_cluster_spec
+
+DEFAULT_NUM_BLOCKS = CacheConfig().num_blocks
+KV_MEMORY_FRACTION = 0.9  # of GPU memory, like vLLM's gpu_memory_utilization; weights come out of it
+
+
+@dataclass(frozen=True, slots=True)
+class SimSetup:
+    model: str = "llama-3-8b"  # catalog model name (kv bytes, weights) or the name inside a cost file
+    gpu: str = "h100"
+    cluster: str = "4xmixed"
+    policy: str = "round_robin"
+    cost_model: str = "roofline"  # roofline | distserve | zero | path/to/coefficients.json
+    seed: int = 0
+    block_size: int = 16
+    num_blocks: int = 0  # per worker; 0 = from GPU memory (catalog models), else the live default
+    enable_prefix_cache: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    heartbeat_s: float = 0.05
+    max_model_len: int = 0  # 0 = the catalog model's context (8192 when unknown)
+    admission: str = "none"  # none | baseline | early | predicted (kvbaton.router.admission)
+    admission_slo: tuple[float, float] | None = None  # (TTFT s, TPOT s) admission protects; needed unless none
+    admission_max_load: float = 1.0  # a stage is over capacity above this predicted latency / SLO
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    records: list[RequestRecord]
+    workers: list[WorkerReport]
+    num_gpus: int
+    num_blocks_per_worker: int
+    cost_model: str
+
+
+def kv_blocks_for(setup: SimSetup, spec: ClusterSpec, cost_model: CostModel) -> int:
+    """KV blocks one worker holds: (memory x GPUs x fraction - weights) / block bytes, per worker of the spec."""
+    if setup.num_blocks > 0:
+        return setup.num_blocks
+    model = MODELS.get(setup.model)
+    if setup.cost_model not in ("roofline", "distserve") or model is None:
+        return DEFAULT_NUM_BLOCKS  # a profiled or constant model: size the pool like the live engine
+    gpus_per_worker = min(w.parallel.num_gpus for w in spec.workers)
+    free_bytes = get_gpu(setup.gpu).mem_bytes * gpus_per_worker * KV_MEMORY_FRACTION - model.weight_bytes
+    num_blocks = int(free_bytes // (cost_model.kv_bytes_per_token * setup.block_size))
+    if num_blocks < 16:
+        raise InvalidRequestError(f"{setup.model} leaves no room for KV on {gpus_per_worker} x {setup.gpu}; "
+                                  "raise tp or pp")
+    return num_blocks
+
+
+def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
+    spec = parse_cluster_spec(setup.cluster)
+    cost_model = create_cost_model(setup.cost_model, setup.model, setup.gpu)
+    num_blocks = kv_blocks_for(setup, spec, cost_model)
+    model = MODELS.get(setup.model)
+    max_model_len = setup.max_model_len or (model.max_context_tokens if model else 8192)
+    config = SimConfig(
+        policy=setup.policy, seed=setup.seed,
+        cache=CacheConfig(block_size=setup.block_size, num_blocks=num_blocks,
+                          enable_prefix_cache=setup.enable_prefix_cache),
+        scheduler=SchedulerConfig(max_num_batched_tokens=setup.max_num_batched_tokens,
+                                  max_num_seqs=setup.max_num_seqs, queue_policy=local_queue_policy(setup.policy)),
+        heartbeat_s=setup.heartbeat_s, max_model_len=max_model_len)
+    admission = None
+    if setup.admission != "none":
+        if setup.admission_slo is None:
+            raise InvalidRequestError(f"admission {setup.admission!r} needs admission_slo (TTFT s, TPOT s)")
+        admission = create_admission(setup.admission, AdmissionSLO(*setup.admission_slo),
+                                     stage_time_models(spec, cost_model), setup.admission_max_load)
+    return ClusterSim(spec, cost_model, config, admission=admission), spec, num_blocks
+
+
+def simulate(requests: Sequence[WorkloadRequest], setup: SimSetup,
+             on_record: Callable[[RequestRecord], None] | None = None) -> SimResult:
+    sim, spec, num_blocks = build_sim(setup)
+    records = sim.run(requests, on_record)
+    return SimResult(records, sim.worker_reports(), spec.num_gpus, num_blocks, sim.cost_model.name)
+

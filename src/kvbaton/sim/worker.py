@@ -1,0 +1,130 @@
+"""One simulated worker: the real LocalScheduler, BlockPool and RadixCache, with a cost model as executor.
+
+A step is scheduled at its start time (`start_step`, which prices the plan) and applied at its
+end (`finish_step`), exactly as the live engine schedules, runs, then updates; requests that
+arrive meanwhile wait for the next step. Sampled tokens are deterministic: `token_for(request_id,
+output_index)` (by default 100 + index mod 1000, never an end-of-sequence id in the workloads,
+which run with ignore_eos and an exact output length).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from kvbaton.cache.block_pool import BlockPool
+from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.radix_cache import RadixCache
+from kvbaton.core.config import CacheConfig, SchedulerConfig
+from kvbaton.core.request import Request
+from kvbaton.core.step import SampledToken, StepPlan, StepResult
+from kvbaton.router.load import WorkerStats
+from kvbaton.scheduler.local_scheduler import LocalScheduler, TokenOutput
+from kvbaton.sim.costs.base import BatchShape, CostModel
+from kvbaton.sim.spec import WorkerSpec
+
+TokenFn = Callable[[str, int], int]  # (request id, output index) -> token id
+FIRST_SIM_TOKEN = 100
+_TOKENS = [SampledToken(FIRST_SIM_TOKEN + i) for i in range(1000)]
+
+
+def default_token(request_id: str, output_index: int) -> int:
+    return FIRST_SIM_TOKEN + output_index % 1000
+
+
+class SimWorker:
+    def __init__(self, spec: WorkerSpec, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 cache_key: CacheKey, cost_model: CostModel, token_for: TokenFn | None = None) -> None:
+        self.spec = spec
+        self.worker_id = spec.worker_id
+        self.pool = BlockPool(cache_config.num_blocks)
+        self.cache = RadixCache(self.pool, cache_config.block_size) if cache_config.enable_prefix_cache else None
+        self.scheduler = LocalScheduler(scheduler_config, cache_config.block_size, self.pool, self.cache, cache_key)
+        self.block_size = cache_config.block_size
+        self.cost_model = cost_model
+        self.token_for = token_for
+        self.plan: StepPlan | None = None  # the step in flight, None when idle
+        self.step_s = 0.0
+        # KV arrived (in adopted blocks), waiting for a running slot, FIFO: (request, computed tokens, blocks).
+        self.pending_handoffs: deque[tuple[Request, int, tuple[int, ...]]] = deque()
+        self.on_executed: Callable[[StepPlan, float], None] | None = None  # after the forward, before update
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.last_heartbeat_at = float("-inf")
+
+    @property
+    def busy(self) -> bool:
+        return self.plan is not None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.pending_handoffs)
+
+    def start_step(self, now: float) -> float | None:
+        """Schedule the next step at `now`; returns when it ends, or None if there is nothing to run."""
+        assert self.plan is None, "a step is already in flight"
+        plan = self.scheduler.schedule(now)
+        if plan.is_empty and (plan.preempted_ids or plan.finished_ids) and self.scheduler.has_unfinished_requests():
+            plan = self.scheduler.schedule(now)  # the previous plan only freed memory; try again once
+        if plan.is_empty:
+            return None
+        self.plan = plan
+        self.step_s = self.cost_model.step_s(BatchShape.of_plan(plan), self.spec.parallel)
+        return now + self.step_s
+
+    def finish_step(self, now: float) -> tuple[list[TokenOutput], list[Request]]:
+        """Apply the step in flight at its end time; returns its tokens and the requests that ended."""
+        plan, self.plan = self.plan, None
+        assert plan is not None, "no step in flight"
+        if self.on_executed is not None:
+            self.on_executed(plan, now)
+        outputs = self.scheduler.update(plan, self._execute(plan), now)
+        self.busy_s += self.step_s
+        self.num_steps += 1
+        self.admit_handoffs(now)
+        return outputs, self.scheduler.take_finished()
+
+    def take_finished(self) -> list[Request]:
+        """Requests that ended outside a step (failed at scheduling time)."""
+        return self.scheduler.take_finished()
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        sampled: dict[str, SampledToken] = {}
+        get = self.scheduler.get_request
+        for chunk in plan.chunks:
+            if not chunk.samples:
+                continue
+            request = get(chunk.request_id)
+            if request is None:
+                continue  # aborted while the step ran; update() ignores its chunk
+            index = chunk.end_pos - request.num_prompt_tokens
+            if self.token_for is None:
+                sampled[chunk.request_id] = _TOKENS[index % 1000]
+            else:
+                sampled[chunk.request_id] = SampledToken(self.token_for(chunk.request_id, index))
+        return StepResult(plan.step_id, sampled, self.step_s)
+
+    # ---- disaggregation: the decode side of a handoff ----------------------------------------------
+
+    def can_ever_hold(self, num_tokens: int) -> bool:
+        return -(-num_tokens // self.block_size) < self.pool.num_blocks
+
+    def offer_handoff(self, request: Request, num_computed_tokens: int, block_ids: tuple[int, ...],
+                      now: float) -> None:
+        """The request's KV has arrived in `block_ids` (adopted from the handoff): run it now or when a slot frees."""
+        self.pending_handoffs.append((request, num_computed_tokens, block_ids))
+        self.admit_handoffs(now)
+
+    def admit_handoffs(self, now: float) -> None:
+        while self.pending_handoffs:
+            request, num_computed, block_ids = self.pending_handoffs[0]
+            if not self.scheduler.admit_prefilled(request, num_computed, now, block_ids=block_ids):
+                return
+            self.pending_handoffs.popleft()
+
+    # ---- what the router hears ----------------------------------------------------------------------
+
+    def stats(self) -> WorkerStats:
+        s = self.scheduler.stats()
+        return WorkerStats(self.worker_id, s.num_queued_prefill_tokens, max(s.num_used_blocks - s.num_cached_blocks, 0),
+                           s.num_free_blocks, s.num_running, s.num_waiting + len(self.pending_handoffs),
+                           s.num_cached_blocks, self.block_size)

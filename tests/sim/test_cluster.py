@@ -1,0 +1,112 @@
+"""The simulated cluster: exact output lengths, disaggregated handoffs, router feedback, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbaton.bench.metrics import summarize
+from kvbaton.bench.tokens import as_token_array
+from kvbaton.bench.workloads import create_workload
+from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.core.config import CacheConfig, SchedulerConfig
+from kvbaton.sim.cluster import ClusterSim, SimConfig
+from kvbaton.sim.costs import ConstantCostModel, create_cost_model
+from kvbaton.sim.run import SimSetup, simulate
+from kvbaton.sim.spec import parse_cluster_spec
+
+
+def small_workload(num: int = 40, seed: int = 0, prompt: int = 64, out: int = 6, gap_s: float = 0.01):
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(20, 1000, size=prompt // 2)
+    return [WorkloadRequest(i, i * gap_s, (as_token_array(np.concatenate(
+        [shared, rng.integers(20, 1000, size=prompt // 2)])),), out + i % 3) for i in range(num)]
+
+
+def test_disaggregated_requests_hand_off_kv_and_decode_elsewhere() -> None:
+    cost = ConstantCostModel(0.01, kv_bytes_per_token=1000)
+    sim = ClusterSim(parse_cluster_spec("2P2D:link=ethernet"), cost, SimConfig(cache=CacheConfig(16, 256)))
+    requests = small_workload()
+    records = sim.run(requests)
+    assert [r.request_id for r in records] == [r.request_id for r in requests]
+    assert all(r.completed for r in records)
+    for record, request in zip(records, requests):
+        assert record.output_tokens == request.output_tokens == len(record.token_times_s)
+        assert record.worker_ids[0].startswith("p") and record.worker_ids[1].startswith("d")
+        assert record.transfer_bytes == 1000 * request.num_prompt_tokens
+        # The second token needs the KV on the decode worker: link time plus one decode step at least.
+        assert record.token_times_s[1] - record.token_times_s[0] >= 64_000 / 12.5e9 + 0.01 - 1e-12
+    assert {r.worker_ids[1] for r in records} == {"d0", "d1"}
+    links = sim.handoffs.links
+    assert links["p0"].num_bytes + links["p1"].num_bytes == sum(r.transfer_bytes for r in records)
+    # Every protocol leg ended: sources hold no blocks, destinations reserve none, idle pools hold only cache.
+    for source in sim.handoffs.sources.values():
+        source.check_invariants()
+        assert source.num_live_transfers == 0 and source.num_held_blocks == 0
+    for destination in sim.handoffs.destinations.values():
+        destination.check_invariants()
+        assert destination.num_live_transfers == 0 and destination.num_reserved_blocks == 0
+    for worker in sim.workers.values():
+        assert worker.pool.num_used_blocks == (worker.cache.num_cached_blocks if worker.cache else 0)
+
+
+def test_decode_backpressure_queues_handoffs_until_blocks_free() -> None:
+    cost = ConstantCostModel(0.01, kv_bytes_per_token=10)
+    # 16 blocks of 16 on the decode worker: a reservation takes 4, a decoding request grows to 5-6,
+    # so many reservations are refused at first (backpressure) and retried.
+    sim = ClusterSim(parse_cluster_spec("2P1D"), cost, SimConfig(cache=CacheConfig(16, 16)))
+    records = sim.run(small_workload(num=12, gap_s=0.01, out=20))
+    assert all(r.completed and r.output_tokens >= 20 for r in records)
+    assert max(len(w.pending_handoffs) for w in sim.workers.values()) == 0
+    assert sim.handoffs.destinations["d0"].num_refusals > 0  # reservations were refused, then retried
+    ttfts = sorted(r.ttft_s for r in records)
+    assert ttfts[-1] > 10 * ttfts[0]  # refused requests waited for decode blocks before their prefill
+
+
+def test_requests_longer_than_the_context_fail_with_a_reason() -> None:
+    sim = ClusterSim(parse_cluster_spec("1xmixed"), ConstantCostModel(0.01), SimConfig(max_model_len=100))
+    records = sim.run(small_workload(num=2, prompt=120))
+    assert [r.status for r in records] == ["failed", "failed"] and "max_model_len" in records[0].reason
+
+
+def test_router_hears_kv_events_and_locality_raises_hit_ratio() -> None:
+    requests = create_workload("tool-use", num_requests=300, seed=1, rate=30.0)
+    hit = {}
+    for policy in ("round_robin", "longest_prefix"):
+        result = simulate(requests, SimSetup(cluster="4xmixed", policy=policy, model="llama-3-8b", gpu="a100"))
+        assert all(r.completed for r in result.records)
+        hit[policy] = summarize(result.records).overall.cache_hit_ratio
+    assert hit["longest_prefix"] > hit["round_robin"] + 0.05
+    sim_setup = SimSetup(cluster="2xmixed", policy="preble")
+    from kvbaton.sim.run import build_sim
+
+    sim, _, _ = build_sim(sim_setup)
+    sim.run(requests[:50])
+    assert all(sim.state.index.num_worker_blocks(w) > 0 for w in ("w0", "w1"))
+
+
+@pytest.mark.parametrize("cluster", ["3xmixed", "2P1D:tp_p=2"])
+def test_same_seed_same_records(cluster: str) -> None:
+    requests = create_workload("shared-prefix", num_requests=60, seed=4, rate=40.0)
+    setup = SimSetup(cluster=cluster, policy="preble", seed=4)
+    assert simulate(requests, setup).records == simulate(requests, setup).records
+
+
+def test_roofline_cost_makes_time_pass_sensibly() -> None:
+    cost = create_cost_model("roofline", "llama-3-8b", "h100")
+    sim = ClusterSim(parse_cluster_spec("1xmixed"), cost, SimConfig(cache=CacheConfig(16, 4096),
+                                                                   scheduler=SchedulerConfig(2048)))
+    (record,) = sim.run([WorkloadRequest(0, 0.0, (as_token_array(np.arange(20, 2020)),), 11)])
+    assert record.ttft_s == pytest.approx(cost.prefill_s(2000), rel=1e-9)
+    assert 0.004 < record.tpot_s < 0.02  # a lone H100 decode of an 8B model: ~5-10 ms
+
+
+def test_handoff_leases_expire_when_the_prefill_is_too_slow() -> None:
+    # Every step takes 1 s; a granted reservation with a 0.5 s lease expires before the prefill
+    # ends, so the protocol aborts both legs, the prefill is cancelled and the decode blocks freed.
+    config = SimConfig(cache=CacheConfig(16, 64), handoff_lease_s=0.5)
+    sim = ClusterSim(parse_cluster_spec("1P1D"), ConstantCostModel(1.0, kv_bytes_per_token=10), config)
+    records = sim.run(small_workload(num=3, gap_s=0.0))
+    assert [r.status for r in records] == ["failed"] * 3
+    assert all("lease expired" in r.reason for r in records)
+    assert sim.workers["d0"].pool.num_used_blocks == 0 and sim.handoffs.sources["p0"].num_held_blocks == 0

@@ -12,7 +12,7 @@ Time is passed in; nothing here reads a clock.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvbaton.core.errors import InvalidRequestError
@@ -67,11 +67,16 @@ class LoadTracker:
         self._window: deque[_Entry] = deque()  # in assignment order, so oldest first
         self._group_entries: dict[int, int] = {}  # window entries per group, over all workers
         self._requests: dict[str, tuple[WorkerId, int | None]] = {}  # outstanding request -> (worker, group)
+        # Flat mirrors of each worker's `work_s` and free blocks (stats free - pending), kept in step with
+        # `_workers`, so a cost-based hot loop reads them with one dict lookup each (`cost_lookups`).
+        self._window_s_by_worker: dict[WorkerId, float] = {}
+        self._free_by_worker: dict[WorkerId, int] = {}  # workers with a heartbeat only
 
     def _worker(self, worker: WorkerId) -> _WorkerLoad:
         load = self._workers.get(worker)
         if load is None:
             load = self._workers[worker] = _WorkerLoad()
+            self._window_s_by_worker[worker] = 0.0
         return load
 
     # ---- inputs --------------------------------------------------------------------------------
@@ -83,6 +88,7 @@ class LoadTracker:
             _, tokens, blocks = load.pending.popleft()
             load.pending_prefill_tokens -= tokens
             load.pending_blocks -= blocks
+        self._free_by_worker[stats.worker_id] = stats.num_kv_blocks_free - load.pending_blocks
 
     def on_assigned(
         self,
@@ -99,8 +105,11 @@ class LoadTracker:
         load.pending.append((now, num_prefill_tokens, num_blocks))
         load.pending_prefill_tokens += num_prefill_tokens
         load.pending_blocks += num_blocks
+        if load.stats is not None:
+            self._free_by_worker[worker] = load.stats.num_kv_blocks_free - load.pending_blocks
         self._window.append(_Entry(now, worker, group, work_s))
         self._add(load, group, work_s, 1)
+        self._window_s_by_worker[worker] = load.work_s
         if group is not None:
             self._group_entries[group] = self._group_entries.get(group, 0) + 1
         self._requests[request_id] = (worker, group)
@@ -141,6 +150,14 @@ class LoadTracker:
                 out.append((load.work_s, None if stats is None else stats.num_kv_blocks_free - load.pending_blocks))
         return out
 
+    def cost_lookups(self) -> tuple[Callable[[WorkerId, float], float], Callable[[WorkerId], int | None]]:
+        """(window_load_s(worker, default), free_blocks(worker)) as bound dict reads, for per-worker hot loops.
+
+        Same values as `window_load_s` (default for an unknown worker) and `free_blocks` (None before
+        the first heartbeat); valid until the tracker's next update.
+        """
+        return self._window_s_by_worker.get, self._free_by_worker.get
+
     def stats(self, worker: WorkerId) -> WorkerStats | None:
         load = self._workers.get(worker)
         return None if load is None else load.stats
@@ -154,6 +171,7 @@ class LoadTracker:
             load = self._workers.get(entry.worker)
             if load is not None:
                 self._add(load, entry.group, -entry.work_s, -1)
+                self._window_s_by_worker[entry.worker] = load.work_s
             if entry.group is not None:
                 left = self._group_entries[entry.group] - 1
                 if left:
@@ -191,12 +209,16 @@ class LoadTracker:
                 self._add(src_load, group, -entry.work_s, -1)
                 self._add(dst_load, group, entry.work_s, 1)
                 moved += entry.work_s
+        self._window_s_by_worker[src] = src_load.work_s
+        self._window_s_by_worker[dst] = dst_load.work_s
         return moved
 
     def remove_worker(self, worker: WorkerId) -> None:
         """Forget a worker: its stats and its window entries (outstanding request ids stay until finished)."""
         if self._workers.pop(worker, None) is None:
             return
+        del self._window_s_by_worker[worker]
+        self._free_by_worker.pop(worker, None)
         kept: deque[_Entry] = deque()
         for entry in self._window:
             if entry.worker != worker:
@@ -224,6 +246,9 @@ class LoadTracker:
                 del load.groups[group]
 
     def check_invariants(self) -> None:
+        assert self._window_s_by_worker == {w: load.work_s for w, load in self._workers.items()}
+        assert self._free_by_worker == {w: load.stats.num_kv_blocks_free - load.pending_blocks
+                                        for w, load in self._workers.items() if load.stats is not None}
         for worker, load in self._workers.items():
             entries = [e for e in self._window if e.worker == worker]
             assert load.num_entries == len(entries)

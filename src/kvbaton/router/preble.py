@@ -110,7 +110,9 @@ class PrebleE2Policy(BasePolicy):
         # Prefix group -> (workers its exploit traffic goes to, "rebalanced" | "replicated"). Dropped
         # once the group has no work left in the load window (Preble resets allocations then too).
         self._allocations: dict[int, tuple[frozenset[WorkerId], str]] = {}
-        self._eviction_cache: dict[WorkerId, tuple[int, float]] = {}  # worker -> (index mutations, s per block)
+        # Per-worker eviction price (s per evicted block) and the index mutation count it was computed at.
+        self._eviction_price: dict[WorkerId, float] = {}
+        self._eviction_at: dict[WorkerId, int] = {}
         self._live_key: tuple[WorkerId, ...] = ()
         self._live: frozenset[WorkerId] = frozenset()
         self.num_decisions = 0
@@ -162,14 +164,12 @@ class PrebleE2Policy(BasePolicy):
             self._live_key, self._live = key, frozenset(key)
         return self._live
 
-    @staticmethod
-    def _longest_live(matched: dict[WorkerId, int], workers: Sequence[WorkerId]) -> int:
-        """Longest match among live workers; scans `workers` only if the overall best holder is not live."""
+    def _longest_live(self, matched: dict[WorkerId, int], workers: Sequence[WorkerId]) -> int:
+        """Longest match among live workers; scans `workers` only if some holder is not live."""
         if not matched:
             return 0
-        best_worker = max(matched, key=matched.__getitem__)
-        if best_worker in workers:
-            return matched[best_worker]
+        if matched.keys() <= self._live_set(workers):  # the usual case, checked in C
+            return max(matched.values())
         return max((matched.get(w, 0) for w in workers), default=0)
 
     def _least_cost(
@@ -182,22 +182,31 @@ class PrebleE2Policy(BasePolicy):
         block_size = state.block_size
         cold_prefill_s = predict(num_prompt, 0)
         total_blocks = state.num_blocks_needed(request, 0)
+        window_load_s, free_blocks = state.load.cost_lookups()
+        matched_blocks = matched.get
+        priced_at, price_of = self._eviction_at.get, self._eviction_price
+        # A cached eviction price computed after this mutation count is still fresh.
+        stale_at = state.index.num_mutations - self.config.eviction_refresh_mutations
         prefill_by_blocks: dict[int, float] = {}  # many holders share a match length: predict once each
         low = high = math.inf  # the band of totals that tie with the best so far
         tied: list[WorkerId] = []
-        # Hot loop (all live workers when exploring): the common case is an unmatched worker with room.
-        for worker, (load_s, free) in zip(candidates, state.load.cost_inputs(candidates)):
-            num_blocks = matched.get(worker, 0) if matched else 0
+        # Hot loop (all live workers when exploring): one pass, dict reads only, no per-worker calls
+        # except a prediction per distinct match length and a refresh of a stale eviction price.
+        for worker in candidates:
+            num_blocks = matched_blocks(worker, 0)
             if num_blocks:
                 prefill_s = prefill_by_blocks.get(num_blocks)
                 if prefill_s is None:
                     cached = min(num_blocks * block_size, num_prompt)
                     prefill_s = prefill_by_blocks[num_blocks] = predict(num_prompt - cached, cached)
-                total = load_s + prefill_s
+                total = window_load_s(worker, 0.0) + prefill_s
             else:
-                total = load_s + cold_prefill_s
+                total = window_load_s(worker, 0.0) + cold_prefill_s
+            free = free_blocks(worker)
             if free is not None and total_blocks - num_blocks > free:
-                total += (total_blocks - num_blocks - free) * self._eviction_s_per_block(worker)
+                at = priced_at(worker)
+                price_s = price_of[worker] if at is not None and at > stale_at else self._eviction_s_per_block(worker)
+                total += (total_blocks - num_blocks - free) * price_s
             if total < low:
                 tolerance = 1e-9 * (total if total > 1.0 else 1.0)
                 low, high, tied = total - tolerance, total + tolerance, [worker]
@@ -219,9 +228,9 @@ class PrebleE2Policy(BasePolicy):
         and refreshed after `eviction_refresh_mutations` index changes: an estimate, not a ledger.
         """
         index = self.state.index
-        cached = self._eviction_cache.get(worker)
-        if cached is not None and index.num_mutations - cached[0] < self.config.eviction_refresh_mutations:
-            return cached[1]
+        at = self._eviction_at.get(worker)
+        if at is not None and index.num_mutations - at < self.config.eviction_refresh_mutations:
+            return self._eviction_price[worker]
         victims = index.coldest(worker, self.config.max_sampled_victims)
         num_sampled = sum(num_blocks for num_blocks, _ in victims)
         per_block_s = 0.0
@@ -229,7 +238,8 @@ class PrebleE2Policy(BasePolicy):
             block_s = self.state.prefill_model.marginal_s(self.state.block_size, 0)
             reuses = sum(num_blocks * max(0, num_routed - 1) for num_blocks, num_routed in victims)
             per_block_s = block_s * reuses / num_sampled
-        self._eviction_cache[worker] = (index.num_mutations, per_block_s)
+        self._eviction_at[worker] = index.num_mutations
+        self._eviction_price[worker] = per_block_s
         return per_block_s
 
     def _allocation(
@@ -266,7 +276,8 @@ class PrebleE2Policy(BasePolicy):
     def on_worker_removed(self, worker_id: WorkerId) -> None:
         super().on_worker_removed(worker_id)
         self.ttft.forget_worker(worker_id)
-        self._eviction_cache.pop(worker_id, None)
+        self._eviction_price.pop(worker_id, None)
+        self._eviction_at.pop(worker_id, None)
         for group, (allowed, reason) in list(self._allocations.items()):
             if worker_id in allowed:
                 rest = allowed - {worker_id}

@@ -208,9 +208,12 @@ class GlobalPrefixIndex:
             if segment is None:
                 if head in self._where:
                     break  # a block already indexed elsewhere: never fork a chain's hash
-                # Stop before any block already indexed (a root to adopt next round); scanned in C.
+                # Stop before any block already indexed (a root to adopt next round); scanned in C. Only a
+                # root's head can be: hashes are chained, so an indexed block has the same predecessor in
+                # the tree as here, and every indexed block except a root's head has an indexed
+                # predecessor. `_roots` is small and stays in cache; `_where` costs a cache miss per block.
                 rest = block_hashes[depth + 1 :]
-                known = next(filter(self._where.__contains__, rest), None)
+                known = next(filter(self._roots.__contains__, rest), None)
                 end = total if known is None else depth + 1 + rest.index(known)
                 segment = self._create(block_hashes[depth:end], parent, worker)
                 depth = end

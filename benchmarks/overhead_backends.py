@@ -1,0 +1,218 @@
+"""Instant backends and a closed-loop client for `router_overhead.py`: everything except the routers under test.
+
+- `run_fake_rpc_workers`: N kvbaton workers in one process that speak the real worker RPC
+  (`kvbaton.server.rpc` over zmq DEALER sockets: register, heartbeats, token deltas) and answer
+  every request at once with one fixed delta (4 tokens, finished).
+- `run_fake_http_workers`: N OpenAI-style HTTP servers (raw asyncio, keep-alive) for sglang-router:
+  `POST /v1/completions` gets a fixed completion at once; any GET (`/health`, `/get_model_info`,
+  `/get_server_info`, `/v1/models`, ...) gets 200 with a small JSON body.
+- `run_load`: a closed-loop HTTP/1.1 keep-alive client (`concurrency` connections, raw asyncio, so
+  the client costs as little CPU as possible) that sends a fixed list of prompts round-robin.
+Each runs in its own process, started by `router_overhead.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import zmq
+
+from kvbaton.server import rpc
+from kvbaton.server.base import TokenDelta
+
+REPLY_TOKEN_IDS = (28, 29, 30, 31)
+REPLY_TEXT = " ok ok ok ok"
+
+
+# -- kvbaton workers over the real RPC -----------------------------------------------------------
+
+
+def run_fake_rpc_workers(router_address: str, num_workers: int, model_name: str, num_blocks: int = 100_000) -> None:
+    """Register `num_workers` fake workers with the router and serve until it sends Shutdown (or dies)."""
+    context = zmq.Context()
+    sockets: dict[zmq.Socket, str] = {}
+    for i in range(num_workers):
+        socket = context.socket(zmq.DEALER)
+        worker_id = f"fake{i:02d}"
+        socket.setsockopt(zmq.IDENTITY, worker_id.encode())
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(router_address)
+        socket.send(rpc.encode(rpc.Register(worker_id, "mixed", model_name, "fake-revision", "fake-layout", 16,
+                                            num_blocks, "", os.getpid())))
+        sockets[socket] = worker_id
+    poller = zmq.Poller()
+    for socket in sockets:
+        poller.register(socket, zmq.POLLIN)
+    heartbeat_s = 0.05
+    next_heartbeat_at = 0.0
+    last_router_at = time.monotonic()
+    num_steps = 0
+    live = set(sockets)
+    while live:
+        for socket, _ in poller.poll(10):
+            worker_id = sockets[socket]
+            while True:
+                try:
+                    message = rpc.decode(socket.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                last_router_at = time.monotonic()
+                if isinstance(message, rpc.AddRequest):
+                    num_steps += 1
+                    delta = TokenDelta(message.request_id, REPLY_TOKEN_IDS, REPLY_TEXT, True, "length",
+                                       len(message.prompt_token_ids), 0, worker_id=worker_id)
+                    socket.send(rpc.encode(rpc.TokenDeltas(worker_id, (delta,))))
+                elif isinstance(message, rpc.RegisterAck):
+                    heartbeat_s = message.heartbeat_interval_s
+                elif isinstance(message, rpc.SnapshotRequest):
+                    socket.send(rpc.encode(rpc.SnapshotResponse(worker_id, 0, ())))
+                elif isinstance(message, (rpc.Shutdown, rpc.RegisterRefuse)):
+                    socket.send(rpc.encode(rpc.Goodbye(worker_id, "shutdown")))
+                    live.discard(socket)
+        now = time.monotonic()
+        if now >= next_heartbeat_at:
+            next_heartbeat_at = now + heartbeat_s
+            for socket in live:
+                socket.send(rpc.encode(rpc.Stats(sockets[socket], 0, 0, 0, 0, num_blocks, 0, 0, 0, 0, num_steps, now)))
+        if now - last_router_at > 30.0:
+            break  # the router is gone
+    for socket in sockets:
+        socket.close()
+    context.term()
+
+
+# -- OpenAI-style HTTP workers for sglang-router ------------------------------------------------
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] | None:
+    """(method, path, body) of the next HTTP/1.1 request on a keep-alive connection; None at EOF."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    lines = head.decode("latin-1").split("\r\n")
+    method, path, _ = lines[0].split(" ", 2)
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    body = await reader.readexactly(length) if length else b""
+    return method, path, body
+
+
+def _response(status: str, payload: dict[str, object]) -> bytes:
+    body = json.dumps(payload).encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            .encode() + body)
+
+
+def _completion(model: str, body: bytes) -> dict[str, object]:
+    try:
+        request = json.loads(body)
+    except json.JSONDecodeError:
+        request = {}
+    prompt = request.get("prompt", "") if isinstance(request, dict) else ""
+    return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "text": REPLY_TEXT, "logprobs": None, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": len(prompt) // 4, "completion_tokens": len(REPLY_TOKEN_IDS),
+                      "total_tokens": len(prompt) // 4 + len(REPLY_TOKEN_IDS)}}
+
+
+async def _serve_http_worker(port: int, model: str) -> asyncio.Server:
+    info = {"model_path": model, "tokenizer_path": model, "is_generation": True, "served_model_name": model,
+            "status": "ok", "data": [{"id": model, "object": "model"}], "max_total_num_tokens": 1_000_000}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                request = await _read_request(reader)
+                if request is None:
+                    break
+                method, path, body = request
+                if method == "POST" and path.startswith("/v1/completions"):
+                    writer.write(_response("200 OK", _completion(model, body)))
+                elif method == "POST":
+                    writer.write(_response("200 OK", {"status": "ok"}))
+                else:
+                    writer.write(_response("200 OK", info))
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+
+
+def run_fake_http_workers(ports: list[int], model: str) -> None:
+    async def main() -> None:
+        servers = [await _serve_http_worker(port, model) for port in ports]
+        await asyncio.gather(*(s.serve_forever() for s in servers))
+
+    asyncio.run(main())
+
+
+# -- closed-loop client --------------------------------------------------------------------------
+
+
+async def _read_response(reader: asyncio.StreamReader) -> int:
+    """Read one whole HTTP/1.1 response (content-length or chunked); returns the status code."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    length, chunked = 0, False
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        name = name.strip().lower()
+        if name == "content-length":
+            length = int(value)
+        elif name == "transfer-encoding" and "chunked" in value.lower():
+            chunked = True
+    if chunked:
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    elif length:
+        await reader.readexactly(length)
+    return status
+
+
+async def _load(host: str, port: int, path: str, bodies: list[bytes], num_requests: int, concurrency: int,
+                timeout_s: float) -> dict[str, object]:
+    counter = iter(range(num_requests))
+    statuses: dict[int, int] = {}
+    errors: list[str] = []
+
+    async def connection() -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            for i in counter:
+                body = bodies[i % len(bodies)]
+                writer.write((f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+                              f"content-length: {len(body)}\r\n\r\n").encode() + body)
+                status = await _read_response(reader)
+                statuses[status] = statuses.get(status, 0) + 1
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            writer.close()
+
+    started_s = time.perf_counter()
+    await asyncio.wait_for(asyncio.gather(*(connection() for _ in range(concurrency))), timeout_s)
+    elapsed_s = time.perf_counter() - started_s
+    return {"elapsed_s": elapsed_s, "statuses": {str(k): v for k, v in sorted(statuses.items())},
+            "num_ok": statuses.get(200, 0), "errors": errors[:5]}
+
+
+def run_load(url: str, bodies: list[bytes], num_requests: int, concurrency: int, timeout_s: float) -> dict[str, object]:
+    """Send `num_requests` POSTs to `url` (http://host:port/path) over `concurrency` keep-alive connections."""
+    rest = url.removeprefix("http://")
+    hostport, _, path = rest.partition("/")
+    host, _, port = hostport.partition(":")
+    return asyncio.run(_load(host, int(port), "/" + path, bodies, num_requests, concurrency, timeout_s))

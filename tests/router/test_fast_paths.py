@@ -1,0 +1,145 @@
+"""The router's hot-path shortcuts decide exactly what the plain formulas decide.
+
+- `PrebleE2Policy._least_cost` (one pass over dict reads, inlined eviction-price cache) against the
+  per-worker reference formula, in lockstep on random clusters: same worker, costs, reasons.
+- `LoadTracker`'s flat per-worker mirrors (`cost_lookups`) stay equal to `window_load_s`/`free_blocks`.
+- `GlobalPrefixIndex._insert` finds an orphan root inside a new run (it probes `_roots` only).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbaton.cache.events import KVEvent, KVEventKind
+from kvbaton.cache.hashing import CacheKey, hash_block_tokens
+from kvbaton.router.base import CostTerms, RouteRequest, WorkerId
+from kvbaton.router.load import LoadTracker, WorkerStats
+from kvbaton.router.preble import PrebleConfig, PrebleE2Policy
+from kvbaton.router.prefill_model import PrefillTimeModel
+from kvbaton.router.prefix_index import GlobalPrefixIndex
+from kvbaton.router.state import RouterState
+
+KEY = CacheKey("m", "l")
+BS = 4
+
+
+class ReferencePreble(PrebleE2Policy):
+    """Preble with the original scalar cost loop: per-worker `cost_inputs` and `_eviction_s_per_block` calls."""
+
+    def _least_cost(
+        self, request: RouteRequest, candidates: Sequence[WorkerId], matched: dict[WorkerId, int]
+    ) -> tuple[WorkerId, CostTerms]:
+        state = self.state
+        predict = state.prefill_model.predict
+        num_prompt = request.num_prompt_tokens
+        total_blocks = state.num_blocks_needed(request, 0)
+        low = high = math.inf
+        tied: list[WorkerId] = []
+        for worker, (load_s, free) in zip(candidates, state.load.cost_inputs(candidates)):
+            num_blocks = matched.get(worker, 0)
+            cached = min(num_blocks * state.block_size, num_prompt)
+            total = load_s + predict(num_prompt - cached, cached)
+            if free is not None and total_blocks - num_blocks > free:
+                total += (total_blocks - num_blocks - free) * self._eviction_s_per_block(worker)
+            if total < low:
+                tolerance = 1e-9 * (total if total > 1.0 else 1.0)
+                low, high, tied = total - tolerance, total + tolerance, [worker]
+            elif total <= high:
+                tied.append(worker)
+        worker = self._break_tie(tied)
+        load_s, free = state.load.cost_inputs([worker])[0]
+        num_blocks = matched.get(worker, 0)
+        cached = min(num_blocks * state.block_size, num_prompt)
+        deficit = 0 if free is None else total_blocks - num_blocks - free
+        eviction_s = deficit * self._eviction_s_per_block(worker) if deficit > 0 else 0.0
+        return worker, CostTerms(load_s, eviction_s, predict(num_prompt - cached, cached))
+
+    def _longest_live(self, matched: dict[WorkerId, int], workers: Sequence[WorkerId]) -> int:
+        return max((matched.get(w, 0) for w in workers), default=0)
+
+
+def _state(max_blocks: int) -> RouterState:
+    return RouterState(block_size=BS, index=GlobalPrefixIndex(max_blocks=max_blocks), load=LoadTracker(window_s=5.0),
+                       prefill_model=PrefillTimeModel(0.002, 0.001, 0.0, 1e-6), decode_s_per_token=0.001)
+
+
+def _request(rng: random.Random, i: int, num_systems: int) -> RouteRequest:
+    system = [1000 + rng.randrange(num_systems)] * (BS * rng.randrange(1, 6))
+    tail = [rng.randrange(50) for _ in range(rng.randrange(0, 4 * BS))]
+    return RouteRequest.from_tokens(f"r{i}", system + tail, KEY, BS, num_output_tokens=rng.randrange(1, 12))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 9), st.integers(8, 200), st.integers(1, 4))
+def test_preble_fast_cost_loop_decides_like_the_reference(seed: int, num_workers: int, max_blocks: int,
+                                                           refresh: int) -> None:
+    config = PrebleConfig(warmup_decisions=4, rebalance_every=3, eviction_refresh_mutations=refresh,
+                          max_sampled_victims=8)
+    fast_state, ref_state = _state(max_blocks), _state(max_blocks)
+    fast = PrebleE2Policy(fast_state, random.Random(seed), config)
+    ref = ReferencePreble(ref_state, random.Random(seed), config)
+    rng = random.Random(seed)
+    workers = [f"w{i}" for i in range(num_workers)]
+    now = 0.0
+    for i in range(60):
+        live = [w for w in workers if rng.random() < 0.9] or workers[:1]
+        if rng.random() < 0.3:  # a heartbeat; some workers never send one (free blocks unknown), ties are common
+            worker = rng.choice(workers[1:] or workers)
+            stats = WorkerStats(worker, rng.randrange(64), rng.randrange(16), rng.randrange(-4, 24))
+            fast_state.load.on_stats(stats, now)
+            ref_state.load.on_stats(stats, now)
+        request = _request(rng, i, 4)
+        assert fast.choose(request, live, now) == ref.choose(request, live, now)
+        if rng.random() < 0.3:
+            ttft_s = rng.random()
+            fast.on_first_token(request.request_id, ttft_s, now)
+            ref.on_first_token(request.request_id, ttft_s, now)
+        now += rng.choice((0.01, 0.2, 1.0))
+    assert fast.num_moved_groups == ref.num_moved_groups and fast.num_replications == ref.num_replications
+    fast_state.index.check_invariants()
+    fast_state.load.check_invariants()
+
+
+load_ops = st.lists(st.tuples(st.sampled_from(("stats", "assign", "prune", "move", "remove")),
+                              st.sampled_from(("w0", "w1", "w2")), st.integers(0, 40), st.integers(0, 3)),
+                    max_size=40)
+
+
+@settings(max_examples=100, deadline=None)
+@given(load_ops)
+def test_load_tracker_mirrors_match_its_reads(operations: list[tuple[str, str, int, int]]) -> None:
+    load = LoadTracker(window_s=3.0)
+    now = 0.0
+    for i, (kind, worker, amount, group) in enumerate(operations):
+        now += 0.5
+        if kind == "stats":
+            load.on_stats(WorkerStats(worker, amount, amount // 2, 40 - amount), now)
+        elif kind == "assign":
+            load.on_assigned(worker, f"r{i}", now, amount, amount // 4, amount * 0.01, group or None)
+        elif kind == "prune":
+            load.prune(now)
+        elif kind == "move":
+            load.move_group(group, worker, "w0", fraction=0.5)
+        else:
+            load.remove_worker(worker)
+        load.check_invariants()
+        window_load_s, free_blocks = load.cost_lookups()
+        for w in ("w0", "w1", "w2", "unknown"):
+            assert window_load_s(w, 0.0) == load.window_load_s(w)
+            assert free_blocks(w) == load.free_blocks(w)
+
+
+def test_routing_a_new_run_stops_at_an_orphan_root_inside_it_and_adopts_it() -> None:
+    index = GlobalPrefixIndex()
+    a = hash_block_tokens(KEY, [t for b in (1, 2, 3, 4, 5, 6) for t in [b] * BS], BS)
+    stored = KVEvent(1, KVEventKind.STORED, tuple(a[3:5]), a[2], BS)  # parent a[2] unknown: a root
+    assert index.on_kv_events("w1", [stored])
+    index.on_routed("w0", a)
+    assert index.match(a) == {"w0": 6, "w1": 5}
+    assert index.holders(a[0]) == {"w0", "w1"}  # w1 holds the adopted root's ancestors too
+    index.check_invariants()

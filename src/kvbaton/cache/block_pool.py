@@ -5,8 +5,8 @@ reference. A request holds one reference on each block of its block table; the p
 exactly one reference on each block it caches. A block whose count drops to 0 is free and goes to
 the TAIL of the free queue; `allocate` takes from the HEAD, so the block freed longest ago is reused
 first. The queue is a doubly linked list threaded through two int arrays (`_prev`, `_next`) with
-one sentinel slot, so pop-head, append-tail and unlink-from-the-middle are O(1) and the order is a
-pure function of the call sequence (no timestamps).
+one sentinel slot, so taking from the head and appending to the tail cost O(1) per block and the
+order is a pure function of the call sequence (no timestamps).
 
 Misuse (unknown ids, taking a reference on a free block, releasing a free block) raises ValueError
 before anything is changed: the pool is never left half-updated.
@@ -53,27 +53,67 @@ class BlockPool:
             raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
         if num_blocks > self._num_free_blocks:
             raise CapacityError(f"need {num_blocks} KV blocks but only {self._num_free_blocks} are free")
+        if num_blocks == 0:
+            return []
+        # Cut the first `num_blocks` entries off the queue in one splice (same order as popping
+        # the head one at a time), then mark each taken block as held.
+        next_ids, prev_ids, ref_counts, sentinel = self._next, self._prev, self._ref_counts, self._sentinel
         block_ids: list[int] = []
+        block_id = next_ids[sentinel]
         for _ in range(num_blocks):
-            block_id = self._next[self._sentinel]
-            self._unlink(block_id)
-            self._ref_counts[block_id] = 1
             block_ids.append(block_id)
+            block_id = next_ids[block_id]
+        next_ids[sentinel] = block_id
+        prev_ids[block_id] = sentinel
+        for block_id in block_ids:
+            prev_ids[block_id] = next_ids[block_id] = _NOT_QUEUED
+            ref_counts[block_id] = 1
+        self._num_free_blocks -= num_blocks
         return block_ids
 
     def ref(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each listed block (a block listed twice gets two); all must be held."""
         block_ids = list(block_ids)
+        ref_counts, num_blocks = self._ref_counts, self.num_blocks
         for block_id in block_ids:
-            self._check_id(block_id)
-            if self._ref_counts[block_id] == 0:
-                raise ValueError(f"cannot take a reference on free block {block_id}")
+            if not 0 <= block_id < num_blocks or ref_counts[block_id] == 0:
+                self._raise_bad_ref(block_id)
         for block_id in block_ids:
-            self._ref_counts[block_id] += 1
+            ref_counts[block_id] += 1
 
     def release(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each listed block; blocks reaching 0 join the free-queue tail in order."""
         block_ids = list(block_ids)
+        ref_counts, num_blocks = self._ref_counts, self.num_blocks
+        # Fast path (the common case: a request's table, no id twice): validate, then update.
+        if len(set(block_ids)) != len(block_ids):
+            self._release_with_duplicates(block_ids)
+            return
+        for block_id in block_ids:
+            if not 0 <= block_id < num_blocks or ref_counts[block_id] == 0:
+                self._release_with_duplicates(block_ids)  # raises the detailed error, changing nothing
+                return
+        next_ids, prev_ids, sentinel = self._next, self._prev, self._sentinel
+        tail = prev_ids[sentinel]
+        num_appended = 0
+        for block_id in block_ids:
+            count = ref_counts[block_id] - 1
+            ref_counts[block_id] = count
+            if count == 0:  # append to the free-queue tail (inline `_append`)
+                next_ids[tail] = block_id
+                prev_ids[block_id] = tail
+                tail = block_id
+                num_appended += 1
+        next_ids[tail] = sentinel
+        prev_ids[sentinel] = tail
+        self._num_free_blocks += num_appended
+
+    def _raise_bad_ref(self, block_id: int) -> None:
+        self._check_id(block_id)
+        raise ValueError(f"cannot take a reference on free block {block_id}")
+
+    def _release_with_duplicates(self, block_ids: list[int]) -> None:
+        """`release` when an id may be listed more than once: a block joins the queue when its count hits 0."""
         for block_id, num_releases in Counter(block_ids).items():
             self._check_id(block_id)
             if self._ref_counts[block_id] < num_releases:
@@ -124,13 +164,6 @@ class BlockPool:
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
             raise ValueError(f"block id {block_id} is outside 0..{self.num_blocks - 1}")
-
-    def _unlink(self, block_id: int) -> None:
-        prev_id, next_id = self._prev[block_id], self._next[block_id]
-        self._next[prev_id] = next_id
-        self._prev[next_id] = prev_id
-        self._prev[block_id] = self._next[block_id] = _NOT_QUEUED
-        self._num_free_blocks -= 1
 
     def _append(self, block_id: int) -> None:
         tail = self._prev[self._sentinel]

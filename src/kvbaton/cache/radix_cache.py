@@ -18,6 +18,9 @@ its children are keyed by the token tuple of their first block. `insert` and a t
 blocks. The node object keeps the TAIL part on a split and the new node becomes its parent, so a
 handle that is locked stays valid across later splits. Eviction only ever trims blocks from the
 tail of an unlocked leaf; a leaf that becomes empty leaves the tree. Nodes are not merged back.
+Hence a locked handle always ends exactly where it ended when taken, and `insert_from(node, ...)`
+(a request caching its next full blocks) can walk on from it with the same effect as `insert` of
+the whole sequence from the root.
 
 A `PrefixMatch` (and its node handle) is valid until the next `evict`/`clear` unless its node is
 locked; locking a node that has left the tree raises ValueError.
@@ -171,9 +174,29 @@ class RadixCache:
             raise ValueError(
                 f"{len(token_ids)} tokens do not fill {len(block_ids)} blocks of {self.block_size} tokens"
             )
-        token_blocks = self._token_blocks(token_ids)
-        root = self._root(key)
-        node, num_in_node, path_ids, path_hashes = self._walk(root, token_blocks)
+        return self._insert_below(self._root(key), self._token_blocks(token_ids), block_ids)
+
+    def insert_from(self, node: object, token_ids: Sequence[int], block_ids: Sequence[int]) -> PrefixMatch:
+        """`insert` of a path that continues below `node`, given only the blocks after it.
+
+        `node` must be a node handle the caller holds locked (so root..node is exactly the prefix
+        before `token_ids`, see the module docstring); the result, events, ticks and splits are
+        identical to `insert` of the whole sequence, without re-walking (and re-tupling) the
+        prefix. The returned match covers only the blocks after `node`; its node is the deepest.
+        """
+        start = self._check_node(node)
+        if start.lock_ref == 0:
+            raise ValueError("insert_from needs a locked node: an unlocked one may be trimmed or split")
+        if len(token_ids) != len(block_ids) * self.block_size:
+            raise ValueError(
+                f"{len(token_ids)} tokens do not fill {len(block_ids)} blocks of {self.block_size} tokens"
+            )
+        return self._insert_below(start, self._token_blocks(token_ids), block_ids)
+
+    def _insert_below(self, start: RadixNode, token_blocks: list[BlockTokens], block_ids: Sequence[int]) -> PrefixMatch:
+        """Shared body of `insert`/`insert_from`: walk down from `start`, adopt the blocks past the
+        cached path, touch the end node."""
+        node, num_in_node, path_ids, path_hashes = self._walk(start, token_blocks)
         new_ids = list(block_ids[len(path_ids) :])
         # Validate everything before changing anything, so a bad call leaves the cache untouched.
         reused = self._cached_block_ids.intersection(new_ids)
@@ -280,22 +303,29 @@ class RadixCache:
         size = self.block_size
         return [tuple(token_ids[start : start + size]) for start in range(0, len(token_ids) - size + 1, size)]
 
-    def _walk(self, root: RadixNode, token_blocks: list[BlockTokens]) -> tuple[RadixNode, int, list[int], list[int]]:
-        """Follow the longest cached prefix: (last node reached, blocks matched in it, ids, hashes)."""
-        node, num_in_node = root, 0
+    def _walk(self, start: RadixNode, token_blocks: list[BlockTokens]) -> tuple[RadixNode, int, list[int], list[int]]:
+        """Follow the longest cached prefix below `start` (a root, or a node whose blocks all precede
+        `token_blocks`): (last node reached, blocks matched in it, ids, hashes after `start`)."""
+        node, num_in_node = start, len(start.block_ids)
         block_ids: list[int] = []
         block_hashes: list[int] = []
         position = 0
-        while position < len(token_blocks):
+        num_token_blocks = len(token_blocks)
+        while position < num_token_blocks:
             child = node.children.get(token_blocks[position])
             if child is None:
                 break
-            node, num_in_node = child, 0
-            while num_in_node < len(child.token_blocks) and position < len(token_blocks):
-                if child.token_blocks[num_in_node] != token_blocks[position]:
-                    break
-                num_in_node += 1
-                position += 1
+            node = child
+            child_blocks = child.token_blocks
+            num_comparable = min(len(child_blocks), num_token_blocks - position)
+            # Usually the whole node matches: one C-level list comparison instead of a Python loop.
+            if child_blocks[:num_comparable] == token_blocks[position : position + num_comparable]:
+                num_in_node = num_comparable
+            else:
+                num_in_node = 1  # the first block matched: it is the child's key
+                while child_blocks[num_in_node] == token_blocks[position + num_in_node]:
+                    num_in_node += 1  # stops before num_comparable: the slices differ somewhere
+            position += num_in_node
             block_ids.extend(child.block_ids[:num_in_node])
             block_hashes.extend(child.block_hashes[:num_in_node])
             if num_in_node < len(child.token_blocks):

@@ -19,6 +19,17 @@ from kvbaton.core.request import Request
 
 
 
+def _tokens_between(request: Request, start: int, end: int) -> list[int]:
+    """request.all_token_ids[start:end] without concatenating the whole prompt and output."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    n = len(prompt)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return output[start - n : end - n]
+    return prompt[start:] + output[: end - n]
+
+
 @dataclass(slots=True)
 class _CacheHold:
     node: object  # deepest cached node of the request's prefix; locked while held
@@ -98,10 +109,18 @@ class BlockManager:
         hold = self._holds.get(request.request_id)
         if num_full <= (hold.num_blocks if hold else 0):
             return
-        key = self.cache_key.with_tenant(request.tenant)
-        tokens = request.all_token_ids[: num_full * self.block_size]
         # Positions already cached keep the cache's block; our duplicate stays in our table.
-        match = self.cache.insert(key, tokens, request.block_ids[:num_full])
+        if hold is None:
+            key = self.cache_key.with_tenant(request.tenant)
+            tokens = _tokens_between(request, 0, num_full * self.block_size)
+            match = self.cache.insert(key, tokens, request.block_ids[:num_full])
+        else:
+            # Root..hold.node is exactly our first hold.num_blocks blocks and stays so while it is
+            # locked (splits keep the handle at the tail; locked blocks are never trimmed), so only
+            # the blocks after it need walking: same result as re-inserting the whole prefix.
+            start_pos = hold.num_blocks * self.block_size
+            tokens = _tokens_between(request, start_pos, num_full * self.block_size)
+            match = self.cache.insert_from(hold.node, tokens, request.block_ids[hold.num_blocks : num_full])
         self.cache.lock(match.node)  # lock the new node before unlocking the old: no evictable gap
         if hold is not None:
             self.cache.unlock(hold.node)

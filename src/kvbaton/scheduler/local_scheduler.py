@@ -17,6 +17,7 @@ the front of the waiting queue, keeping its output tokens to recompute them.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbaton.cache.block_pool import BlockPool
@@ -134,7 +135,8 @@ class LocalScheduler:
         self._requests[request.request_id] = request
         self._waiting.append(request)
 
-    def admit_prefilled(self, request: Request, num_computed_tokens: int, now: float) -> bool:
+    def admit_prefilled(self, request: Request, num_computed_tokens: int, now: float,
+                        block_ids: Sequence[int] | None = None) -> bool:
         """Admit a request whose first `num_computed_tokens` tokens' KV was computed elsewhere (a handoff).
 
         The decode side of disaggregation: `request` carries its prompt and the first token the
@@ -142,6 +144,10 @@ class LocalScheduler:
         written into them by the transfer) and the request runs at once, decoding from its last
         token. Returns False, changing nothing, when the pool or `max_num_seqs` cannot take it
         (the caller retries later: backpressure). If it is preempted later it recomputes locally.
+
+        With `block_ids` the request adopts blocks the caller already holds (a handoff destination's
+        reservation, KV written in place): one pool reference each passes to the request on success;
+        on False the caller still owns them.
         """
         if request.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
@@ -151,7 +157,14 @@ class LocalScheduler:
             )
         if request.block_ids or request.num_computed_tokens:
             raise InvalidRequestError(f"{request.request_id}: a handed-off request must arrive holding no blocks")
-        if len(self._running) >= self.config.max_num_seqs or not self.blocks.try_grow(request, num_computed_tokens):
+        if len(self._running) >= self.config.max_num_seqs:
+            return False
+        if block_ids is not None:
+            if len(block_ids) != self.blocks.num_blocks_for(num_computed_tokens):
+                raise InvalidRequestError(f"{request.request_id}: {len(block_ids)} adopted blocks for "
+                                          f"{num_computed_tokens} tokens")
+            request.block_ids = list(block_ids)
+        elif not self.blocks.try_grow(request, num_computed_tokens):
             return False
         request.num_computed_tokens = num_computed_tokens
         if request.num_cached_tokens < 0:
@@ -207,9 +220,7 @@ class LocalScheduler:
     def schedule(self, now: float) -> StepPlan:
         self._step_id += 1
         step = _StepBuilder(self.config.max_num_batched_tokens)
-        decoding = [r for r in self._running if r.num_uncomputed_tokens == 1]
-        prefilling = [r for r in self._running if r.num_uncomputed_tokens > 1]
-        for request in decoding + prefilling:
+        for request in self._running_in_step_order():
             if step.budget_left_tokens == 0:
                 break
             if request.status is RequestStatus.RUNNING:  # not preempted earlier in this step
@@ -244,7 +255,43 @@ class LocalScheduler:
             samples=end == request.num_tokens,
         )
 
+    # ---- hot-path helpers (the simulator runs these for every step of every worker) ------------
+
+    def _running_in_step_order(self) -> list[Request]:
+        """Running decodes (exactly one uncomputed token), then running prefills, each in running order."""
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for r in self._running:
+            # num_uncomputed_tokens, without two property calls per request per step
+            num_uncomputed = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            if num_uncomputed == 1:
+                decoding.append(r)
+            elif num_uncomputed > 1:
+                prefilling.append(r)
+        decoding.extend(prefilling)
+        return decoding
+
+    def _try_schedule_decode(self, request: Request, step: _StepBuilder) -> bool:
+        """Add a decode's 1-token chunk when its table already covers the position; False otherwise.
+
+        Exactly what `_schedule_running` does for such a request (the chunk is 1 token: the caller
+        only schedules with budget left and a positive threshold is >= 1; `try_grow` would add no
+        block), without the general path's calls. Anything else returns False, changing nothing.
+        """
+        start = request.num_computed_tokens
+        output = request.output_token_ids
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt + len(output) - start != 1 or len(request.block_ids) * self.block_size <= start:
+            return False
+        last_token = output[-1] if output else request.prompt_token_ids[-1]
+        chunk = ScheduledChunk(request.request_id, start, (last_token,), tuple(request.block_ids), True)
+        step.chunks[request.request_id] = chunk
+        step.num_tokens += 1
+        return True
+
     def _schedule_running(self, request: Request, step: _StepBuilder, now: float) -> None:
+        if self._try_schedule_decode(request, step):
+            return
         num_tokens = self._chunk_tokens(request, step.budget_left_tokens)
         end_pos = request.num_computed_tokens + num_tokens
         while not self.blocks.try_grow(request, end_pos):
@@ -352,6 +399,10 @@ class LocalScheduler:
                 self._finish(request, reason, now)
             outputs.append(TokenOutput(request.request_id, token, reason))
         return outputs
+
+    def stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        """Whether appending `token_id` (already in output_token_ids) ends `request`, and why."""
+        return self._stop_reason(request, token_id)
 
     @staticmethod
     def _stop_reason(request: Request, token_id: int) -> FinishReason | None:

@@ -111,6 +111,44 @@ def test_stored_under_unknown_parent_is_adopted_when_parent_appears() -> None:
     index.check_invariants()
 
 
+def test_orphan_is_attached_when_a_route_indexes_its_parent_without_walking_into_it() -> None:
+    index = GlobalPrefixIndex()
+    b0, b1 = chain(0, 0)
+    assert index.on_kv_events("w1", [stored(1, [b1], parent=b0)])
+    index.on_routed("w0", [b0])  # ends at the parent: never walks into the orphan
+    assert index.match([b0, b1]) == {"w0": 1, "w1": 2}
+    assert index.holders(b0) == {"w0", "w1"}
+    index.check_invariants()
+    # Once attached it is an ordinary child: w1 evicting its parent drops w1 from both blocks.
+    assert index.on_kv_events("w1", [evicted(2, [b0])])
+    assert index.match([b0, b1]) == {"w0": 1}
+    assert index.num_blocks == 1
+    index.check_invariants()
+
+
+def test_orphan_waiting_on_a_middle_block_splits_the_new_run_there() -> None:
+    index = GlobalPrefixIndex()
+    a, b = chain(1, 2, 3), chain(1, 9)  # share the first block, then diverge
+    assert index.on_kv_events("w1", [stored(1, b[1:], parent=b[0])])
+    assert index.on_kv_events("w2", [stored(1, a[2:], parent=a[1]), stored(2, b[1:], parent=b[0])])
+    index.on_routed("w0", a)  # indexes a[0] (w1's and w2's parent) and a[1] (w2's) in one call
+    assert index.match(a) == {"w0": 3, "w1": 1, "w2": 3}
+    assert index.match(b) == {"w0": 1, "w1": 2, "w2": 2}
+    assert index.holders(a[1]) == {"w0", "w2"}
+    index.check_invariants()
+
+
+def test_deleted_orphan_is_forgotten() -> None:
+    index = GlobalPrefixIndex()
+    a = chain(1, 2)
+    assert index.on_kv_events("w1", [stored(1, a[1:], parent=a[0])])
+    index.remove_worker("w1")
+    index.on_routed("w0", a[:1])
+    assert index.match(a) == {"w0": 1}
+    assert index.num_blocks == 1
+    index.check_invariants()
+
+
 def test_bound_evicts_least_recently_routed_first() -> None:
     index = GlobalPrefixIndex(max_blocks=6)
     old, mid, new = chain(1, 2), chain(3, 4), chain(5, 6)

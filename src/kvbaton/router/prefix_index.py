@@ -9,8 +9,10 @@ O(segments on the path), not O(blocks). Invariants (checked by `check_invariants
 - every indexed block maps to exactly one segment; at most `max_blocks` blocks are indexed, past
   that the least recently routed subtrees go (recency is an insertion-ordered dict touched
   deepest-first, so ancestors stay more recent than descendants; no clocks).
-Blocks whose parent block is unknown start a root segment; if their parent shows up later they are
-re-attached under it. Block hashes along one path are distinct (they are chained).
+- blocks a KV event stores under a parent block not indexed start a root segment (an orphan),
+  remembered by parent hash; no orphan's parent is indexed: the segment that indexes it (routed
+  or stored, whatever walks there next) ends at it and takes its orphans as children.
+Block hashes along one path are distinct (they are chained).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class GlobalPrefixIndex:
             raise InvalidRequestError(f"max_blocks must be positive, got {max_blocks}")
         self.max_blocks = max_blocks
         self._roots: dict[int, _Segment] = {}  # segments whose first block has no known parent
+        # Roots created by a KV event under a parent block not indexed then, keyed both ways: parent
+        # hash -> first hashes of the roots waiting on it, and root's first hash -> its parent hash.
+        # Invariant: no waiting parent is indexed; the moment one is, its orphans are attached under it.
+        self._orphans: dict[int, dict[int, None]] = {}
+        self._orphan_parent: dict[int, int] = {}
         self._where: dict[int, _Segment] = {}  # block hash -> its segment
         self._lru: OrderedDict[int, None] = OrderedDict()  # segments by first hash, least recent first
         self._worker_lru: dict[WorkerId, OrderedDict[int, None]] = {}  # per worker, segments it holds
@@ -186,6 +193,8 @@ class GlobalPrefixIndex:
             if parent is not None:
                 self._add_worker_upwards(parent, worker)  # the worker's cache is prefix-closed
             path = self._insert(worker, parent, event.block_hashes, count_routed=False)
+            if parent is None and event.parent_hash is not None and path and path[0].parent is None:
+                self._register_orphan(path[0].hashes[0], event.parent_hash)
             self._touch(worker, path)
             self._enforce_bound()
 
@@ -204,18 +213,29 @@ class GlobalPrefixIndex:
             head = block_hashes[depth]
             segment = (parent.children if parent is not None else self._roots).get(head)
             if segment is None and parent is not None and head in self._roots:
-                segment = self._adopt(parent, self._roots[head])
+                segment = self._adopt(parent, self._roots[head])  # a root whose parent no event named
             if segment is None:
                 if head in self._where:
                     break  # a block already indexed elsewhere: never fork a chain's hash
-                # Stop before any block already indexed (a root to adopt next round); scanned in C. Only a
-                # root's head can be: hashes are chained, so an indexed block has the same predecessor in
-                # the tree as here, and every indexed block except a root's head has an indexed
-                # predecessor. `_roots` is small and stays in cache; `_where` costs a cache miss per block.
+                # Only a root's head can be indexed further on: hashes are chained, so an indexed block
+                # has the same predecessor in the tree as here, and every indexed block but a root's head
+                # has an indexed predecessor. Such a root is an orphan waiting on the block before it
+                # (unless an event left its parent unnamed), so the run ends at the first block orphans
+                # wait on, they are attached beneath it and the next round walks into them; and it stops
+                # before any root's head in any case. Scanned in C; `_roots` is small and stays in cache,
+                # `_orphans` is empty in a routing-only index.
                 rest = block_hashes[depth + 1 :]
                 known = next(filter(self._roots.__contains__, rest), None)
                 end = total if known is None else depth + 1 + rest.index(known)
+                waited = None
+                if self._orphans:
+                    waited = next(filter(self._orphans.__contains__, block_hashes[depth:end]), None)
+                    if waited is not None:
+                        end = block_hashes.index(waited, depth) + 1
                 segment = self._create(block_hashes[depth:end], parent, worker)
+                if waited is not None:
+                    for orphan_head in list(self._orphans[waited]):
+                        self._adopt(segment, self._roots[orphan_head])
                 depth = end
             else:
                 run = segment.hashes
@@ -266,11 +286,26 @@ class GlobalPrefixIndex:
     def _adopt(self, parent: _Segment, orphan: _Segment) -> _Segment:
         """Attach a root segment under its now-known parent block; its holders hold the parent too."""
         del self._roots[orphan.hashes[0]]
+        self._unregister_orphan(orphan.hashes[0])
         orphan.parent = parent
         parent.children[orphan.hashes[0]] = orphan
         for worker in orphan.workers:
             self._add_worker_upwards(parent, worker)
         return orphan
+
+    def _register_orphan(self, head: int, parent_hash: int) -> None:
+        """Record that the root starting at `head` follows the (unindexed) block `parent_hash`."""
+        if head not in self._orphan_parent:  # a root's head, hence its parent, never changes
+            self._orphan_parent[head] = parent_hash
+            self._orphans.setdefault(parent_hash, {})[head] = None
+
+    def _unregister_orphan(self, head: int) -> None:
+        parent_hash = self._orphan_parent.pop(head, None)
+        if parent_hash is not None:
+            waiting = self._orphans[parent_hash]
+            del waiting[head]
+            if not waiting:
+                del self._orphans[parent_hash]
 
     def _segment_ending_at(self, block_hash: int) -> _Segment | None:
         segment = self._where.get(block_hash)
@@ -333,8 +368,11 @@ class GlobalPrefixIndex:
                 self._delete_subtree(segment)
 
     def _delete_subtree(self, segment: _Segment) -> None:
-        siblings = segment.parent.children if segment.parent is not None else self._roots
-        del siblings[segment.hashes[0]]
+        if segment.parent is not None:
+            del segment.parent.children[segment.hashes[0]]
+        else:
+            del self._roots[segment.hashes[0]]
+            self._unregister_orphan(segment.hashes[0])  # descendants are never roots
         stack = [segment]
         while stack:
             current = stack.pop()
@@ -388,3 +426,9 @@ class GlobalPrefixIndex:
         assert set(self._lru) == {h for h in seen if self._where[h].hashes[0] == h}
         for worker, lru in self._worker_lru.items():
             assert set(lru) == held[worker], f"worker {worker} segment list differs from the tree"
+        for head, parent_hash in self._orphan_parent.items():
+            assert head in self._roots, f"orphan {head} is not a root"
+            assert parent_hash not in self._where, f"orphan {head} was not attached under its indexed parent"
+            assert head in self._orphans.get(parent_hash, {}), f"orphan {head} missing under {parent_hash}"
+        assert sum(map(len, self._orphans.values())) == len(self._orphan_parent), "orphan maps disagree"
+        assert all(self._orphans.values()), "empty orphan list kept"

@@ -76,7 +76,9 @@ class OpenAIServer:
     def _prompt_token_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:
         if isinstance(prompt, str):
             return tuple(self.tokenizer.encode(prompt))
-        if any(not 0 <= t < self.vocab_size for t in prompt):
+        # min/max run in C (ids are ints, checked by the protocol layer); an empty prompt passes here and
+        # is refused by _check_context.
+        if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return prompt
 

@@ -215,7 +215,10 @@ def _prompt(body: Mapping[str, object]) -> str | tuple[int, ...]:
     if isinstance(prompt, list):
         if not prompt:
             raise bad_request("prompt must not be empty", param="prompt")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # Hot path: collect the element types in one C-level pass, then check the few distinct ones
+        # (same verdict as isinstance(t, int) and not isinstance(t, bool) per element; bool is an int).
+        element_types = set(map(type, prompt))
+        if all(issubclass(k, int) and not issubclass(k, bool) for k in element_types):
             return tuple(prompt)  # type: ignore[arg-type]
         if all(isinstance(p, str | list) for p in prompt):
             raise bad_request("only one prompt per request is supported; send a batch as separate requests",

@@ -28,6 +28,7 @@ _TRACE_PARAM = {"mooncake": "trace", "sharegpt-like": "sharegpt_path"}
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     from kvbaton.bench.arrivals import ARRIVALS
     from kvbaton.bench.workloads import WORKLOADS
+    from kvbaton.router.admission import ADMISSION_POLICIES
     from kvbaton.router.policies import POLICY_NAMES
 
     parser.add_argument("--workload", required=True, help=f"one of {', '.join(WORKLOADS)}")
@@ -51,6 +52,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in seconds")
     parser.add_argument("--tpot-slo", type=float, default=None, help="TPOT SLO in seconds")
+    parser.add_argument("--admission", choices=ADMISSION_POLICIES, default="none",
+                        help="SLO admission control (Mooncake's variants; needs --ttft-slo and --tpot-slo)")
     parser.add_argument("--out", metavar="DIR", help="write report.json, report.md and plots here")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -70,7 +73,8 @@ def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
                     cost_model=args.cost_model, seed=args.seed, block_size=args.block_size,
                     num_blocks=args.num_blocks, enable_prefix_cache=not args.no_prefix_cache,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, admission=args.admission,
+                    admission_slo=(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None)
 
 
 def run_sim(args: argparse.Namespace) -> int:

@@ -11,8 +11,8 @@ Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
               streams its KV over the prefill worker's egress link (FIFO: transfers contend);
               on the ack the decode worker adopts the blocks (`LocalScheduler.admit_prefilled`)
               and decodes from the first token. A request of one output token skips the handoff.
-With an admission policy (`kvbaton.router.admission`), arrivals the policy refuses, and under
-`baseline` prefilled requests the decode stage refuses at handoff, end as `rejected` records.
+With an admission policy (`kvbaton.router.admission`), arrivals it refuses, and prefilled requests
+the decode stage refuses when their KV arrives (its blocks released), end as `rejected` records.
 Workers report heartbeats (stats + their radix caches' real KV events) to the router state at
 most every `heartbeat_s` of simulated time while busy, and whenever they go idle. Everything is
 a pure function of the inputs and the seed: no clock, and ties on the heap break by `seq`.
@@ -276,7 +276,7 @@ class ClusterSim:
         flight.transfer_bytes = self.handoffs.bytes_of.pop(wr.request_id, 0)  # type: ignore[union-attr]
         self.handoffs.forget(wr.request_id)  # type: ignore[union-attr]
         decode = self.workers[flight.decode]
-        if self.admission is not None:  # baseline's decode-stage gate: the prefill is already paid for
+        if self.admission is not None:  # the decode stage's own gate: the prefill is already paid for
             decision = self.admission.check_decode(
                 AdmissionRequest(wr.request_id, wr.num_prompt_tokens, wr.output_tokens),
                 self._decode_load(flight.decode, exclude=wr.request_id), now)

@@ -1,0 +1,86 @@
+"""Must-show 2 (issue 7): Mooncake's admission variants under 2x overload in the simulator.
+
+A disaggregated unit serves a long-prompt mix (Mooncake-like: long prefills, so a request reaches
+decode well after it arrives) at `--overload` times the rate it holds with no admission control
+(`--base-rate`, or found by bisection on both SLOs at `--attainment`). Each variant — none,
+baseline, early, predicted (`kvbaton.router.admission`) — replays the same requests; every
+variant but none keeps the decode stage's own gate. The table: rejected requests, of which
+refused by the decode gate after their prefill ran, goodput (requests meeting both SLOs per
+second), SLO attainment over all requests and over admitted ones, and the prefill tokens thrown
+away by decode-gate refusals.
+Defaults: a decode-bound unit (one TP2 prefill worker feeding one decode worker, Llama-3-8B on
+A100s, roofline), prompts ~1,500 and outputs ~1,000 tokens, TTFT 2 s / TPOT 40 ms. The no-admission
+goodput bisection takes minutes here; `--base-rate 6.95` (its result over 400 requests) skips it.
+Usage: python benchmarks/admission_overload.py [--base-rate 6.95] [--overload 2.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+from kvbaton.bench.metrics import SLO, max_goodput_rate, summarize
+from kvbaton.bench.workloads import create_workload
+from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.router.admission import ADMISSION_POLICIES
+from kvbaton.sim.run import SimSetup, simulate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=1500)
+    parser.add_argument("--overload", type=float, default=2.0)
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--gpu", default="a100")
+    parser.add_argument("--cluster", default="1P1D:tp_p=2,link=nvlink-a100")
+    parser.add_argument("--prompt-mean", type=float, default=1500)
+    parser.add_argument("--output-mean", type=float, default=1000)
+    parser.add_argument("--ttft-slo", type=float, default=2.0)
+    parser.add_argument("--tpot-slo", type=float, default=0.04)
+    parser.add_argument("--attainment", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--base-rate", type=float, default=None,
+                        help="the no-admission goodput to overload (default: find it by bisection first)")
+    args = parser.parse_args()
+    slo = SLO(args.ttft_slo, args.tpot_slo)
+    base = create_workload("sharegpt-like", num_requests=args.num_requests, seed=args.seed, rate=1.0,
+                           prompt_mean_tokens=args.prompt_mean, prompt_std_tokens=args.prompt_mean / 3,
+                           output_mean_tokens=args.output_mean, output_std_tokens=args.output_mean)
+    setup = SimSetup(model=args.model, gpu=args.gpu, cluster=args.cluster, cost_model="roofline",
+                     enable_prefix_cache=False, seed=args.seed, admission_slo=(slo.ttft_s, slo.tpot_s))
+
+    def at_rate(rate: float) -> list[WorkloadRequest]:
+        return [replace(r, arrival_s=r.arrival_s / rate) for r in base]
+
+    started = time.perf_counter()
+    if args.base_rate is None:
+        search = max_goodput_rate(lambda rate: simulate(at_rate(rate), setup).records, slo, args.attainment,
+                                  low=0.05, high=20.0, tol=0.05, joint=True)
+        base_rate, how = search.rate_rps, f"bisection, {len(search.probes)} probes"
+    else:
+        base_rate, how = args.base_rate, "given"
+    rate = args.overload * base_rate
+    print(f"{args.model} on {args.gpu}, {args.cluster}; mean prompt "
+          f"{sum(r.num_prompt_tokens for r in base) / len(base):.0f}, output "
+          f"{sum(r.output_tokens for r in base) / len(base):.0f} tokens; SLO TTFT {slo.ttft_s:g} s TPOT "
+          f"{slo.tpot_s:g} s; goodput without admission {base_rate:.2f} req/s "
+          f"({how}); offered {rate:.2f} req/s ({args.overload:g}x), {len(base)} requests")
+    print(f"{'admission':<10} {'rejected':>8} {'at decode':>9} {'goodput':>8} {'attain all':>10} "
+          f"{'attain admitted':>15} {'wasted prefill tokens':>21}")
+    requests = at_rate(rate)
+    for name in ADMISSION_POLICIES:
+        records = simulate(requests, replace(setup, admission=name)).records
+        overall = summarize(records, slo).overall
+        admitted = [r for r in records if r.status != "rejected"]
+        admitted_attainment = summarize(admitted, slo).overall.slo_attainment if admitted else 0.0
+        at_decode = [r for r in records if r.status == "rejected" and r.reason.startswith("decode")
+                     and r.first_token_s is not None]
+        wasted = sum(r.prompt_tokens for r in at_decode)
+        print(f"{name:<10} {overall.num_rejected:>8} {len(at_decode):>9} {overall.goodput_rps or 0.0:>8.2f} "
+              f"{overall.slo_attainment or 0.0:>10.3f} {admitted_attainment or 0.0:>15.3f} {wasted:>21}")
+    print(f"({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

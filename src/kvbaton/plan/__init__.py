@@ -1,0 +1,1 @@
+"""Goodput placement search (`kvbaton plan`): DistServe's tp/pp enumeration, per-GPU goodput by simulation."""

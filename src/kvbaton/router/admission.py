@@ -1,0 +1,192 @@
+"""SLO-aware admission control: predict an arriving request's TTFT and TPOT and refuse early what cannot meet them.
+
+Mooncake's three variants (seed on overload-oriented scheduling), one `AdmissionPolicy` each. Every
+variant keeps the decode stage's own gate (`check_decode`, when the prefilled request reaches its
+decode worker: refused if that worker is over capacity, the prefill already paid for); they differ
+in what they refuse at arrival (`check_arrival`):
+
+- `baseline`: only a prefill stage over capacity (predicted TTFT over the SLO);
+- `early`: the larger of the prefill load and the decode load *as the decode worker reports it
+  now* (the requests decoding there) — blind to what is still prefilling on its way there, so it
+  over-admits after a dip and the decode gate throws the surplus away later;
+- `predicted`: the decode load predicted for the moment the request would reach decode: requests
+  admitted earlier still arrive first (FCFS prefill), decodes that will have finished by then leave.
+
+A load is "predicted latency / SLO" (prefill: TTFT / ttft_s; decode: the step time with this
+request added / tpot_s) or, for decode, the share of the worker's KV capacity reserved by its
+requests (prompt + full output, the conservative reservation a decode worker needs to never
+preempt). A stage is over capacity when its load exceeds `max_load` (1.0: exactly at the SLO).
+
+The policy is pure: the caller (live router or simulator) passes the queue state it knows as
+plain values and the time `now`; step times come from a `StageTimeModel` per worker (the sim's
+cost models and a profiled live model both fit). Nothing here reads a clock or keeps state, so
+the same inputs always give the same decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvbaton.core.errors import InvalidRequestError
+
+ADMISSION_POLICIES = ("none", "baseline", "early", "predicted")
+
+
+class StageTimeModel(Protocol):
+    """Step times of one worker (its parallelism already bound)."""
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """One prefill of `new_tokens` on top of `cached_tokens` already in KV, alone on the worker."""
+        ...
+
+    def decode_s(self, num_seqs: int, context_tokens: int) -> float:
+        """One decode step of `num_seqs` sequences attending over `context_tokens` in total."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSLO:
+    ttft_s: float
+    tpot_s: float
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0:
+            raise InvalidRequestError(f"SLO targets must be positive, got ttft {self.ttft_s} tpot {self.tpot_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRequest:
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int  # expected (max_tokens): prices its decode work and KV reservation
+    num_cached_tokens: int = 0  # prompt tokens the chosen prefill worker already holds
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSlot:
+    """One request on (or bound for) a decode worker, as the router tracks it."""
+
+    num_context_tokens: int  # prompt + tokens generated so far
+    num_remaining_tokens: int  # tokens still to generate
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLoad:
+    worker_id: str
+    num_queued_tokens: int  # prompt tokens admitted to the worker and not yet computed
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLoad:
+    worker_id: str
+    decoding: tuple[DecodeSlot, ...]  # on the worker now (running, or KV arrived and waiting for blocks)
+    incoming: tuple[DecodeSlot, ...]  # admitted, still prefilling or in transfer, bound for this worker
+    kv_capacity_tokens: int  # KV tokens the worker can hold
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        return sum(s.num_context_tokens + s.num_remaining_tokens for s in self.decoding)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    admitted: bool
+    reason: str  # "" when admitted; else what was over capacity, for the HTTP 429 body
+    predicted_ttft_s: float
+    predicted_tpot_s: float  # 0.0 when the decode stage was not looked at
+    prefill_load: float  # predicted TTFT / SLO
+    decode_load: float  # max(step time / TPOT SLO, KV reserved / capacity); 0.0 when not looked at
+
+
+def _decode_load(slots: Sequence[DecodeSlot], request: AdmissionRequest, capacity_tokens: int,
+                 time_model: StageTimeModel, slo: AdmissionSLO) -> tuple[float, float]:
+    """(predicted TPOT, load) with `request` joining `slots` on one decode worker."""
+    num_seqs = len(slots) + 1
+    context_tokens = sum(s.num_context_tokens for s in slots) + request.num_prompt_tokens
+    tpot_s = time_model.decode_s(num_seqs, context_tokens)
+    reserved_tokens = (sum(s.num_context_tokens + s.num_remaining_tokens for s in slots)
+                       + request.num_prompt_tokens + request.num_output_tokens)
+    return tpot_s, max(tpot_s / slo.tpot_s, reserved_tokens / max(capacity_tokens, 1))
+
+
+def _surviving(slots: Sequence[DecodeSlot], step_s: float, after_s: float) -> list[DecodeSlot]:
+    """The decode slots still running `after_s` from now, advanced by the tokens they generate meanwhile."""
+    if step_s <= 0:
+        return list(slots)
+    num_steps = int(after_s / step_s)
+    return [DecodeSlot(s.num_context_tokens + num_steps, s.num_remaining_tokens - num_steps)
+            for s in slots if s.num_remaining_tokens > num_steps]
+
+
+class AdmissionPolicy:
+    """One Mooncake variant (see the module docstring); `name` is one of ADMISSION_POLICIES."""
+
+    def __init__(self, name: str, slo: AdmissionSLO, time_models: Mapping[str, StageTimeModel],
+                 max_load: float = 1.0) -> None:
+        if name not in ADMISSION_POLICIES:
+            raise InvalidRequestError(f"unknown admission policy {name!r}; choose from {', '.join(ADMISSION_POLICIES)}")
+        if max_load <= 0:
+            raise InvalidRequestError(f"max_load must be positive, got {max_load}")
+        self.name = name
+        self.slo = slo
+        self.time_models = dict(time_models)
+        self.max_load = max_load
+
+    def _model(self, worker_id: str) -> StageTimeModel:
+        model = self.time_models.get(worker_id)
+        if model is None:
+            raise InvalidRequestError(f"admission has no step-time model for worker {worker_id!r}")
+        return model
+
+    def predict_ttft_s(self, request: AdmissionRequest, prefill: PrefillLoad) -> float:
+        """Queue drain plus this prefill, as one batch: the worker computes everything ahead of it first (FCFS)."""
+        new_tokens = max(request.num_prompt_tokens - request.num_cached_tokens, 1)
+        return self._model(prefill.worker_id).prefill_s(prefill.num_queued_tokens + new_tokens,
+                                                        request.num_cached_tokens)
+
+    def check_arrival(self, request: AdmissionRequest, prefill: PrefillLoad, decode: DecodeLoad | None,
+                      now: float) -> AdmissionDecision:
+        """Decide at arrival on the chosen prefill (or mixed) worker and, when disaggregated, decode worker."""
+        ttft_s = self.predict_ttft_s(request, prefill)
+        prefill_load = ttft_s / self.slo.ttft_s
+        if self.name == "none":
+            return AdmissionDecision(True, "", ttft_s, 0.0, prefill_load, 0.0)
+        if self.name == "baseline" or decode is None:
+            return self._decide(prefill_load, ttft_s, 0.0, 0.0)
+        model = self._model(decode.worker_id)
+        future = list(decode.decoding)
+        if self.name == "predicted":
+            # Decodes whose remaining tokens take less than this request's TTFT at today's step time are
+            # gone by the time it arrives; everything admitted before it (still prefilling) is there.
+            now_step_s = model.decode_s(len(future), sum(s.num_context_tokens for s in future))
+            future = _surviving(future, now_step_s, ttft_s) + list(decode.incoming)
+        tpot_s, decode_load = _decode_load(future, request, decode.kv_capacity_tokens, model, self.slo)
+        return self._decide(prefill_load, ttft_s, decode_load, tpot_s)
+
+    def check_decode(self, request: AdmissionRequest, decode: DecodeLoad, now: float) -> AdmissionDecision:
+        """The decode stage's gate, when the prefilled request reaches its decode worker (every variant)."""
+        if self.name == "none":
+            return AdmissionDecision(True, "", 0.0, 0.0, 0.0, 0.0)
+        # What the decode worker itself sees: the requests decoding there, plus this one.
+        tpot_s, decode_load = _decode_load(decode.decoding, request, decode.kv_capacity_tokens,
+                                           self._model(decode.worker_id), self.slo)
+        return self._decide(0.0, 0.0, decode_load, tpot_s)
+
+    def _decide(self, prefill_load: float, ttft_s: float, decode_load: float, tpot_s: float) -> AdmissionDecision:
+        if prefill_load > self.max_load and prefill_load >= decode_load:
+            reason = f"prefill over capacity: predicted TTFT {ttft_s:.3f} s > SLO {self.slo.ttft_s:g} s"
+        elif decode_load > self.max_load:
+            reason = (f"decode over capacity: load {decode_load:.2f} (predicted TPOT {tpot_s:.3f} s, "
+                      f"SLO {self.slo.tpot_s:g} s)")
+        else:
+            reason = ""
+        return AdmissionDecision(not reason, reason, ttft_s, tpot_s, prefill_load, decode_load)
+
+
+def create_admission(name: str, slo: AdmissionSLO, time_models: Mapping[str, StageTimeModel],
+                     max_load: float = 1.0) -> AdmissionPolicy | None:
+    """The policy for `--admission NAME`; None for "none" (admit everything without predicting)."""
+    policy = AdmissionPolicy(name, slo, time_models, max_load)
+    return None if name == "none" else policy

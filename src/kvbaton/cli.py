@@ -124,7 +124,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = all cores)")
     p.add_argument("--router-timeout", type=float, default=15.0, help="exit after this long without a word from the router")
-    p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"), help="decode role: how prefill workers write KV")
+    p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"),
+                   help="decode role: how prefill workers write KV")
     p.add_argument("--kv-host", default="127.0.0.1", help="decode role: address the KV receiver listens on")
     p.add_argument("--kv-lease", type=float, default=60.0, help="seconds a handoff reservation or held block lives")
 

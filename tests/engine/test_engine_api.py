@@ -154,3 +154,14 @@ def test_cli_unknown_model_is_one_clear_line() -> None:
     proc = _cli("generate", "--model", "nope-7b", "--prompt", "hi")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "nope-7b" in proc.stderr
+
+
+def test_cli_unsupported_architecture_gguf_is_one_clear_line(tmp_path) -> None:  # noqa: ANN001
+    from kvbaton.model.tiny import create_tiny_random_model
+    from tests.model.test_gguf_loader import write_gguf
+
+    config, state = create_tiny_random_model()
+    write_gguf(tmp_path / "gpt2.gguf", config, state, arch="gpt2")
+    proc = _cli("generate", "--model", str(tmp_path / "gpt2.gguf"), "--prompt", "hi")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "gpt2" in proc.stderr and "not supported" in proc.stderr

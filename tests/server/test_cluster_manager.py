@@ -111,7 +111,8 @@ def test_register_ack_carries_the_local_queue_policy() -> None:
     ({"block_size": 8}, "block size 8"),
     ({"revision": "rev2"}, "model revision 'rev2'"),
     ({"model": "smollm2-135m"}, "model 'smollm2-135m' differs"),
-    ({"role": "prefill"}, "role 'prefill' is not served"),
+    ({"role": "verifier"}, "role 'verifier' is not served"),
+    ({"role": "decode"}, "a decode worker must offer a KV address"),
 ])
 def test_incompatible_worker_is_refused_with_the_reason(kwargs: dict[str, object], reason: str) -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:

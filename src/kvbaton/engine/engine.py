@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.cache.radix_cache import RadixCache
@@ -19,7 +21,7 @@ from kvbaton.core.config import EngineConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.core.step import SampledToken, StepResult
+from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.engine.kv_storage import KVStorage
 from kvbaton.engine.model_runner import ModelRunner
 from kvbaton.engine.sampler import Sampler
@@ -53,7 +55,7 @@ class _Tracked:
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, kv_cache: torch.Tensor | None = None) -> None:
         self.config = config
         self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
         model_config = self.loaded.config
@@ -68,13 +70,16 @@ class Engine:
         self.scheduler = LocalScheduler(config.scheduler, cache_cfg.block_size, self.pool, self.prefix_cache,
                                         self.cache_key)
         self.storage = KVStorage(model_config, cache_cfg.num_blocks, cache_cfg.block_size, self.loaded.dtype,
-                                 config.device)
+                                 config.device, kv_cache)
         self.runner = ModelRunner(self.loaded.model, self.storage, config.device)
         self.sampler = Sampler(config.seed)
         self._clock = clock
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._step_id = 0
+        # Called with each executed plan before the scheduler applies it: the KV of the plan's chunks is
+        # written and their block tables are still held, so a prefill worker can stream them (handoff).
+        self.on_executed: Callable[[StepPlan], None] | None = None
 
     @property
     def tokenizer(self):  # noqa: ANN201 - kvbaton.model.tokenizer.Tokenizer
@@ -86,7 +91,7 @@ class Engine:
                     tenant: str = "", slo_class: str = "default", arrival_at: float | None = None) -> str:
         """Validates and queues one request (one sample: callers expand `n`). Returns its id."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
+        self.validate_prompt(token_ids)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -97,7 +102,7 @@ class Engine:
         self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer))
         return request_id
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise InvalidRequestError("prompt is empty: give at least one token")
         vocab = self.loaded.config.vocab_size
@@ -108,6 +113,37 @@ class Engine:
                 f"prompt has {len(token_ids)} tokens but the context is {self.max_model_len} tokens "
                 f"(prompt plus at least one output token must fit)"
             )
+
+    def adopt_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
+                      first_token: SampledToken, block_ids: Sequence[int], tenant: str = "",
+                      slo_class: str = "default", arrival_at: float | None = None) -> RequestOutput | None:
+        """Admit a request whose prompt KV is already in `block_ids` (a completed handoff) and decode from
+        `first_token`, which the prefill worker sampled. Returns the first token's output, or None when the
+        scheduler cannot take it now (the caller keeps the blocks and retries). On success the request owns
+        the blocks' references (one each, handed over by the caller): nothing is copied.
+        """
+        token_ids = list(prompt_token_ids)
+        self.validate_prompt(token_ids)
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        now = self._clock()
+        request = Request(request_id, token_ids, params, now if arrival_at is None else arrival_at,
+                          tenant=tenant, slo_class=slo_class, eos_token_id=self.tokenizer.eos_token_id,
+                          max_model_len=self.max_model_len)
+        request.output_token_ids.append(first_token.token_id)
+        if not self.scheduler.admit_prefilled(request, len(token_ids), now, block_ids=block_ids):
+            return None
+        request.first_token_at = now
+        tracked = _Tracked(request, IncrementalDetokenizer(self.tokenizer))
+        self._tracked[request_id] = tracked
+        reason = self.scheduler.stop_reason(request, first_token.token_id)
+        if reason is not None:
+            self.scheduler.finish_request(request_id, reason, now)
+        output = self._on_token(tracked, first_token, reason)
+        if output.finished:  # its final output is this one: step() must not emit another
+            self._tracked.pop(request_id)
+            self.sampler.forget(request_id)
+        return output
 
     def abort_request(self, request_id: str) -> None:
         """Idempotent; the request's final output (finish_reason ABORT) comes from the next step()."""
@@ -125,6 +161,8 @@ class Engine:
         started = time.perf_counter()
         if plan.chunks:
             logits, row_ids = self.runner.execute(plan)
+            if self.on_executed is not None:
+                self.on_executed(plan)
             if row_ids:
                 params = [self._tracked[rid].request.sampling for rid in row_ids]
                 sampled = dict(zip(row_ids, self.sampler.sample(logits, row_ids, params)))

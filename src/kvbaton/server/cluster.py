@@ -8,6 +8,11 @@ detection). Invariants:
 - a call is in `_calls` and in its worker's `in_flight` from routing until its finished delta;
 - the placement policy sees `choose` once per routed call and `on_finished` once when it ends;
 - a worker leaves the pool (and the policy's index and load state) at most once.
+
+Disaggregated pools (workers registered as `prefill` / `decode`): `PairChooser` picks (p, d) and the
+call goes to both — d answers for it (it streams every delta), p only reports a handoff leg that
+ended without the KV, which is relayed to d to recompute or fail. A call is in the in-flight set of
+both workers; losing p hands the call to d's fallback, losing d fails the call.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from kvbaton.router.state import RouterState
 from kvbaton.server import rpc
 from kvbaton.server.base import GenerateCall, RejectedError, TokenDelta
 from kvbaton.server.cluster_registry import (ProcessHandle, WorkerRecord, identity_of, registration_refusal,
-                                             worker_info)
+                                             transfer_info, worker_info)
+from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS, PairChoiceConfig, PairChooser
 from kvbaton.server.identity import ClusterIdentity
 from kvbaton.server.router_socket import RouterSocket
 
@@ -54,6 +60,10 @@ class ClusterConfig:
     worker_timeout_s: float = 30.0
     max_num_waiting: int = 256  # routed calls without a first token, cluster-wide; above: RejectedError
     retry_after_s: float = 1.0
+    # Disaggregation: prompts with fewer uncached tokens than this skip the handoff (prefill where they decode).
+    local_prefill_threshold_tokens: int = DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+    kv_load_failure_policy: str = "recompute"  # recompute | fail, when a handoff's KV does not arrive
+    kv_bytes_per_token: int = 0  # prices transfers in the pair choice (all layers, K and V)
 
 
 @dataclass(slots=True)
@@ -63,6 +73,8 @@ class _Call:
     queue: asyncio.Queue[TokenDelta]
     num_tokens_seen: int = 0
     finished: bool = False
+    prefill_worker: str = ""  # a disaggregated call: the worker that prefills and hands the KV to worker_id
+    by_policy: bool = True  # placed by the cluster policy (else by the pair chooser: its state entry is ours)
 
 
 class ClusterManager:
@@ -83,6 +95,10 @@ class ClusterManager:
         self.num_rejected = 0
         self.num_failed_by_worker_loss = 0
         self.num_snapshots_requested = 0
+        self.num_handoff_fallbacks = 0  # prefill legs that ended without the KV (relayed to the decode worker)
+        self.handoff_endings: dict[str, int] = {}  # outcome of those legs -> count
+        self.pairs = PairChooser(self.state, PairChoiceConfig(config.local_prefill_threshold_tokens,
+                                                              config.kv_bytes_per_token))
         self.retired_prefix_cache_tokens = [0, 0]  # (queries, hits) of workers that left: keeps totals monotone
         self._socket: RouterSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -149,13 +165,20 @@ class ClusterManager:
                     return
         finally:
             if not entry.finished:  # the consumer went away mid-stream: free the worker's blocks
-                self._send(entry.worker_id, rpc.Abort((call.request_id,)))
+                self._send_abort(entry)
                 self._end_call(entry)
 
     async def abort(self, request_id: str) -> None:
         entry = self._calls.get(request_id)
         if entry is not None and not entry.finished:
-            self._send(entry.worker_id, rpc.Abort((request_id,)))
+            self._send_abort(entry)
+
+    def _send_abort(self, entry: _Call) -> None:
+        """Cancellation reaches both legs of a disaggregated call (each tells its transfer peer too)."""
+        request_ids = (entry.call.request_id,)
+        if entry.prefill_worker and entry.prefill_worker in self.workers:
+            self._send(entry.prefill_worker, rpc.Abort(request_ids))
+        self._send(entry.worker_id, rpc.Abort(request_ids))
 
     @property
     def num_serving_workers(self) -> int:
@@ -191,7 +214,19 @@ class ClusterManager:
             "router_decisions": dict(sorted(self.router_decisions.items())),
             "num_rejected": self.num_rejected,
             "num_failed_by_worker_loss": self.num_failed_by_worker_loss,
+            "transfers": self.transfer_totals(),
         }
+
+    def transfer_totals(self) -> dict[str, float]:
+        """KV handoff counters summed over live workers (prefill side: bytes, time, queue; decode side:
+        adoptions, recomputes), plus the router's fallbacks and reservation refusals."""
+        totals: dict[str, float] = {}
+        for stats in self.live_worker_stats().values():
+            for name, value in transfer_info(stats).items():
+                totals[name] = totals.get(name, 0) + value
+        totals["num_fallbacks"] = self.num_handoff_fallbacks
+        totals["num_refusals_reported"] = self.handoff_endings.get("refused", 0)
+        return totals
 
     # -- reads for /metrics ---------------------------------------------------------------------
 
@@ -234,18 +269,45 @@ class ClusterManager:
                                            call.sampling.max_tokens, call.tenant)
         now = self.clock()
         try:
-            decision = self.policy.choose(request, sorted(self.workers), now)
+            entry, reason = self._place(call, request, now)
         except CapacityError as exc:
             self.num_rejected += 1
             raise RejectedError(str(exc), status_code=503, retry_after_s=self.config.retry_after_s) from exc
-        self.router_decisions[decision.reason] = self.router_decisions.get(decision.reason, 0) + 1
-        entry = _Call(call, decision.worker_id, asyncio.Queue())
+        self.router_decisions[reason] = self.router_decisions.get(reason, 0) + 1
         self._calls[call.request_id] = entry
         self._num_waiting += 1
-        self.workers[decision.worker_id].in_flight.add(call.request_id)
-        self._send(decision.worker_id, rpc.AddRequest(call.request_id, call.prompt_token_ids, call.sampling,
-                                                      call.tenant, call.slo_class))
+        self.workers[entry.worker_id].in_flight.add(call.request_id)
+        add = rpc.AddRequest(call.request_id, call.prompt_token_ids, call.sampling, call.tenant, call.slo_class)
+        if not entry.prefill_worker:
+            self._send(entry.worker_id, add)
+            return entry
+        # The decode leg first, so it usually knows the request before the reservation arrives (either order works).
+        self.workers[entry.prefill_worker].in_flight.add(call.request_id)
+        self._send(entry.worker_id, replace(add, prefill_worker=entry.prefill_worker,
+                                            kv_load_failure_policy=self.config.kv_load_failure_policy))
+        self._send(entry.prefill_worker, replace(add, decode_worker=entry.worker_id,
+                                                 decode_address=self.workers[entry.worker_id].register.kv_address))
         return entry
+
+    def _serving(self, role: str) -> list[str]:
+        return sorted(w for w, record in self.workers.items() if record.register.role == role and record.stats)
+
+    def _place(self, call: GenerateCall, request: RouteRequest, now: float) -> tuple[_Call, str]:
+        """Mixed pool only: the cluster policy. With prefill and decode pools: the pair chooser, whose
+        short-prompt ("local_prefill") calls go to the mixed pool by the policy when there is one."""
+        decode_workers = {w: self.workers[w].register.kv_address.partition("://")[0] for w in self._serving("decode")}
+        mixed = self._serving("mixed")
+        if decode_workers:
+            pair = self.pairs.choose(request, self._serving("prefill"), decode_workers, now)
+            if pair.prefill_worker:
+                return _Call(call, pair.decode_worker, asyncio.Queue(), prefill_worker=pair.prefill_worker,
+                             by_policy=False), "pair"
+            if not mixed:
+                self.state.commit(request, pair.decode_worker,
+                                  self.state.index.match(request.block_hashes).get(pair.decode_worker, 0), now)
+                return _Call(call, pair.decode_worker, asyncio.Queue(), by_policy=False), "local_prefill"
+        decision = self.policy.choose(request, mixed or sorted(self.workers), now)
+        return _Call(call, decision.worker_id, asyncio.Queue()), decision.reason
 
     def _end_call(self, entry: _Call) -> None:
         entry.finished = True
@@ -253,10 +315,14 @@ class ClusterManager:
             self._num_waiting -= 1
         request_id = entry.call.request_id
         self._calls.pop(request_id, None)
-        record = self.workers.get(entry.worker_id)
-        if record is not None:
-            record.in_flight.discard(request_id)
-        self.policy.on_finished(request_id, self.clock())
+        for worker_id in (entry.worker_id, entry.prefill_worker):
+            record = self.workers.get(worker_id)
+            if record is not None:
+                record.in_flight.discard(request_id)
+        if entry.by_policy:
+            self.policy.on_finished(request_id, self.clock())
+        else:
+            self.state.load.on_finished(request_id)
 
     def _on_delta(self, delta: TokenDelta) -> None:
         entry = self._calls.get(delta.request_id)
@@ -317,8 +383,20 @@ class ClusterManager:
             # A leading CLEARED at the snapshot's seq makes the index resume from there even when the cache is empty.
             events = [KVEvent(message.seq, KVEventKind.CLEARED, ()), *(KVEvent.from_wire(e) for e in message.events)]
             self.state.index.apply_snapshot(sender, events)
+        elif isinstance(message, rpc.HandoffEnded):
+            self._on_handoff_ended(message)
         elif isinstance(message, rpc.Goodbye):
             self._remove_worker(sender, f"left: {message.reason}")
+
+    def _on_handoff_ended(self, message: rpc.HandoffEnded) -> None:
+        """A prefill leg ended without the KV: the decode worker falls back (it may already know, harmlessly)."""
+        self.handoff_endings[message.outcome] = self.handoff_endings.get(message.outcome, 0) + 1
+        entry = self._calls.get(message.request_id)
+        if entry is None or entry.finished or entry.prefill_worker != message.worker_id:
+            return
+        self.num_handoff_fallbacks += 1
+        self._send(entry.worker_id, rpc.HandoffFailed(message.request_id, message.reason,
+                                                      refused=message.outcome == "refused"))
 
     def _on_register(self, sender: str, message: rpc.Register) -> None:
         if sender != message.worker_id:
@@ -405,6 +483,12 @@ class ClusterManager:
             entry = self._calls.get(request_id)
             if entry is None or entry.finished:
                 continue
+            if entry.prefill_worker == worker_id:  # the decode worker answers: it recomputes or fails cleanly
+                self.num_handoff_fallbacks += 1
+                self._send(entry.worker_id, rpc.HandoffFailed(request_id, f"prefill worker lost ({reason})", False))
+                continue
+            if entry.prefill_worker:
+                self._send(entry.prefill_worker, rpc.Abort((request_id,)))
             self.num_failed_by_worker_loss += 1
             self._end_call(entry)
             entry.queue.put_nowait(TokenDelta(

@@ -32,8 +32,10 @@ def identity_of(message: rpc.Register) -> ClusterIdentity:
 
 def registration_refusal(message: rpc.Register, model_name: str, expected: ClusterIdentity) -> str:
     """Why this worker may not join a pool serving `model_name` with identity `expected`; "" when it may."""
-    if message.role != "mixed":
-        return f"role {message.role!r} is not served by this router (only 'mixed')"
+    if message.role not in ("mixed", "prefill", "decode"):
+        return f"role {message.role!r} is not served by this router (mixed, prefill or decode)"
+    if message.role == "decode" and not message.kv_address:
+        return "a decode worker must offer a KV address for prefill workers to link to"
     if message.model_name != model_name:
         return f"model {message.model_name!r} differs from the router's {model_name!r}"
     return incompatibility(expected, identity_of(message))
@@ -49,6 +51,7 @@ def worker_info(record: WorkerRecord, state: RouterState, now: float) -> dict[st
         "model": reg.model_name,
         "kv_layout": reg.kv_layout,
         "num_blocks": reg.num_blocks,
+        "kv_address": reg.kv_address,
         "last_heartbeat_age_s": round(now - record.last_heard_at, 3),
         "num_in_flight": len(record.in_flight),
         "load_tokens": state.load.load_tokens(reg.worker_id),
@@ -68,5 +71,23 @@ def worker_info(record: WorkerRecord, state: RouterState, now: float) -> dict[st
             "num_preemptions": stats.num_preemptions,
             "num_steps": stats.num_steps,
             "invariant_error": stats.invariant_error,
+            "transfers": transfer_info(stats),
         })
     return info
+
+
+def transfer_info(stats: rpc.Stats) -> dict[str, float]:
+    """A worker's KV handoff counters as JSON (all zero on mixed workers)."""
+    return {
+        "num_started": stats.num_transfers_started,
+        "num_completed": stats.num_transfers_completed,
+        "num_failed": stats.num_transfers_failed,
+        "num_refused": stats.num_transfer_refusals,
+        "num_cancelled": stats.num_transfers_cancelled,
+        "num_recomputed": stats.num_transfer_recomputes,
+        "bytes": stats.transfer_bytes,
+        "time_s": round(stats.transfer_time_s, 6),
+        "queue_s": round(stats.transfer_queue_s, 6),
+        "num_live": stats.num_live_transfers,
+        "num_held_blocks": stats.num_transfer_held_blocks,
+    }

@@ -26,12 +26,18 @@ from kvbaton.model.registry import read_model_source, resolve_model_source
 from kvbaton.server.api import create_app
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
+from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     model: str = "smollm2-135m"
-    num_workers: int = 2
+    num_workers: int = 2  # mixed workers
+    num_prefill: int = 0  # disaggregated pools: prefill workers hand their KV to decode workers
+    num_decode: int = 0
+    kv_transport: str = "shm"  # shm (same host, written in place) | tcp
+    local_prefill_threshold_tokens: int = DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+    kv_load_failure_policy: str = "recompute"
     policy: str = "preble"
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port (the printed URL has the real one)
@@ -41,6 +47,7 @@ class ServeConfig:
     num_blocks: int = 2048  # per worker
     max_num_batched_tokens: int = 512
     max_num_waiting: int = 256
+    threads_per_worker: int = 0  # torch threads in each worker; 0 = torch's default (all cores)
     seed: int = 0
     startup_timeout_s: float = 300.0  # every worker registered within this
     drain_timeout_s: float = 30.0  # in-flight requests may finish within this after a stop signal
@@ -55,11 +62,19 @@ class _Server(uvicorn.Server):
         yield
 
 
-def worker_command(config: ServeConfig, router_address: str, worker_id: str) -> list[str]:
-    return [sys.executable, "-m", "kvbaton.cli", "worker", "--role", "mixed", "--router", router_address,
+def worker_roles(config: ServeConfig) -> list[tuple[str, str]]:
+    """(worker id, role) of every worker the launcher starts: w* mixed, p* prefill, d* decode."""
+    return ([(f"w{i}", "mixed") for i in range(config.num_workers)]
+            + [(f"p{i}", "prefill") for i in range(config.num_prefill)]
+            + [(f"d{i}", "decode") for i in range(config.num_decode)])
+
+
+def worker_command(config: ServeConfig, router_address: str, worker_id: str, role: str = "mixed") -> list[str]:
+    return [sys.executable, "-m", "kvbaton.cli", "worker", "--role", role, "--router", router_address,
             "--model", config.model, "--worker-id", worker_id, "--dtype", config.dtype,
             "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
-            "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed)]
+            "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
+            "--threads", str(config.threads_per_worker), "--kv-transport", config.kv_transport]
 
 
 class Launcher:
@@ -87,13 +102,15 @@ class Launcher:
         cluster = ClusterManager(ClusterConfig(
             bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
             block_size=config.block_size, tokenizer_probe_hash=tokenizer_probe_hash(tokenizer), seed=config.seed,
-            max_num_waiting=config.max_num_waiting))
+            max_num_waiting=config.max_num_waiting,
+            local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
+            kv_load_failure_policy=config.kv_load_failure_policy,
+            kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)))
         http_socket = _bind_http(config.host, config.port)  # fail on a taken port before starting any worker
         address = await cluster.start()
         try:
-            for i in range(config.num_workers):
-                worker_id = f"w{i}"
-                process = subprocess.Popen(worker_command(config, address, worker_id), start_new_session=True)
+            for worker_id, role in worker_roles(config):
+                process = subprocess.Popen(worker_command(config, address, worker_id, role), start_new_session=True)
                 self.processes[worker_id] = process
                 cluster.watch_process(worker_id, process)
             if not await self._wait_for_workers(cluster):
@@ -109,7 +126,8 @@ class Launcher:
             port = http_socket.getsockname()[1]
             host = f"[{config.host}]" if ":" in config.host else config.host
             self.url = f"http://{host}:{port}"
-            print(f"kvbaton: serving {config.model} at {self.url} with {config.num_workers} worker(s), policy "
+            pools = f"{config.num_workers} mixed + {config.num_prefill} prefill + {config.num_decode} decode"
+            print(f"kvbaton: serving {config.model} at {self.url} with {pools} worker(s), policy "
                   f"{config.policy} (pids {' '.join(str(p.pid) for p in self.processes.values())})", flush=True)
             if self._stop.is_set():  # a signal arrived while the server was starting
                 self._server.should_exit = True
@@ -127,7 +145,8 @@ class Launcher:
 
     async def _wait_for_workers(self, cluster: ClusterManager) -> bool:
         """True once every worker registered; False on a stop signal; raises if a worker died or timed out."""
-        waiting = asyncio.ensure_future(cluster.wait_for_workers(self.config.num_workers,
+        num_workers = self.config.num_workers + self.config.num_prefill + self.config.num_decode
+        waiting = asyncio.ensure_future(cluster.wait_for_workers(num_workers,
                                                                  self.config.startup_timeout_s))
         try:
             while not waiting.done():

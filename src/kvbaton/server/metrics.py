@@ -8,6 +8,7 @@ cluster-wide gauges (running, waiting, KV usage) and the router's decision count
 Expected `cluster_info()` keys (all optional; missing ones read as 0):
   "workers": [{"num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks"?, ...}, ...]
   "router_decisions": {reason: count}  # router placement decisions by reason, cumulative
+  "transfers": {name: value}  # KV handoff totals (bytes, time_s, queue_s, num_fallbacks, ...): kv_transfer_<name>
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class ClusterCollector(Collector):
         for reason, count in sorted(raw_decisions.items()):  # type: ignore[union-attr]
             decisions.add_metric([str(reason)], _number(count))
         yield decisions
+        transfers = info.get("transfers", {}) or {}
+        for name, value in sorted(transfers.items()):  # type: ignore[union-attr]
+            yield GaugeMetricFamily(f"{PREFIX}kv_transfer_{name}", f"KV handoffs: {name} (summed over workers).",
+                                    value=_number(value))
 
 
 class ApiMetrics:

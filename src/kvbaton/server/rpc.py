@@ -42,6 +42,7 @@ class Register:
     num_blocks: int
     tokenizer_probe_hash: str  # kvbaton.server.identity.tokenizer_probe_hash
     pid: int
+    kv_address: str = ""  # decode workers: "shm://host:port" or "tcp://host:port" where prefill workers link
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,18 @@ class Stats:
     num_steps: int
     monotonic_s: float  # worker clock when sampled
     invariant_error: str = ""  # "" when engine.check_invariants() passed (checked while idle)
+    # KV handoffs, cumulative (kvbaton.engine.handoff.TransferCounters), then the current ones.
+    num_transfers_started: int = 0
+    num_transfers_completed: int = 0
+    num_transfers_failed: int = 0
+    num_transfer_refusals: int = 0
+    num_transfers_cancelled: int = 0
+    num_transfer_recomputes: int = 0
+    transfer_bytes: int = 0
+    transfer_time_s: float = 0.0
+    transfer_queue_s: float = 0.0
+    num_live_transfers: int = 0
+    num_transfer_held_blocks: int = 0  # blocks held by transfer legs (source refs or destination reservations)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +103,18 @@ class SnapshotResponse:
     worker_id: str
     seq: int
     events: tuple[list[object], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffEnded:
+    """A prefill worker's handoff leg ended without its KV reaching the decode worker (refused, failed, ...)."""
+
+    TAG: ClassVar[str] = "handoff_ended"
+    worker_id: str
+    request_id: str
+    decode_worker: str
+    outcome: str  # refused | failed | expired | cancelled
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +152,22 @@ class AddRequest:
     sampling: SamplingParams
     tenant: str = ""
     slo_class: str = "default"
+    # Disaggregation: a prefill worker gets decode_worker + decode_address (prefill, then hand the KV over);
+    # the decode worker gets prefill_worker (expect the handoff). Both empty: run the whole request here.
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    decode_address: str = ""
+    kv_load_failure_policy: str = "recompute"  # recompute | fail, when the KV does not arrive
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffFailed:
+    """Router -> decode worker: the prefill leg of this request ended without the KV (relayed HandoffEnded)."""
+
+    TAG: ClassVar[str] = "handoff_failed"
+    request_id: str
+    reason: str
+    refused: bool  # backpressure: run the prompt locally whatever the failure policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +196,11 @@ class Shutdown:
     reason: str
 
 
-Message = (Register | TokenDeltas | Stats | KVEvents | SnapshotResponse | Goodbye | RegisterAck | RegisterRefuse
-           | AddRequest | Abort | SnapshotRequest | Ping | Shutdown)
+Message = (Register | TokenDeltas | Stats | KVEvents | SnapshotResponse | HandoffEnded | Goodbye | RegisterAck
+           | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | Ping | Shutdown)
 
-_PLAIN = (Register, Stats, Goodbye, RegisterAck, RegisterRefuse, SnapshotRequest, Ping, Shutdown)
+_PLAIN = (Register, Stats, HandoffEnded, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed, SnapshotRequest, Ping,
+          Shutdown)
 _BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, SnapshotResponse, AddRequest,
                                                        Abort)}
 
@@ -206,7 +248,8 @@ def to_wire(message: Message) -> list[object]:
         return [*head, [list(e) for e in message.events]]
     if isinstance(message, AddRequest):
         return [message.TAG, message.request_id, list(message.prompt_token_ids), sampling_to_wire(message.sampling),
-                message.tenant, message.slo_class]
+                message.tenant, message.slo_class, message.prefill_worker, message.decode_worker,
+                message.decode_address, message.kv_load_failure_policy]
     if isinstance(message, Abort):
         return [message.TAG, list(message.request_ids)]
     return [message.TAG, *astuple(message)]
@@ -230,8 +273,8 @@ def from_wire(raw: object) -> Message:
             worker_id, seq, events = body
             return SnapshotResponse(worker_id, int(seq), tuple(events))
         if cls is AddRequest:
-            request_id, token_ids, sampling, tenant, slo_class = body
-            return AddRequest(request_id, tuple(token_ids), sampling_from_wire(sampling), tenant, slo_class)
+            request_id, token_ids, sampling, *rest = body
+            return AddRequest(request_id, tuple(token_ids), sampling_from_wire(sampling), *rest)
         if cls is Abort:
             (request_ids,) = body
             return Abort(tuple(request_ids))

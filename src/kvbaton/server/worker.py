@@ -5,6 +5,11 @@ and every step's outputs go out as one `TokenDeltas` frame; while idle the worke
 the socket for at most `idle_poll_s`. A heartbeat (`Stats`, plus new `KVEvents`) goes out every
 `heartbeat_interval_s` either way. The worker exits on `Shutdown` (aborting what is left, so every
 request still gets its final delta) or when the router has been silent for `router_timeout_s`.
+
+Roles: `mixed` runs whole requests; `prefill` also runs handoffs (prefill, stream the KV to the decode
+worker the router named, report legs that end without the KV); `decode` also owns KV storage that
+prefill workers write into and adopts completed handoffs (`kvbaton.engine.handoff_*`). A prefill
+worker sends no deltas for a handed-off request: the decode worker answers for it.
 """
 
 from __future__ import annotations
@@ -14,15 +19,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import zmq
 
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.errors import KvbatonError
+from kvbaton.core.request import FinishReason
 from kvbaton.engine.engine import Engine, RequestOutput
+from kvbaton.engine.handoff import DEFAULT_LEASE_S, TransferCounters, kv_layout_for
+from kvbaton.engine.handoff_decode import DecodeHandoffs
+from kvbaton.engine.handoff_prefill import PrefillHandoffs
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta, TokenLogprob
 from kvbaton.server.identity import tokenizer_probe_hash
+from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
+from kvbaton.transfer.faults import FaultRule
+
+ROLES = ("mixed", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +52,15 @@ class WorkerConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_cache: bool = True
     seed: int = 0
+    num_threads: int = 0  # torch intra-op threads; 0 = torch's default (all cores)
     queue_policy: str = ""  # local waiting-queue policy; "" = the one the router names at register_ack
     register_timeout_s: float = 60.0  # give up when no register_ack/refuse arrives in time
     router_timeout_s: float = 15.0  # exit when nothing arrived from the router for this long
     idle_poll_s: float = 0.02
+    kv_transport: str = "shm"  # decode workers: how prefill workers reach their KV (shm | tcp)
+    kv_host: str = "127.0.0.1"  # decode workers: where the KV receiver listens
+    kv_lease_s: float = DEFAULT_LEASE_S  # every reservation / held block of a handoff expires after this
+    transfer_faults: tuple[FaultRule, ...] = ()  # prefill workers: scripted faults on outgoing KV (tests)
 
 
 def kv_layout_of(loaded: LoadedModel, block_size: int) -> str:
@@ -53,7 +72,11 @@ def kv_layout_of(loaded: LoadedModel, block_size: int) -> str:
 class Worker:
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if config.role not in ROLES:
+            raise KvbatonError(f"role must be one of {ROLES}, got {config.role!r}")
         self.config = config
+        if config.num_threads > 0:  # before the model loads: co-located workers must not oversubscribe cores
+            torch.set_num_threads(config.num_threads)
         self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
         self._clock = clock
         self.engine: Engine | None = None
@@ -65,12 +88,17 @@ class Worker:
         self._invariant_error = ""
         self._last_router_at = 0.0
         self._stopping = ""
+        self.prefill: PrefillHandoffs | None = None
+        self.decode: DecodeHandoffs | None = None
+        self._decode_kv: DecodeKV | None = None
+        self._prefill_links: PrefillLinks | None = None
 
     def register_message(self) -> rpc.Register:
         cfg = self.config
         return rpc.Register(cfg.worker_id, cfg.role, cfg.model, self.loaded.revision,
                             kv_layout_of(self.loaded, cfg.block_size), cfg.block_size, cfg.num_blocks,
-                            tokenizer_probe_hash(self.loaded.tokenizer), os.getpid())
+                            tokenizer_probe_hash(self.loaded.tokenizer), os.getpid(),
+                            self._decode_kv.address if self._decode_kv is not None else "")
 
     def run(self) -> str:
         """Serve until told to stop; returns why it stopped. Raises KvbatonError if refused or orphaned."""
@@ -79,13 +107,29 @@ class Worker:
         socket.setsockopt(zmq.IDENTITY, self.config.worker_id.encode())
         socket.setsockopt(zmq.LINGER, 1000)
         socket.connect(self.config.router_address)
+        cfg = self.config
+        layout = kv_layout_for(self.loaded, cfg.block_size)
         try:
+            if cfg.role == "decode":  # storage first: its address goes into the registration
+                self._decode_kv = DecodeKV(cfg.worker_id, layout, cfg.num_blocks, cfg.kv_transport, cfg.kv_host)
             ack = self._register(socket)
-            self.engine = self._build_engine(self.config.queue_policy or ack.queue_policy)
+            self.engine = self._build_engine(cfg.queue_policy or ack.queue_policy)
+            if self._decode_kv is not None:
+                self.decode = DecodeHandoffs(self.engine, layout, self._decode_kv.receiver, cfg.kv_lease_s,
+                                             self._clock)
+            if cfg.role == "prefill":
+                self._prefill_links = PrefillLinks(cfg.worker_id, layout, cfg.transfer_faults, self._clock)
+                self.prefill = PrefillHandoffs(self.engine, layout, self._prefill_links, self._prefill_links.connect,
+                                               cfg.kv_lease_s, self._clock)
             return self._serve(socket, ack.heartbeat_interval_s)
         finally:
             socket.close()
             context.term()
+            if self._prefill_links is not None:
+                self._prefill_links.close()
+            if self._decode_kv is not None:
+                self.engine = self.decode = None  # drop every view of the shared region before unmapping it
+                self._decode_kv.close()
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -112,7 +156,8 @@ class Worker:
             cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_cache),
             scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, queue_policy=queue_policy),
         )
-        engine = Engine(engine_config, loaded=self.loaded, clock=self._clock)
+        kv_cache = self._decode_kv.kv_cache if self._decode_kv is not None else None
+        engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache)
         if engine.kv_layout != kv_layout_of(self.loaded, cfg.block_size):
             raise KvbatonError(f"engine KV layout {engine.kv_layout} differs from the registered one")
         return engine
@@ -124,10 +169,13 @@ class Worker:
         assert engine is not None
         self._last_router_at = self._clock()
         next_heartbeat_at = self._last_router_at
+        # Handoffs wait on the transport as well as on the router socket: poll both briefly when idle.
+        idle_poll_ms = int(self.config.idle_poll_s * 1000) if self.config.role == "mixed" else 2
         while not self._stopping:
             if not engine.has_unfinished_requests():
-                socket.poll(int(self.config.idle_poll_s * 1000))
+                socket.poll(idle_poll_ms)
             self._drain(socket)
+            self._pump_handoffs(socket)
             if engine.has_unfinished_requests():
                 self._step(socket)
             now = self._clock()
@@ -155,7 +203,9 @@ class Worker:
     def _handle(self, socket: zmq.Socket, message: rpc.Message) -> None:
         engine = self.engine
         assert engine is not None
-        if isinstance(message, rpc.AddRequest):
+        if isinstance(message, rpc.AddRequest) and (message.decode_worker or message.prefill_worker):
+            self._add_handoff(socket, message)
+        elif isinstance(message, rpc.AddRequest):
             try:
                 engine.add_request(list(message.prompt_token_ids), message.sampling, request_id=message.request_id,
                                    tenant=message.tenant, slo_class=message.slo_class)
@@ -169,17 +219,63 @@ class Worker:
                 self._wants_logprobs.add(message.request_id)
         elif isinstance(message, rpc.Abort):
             for request_id in message.request_ids:
-                engine.abort_request(request_id)
+                if self.prefill is not None and self.prefill.owns(request_id):
+                    self.prefill.abort(request_id)
+                elif self.decode is not None and self.decode.owns(request_id):
+                    self._emit(socket, [out for out in [self.decode.abort(request_id)] if out is not None])
+                else:
+                    engine.abort_request(request_id)
+        elif isinstance(message, rpc.HandoffFailed):
+            if self.decode is not None:
+                self._emit(socket, self.decode.on_prefill_failed(message.request_id, message.reason, message.refused))
         elif isinstance(message, rpc.SnapshotRequest):
             self._send_snapshot(socket)
         elif isinstance(message, rpc.Shutdown):
             self._stopping = f"shutdown: {message.reason}"
         # Ping only refreshes _last_router_at; a late RegisterAck is harmless.
 
+    def _add_handoff(self, socket: zmq.Socket, message: rpc.AddRequest) -> None:
+        """A prefill leg (decode_worker set) or a decode leg (prefill_worker set) of a disaggregated request."""
+        if message.decode_worker and self.prefill is not None:
+            self.prefill.submit(message.request_id, message.prompt_token_ids, message.sampling, message.decode_worker,
+                                message.decode_address, message.tenant, message.slo_class)
+            return
+        if message.prefill_worker and self.decode is not None:
+            try:
+                self.decode.expect(message.request_id, message.prompt_token_ids, message.sampling,
+                                   message.prefill_worker, message.kv_load_failure_policy, message.tenant,
+                                   message.slo_class)
+            except KvbatonError as exc:
+                self._emit(socket, [RequestOutput(message.request_id, (), "", (), True, FinishReason.ERROR,
+                                                  len(message.prompt_token_ids), 0, str(exc))])
+                return
+            self._in_flight.add(message.request_id)
+            if message.sampling.logprobs is not None:
+                self._wants_logprobs.add(message.request_id)
+            return
+        error = f"worker {self.config.worker_id} has role {self.config.role!r} and cannot take this handoff leg"
+        failed = TokenDelta(message.request_id, (), "", True, "error", len(message.prompt_token_ids), error=error,
+                            worker_id=self.config.worker_id)
+        socket.send(rpc.encode(rpc.TokenDeltas(self.config.worker_id, (failed,))))
+
+    def _pump_handoffs(self, socket: zmq.Socket) -> None:
+        if self.prefill is not None:
+            self.prefill.poll()
+            for report in self.prefill.take_reports():
+                socket.send(rpc.encode(rpc.HandoffEnded(self.config.worker_id, report.request_id,
+                                                        report.decode_worker, report.outcome, report.reason)))
+        if self.decode is not None:
+            self._emit(socket, self.decode.poll())
+
     def _step(self, socket: zmq.Socket) -> None:
         assert self.engine is not None
         outputs = self.engine.step()
         self._num_step_calls += 1
+        if self.prefill is not None:
+            outputs = self.prefill.on_outputs(outputs)
+        self._emit(socket, outputs)
+
+    def _emit(self, socket: zmq.Socket, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if out.finished:
                 self._in_flight.discard(out.request_id)
@@ -202,9 +298,15 @@ class Worker:
         engine = self.engine
         assert engine is not None
         for request_id in sorted(self._in_flight):
+            if self.decode is not None and self.decode.owns(request_id):
+                self._emit(socket, [out for out in [self.decode.abort(request_id)] if out is not None])
             engine.abort_request(request_id)
+        if self.prefill is not None:
+            for request_id in self.prefill.live_request_ids():
+                self.prefill.abort(request_id, "prefill worker stopping")
         while engine.has_unfinished_requests():
             self._step(socket)
+        self._pump_handoffs(socket)  # let the aborts out
 
     # -- heartbeat, events, snapshot ------------------------------------------------------------
 
@@ -216,10 +318,13 @@ class Worker:
             if events:
                 self._last_event_seq = events[-1].seq
                 socket.send(rpc.encode(rpc.KVEvents(self.config.worker_id, tuple(e.to_wire() for e in events))))
-        if not engine.has_unfinished_requests() and self._checked_at_step_call != self._num_step_calls:
+        if not self._has_work() and self._checked_at_step_call != self._num_step_calls:
             self._checked_at_step_call = self._num_step_calls
             try:
                 engine.check_invariants()
+                for driver in (self.prefill, self.decode):
+                    if driver is not None:
+                        driver.check_invariants()
                 self._invariant_error = ""
             except AssertionError as exc:
                 self._invariant_error = str(exc) or "check_invariants failed"
@@ -227,7 +332,22 @@ class Worker:
         socket.send(rpc.encode(rpc.Stats(
             self.config.worker_id, s.num_waiting, s.num_running, s.num_queued_prefill_tokens, s.num_used_blocks,
             s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens,
-            s.num_preemptions, s.num_steps, now, self._invariant_error)))
+            s.num_preemptions, s.num_steps, now, self._invariant_error, *self._transfer_stats())))
+
+    def _has_work(self) -> bool:
+        assert self.engine is not None
+        return self.engine.has_unfinished_requests() or any(
+            driver is not None and driver.num_live > 0 for driver in (self.prefill, self.decode))
+
+    def _transfer_stats(self) -> tuple[int | float, ...]:
+        counters, num_live, num_held = TransferCounters(), 0, 0
+        if self.prefill is not None:
+            counters, num_live = self.prefill.counters, self.prefill.num_live
+            num_held = self.prefill.source.num_held_blocks
+        elif self.decode is not None:
+            counters, num_live = self.decode.counters, self.decode.num_live
+            num_held = self.decode.destination.num_reserved_blocks
+        return (*counters.as_tuple(), num_live, num_held)
 
     def _send_snapshot(self, socket: zmq.Socket) -> None:
         cache = self.engine.prefix_cache if self.engine is not None else None

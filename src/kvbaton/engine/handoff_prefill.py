@@ -1,0 +1,223 @@
+"""The prefill worker's side of handoffs: reserve on the decode worker, prefill, stream the KV, finish on the ack.
+
+Per request (seed 001 order): `submit` sends the ReserveRequest and nothing is computed yet
+(backpressure: KV never has nowhere to land) -> the grant adds the request to the engine with
+`max_tokens=1` -> after every executed step the positions computed since the last one are streamed,
+every layer as its own `LayerChunk`, while the engine still holds the blocks -> the sampled first
+token goes out in `SourceDone` -> the decode worker's ack ends the leg, releasing the leg's block
+references; full blocks stay in this worker's prefix cache. Every other ending (refused, failed,
+expired, cancelled) aborts the engine request and is reported, so the router can act on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from kvbaton.core.errors import KvbatonError
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.core.step import StepPlan
+from kvbaton.engine.engine import Engine, RequestOutput
+from kvbaton.engine.handoff import TransferCounters, numpy_kv, transfer_id_of
+from kvbaton.transfer.base import KVTransport, TransportError
+from kvbaton.transfer.driver import pump_source, send_all
+from kvbaton.transfer.layout import KVLayout
+from kvbaton.transfer.messages import FirstToken
+from kvbaton.transfer.source import HandoffSource
+from kvbaton.transfer.states import SourceState
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffReport:
+    """A prefill-side leg that ended without its KV reaching the decode worker."""
+
+    request_id: str
+    decode_worker: str
+    outcome: str  # refused | failed | expired | cancelled
+    reason: str
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    request_id: str
+    decode_worker: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # the prefill's own: one token
+    tenant: str
+    slo_class: str
+    started_at: float
+    granted_at: float = -1.0
+    first_chunk_at: float = -1.0
+    num_streamed_tokens: int = 0  # positions [0, this) of every layer have been sent
+    in_engine: bool = False
+
+
+class PrefillHandoffs:
+    """Every outgoing handoff of one prefill worker (single-threaded: the worker loop calls everything)."""
+
+    def __init__(self, engine: Engine, layout: KVLayout, transport: KVTransport,
+                 connect: Callable[[str, str], None], lease_s: float, clock: Callable[[], float]) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.transport = transport
+        self._connect = connect  # (decode worker id, its kv address) -> opens the link once; raises TransportError
+        self._clock = clock
+        self.source = HandoffSource(layout, engine.pool, lease_s)
+        self.counters = TransferCounters()
+        self._legs: dict[str, _Outgoing] = {}
+        self._reports: list[HandoffReport] = []
+        self._swallow: set[str] = set()  # aborted here: the engine's final ABORT output is not the client's
+        self._source_kv = numpy_kv(engine.storage.kv_cache)
+        engine.on_executed = self._on_executed
+
+    @property
+    def num_live(self) -> int:
+        return len(self._legs)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._legs
+
+    def live_request_ids(self) -> list[str]:
+        return sorted(self._legs)
+
+    # -- requests in ----------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, decode_worker: str,
+               decode_address: str, tenant: str = "", slo_class: str = "default") -> None:
+        """Start a handoff: ask `decode_worker` for blocks. Failures show up in `take_reports`."""
+        now = self._clock()
+        # One token, whatever the caller asked: the decode worker applies max_tokens, stops and EOS.
+        prefill_params = replace(params, max_tokens=1, stop=(), stop_token_ids=(), n=1)
+        leg = _Outgoing(request_id, decode_worker, list(prompt_token_ids), prefill_params, tenant, slo_class, now)
+        transfer_id = transfer_id_of(request_id)
+        try:
+            self.engine.validate_prompt(leg.prompt_token_ids)
+            self._connect(decode_worker, decode_address)
+        except (KvbatonError, TransportError) as exc:
+            self._reports.append(HandoffReport(request_id, decode_worker, "failed", str(exc)))
+            return
+        self._legs[request_id] = leg
+        self.counters.num_started += 1
+        if send_all(self.transport, self.source.start(transfer_id, decode_worker, len(leg.prompt_token_ids), now)):
+            self._fail(leg, f"cannot reach {decode_worker}")
+
+    def abort(self, request_id: str, reason: str = "cancelled by the router") -> None:
+        """Cancel in any state (queued for the grant, prefilling, awaiting the ack); idempotent."""
+        leg = self._legs.get(request_id)
+        if leg is None:
+            return
+        send_all(self.transport, self.source.cancel(transfer_id_of(request_id), self._clock(), reason))
+        self._end(leg)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Apply grants, refusals, acks and aborts; expire leases; start granted prefills."""
+        pump_source(self.transport, self.source, self._clock(), timeout_s)
+        for request_id in sorted(self._legs):
+            self._advance(self._legs[request_id])
+
+    def take_reports(self) -> list[HandoffReport]:
+        reports, self._reports = self._reports, []
+        return reports
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Consume the engine outputs of handoff requests (their first token goes to the decode worker);
+        returns the others untouched."""
+        passed: list[RequestOutput] = []
+        for out in outputs:
+            leg = self._legs.get(out.request_id)
+            if out.request_id in self._swallow:
+                if out.finished:
+                    self._swallow.discard(out.request_id)
+            elif leg is None:
+                passed.append(out)
+            elif out.new_token_ids and out.new_logprobs:
+                token = out.new_logprobs[0]
+                first = FirstToken(token.token_id, token.logprob, token.top_logprobs)
+                leg.in_engine = not out.finished
+                transfer_id = transfer_id_of(leg.request_id)
+                if self.source.state(transfer_id) is SourceState.STREAMING:
+                    send_all(self.transport, self.source.finish(transfer_id, first, self._clock()))
+                self._advance(leg)
+            elif out.finished:
+                leg.in_engine = False
+                self._fail(leg, out.error or f"prefill ended: {out.finish_reason}")
+        return passed
+
+    def _on_executed(self, plan: StepPlan) -> None:
+        """Stream what this step computed, before the scheduler may free the blocks (the leg refs them)."""
+        now = self._clock()
+        for chunk in plan.chunks:
+            leg = self._legs.get(chunk.request_id)
+            if leg is None or chunk.end_pos <= leg.num_streamed_tokens:
+                continue
+            transfer_id = transfer_id_of(leg.request_id)
+            if self.source.state(transfer_id) is not SourceState.STREAMING:
+                continue
+            # A prefix-cache hit means the first chunk starts past 0: the hit positions are streamed too.
+            first, num = leg.num_streamed_tokens, chunk.end_pos - leg.num_streamed_tokens
+            blocks = self.layout.block_range(first, num)
+            src_block_ids = chunk.block_ids[blocks.start:blocks.stop]
+            messages = [self.source.stream(transfer_id, layer, first, num, src_block_ids, now).message
+                        for layer in range(self.layout.num_layers)]
+            try:
+                self.transport.send_many(leg.decode_worker, messages, self._source_kv)
+            except TransportError as exc:
+                self._fail(leg, f"streaming to {leg.decode_worker} failed: {exc}")
+                continue
+            if leg.first_chunk_at < 0:
+                leg.first_chunk_at = now
+            leg.num_streamed_tokens = chunk.end_pos
+            self.counters.num_bytes += self.layout.num_layers * self.layout.chunk_bytes(num)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _advance(self, leg: _Outgoing) -> None:
+        transfer_id = transfer_id_of(leg.request_id)
+        state = self.source.state(transfer_id)
+        now = self._clock()
+        if state is SourceState.STREAMING and leg.granted_at < 0:
+            leg.granted_at = now
+            try:
+                self.engine.add_request(leg.prompt_token_ids, leg.params, request_id=leg.request_id,
+                                        tenant=leg.tenant, slo_class=leg.slo_class)
+            except KvbatonError as exc:
+                self._fail(leg, str(exc))
+                return
+            leg.in_engine = True
+        elif state is SourceState.DONE:
+            self.counters.num_completed += 1
+            self.counters.transfer_time_s += now - (leg.first_chunk_at if leg.first_chunk_at >= 0 else now)
+            self.counters.queue_time_s += leg.granted_at - leg.started_at
+            self._end(leg)
+        elif state not in (SourceState.RESERVING, SourceState.STREAMING, SourceState.AWAITING_ACK):
+            self._count_ending(state)
+            self._reports.append(HandoffReport(leg.request_id, leg.decode_worker, state.value,
+                                               self.source.reason(transfer_id)))
+            self._end(leg)
+
+    def _fail(self, leg: _Outgoing, reason: str) -> None:
+        send_all(self.transport, self.source.fail(transfer_id_of(leg.request_id), self._clock(), reason))
+        self._advance(leg)
+
+    def _count_ending(self, state: SourceState) -> None:
+        if state is SourceState.REFUSED:
+            self.counters.num_refused += 1
+        elif state is SourceState.CANCELLED:
+            self.counters.num_cancelled += 1
+        else:
+            self.counters.num_failed += 1
+
+    def _end(self, leg: _Outgoing) -> None:
+        self._legs.pop(leg.request_id, None)
+        if leg.in_engine:
+            leg.in_engine = False
+            self._swallow.add(leg.request_id)
+            self.engine.abort_request(leg.request_id)
+
+    def check_invariants(self) -> None:
+        self.source.check_invariants()
+        for request_id in self._legs:
+            assert self.source.outcome(transfer_id_of(request_id)) is None, f"{request_id}: ended leg still tracked"
+

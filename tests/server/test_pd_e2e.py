@@ -1,0 +1,107 @@
+"""Must-show 1 end to end: `kvbaton serve --prefill 1 --decode 1` answers exactly like `kvbaton generate`.
+
+Real processes (router, one prefill and one decode worker, KV over shared memory), the OpenAI API,
+greedy decoding; prompts include two that share a long prefix, so the second hits the prefill
+worker's prefix cache and still hands the whole prompt over. tiny-random runs in the fast suite
+(~20 s: one server start plus `kvbaton generate` runs); SmolLM2 is marked `smollm2`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+SYSTEM = "You are a careful assistant. Answer every question in one short, precise sentence. " * 3
+PROMPTS = ["The quick brown fox jumps over the lazy dog. Then", SYSTEM + "Question: what is a fox?",
+           SYSTEM + "Question: where do dogs sleep?", "Hi"]
+
+
+def _generate(model: str, prompt: str, max_tokens: int) -> str:
+    command = [sys.executable, "-m", "kvbaton.cli", "generate", "--model", model, "--json", "--prompt", prompt,
+               "--max-tokens", str(max_tokens)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
+    return str(json.loads(done.stdout)["text"])
+
+
+@pytest.fixture
+def served_pd(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    model = request.param
+    command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", model, "--prefill", "1", "--decode", "1",
+               "--port", "0", "--num-blocks", "256", "--drain-timeout", "5", "--local-prefill-threshold", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               start_new_session=True)
+    pids: list[int] = []
+    try:
+        assert process.stdout is not None
+        banner = process.stdout.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:\d+) with 0 mixed \+ 1 prefill \+ 1 decode .*\(pids ([\d ]+)\)",
+                          banner)
+        assert match, banner
+        pids = [int(p) for p in match.group(2).split()]
+        yield model, match.group(1)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        for pid in pids:  # the launcher reaps its workers; this only guards against a broken launcher
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _check(model: str, url: str, max_tokens: int) -> None:
+    with httpx.Client(timeout=300) as http:
+        for prompt in PROMPTS:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            got = http.post(url + "/v1/completions", json=body).json()
+            assert got["choices"][0]["text"] == _generate(model, prompt, max_tokens), prompt
+        deadline = time.monotonic() + 20
+        while True:
+            info = http.get(url + "/cluster").json()
+            workers = {w["worker_id"]: w for w in info["workers"]}
+            if info["num_in_flight"] == 0 and all(w["num_used_blocks"] == w["num_cached_blocks"]
+                                                  and w["transfers"]["num_held_blocks"] == 0 for w in workers.values()):
+                break
+            assert time.monotonic() < deadline, info
+            time.sleep(0.1)
+        assert workers["p0"]["role"] == "prefill" and workers["d0"]["role"] == "decode"
+        assert workers["p0"]["prefix_cache_hits_tokens"] >= 32  # the third prompt reused the second's system prompt
+        assert info["router_decisions"] == {"pair": len(PROMPTS)}
+        assert info["transfers"]["num_completed"] == 2 * len(PROMPTS) and info["transfers"]["num_recomputed"] == 0
+        metrics = http.get(url + "/metrics").text
+        assert re.search(r"^kvbaton:kv_transfer_bytes [1-9]", metrics, re.MULTILINE)
+
+
+@pytest.mark.parametrize("served_pd", ["tiny-random"], indirect=True)
+def test_1p1d_serve_equals_generate_tiny(served_pd: tuple[str, str]) -> None:
+    _check(*served_pd, max_tokens=12)
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("served_pd", ["smollm2-135m"], indirect=True)
+def test_1p1d_serve_equals_generate_smollm2(served_pd: tuple[str, str]) -> None:
+    _check(*served_pd, max_tokens=24)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefill", "1"], "--prefill needs at least one --decode worker"),
+    (["--workers", "0"], "give at least one worker"),
+])
+def test_serve_rejects_pools_that_cannot_serve(flags: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "kvbaton.cli", "serve", "--model", "tiny-random", *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr

@@ -81,7 +81,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
-    p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = all cores)")
+    p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
     p.add_argument("--seed", type=int, default=0)
 

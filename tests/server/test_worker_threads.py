@@ -25,7 +25,9 @@ def _threads_arg(command: list[str]) -> str:
 
 def test_worker_command_carries_threads_per_worker() -> None:
     assert _threads_arg(worker_command(ServeConfig(threads_per_worker=1), "tcp://127.0.0.1:5557", "w0")) == "1"
-    assert _threads_arg(worker_command(ServeConfig(), "tcp://127.0.0.1:5557", "w0")) == "0"
+    # 0 means "share the cores evenly": the worker gets an explicit count (see the test below)
+    assert _threads_arg(worker_command(ServeConfig(), "tcp://127.0.0.1:5557", "w0")) == str(
+        ServeConfig().num_threads_per_worker)
 
 
 def test_cli_parses_both_options() -> None:
@@ -46,3 +48,12 @@ def test_zero_threads_keeps_torch_default(restore_threads: None) -> None:
     torch.set_num_threads(2)
     Worker(WorkerConfig(router_address="tcp://127.0.0.1:1", worker_id="w0", model="tiny-random", num_threads=0))
     assert torch.get_num_threads() == 2
+
+
+def test_default_threads_share_the_cores_evenly(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert ServeConfig(num_workers=2).num_threads_per_worker == 4
+    assert ServeConfig(num_workers=0, num_prefill=1, num_decode=2).num_threads_per_worker == 2
+    assert ServeConfig(num_workers=16).num_threads_per_worker == 1
+    assert ServeConfig(num_workers=2, threads_per_worker=3).num_threads_per_worker == 3
+    assert _threads_arg(worker_command(ServeConfig(num_workers=4), "tcp://127.0.0.1:5557", "w0")) == "2"

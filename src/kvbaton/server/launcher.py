@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import signal
 import socket
+import os
 import subprocess
 import sys
 import time
@@ -47,7 +48,15 @@ class ServeConfig:
     num_blocks: int = 2048  # per worker
     max_num_batched_tokens: int = 512
     max_num_waiting: int = 256
-    threads_per_worker: int = 0  # torch threads in each worker; 0 = torch's default (all cores)
+    threads_per_worker: int = 0  # torch threads in each worker; 0 = this machine's cores shared evenly among workers
+
+    @property
+    def num_threads_per_worker(self) -> int:
+        """Co-located workers that each spin all cores' OpenMP threads slow each other down many times over."""
+        if self.threads_per_worker > 0:
+            return self.threads_per_worker
+        num_workers = max(1, self.num_workers + self.num_prefill + self.num_decode)
+        return max(1, (os.cpu_count() or 1) // num_workers)
     seed: int = 0
     startup_timeout_s: float = 300.0  # every worker registered within this
     drain_timeout_s: float = 30.0  # in-flight requests may finish within this after a stop signal
@@ -74,7 +83,7 @@ def worker_command(config: ServeConfig, router_address: str, worker_id: str, rol
             "--model", config.model, "--worker-id", worker_id, "--dtype", config.dtype,
             "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
-            "--threads", str(config.threads_per_worker), "--kv-transport", config.kv_transport]
+            "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport]
 
 
 class Launcher:

@@ -24,21 +24,29 @@ GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 PARIS = [7042, 30, 198, 198, 504, 2988, 314, 42, 216, 34, 32, 33, 40, 29, 32, 33, 29, 34, 34, 216]
 
 
+def _hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:  # noqa: ANN001
+    """Plain greedy decoding with transformers' own KV cache; unlike generate(min_new_tokens=...) it may
+    pick the end-of-sequence token, exactly as our ignore_eos requests may."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    cache, generated = out.past_key_values, []
+    for _ in range(num_tokens):
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+        out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+    return generated
+
+
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
+def reference(llm_fp32: LLM) -> list[list[int]]:
     from kvbaton.model.hf_reference import load_hf_reference
 
     model = load_hf_reference("smollm2-135m", "float32")
-    from kvbaton.model.registry import load_model
-
-    tokenizer = load_model("smollm2-135m", "float32").tokenizer
+    tokenizer = llm_fp32.tokenizer
     refs = []
     with torch.inference_mode():
         for prompt in PROMPTS + PREFIXED:
-            ids = torch.tensor([tokenizer.encode(prompt)])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_TOKENS,
-                                 min_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0)
-            refs.append(out[0, ids.shape[1]:].tolist())
+            refs.append(_hf_greedy(model, tokenizer.encode(prompt), NUM_TOKENS))
     return refs
 
 

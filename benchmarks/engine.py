@@ -12,6 +12,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -25,8 +26,11 @@ VLLM_CPU_REFERENCE = {  # measured on this machine class (shared/NOTES.md), Smol
 }
 
 
-def _median(fn: Callable[[], float], repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
+def _median(fn: Callable[[], float], repeats: int, label: str = "") -> float:
+    values = [fn() for _ in range(repeats)]
+    if label:
+        print(f"{label}: {[round(v, 2) for v in values]}", file=sys.stderr, flush=True)
+    return statistics.median(values)
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -65,12 +69,13 @@ def bench_kvbaton(args: argparse.Namespace) -> dict[str, float]:
         return cold, hit.ttft_s
 
     pairs = [ttft_pair() for _ in range(args.repeats)]
+    print(f"kvbaton ttft cold/hit: {pairs}", file=sys.stderr, flush=True)
     cold_s = statistics.median(p[0] for p in pairs)
     hit_s = statistics.median(p[1] for p in pairs)
     result = {
-        "single_stream_tok_s": _median(single_stream, args.repeats),
-        "concurrent_16_tok_s": _median(lambda: streams(16), args.repeats),
-        "prefill_tok_s": _median(prefill, args.repeats),
+        "single_stream_tok_s": _median(single_stream, args.repeats, "kvbaton single"),
+        "concurrent_16_tok_s": _median(lambda: streams(16), args.repeats, "kvbaton x16"),
+        "prefill_tok_s": _median(prefill, args.repeats, "kvbaton prefill"),
         "ttft_cold_s": cold_s,
         "ttft_hit_s": hit_s,
         "ttft_hit_over_cold": hit_s / cold_s,
@@ -110,9 +115,9 @@ def bench_transformers(args: argparse.Namespace) -> dict[str, float]:
     transformers.logging.set_verbosity_error()
     streams(1)  # warm-up
     result = {
-        "single_stream_tok_s": _median(lambda: streams(1), args.repeats),
-        "concurrent_16_tok_s": _median(lambda: streams(16), args.repeats),
-        "prefill_tok_s": _median(prefill, args.repeats),
+        "single_stream_tok_s": _median(lambda: streams(1), args.repeats, "transformers single"),
+        "concurrent_16_tok_s": _median(lambda: streams(16), args.repeats, "transformers x16"),
+        "prefill_tok_s": _median(prefill, args.repeats, "transformers prefill"),
     }
     if not args.quick:
         result["concurrent_64_tok_s"] = _median(lambda: streams(64), max(1, args.repeats - 1))

@@ -174,10 +174,11 @@ class Engine:
             tracked = self._tracked.get(out.request_id)
             if tracked is not None:
                 outputs.append(self._on_token(tracked, out.token, out.finish_reason))
+        ended = {o.request_id for o in outputs if o.finished}
         for request in self.scheduler.take_finished():
             tracked = self._tracked.pop(request.request_id, None)
             self.sampler.forget(request.request_id)
-            if tracked is not None and not any(o.request_id == request.request_id and o.finished for o in outputs):
+            if tracked is not None and request.request_id not in ended:
                 outputs.append(self._final_output(tracked))
         return outputs
 

@@ -92,16 +92,39 @@ def check_storage(kv: np.ndarray, layout: KVLayout) -> None:
 
 def copy_chunk(chunk: LayerChunk, source_kv: np.ndarray, dst_kv: np.ndarray) -> None:
     """Copy the chunk's KV from the source storage into the destination storage: one copy per piece."""
-    block_size = chunk.layout.block_size
-    src_runs = flat_runs(chunk.src_block_ids, chunk.first_position, chunk.num_valid_tokens, block_size)
-    dst_runs = flat_runs(chunk.dst_block_ids, chunk.first_position, chunk.num_valid_tokens, block_size)
-    pieces = paired_runs(src_runs, dst_runs)
-    token_bytes = chunk.layout.token_bytes
-    for kv_index in (0, 1):
-        # Flat byte memoryviews: a slice assignment is one memcpy with ~0.2 us overhead, which keeps
-        # fragmented block tables (one piece per block) close to the bandwidth of contiguous ones.
-        src_bytes = plane_bytes(source_kv, chunk.layer_index, kv_index)
-        dst_bytes = plane_bytes(dst_kv, chunk.layer_index, kv_index)
-        for src_start, dst_start, num in pieces:
-            dst_bytes[dst_start * token_bytes:(dst_start + num) * token_bytes] = (
-                src_bytes[src_start * token_bytes:(src_start + num) * token_bytes])
+    copy_chunks([chunk], source_kv, dst_kv)
+
+
+def copy_chunks(chunks: list[LayerChunk], source_kv: np.ndarray, dst_kv: np.ndarray) -> None:
+    """Copy several chunks' KV, merging pieces that are adjacent on both sides into one memcpy.
+
+    A prefill step's chunks for consecutive layers of contiguous block tables are adjacent in both
+    storages (`[layers, 2, blocks, ...]`), so they move as a few large copies — as fast as one
+    memcpy of the same bytes — instead of one ~1 MB copy per layer and K/V plane.
+    """
+    src_bytes = memoryview(source_kv.reshape(-1).view(np.uint8))
+    dst_bytes = memoryview(dst_kv.reshape(-1).view(np.uint8))
+    src_plane_bytes, dst_plane_bytes = source_kv[0, 0].nbytes, dst_kv[0, 0].nbytes
+    # The pending span [src_at, src_at + num_bytes) -> [dst_at, ...) grows while pieces stay adjacent.
+    src_at = dst_at = num_bytes = 0
+    for chunk in chunks:
+        block_size = chunk.layout.block_size
+        src_runs = flat_runs(chunk.src_block_ids, chunk.first_position, chunk.num_valid_tokens, block_size)
+        dst_runs = flat_runs(chunk.dst_block_ids, chunk.first_position, chunk.num_valid_tokens, block_size)
+        pieces = paired_runs(src_runs, dst_runs)
+        token_bytes = chunk.layout.token_bytes
+        for kv_index in (0, 1):
+            plane_index = chunk.layer_index * 2 + kv_index
+            src_base, dst_base = plane_index * src_plane_bytes, plane_index * dst_plane_bytes
+            for src_start, dst_start, num in pieces:
+                piece_src_at, piece_dst_at = src_base + src_start * token_bytes, dst_base + dst_start * token_bytes
+                if num_bytes and src_at + num_bytes == piece_src_at and dst_at + num_bytes == piece_dst_at:
+                    num_bytes += num * token_bytes
+                    continue
+                if num_bytes:
+                    # Flat byte memoryviews: a slice assignment is one memcpy with ~0.2 us overhead, which
+                    # keeps fragmented block tables (one piece per block) close to contiguous bandwidth.
+                    dst_bytes[dst_at:dst_at + num_bytes] = src_bytes[src_at:src_at + num_bytes]
+                src_at, dst_at, num_bytes = piece_src_at, piece_dst_at, num * token_bytes
+    if num_bytes:
+        dst_bytes[dst_at:dst_at + num_bytes] = src_bytes[src_at:src_at + num_bytes]

@@ -19,6 +19,12 @@ def flat_runs(block_ids: tuple[int, ...], first_position: int, num_tokens: int,
     """
     end_position = first_position + num_tokens
     base_position = first_position - first_position % block_size  # position of block_ids[0]'s slot 0
+    if block_ids and block_ids == tuple(range(block_ids[0], block_ids[0] + len(block_ids))):
+        # One run (a fresh pool's table): found at C speed, not with a Python step per block.
+        run_end = min(end_position, base_position + len(block_ids) * block_size)
+        if run_end <= first_position:
+            return []
+        return [(block_ids[0] * block_size + first_position - base_position, run_end - first_position)]
     runs: list[tuple[int, int]] = []
     run_start = 0
     for index in range(1, len(block_ids) + 1):

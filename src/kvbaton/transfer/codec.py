@@ -1,12 +1,17 @@
 """Handoff messages and transport handshake frames to and from msgpack bytes (never pickle).
 
 A frame header is a msgpack array `[tag, *fields]`; nested values (layout, transfer id, first
-token) are arrays too. `decode` rejects unknown tags and malformed fields in one place.
+token) are arrays too. A layer chunk's block tables travel as runs `[first_id, num_blocks, ...]`
+(a fresh pool's table is one run), so a prefill step's 30+ chunks cost a few bytes each rather
+than one integer per block. `decode` rejects unknown tags and malformed fields in one place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import chain
+from operator import add
 from typing import Any
 
 import msgpack
@@ -67,12 +72,47 @@ def _tid(transfer_id: TransferId) -> list[Any]:
     return [transfer_id.request_id, transfer_id.sample_index]
 
 
+@lru_cache(maxsize=256)
+def _block_runs(block_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """`(first_id, num_blocks, ...)`: each maximal run of ids ascending by one, in table order.
+
+    Cached: every layer's chunk of a prefill step carries the same two tables.
+    """
+    if not block_ids:
+        return ()
+    first = block_ids[0]
+    if block_ids == tuple(range(first, first + len(block_ids))):
+        return (first, len(block_ids))  # the common case, compared at C speed
+    runs: list[int] = []
+    for block_id in block_ids:
+        if runs and block_id == runs[-2] + runs[-1]:
+            runs[-1] += 1
+        else:
+            runs += (block_id, 1)
+    return tuple(runs)
+
+
+def _block_ids(runs: list[int]) -> tuple[int, ...]:
+    firsts, nums = runs[0::2], runs[1::2]
+    if len(firsts) != len(nums) or (nums and min(nums) <= 0):
+        raise ValueError(f"block runs must be (first, count > 0) pairs, got {runs!r}")
+    if nums and max(nums) == 1:
+        return tuple(firsts)  # a fully fragmented table: no run to expand
+    return tuple(chain.from_iterable(map(range, firsts, map(add, firsts, nums))))
+
+
+@lru_cache(maxsize=64)
+def _decode_layout(*fields: Any) -> KVLayout:
+    """Layouts repeat in every chunk of a link; validating each once keeps decoding off the hot path."""
+    return KVLayout(*fields)
+
+
 def encode(frame: Frame) -> bytes:
     if isinstance(frame, ReserveRequest):
         fields: list[Any] = ["reserve", _tid(frame.transfer_id), _layout(frame.layout), frame.num_tokens]
     elif isinstance(frame, LayerChunk):
         fields = ["chunk", _tid(frame.transfer_id), _layout(frame.layout), frame.layer_index, frame.first_position,
-                  frame.num_valid_tokens, list(frame.src_block_ids), list(frame.dst_block_ids)]
+                  frame.num_valid_tokens, _block_runs(frame.src_block_ids), _block_runs(frame.dst_block_ids)]
     elif isinstance(frame, SourceDone):
         token = frame.first_token
         fields = ["done", _tid(frame.transfer_id), frame.num_tokens,
@@ -112,7 +152,7 @@ def _decode_first_token(token_id: int, logprob: float, top: list[list[Any]]) -> 
 _DECODERS: dict[str, Any] = {
     "reserve": lambda tid, layout, num: ReserveRequest(TransferId(*tid), KVLayout(*layout), num),
     "chunk": lambda tid, layout, layer, first, num, src, dst: LayerChunk(
-        TransferId(*tid), KVLayout(*layout), layer, first, num, tuple(src), tuple(dst)),
+        TransferId(*tid), _decode_layout(*layout), layer, first, num, _block_ids(src), _block_ids(dst)),
     "done": lambda tid, num, token: SourceDone(TransferId(*tid), num, _decode_first_token(*token)),
     "grant": lambda tid, dst: ReserveGranted(TransferId(*tid), tuple(dst)),
     "refuse": lambda tid, reason: ReserveRefused(TransferId(*tid), reason),

@@ -15,7 +15,7 @@ import secrets
 
 import numpy as np
 
-from kvbaton.transfer.base import TransportError, copy_chunk, storage_dtype
+from kvbaton.transfer.base import TransportError, copy_chunks, storage_dtype
 from kvbaton.transfer.layout import KVLayout
 from kvbaton.transfer.messages import LayerChunk
 from kvbaton.transfer.transport_socket import SocketKVReceiver, SocketKVSender, _Link
@@ -118,12 +118,17 @@ class ShmKVSender(SocketKVSender):
         self._regions[link.peer] = ShmKVRegion.attach(link.welcome.shm_path, self.layout, link.welcome.num_blocks)
 
     def _chunk_payload(self, link: _Link, chunk: LayerChunk, source_kv: np.ndarray) -> list[memoryview]:
+        """Only checks the handles: the bytes move in `_place_chunks`, all chunks of a write together."""
+        dst_block_ids, num_blocks = chunk.dst_block_ids, self._regions[link.peer].num_blocks
+        if dst_block_ids and not (0 <= min(dst_block_ids) and max(dst_block_ids) < num_blocks):
+            raise TransportError(f"destination blocks {chunk.dst_block_ids} outside {link.peer}'s region")
+        return []
+
+    def _place_chunks(self, link: _Link, chunks: list[LayerChunk], source_kv: np.ndarray) -> None:
+        # `_chunk_payload` checked every chunk of the write: a bad one failed it before any byte moved.
         region = self._regions[link.peer]
         assert region.kv is not None
-        if any(not 0 <= block_id < region.num_blocks for block_id in chunk.dst_block_ids):
-            raise TransportError(f"destination blocks {chunk.dst_block_ids} outside {link.peer}'s region")
-        copy_chunk(chunk, source_kv, region.kv)
-        return []
+        copy_chunks(chunks, source_kv, region.kv)
 
     def _on_link_closed(self, link: _Link) -> None:
         region = self._regions.pop(link.peer, None)

@@ -18,7 +18,7 @@ import select
 import socket
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +38,7 @@ _HEADER_LENGTH = struct.Struct("<I")
 _MAX_HEADER_BYTES = 1 << 24
 
 
+_RECV_BYTES = 1 << 18  # one read of a payload-less link: a prefill step's control frames fit many times
 _MAX_IOVECS = 512  # buffers per sendmsg/recvmsg_into call, under every platform's IOV_MAX
 
 
@@ -94,6 +95,27 @@ def recv_exact_into(sock: socket.socket, buffer: memoryview) -> bool:
     return True
 
 
+def split_frames(data: bytearray, frames: list[Frame | None]) -> None:
+    """Decode every complete frame at the start of `data` into `frames`, removing its bytes.
+
+    A partial frame stays in `data` for the next read. A malformed frame raises FrameError after
+    the frames before it were appended, so they are still delivered ahead of the lost link.
+    """
+    offset = 0
+    try:
+        while len(data) - offset >= _HEADER_LENGTH.size:
+            (length,) = _HEADER_LENGTH.unpack_from(data, offset)
+            if length > _MAX_HEADER_BYTES:
+                raise FrameError(f"frame header of {length} bytes")
+            end = offset + _HEADER_LENGTH.size + length
+            if end > len(data):
+                break
+            frames.append(decode(bytes(data[offset + _HEADER_LENGTH.size:end])))
+            offset = end
+    finally:
+        del data[:offset]
+
+
 def recv_frame(sock: socket.socket) -> Frame | None:
     """The next frame header, or None when the peer closed the link."""
     prefix = bytearray(_HEADER_LENGTH.size)
@@ -113,6 +135,7 @@ class _Link:
     sock: socket.socket
     peer: str
     welcome: Welcome | None = None
+    unread: bytearray = field(default_factory=bytearray)  # received bytes of frames not yet complete
 
 
 class SocketKVReceiver(KVTransport):
@@ -128,12 +151,19 @@ class SocketKVReceiver(KVTransport):
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._links: dict[str, _Link] = {}
         self._send_lock = threading.Lock()
-        self._inbox: queue.Queue[Delivery | PeerLost] = queue.Queue()
+        # The reader thread puts a link's frames in batches: one put (one consumer wake-up) per
+        # burst of frames, e.g. a prefill step's chunks for every layer plus SourceDone.
+        self._inbox: queue.Queue[list[Delivery | PeerLost]] = queue.Queue()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name=f"kv-receiver-{name}", daemon=True)
         self._thread.start()
 
     # -- hooks for the tcp / shm variants ---------------------------------------------------------
+
+    # True when a chunk's bytes follow its frame on the link (tcp): frames are then read exactly,
+    # so payload bytes go from the kernel straight into their blocks. Links without payloads (shm)
+    # are read in large pieces and split into frames here: a burst costs a few syscalls, not 3 a frame.
+    streams_payload = False
 
     def _shm_path(self) -> str:
         return ""
@@ -157,9 +187,9 @@ class SocketKVReceiver(KVTransport):
     def poll(self, timeout_s: float) -> list[Delivery | PeerLost]:
         items: list[Delivery | PeerLost] = []
         try:
-            items.append(self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait())
+            items += self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
             while True:
-                items.append(self._inbox.get_nowait())
+                items += self._inbox.get_nowait()
         except queue.Empty:
             return items
 
@@ -228,30 +258,54 @@ class SocketKVReceiver(KVTransport):
             sock.close()
 
     def _read_available(self, sock: socket.socket) -> None:
-        """Read frames from one link while more are already waiting (a batch costs one wake-up)."""
-        peer = next(name for name, link in self._links.items() if link.sock is sock)
-        while True:
-            try:
-                frame = recv_frame(sock)
-                if isinstance(frame, LayerChunk) and not self._receive_payload(sock, frame):
-                    frame = None
-            except (OSError, FrameError) as error:
-                self._lose(peer, f"link error: {error}")
-                return
-            if frame is None:
-                self._lose(peer, "peer closed the link")
-                return
-            if isinstance(frame, (Hello, Welcome, Rejected)):
-                self._lose(peer, f"unexpected {type(frame).__name__} frame")
-                return
-            self._inbox.put(Delivery(peer, frame))
-            if not select.select([sock], [], [], 0)[0]:
-                return
+        """Read frames from one link while more are already waiting, and hand them over in one put."""
+        link = next(link for link in self._links.values() if link.sock is sock)
+        batch: list[Delivery | PeerLost] = []
+        try:
+            while True:
+                frames: list[Frame | None] = []
+                try:
+                    self._read_frames(link, frames)
+                    error = ""
+                except (OSError, FrameError) as exc:
+                    error = f"link error: {exc}"
+                for frame in frames:  # the frames before an error still count, as they arrived first
+                    if frame is None:
+                        batch.append(self._lose(link.peer, "peer closed the link"))
+                        return
+                    if isinstance(frame, (Hello, Welcome, Rejected)):
+                        batch.append(self._lose(link.peer, f"unexpected {type(frame).__name__} frame"))
+                        return
+                    batch.append(Delivery(link.peer, frame))
+                if error:
+                    batch.append(self._lose(link.peer, error))
+                    return
+                if not select.select([sock], [], [], 0)[0]:
+                    return
+        finally:
+            if batch:
+                self._inbox.put(batch)
 
-    def _lose(self, peer: str, reason: str) -> None:
+    def _read_frames(self, link: _Link, frames: list[Frame | None]) -> None:
+        """Append the frames one read completes (None if the link closed); the socket is readable."""
+        if self.streams_payload:
+            frame = recv_frame(link.sock)
+            if isinstance(frame, LayerChunk) and not self._receive_payload(link.sock, frame):
+                frame = None
+            frames.append(frame)
+            return
+        data = link.sock.recv(_RECV_BYTES)
+        if not data:
+            frames.append(None)
+            return
+        link.unread += data
+        split_frames(link.unread, frames)
+
+    def _lose(self, peer: str, reason: str) -> PeerLost:
+        """Close the link; the caller delivers the returned PeerLost after the link's earlier frames."""
         link = self._links.pop(peer)
         link.sock.close()
-        self._inbox.put(PeerLost(peer, reason))
+        return PeerLost(peer, reason)
 
 
 class SocketKVSender(KVTransport):
@@ -269,8 +323,11 @@ class SocketKVSender(KVTransport):
         """Set up per-peer state once the receiver accepted the link (shm attaches its region)."""
 
     def _chunk_payload(self, link: _Link, chunk: LayerChunk, source_kv: np.ndarray) -> list[memoryview]:
-        """Move or list the chunk's bytes; what is returned is streamed right after the frame header."""
+        """Check and list the chunk's bytes; what is returned is streamed right after the frame header."""
         return []
+
+    def _place_chunks(self, link: _Link, chunks: list[LayerChunk], source_kv: np.ndarray) -> None:
+        """Move the bytes of one write's chunks into the peer's storage before their frames go (shm)."""
 
     def _on_link_closed(self, link: _Link) -> None:
         """Release per-peer state (shm detaches)."""
@@ -309,13 +366,18 @@ class SocketKVSender(KVTransport):
             raise TransportError(f"{self.name}: no link to {peer}")
         try:
             frames: list[tuple[Frame, list[memoryview]]] = []
+            chunks: list[LayerChunk] = []
             for message in messages:
                 payload: list[memoryview] = []
                 if isinstance(message, LayerChunk):
                     if source_kv is None:
                         raise TransportError("a layer chunk needs the source KV storage")
                     payload = self._chunk_payload(link, message, source_kv)
+                    chunks.append(message)
                 frames.append((message, payload))
+            if chunks:
+                assert source_kv is not None
+                self._place_chunks(link, chunks, source_kv)
             send_frames(link.sock, frames)
         except OSError as error:
             self._lose(peer, f"send failed: {error}")

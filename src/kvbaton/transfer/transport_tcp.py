@@ -30,11 +30,13 @@ class TcpKVSender(SocketKVSender):
 
 
 class TcpKVReceiver(SocketKVReceiver):
+    streams_payload = True
+
     def _receive_payload(self, sock: socket.socket, chunk: LayerChunk) -> bool:
         blocks = self.layout.block_range(chunk.first_position, chunk.num_valid_tokens)
         placeable = (not self.layout.mismatch(chunk.layout) and chunk.first_position >= 0
                      and len(chunk.dst_block_ids) == len(blocks) and chunk.num_valid_tokens > 0
-                     and all(0 <= block_id < self.kv.shape[2] for block_id in chunk.dst_block_ids))
+                     and 0 <= min(chunk.dst_block_ids) and max(chunk.dst_block_ids) < self.kv.shape[2])
         if not placeable:
             # Keep the stream in step and let the protocol refuse the chunk; its bytes go nowhere.
             remaining = chunk.layout.chunk_bytes(max(chunk.num_valid_tokens, 0))

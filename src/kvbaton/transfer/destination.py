@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.transfer.layout import KVLayout
+from kvbaton.transfer.legs import LegTable
 from kvbaton.transfer.messages import (
     Abort,
     AbortCause,
@@ -68,30 +69,23 @@ class _DestinationLeg:
     num_complete_layers: int = 0
 
 
-class HandoffDestination:
+class HandoffDestination(LegTable[_DestinationLeg]):
     """All incoming handoffs of one decode worker."""
 
+    live_states = DESTINATION_LIVE
+    transitions = DESTINATION_TRANSITIONS
+    end_states = _END_STATE
+    # A COMPLETE leg keeps its KV when the source goes away: everything has arrived already.
+    peer_lost_states = frozenset({DestinationState.RESERVED, DestinationState.RECEIVING})
+
     def __init__(self, layout: KVLayout, pool: BlockPool, lease_s: float, tombstone_s: float = 600.0) -> None:
-        if lease_s <= 0:
-            raise ValueError(f"lease_s must be positive, got {lease_s}")
-        self.layout = layout
-        self.pool = pool
-        self.lease_s = lease_s
-        self.tombstone_s = tombstone_s
-        self._legs: dict[TransferId, _DestinationLeg] = {}
-        self.num_ignored_messages = 0
+        super().__init__(layout, pool, lease_s, tombstone_s)
         self.num_refusals = 0
 
     # -- queries ---------------------------------------------------------------------------------
 
-    def state(self, transfer_id: TransferId) -> DestinationState:
-        return self._leg(transfer_id).state
-
     def outcome(self, transfer_id: TransferId) -> Outcome | None:
         return destination_outcome(self._leg(transfer_id).state)
-
-    def reason(self, transfer_id: TransferId) -> str:
-        return self._leg(transfer_id).reason
 
     def was_completed(self, transfer_id: TransferId) -> bool:
         return self._leg(transfer_id).was_completed
@@ -119,10 +113,6 @@ class HandoffDestination:
         return sorted(tid for tid, leg in self._legs.items() if leg.state is DestinationState.COMPLETE)
 
     @property
-    def num_live_transfers(self) -> int:
-        return sum(leg.state in DESTINATION_LIVE for leg in self._legs.values())
-
-    @property
     def num_reserved_blocks(self) -> int:
         return sum(len(leg.block_ids) for leg in self._legs.values() if leg.state in DESTINATION_LIVE)
 
@@ -137,35 +127,6 @@ class HandoffDestination:
         self._move(leg, DestinationState.ADOPTED)
         leg.ended_at = now
         return AdoptedKV(transfer_id, leg.block_ids, leg.num_tokens, leg.first_token)
-
-    def cancel(self, transfer_id: TransferId, now: float, reason: str = "cancelled") -> list[Outgoing]:
-        """End the leg in any live state, releasing its blocks, and tell the source; idempotent."""
-        return self._abort(transfer_id, AbortCause.CANCELLED, reason, now)
-
-    def fail(self, transfer_id: TransferId, now: float, reason: str) -> list[Outgoing]:
-        return self._abort(transfer_id, AbortCause.FAILED, reason, now)
-
-    def on_peer_lost(self, peer: str, now: float) -> list[TransferId]:
-        """The prefill worker `peer` is gone: every leg still receiving from it fails and frees its blocks.
-
-        A COMPLETE leg keeps its KV: everything has arrived, so the source no longer matters.
-        """
-        receiving = (DestinationState.RESERVED, DestinationState.RECEIVING)
-        lost = sorted(leg.transfer_id for leg in self._legs.values() if leg.peer == peer and leg.state in receiving)
-        for transfer_id in lost:
-            self._end(self._legs[transfer_id], DestinationState.FAILED, f"lost the link to {peer}", now)
-        return lost
-
-    def expire(self, now: float) -> list[Outgoing]:
-        """End every live leg whose lease ran out (releasing its blocks) and forget old ended legs."""
-        outgoing: list[Outgoing] = []
-        for transfer_id in sorted(self._legs):
-            leg = self._legs[transfer_id]
-            if leg.state in DESTINATION_LIVE and now >= leg.lease_expires_at:
-                outgoing += self._abort(transfer_id, AbortCause.EXPIRED, f"lease expired in {leg.state.value}", now)
-            elif leg.state not in DESTINATION_LIVE and now >= leg.ended_at + self.tombstone_s:
-                del self._legs[transfer_id]
-        return outgoing
 
     # -- messages from the source ----------------------------------------------------------------
 
@@ -262,28 +223,8 @@ class HandoffDestination:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _leg(self, transfer_id: TransferId) -> _DestinationLeg:
-        leg = self._legs.get(transfer_id)
-        if leg is None:
-            raise ProtocolError(f"unknown transfer {transfer_id}")
-        return leg
-
-    def _abort(self, transfer_id: TransferId, cause: AbortCause, reason: str, now: float) -> list[Outgoing]:
-        leg = self._legs.get(transfer_id)
-        if leg is None or leg.state not in DESTINATION_LIVE:
-            return []
-        self._end(leg, _END_STATE[cause], reason, now)
-        return [Outgoing(leg.peer, Abort(transfer_id, cause, reason))]
-
-    def _end(self, leg: _DestinationLeg, state: DestinationState, reason: str, now: float) -> None:
-        self._move(leg, state)
+    def _release_blocks(self, leg: _DestinationLeg) -> None:
         self.pool.release(leg.block_ids)
-        leg.ended_at = now
-        leg.reason = reason
-
-    def _move(self, leg: _DestinationLeg, state: DestinationState) -> None:
-        assert state in DESTINATION_TRANSITIONS.get(leg.state, ()), f"{leg.transfer_id}: {leg.state} -> {state}"
-        leg.state = state
 
     def check_invariants(self) -> None:
         """Raise AssertionError if reservations overlap, disagree with the pool, or counts drift."""

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbaton.cache.block_pool import BlockPool
-from kvbaton.transfer.layout import KVLayout
+from kvbaton.transfer.legs import LegTable
 from kvbaton.transfer.messages import (
     Abort,
     AbortCause,
@@ -48,36 +47,21 @@ class _SourceLeg:
     reason: str = ""
 
 
-class HandoffSource:
+class HandoffSource(LegTable[_SourceLeg]):
     """All outgoing handoffs of one prefill worker."""
 
-    def __init__(self, layout: KVLayout, pool: BlockPool, lease_s: float, tombstone_s: float = 600.0) -> None:
-        if lease_s <= 0:
-            raise ValueError(f"lease_s must be positive, got {lease_s}")
-        self.layout = layout
-        self.pool = pool
-        self.lease_s = lease_s
-        self.tombstone_s = tombstone_s  # ended legs are remembered this long so late messages stay ignored
-        self._legs: dict[TransferId, _SourceLeg] = {}
-        self.num_ignored_messages = 0
+    live_states = SOURCE_LIVE
+    transitions = SOURCE_TRANSITIONS
+    end_states = _END_STATE
+    peer_lost_states = SOURCE_LIVE  # nothing can be streamed or acknowledged without the peer
 
     # -- queries ---------------------------------------------------------------------------------
-
-    def state(self, transfer_id: TransferId) -> SourceState:
-        return self._leg(transfer_id).state
 
     def outcome(self, transfer_id: TransferId) -> Outcome | None:
         return source_outcome(self._leg(transfer_id).state)
 
-    def reason(self, transfer_id: TransferId) -> str:
-        return self._leg(transfer_id).reason
-
     def dst_block_ids(self, transfer_id: TransferId) -> tuple[int, ...]:
         return self._leg(transfer_id).dst_block_ids
-
-    @property
-    def num_live_transfers(self) -> int:
-        return sum(leg.state in SOURCE_LIVE for leg in self._legs.values())
 
     @property
     def num_held_blocks(self) -> int:
@@ -121,32 +105,6 @@ class HandoffSource:
         leg.lease_expires_at = now + self.lease_s
         return Outgoing(leg.peer, SourceDone(transfer_id, leg.num_tokens, first_token))
 
-    def cancel(self, transfer_id: TransferId, now: float, reason: str = "cancelled") -> list[Outgoing]:
-        """End the leg in any live state and tell the peer; a no-op on an unknown or ended transfer."""
-        return self._abort(transfer_id, AbortCause.CANCELLED, reason, now)
-
-    def fail(self, transfer_id: TransferId, now: float, reason: str) -> list[Outgoing]:
-        """The prefill or the transport failed: end the leg and the peer's."""
-        return self._abort(transfer_id, AbortCause.FAILED, reason, now)
-
-    def on_peer_lost(self, peer: str, now: float) -> list[TransferId]:
-        """The link to `peer` is gone: every live leg with it fails (nothing can be sent to it)."""
-        lost = sorted(leg.transfer_id for leg in self._legs.values() if leg.peer == peer and leg.state in SOURCE_LIVE)
-        for transfer_id in lost:
-            self._end(self._legs[transfer_id], SourceState.FAILED, f"lost the link to {peer}", now)
-        return lost
-
-    def expire(self, now: float) -> list[Outgoing]:
-        """End every live leg whose lease ran out (telling its peer), and forget old ended legs."""
-        outgoing: list[Outgoing] = []
-        for transfer_id in sorted(self._legs):
-            leg = self._legs[transfer_id]
-            if leg.state in SOURCE_LIVE and now >= leg.lease_expires_at:
-                outgoing += self._abort(transfer_id, AbortCause.EXPIRED, f"lease expired in {leg.state.value}", now)
-            elif leg.state not in SOURCE_LIVE and now >= leg.ended_at + self.tombstone_s:
-                del self._legs[transfer_id]
-        return outgoing
-
     # -- messages from the destination -----------------------------------------------------------
 
     def on_message(self, message: Message, now: float) -> list[Outgoing]:
@@ -173,35 +131,15 @@ class HandoffSource:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _leg(self, transfer_id: TransferId) -> _SourceLeg:
-        leg = self._legs.get(transfer_id)
-        if leg is None:
-            raise ProtocolError(f"unknown transfer {transfer_id}")
-        return leg
+    def _release_blocks(self, leg: _SourceLeg) -> None:
+        self.pool.release(leg.held_block_ids)
+        leg.held_block_ids = []
 
     def _live_leg(self, transfer_id: TransferId, expected: SourceState) -> _SourceLeg:
         leg = self._leg(transfer_id)
         if leg.state is not expected:
             raise ProtocolError(f"transfer {transfer_id} is {leg.state.value}, not {expected.value}")
         return leg
-
-    def _abort(self, transfer_id: TransferId, cause: AbortCause, reason: str, now: float) -> list[Outgoing]:
-        leg = self._legs.get(transfer_id)
-        if leg is None or leg.state not in SOURCE_LIVE:
-            return []
-        self._end(leg, _END_STATE[cause], reason, now)
-        return [Outgoing(leg.peer, Abort(transfer_id, cause, reason))]
-
-    def _end(self, leg: _SourceLeg, state: SourceState, reason: str, now: float) -> None:
-        self._move(leg, state)
-        self.pool.release(leg.held_block_ids)
-        leg.held_block_ids = []
-        leg.ended_at = now
-        leg.reason = reason
-
-    def _move(self, leg: _SourceLeg, state: SourceState) -> None:
-        assert state in SOURCE_TRANSITIONS.get(leg.state, ()), f"{leg.transfer_id}: {leg.state} -> {state}"
-        leg.state = state
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a leg's blocks or state disagree with the pool or each other."""

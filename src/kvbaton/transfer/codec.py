@@ -63,9 +63,11 @@ class Rejected:
 Frame = Message | Hello | Welcome | Rejected
 
 
-def _layout(layout: KVLayout) -> list[Any]:
-    return [layout.model_revision, layout.dtype, layout.block_size, layout.num_layers, layout.num_kv_heads,
-            layout.head_dim]
+@lru_cache(maxsize=64)
+def _layout(layout: KVLayout) -> tuple[Any, ...]:
+    """Packed as a msgpack array; cached because every chunk of a link carries the same layout."""
+    return (layout.model_revision, layout.dtype, layout.block_size, layout.num_layers, layout.num_kv_heads,
+            layout.head_dim)
 
 
 def _tid(transfer_id: TransferId) -> list[Any]:
@@ -93,6 +95,8 @@ def _block_runs(block_ids: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _block_ids(runs: list[int]) -> tuple[int, ...]:
+    if len(runs) == 2 and type(runs[0]) is int and type(runs[1]) is int and runs[1] > 0:
+        return tuple(range(runs[0], runs[0] + runs[1]))  # one run (a fresh pool's table), at C speed
     firsts, nums = runs[0::2], runs[1::2]
     if len(firsts) != len(nums) or (nums and min(nums) <= 0):
         raise ValueError(f"block runs must be (first, count > 0) pairs, got {runs!r}")

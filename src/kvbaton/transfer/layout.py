@@ -63,6 +63,8 @@ class KVLayout:
 
     def mismatch(self, other: KVLayout) -> str:
         """Why KV in `other` cannot be read as this layout; "" when the layouts are equal."""
+        if other == self:
+            return ""  # every chunk checks its layout: the equal case costs one tuple comparison
         for field in fields(self):
             mine, theirs = getattr(self, field.name), getattr(other, field.name)
             if mine != theirs:

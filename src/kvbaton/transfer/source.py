@@ -43,6 +43,7 @@ class _SourceLeg:
     lease_expires_at: float
     dst_block_ids: tuple[int, ...] = ()
     held_block_ids: list[int] = field(default_factory=list)  # one reference each, taken by this leg
+    held_set: set[int] = field(default_factory=set)  # the same ids, for the per-chunk membership test
     ended_at: float = 0.0
     reason: str = ""
 
@@ -90,9 +91,12 @@ class HandoffSource(LegTable[_SourceLeg]):
                                 f"{first_position + num_valid_tokens}) outside [0, {leg.num_tokens})")
         if len(src_block_ids) != len(blocks):
             raise ProtocolError(f"transfer {transfer_id}: {len(src_block_ids)} source blocks for {len(blocks)} slots")
-        new_block_ids = sorted(set(src_block_ids) - set(leg.held_block_ids))
-        self.pool.ref(new_block_ids)
-        leg.held_block_ids.extend(new_block_ids)
+        # Every layer of a step streams the same table: after the first, the leg already holds it all.
+        if not leg.held_set.issuperset(src_block_ids):
+            new_block_ids = sorted(set(src_block_ids) - leg.held_set)
+            self.pool.ref(new_block_ids)
+            leg.held_block_ids.extend(new_block_ids)
+            leg.held_set.update(new_block_ids)
         leg.lease_expires_at = now + self.lease_s
         dst_block_ids = leg.dst_block_ids[blocks.start:blocks.stop]
         return Outgoing(leg.peer, LayerChunk(transfer_id, self.layout, layer_index, first_position,
@@ -134,6 +138,7 @@ class HandoffSource(LegTable[_SourceLeg]):
     def _release_blocks(self, leg: _SourceLeg) -> None:
         self.pool.release(leg.held_block_ids)
         leg.held_block_ids = []
+        leg.held_set = set()
 
     def _live_leg(self, transfer_id: TransferId, expected: SourceState) -> _SourceLeg:
         leg = self._leg(transfer_id)
@@ -145,6 +150,7 @@ class HandoffSource(LegTable[_SourceLeg]):
         """Raise AssertionError if a leg's blocks or state disagree with the pool or each other."""
         for leg in self._legs.values():
             assert len(set(leg.held_block_ids)) == len(leg.held_block_ids), f"{leg.transfer_id} holds a block twice"
+            assert leg.held_set == set(leg.held_block_ids), f"{leg.transfer_id}: held set and list differ"
             if leg.state not in (SourceState.STREAMING, SourceState.AWAITING_ACK):
                 assert not leg.held_block_ids, f"{leg.transfer_id} is {leg.state.value} but holds blocks"
             if leg.state is not SourceState.RESERVING and leg.state in SOURCE_LIVE:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+from functools import lru_cache
 
 import numpy as np
 
@@ -22,6 +23,10 @@ from kvbaton.transfer.transport_socket import SocketKVReceiver, SocketKVSender, 
 
 SHM_DIRECTORY = "/dev/shm"
 SHM_PREFIX = "kvbaton-kv"
+
+# Every layer chunk of a step carries the same destination table: scan it once, not once a layer.
+_lowest = lru_cache(maxsize=64)(min)
+_highest = lru_cache(maxsize=64)(max)
 
 
 class ShmKVRegion:
@@ -120,7 +125,7 @@ class ShmKVSender(SocketKVSender):
     def _chunk_payload(self, link: _Link, chunk: LayerChunk, source_kv: np.ndarray) -> list[memoryview]:
         """Only checks the handles: the bytes move in `_place_chunks`, all chunks of a write together."""
         dst_block_ids, num_blocks = chunk.dst_block_ids, self._regions[link.peer].num_blocks
-        if dst_block_ids and not (0 <= min(dst_block_ids) and max(dst_block_ids) < num_blocks):
+        if dst_block_ids and not (0 <= _lowest(dst_block_ids) and _highest(dst_block_ids) < num_blocks):
             raise TransportError(f"destination blocks {chunk.dst_block_ids} outside {link.peer}'s region")
         return []
 

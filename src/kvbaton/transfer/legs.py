@@ -8,6 +8,7 @@ terminal state, releases the blocks it holds exactly once, and keeps it as a tom
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from enum import Enum
 from typing import ClassVar, Generic, Protocol, TypeVar
 
@@ -29,7 +30,7 @@ class Leg(Protocol):
 LegT = TypeVar("LegT", bound=Leg)
 
 
-class LegTable(Generic[LegT]):
+class LegTable(ABC, Generic[LegT]):
     """The transfers of one worker on one side; subclasses name their states and release their blocks."""
 
     live_states: ClassVar[frozenset]  # states in which a leg holds blocks and may still change
@@ -108,6 +109,6 @@ class LegTable(Generic[LegT]):
         assert state in self.transitions.get(leg.state, ()), f"{leg.transfer_id}: {leg.state} -> {state}"
         leg.state = state
 
+    @abstractmethod
     def _release_blocks(self, leg: LegT) -> None:
         """Drop the pool references the leg holds; called exactly once, when it ends."""
-        raise NotImplementedError

@@ -10,72 +10,27 @@ worker's block accounting at its idle baseline (only the prefix cache holds bloc
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
+
+from tests.server.serve_helpers import Served, serve_process
 
 MODEL = "tiny-random"
 STARTUP_TIMEOUT_S = 180.0
 PROMPT = "The quick brown fox jumps over the lazy dog. Then"
 
 
-@dataclass
-class Served:
-    process: subprocess.Popen[str]
-    url: str
-    worker_pids: list[int]
-
-
-def _first_line(process: subprocess.Popen[str]) -> str:
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.append(process.stdout.readline()), daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    reader.join(STARTUP_TIMEOUT_S)
-    if not lines or not lines[0]:
-        process.kill()
-        raise AssertionError(f"kvbaton serve did not start: {process.communicate(timeout=10)}")
-    return lines[0]
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", MODEL, "--workers", "2", "--port", "0",
-               "--num-blocks", "256", "--drain-timeout", "5"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    worker_pids: list[int] = []
-    try:
-        banner = _first_line(process)
-        match = re.search(r"at (http://127\.0\.0\.1:\d+) .*\(pids ([\d ]+)\)", banner)
-        assert match, banner
-        worker_pids = [int(p) for p in match.group(2).split()]
-        yield Served(process, match.group(1), worker_pids)
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                _kill(process.pid)
-                process.wait(10)
-        for pid in worker_pids:  # the launcher reaps its workers; this only guards against a broken launcher
-            _kill(pid)
+    with serve_process(["--model", MODEL, "--workers", "2", "--num-blocks", "256", "--drain-timeout", "5"],
+                       STARTUP_TIMEOUT_S) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

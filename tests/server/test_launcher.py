@@ -6,27 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import openai
 import pytest
 
+from tests.server.serve_helpers import Served, serve_process
+
 STARTUP_TIMEOUT_S = 120.0
-
-
-@dataclass
-class Served:
-    process: subprocess.Popen[str]
-    url: str
-    worker_pids: list[int]
 
 
 def _alive(pid: int) -> bool:
@@ -37,32 +28,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _read_banner(process: subprocess.Popen[str]) -> str:
-    """The first stdout line, or fail with what the process said if it dies or stalls."""
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.append(process.stdout.readline()), daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    reader.join(STARTUP_TIMEOUT_S)
-    if not lines or not lines[0]:
-        process.kill()
-        raise AssertionError(f"kvbaton serve did not start: {process.communicate(timeout=10)}")
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", "tiny-random", "--workers", "2",
-               "--policy", "preble", "--port", "0", "--num-blocks", "256", "--drain-timeout", "20"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        banner = _read_banner(process)
-        match = re.search(r"at (http://127\.0\.0\.1:\d+) .*\(pids ([\d ]+)\)", banner)
-        assert match, banner
-        yield Served(process, match.group(1), [int(p) for p in match.group(2).split()])
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
+    with serve_process(["--model", "tiny-random", "--workers", "2", "--policy", "preble", "--num-blocks", "256",
+                        "--drain-timeout", "20"], STARTUP_TIMEOUT_S, stderr=subprocess.PIPE) as server:
+        yield server
 
 
 def _get(url: str) -> tuple[int, dict[str, object]]:

@@ -9,9 +9,7 @@ worker's prefix cache and still hands the whole prompt over. tiny-random runs in
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +17,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+
+from tests.server.serve_helpers import serve_process
 
 SYSTEM = "You are a careful assistant. Answer every question in one short, precise sentence. " * 3
 PROMPTS = ["The quick brown fox jumps over the lazy dog. Then", SYSTEM + "Question: what is a fox?",
@@ -35,32 +35,10 @@ def _generate(model: str, prompt: str, max_tokens: int) -> str:
 @pytest.fixture
 def served_pd(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     model = request.param
-    command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", model, "--prefill", "1", "--decode", "1",
-               "--port", "0", "--num-blocks", "256", "--drain-timeout", "5", "--local-prefill-threshold", "0"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               start_new_session=True)
-    pids: list[int] = []
-    try:
-        assert process.stdout is not None
-        banner = process.stdout.readline()
-        match = re.search(r"at (http://127\.0\.0\.1:\d+) with 0 mixed \+ 1 prefill \+ 1 decode .*\(pids ([\d ]+)\)",
-                          banner)
-        assert match, banner
-        pids = [int(p) for p in match.group(2).split()]
-        yield model, match.group(1)
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
-        for pid in pids:  # the launcher reaps its workers; this only guards against a broken launcher
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    with serve_process(["--model", model, "--prefill", "1", "--decode", "1", "--num-blocks", "256",
+                        "--drain-timeout", "5", "--local-prefill-threshold", "0"], startup_timeout_s=300.0) as server:
+        assert "with 0 mixed + 1 prefill + 1 decode" in server.banner, server.banner
+        yield model, server.url
 
 
 def _check(model: str, url: str, max_tokens: int) -> None:

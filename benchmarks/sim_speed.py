@@ -19,6 +19,11 @@ import numpy as np
 from kvbaton.bench.workloads import create_workload
 from kvbaton.sim.run import SimSetup, simulate
 
+# CPU-s per 1,000 requests measured on this machine class (issue 6): Vidur 0.0.26 without prefix cache
+# or PD, and DistServe's simulator (0.6-1; its midpoint). vidur is not installed by the project, so these
+# are quoted references, not measured in this run; the target is 0.5.
+REFERENCE_CPU_S_PER_1000 = {"vidur": 4.5, "distserve": 0.8, "target": 0.5}
+
 CONFIGS = (
     ("8P8D", "preble", True),
     ("8P8D", "round_robin", True),
@@ -54,6 +59,11 @@ def main() -> None:
                               "cpu_s_per_1000_requests": round(1000 * cpu_s / len(requests), 3),
                               "num_steps": steps, "us_per_step": round(1e6 * cpu_s / max(steps, 1), 1),
                               "completed": sum(r.completed for r in result.records)})
+    # The issue's figure: prefix caching and PD on 16 workers (the first configuration, 8P8D preble).
+    headline = stats["runs"][0]["cpu_s_per_1000_requests"]
+    stats["reference_cpu_s_per_1000"] = REFERENCE_CPU_S_PER_1000
+    stats["ratio_pd_prefix_cache_over_reference"] = {
+        name: round(headline / ref, 3) for name, ref in REFERENCE_CPU_S_PER_1000.items()}
     if args.json:
         print(json.dumps(stats))
         return

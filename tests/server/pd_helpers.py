@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable
 
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -92,14 +93,18 @@ def tokens_of(deltas: list[TokenDelta]) -> list[int]:
 
 
 async def wait_clean(cluster: ClusterManager, worker_ids: list[str], timeout_s: float = 10.0) -> None:
-    """Until every worker's heartbeat shows no request, no transfer leg and no block beyond its prefix cache."""
+    """Until every worker's heartbeat shows no request, no transfer leg and no block beyond its prefix cache.
+
+    Only heartbeats sampled after the call count: one sent before an abort reached the worker would show a
+    clean worker that still holds the request (workers share this machine's monotonic clock)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    called_at = time.monotonic()
     while True:
         pending = []
         for worker_id in worker_ids:
             stats = cluster.workers[worker_id].stats
-            if (stats is None or stats.num_running or stats.num_waiting or stats.num_live_transfers
+            if (stats is None or stats.monotonic_s < called_at or stats.num_running or stats.num_waiting or stats.num_live_transfers
                     or stats.num_transfer_held_blocks or stats.num_used_blocks != stats.num_cached_blocks):
                 pending.append((worker_id, stats))
             else:

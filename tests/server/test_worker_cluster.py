@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
@@ -85,10 +86,11 @@ async def collect(cluster: ClusterManager, call: GenerateCall) -> list[TokenDelt
 
 
 async def wait_idle(cluster: ClusterManager, worker_id: str) -> None:
-    """Until the worker's heartbeat says idle, with used == cached blocks and invariants checked."""
+    """Until a heartbeat sampled after this call says idle, with used == cached blocks and invariants checked."""
+    called_at = time.monotonic()
     for _ in range(200):
         stats = cluster.workers[worker_id].stats
-        if (stats is not None and stats.num_running == 0 and stats.num_waiting == 0
+        if (stats is not None and stats.monotonic_s >= called_at and stats.num_running == 0 and stats.num_waiting == 0
                 and stats.num_used_blocks == stats.num_cached_blocks):
             assert stats.invariant_error == ""
             return

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from kvbaton.core.errors import KvbatonError
+from kvbaton.router.admission import ADMISSION_POLICIES
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -83,6 +84,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
     p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
+    p.add_argument("--admission", default="none", choices=ADMISSION_POLICIES,
+                   help="SLO admission: answer 429 at arrival to what cannot meet --ttft-slo/--tpot-slo")
+    p.add_argument("--ttft-slo", type=float, default=0.0, help="seconds, for --admission")
+    p.add_argument("--tpot-slo", type=float, default=0.0, help="seconds per output token, for --admission")
+    p.add_argument("--cost-profile", default="", metavar="FILE",
+                   help="step times from `kvbaton profile --threads T --out FILE`, for --admission")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -106,7 +113,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         policy=args.policy, host=args.host, port=args.port,
         rpc_address=args.rpc_address, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
-        threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout))
+        threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
+        admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -179,6 +187,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="coefficient JSON for kvbaton sim --cost-model")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for smoke tests)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0 = all cores); use a serving worker's count for --cost-profile")
     p.add_argument("--json", action="store_true", help="print the written file as one JSON object")
 
 

@@ -16,6 +16,7 @@ from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.engine.engine import Engine
 from kvbaton.model.registry import LoadedModel
+from kvbaton.router.admission import AdmissionPolicy
 from kvbaton.server.base import GenerateCall, TokenDelta
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
@@ -43,7 +44,8 @@ Body = Callable[[ClusterManager, dict[str, WorkerThread]], Awaitable[None]]
 
 
 def run_pd(loaded: LoadedModel, roles: dict[str, str], body: Body,
-           overrides: dict[str, dict[str, object]] | None = None, timeout_s: float = 40.0, **config: object) -> None:
+           overrides: dict[str, dict[str, object]] | None = None, timeout_s: float = 40.0,
+           admission: AdmissionPolicy | None = None, **config: object) -> None:
     """Start a router and the workers `roles` names (id -> role), run `body`, shut down, check cleanup."""
     before = shm_files()
 
@@ -52,7 +54,7 @@ def run_pd(loaded: LoadedModel, roles: dict[str, str], body: Body,
         fields.update(config)
         cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=BLOCK_SIZE,
                                                tokenizer_probe_hash=tokenizer_probe_hash(loaded.tokenizer),
-                                               **fields))  # type: ignore[arg-type]
+                                               **fields), admission=admission)  # type: ignore[arg-type]
         address = await cluster.start()
         workers = {w: start(loaded, address, w, role, **(overrides or {}).get(w, {})) for w, role in roles.items()}
         try:

@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import StepPlan
@@ -129,6 +131,8 @@ def _kind(shape: BatchShape) -> str:
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    if args.threads > 0:  # profile with the threads a serving worker gets, or its step times are not the worker's
+        torch.set_num_threads(args.threads)
     payload = profile_engine(args.model, args.out, QUICK_GRID if args.quick else ProfileGrid(), args.dtype)
     if args.json:
         print(json.dumps(payload))

@@ -124,7 +124,7 @@ class AdmissionPolicy:
     """One Mooncake variant (see the module docstring); `name` is one of ADMISSION_POLICIES."""
 
     def __init__(self, name: str, slo: AdmissionSLO, time_models: Mapping[str, StageTimeModel],
-                 max_load: float = 1.0) -> None:
+                 max_load: float = 1.0, default_model: StageTimeModel | None = None) -> None:
         if name not in ADMISSION_POLICIES:
             raise InvalidRequestError(f"unknown admission policy {name!r}; choose from {', '.join(ADMISSION_POLICIES)}")
         if max_load <= 0:
@@ -133,9 +133,10 @@ class AdmissionPolicy:
         self.slo = slo
         self.time_models = dict(time_models)
         self.max_load = max_load
+        self.default_model = default_model  # for workers not in `time_models` (a live pool of identical workers)
 
     def _model(self, worker_id: str) -> StageTimeModel:
-        model = self.time_models.get(worker_id)
+        model = self.time_models.get(worker_id, self.default_model)
         if model is None:
             raise InvalidRequestError(f"admission has no step-time model for worker {worker_id!r}")
         return model
@@ -165,6 +166,20 @@ class AdmissionPolicy:
         tpot_s, decode_load = _decode_load(future, request, decode.kv_capacity_tokens, model, self.slo)
         return self._decide(prefill_load, ttft_s, decode_load, tpot_s)
 
+    def check_options(self, options: Sequence[tuple[AdmissionRequest, PrefillLoad, DecodeLoad | None]],
+                      now: float) -> AdmissionDecision:
+        """Stage-level admission before placement: admit when some option (a prefill worker with the prompt
+        tokens it caches, and the decode worker it would hand to; None when it decodes itself or the
+        variant ignores decode) meets the SLO; else refuse with the least loaded option's reason. Deciding on
+        the best option, not on the one the placement policy will pick, keeps the router's routing state
+        free of requests it then refuses."""
+        if not options:
+            raise InvalidRequestError("admission needs at least one serving worker to price the request on")
+        decisions = [self.check_arrival(request, prefill, decode, now) for request, prefill, decode in options]
+        admitted = [d for d in decisions if d.admitted]
+        pool = admitted or decisions
+        return min(pool, key=lambda d: max(d.prefill_load, d.decode_load))
+
     def check_decode(self, request: AdmissionRequest, decode: DecodeLoad, now: float) -> AdmissionDecision:
         """The decode stage's gate, when the prefilled request reaches its decode worker (every variant)."""
         if self.name == "none":
@@ -186,7 +201,7 @@ class AdmissionPolicy:
 
 
 def create_admission(name: str, slo: AdmissionSLO, time_models: Mapping[str, StageTimeModel],
-                     max_load: float = 1.0) -> AdmissionPolicy | None:
+                     max_load: float = 1.0, default_model: StageTimeModel | None = None) -> AdmissionPolicy | None:
     """The policy for `--admission NAME`; None for "none" (admit everything without predicting)."""
-    policy = AdmissionPolicy(name, slo, time_models, max_load)
+    policy = AdmissionPolicy(name, slo, time_models, max_load, default_model)
     return None if name == "none" else policy

@@ -22,18 +22,20 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 
 from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.core.errors import CapacityError
+from kvbaton.router.admission import AdmissionPolicy
 from kvbaton.router.base import RouteRequest
 from kvbaton.router.load import WorkerStats
 from kvbaton.router.policies import create_policy, local_queue_policy
 from kvbaton.router.state import RouterState
 from kvbaton.server import rpc
 from kvbaton.server.base import GenerateCall, RejectedError, TokenDelta
+from kvbaton.server.cluster_admission import AdmissionGate
 from kvbaton.server.cluster_registry import (ProcessHandle, WorkerRecord, identity_of, registration_refusal,
                                              transfer_info, worker_info)
 from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS, PairChoiceConfig, PairChooser
@@ -78,7 +80,8 @@ class _Call:
 
 
 class ClusterManager:
-    def __init__(self, config: ClusterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: ClusterConfig, clock: Callable[[], float] = time.monotonic,
+                 admission: AdmissionPolicy | None = None) -> None:
         self.config = config
         self.clock = clock
         self.state = RouterState(block_size=config.block_size)
@@ -99,6 +102,10 @@ class ClusterManager:
         self.handoff_endings: dict[str, int] = {}  # outcome of those legs -> count
         self.pairs = PairChooser(self.state, PairChoiceConfig(config.local_prefill_threshold_tokens,
                                                               config.kv_bytes_per_token))
+        # SLO admission (None: admit whatever the queue limit allows): refuses at arrival what no worker can serve
+        # within its SLO, priced over the router's own tally of routed calls.
+        self.admission = (AdmissionGate(admission, config.block_size, self._kv_capacity_tokens)
+                          if admission is not None else None)
         self.retired_prefix_cache_tokens = [0, 0]  # (queries, hits) of workers that left: keeps totals monotone
         self._socket: RouterSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -268,12 +275,21 @@ class ClusterManager:
         request = RouteRequest.from_tokens(call.request_id, call.prompt_token_ids, cache_key, self.config.block_size,
                                            call.sampling.max_tokens, call.tenant)
         now = self.clock()
+        # Before placing: the policy's commit adds the prompt's blocks to the index under the chosen worker.
+        matched = self.state.index.match(request.block_hashes) if self.admission is not None else {}
+        if self.admission is not None:
+            self._admit(call, matched, now)
         try:
             entry, reason = self._place(call, request, now)
         except CapacityError as exc:
             self.num_rejected += 1
             raise RejectedError(str(exc), status_code=503, retry_after_s=self.config.retry_after_s) from exc
         self.router_decisions[reason] = self.router_decisions.get(reason, 0) + 1
+        if self.admission is not None:
+            prefiller = entry.prefill_worker or entry.worker_id
+            self.admission.on_routed(call.request_id, prefiller, entry.worker_id, len(call.prompt_token_ids),
+                                     self.state.matched_tokens(request, matched.get(prefiller, 0)),
+                                     call.sampling.max_tokens)
         self._calls[call.request_id] = entry
         self._num_waiting += 1
         self.workers[entry.worker_id].in_flight.add(call.request_id)
@@ -288,6 +304,27 @@ class ClusterManager:
         self._send(entry.prefill_worker, replace(add, decode_worker=entry.worker_id,
                                                  decode_address=self.workers[entry.worker_id].register.kv_address))
         return entry
+
+    def _admit(self, call: GenerateCall, matched: Mapping[str, int], now: float) -> None:
+        """Refuse (429) a call no serving option can take within its SLO; see `AdmissionGate`."""
+        assert self.admission is not None
+        prefill, decode, mixed = self._serving("prefill"), self._serving("decode"), self._serving("mixed")
+        pairs = ([(p, d) for p in prefill for d in decode] + [(d, d) for d in decode if not prefill]
+                 + [(w, w) for w in mixed])
+        decision = self.admission.check(call.request_id, len(call.prompt_token_ids), call.sampling.max_tokens,
+                                        matched, pairs, now)
+        if not decision.admitted:
+            self.num_rejected += 1
+            stage = "prefill" if decision.reason.startswith("prefill") else "decode"
+            self.router_decisions[f"slo_reject_{stage}"] = self.router_decisions.get(f"slo_reject_{stage}", 0) + 1
+            raise RejectedError(f"request cannot meet its SLO ({self.admission.policy.name} admission): "
+                                f"{decision.reason}; retry later", status_code=429,
+                                retry_after_s=self.config.retry_after_s)
+
+    def _kv_capacity_tokens(self, worker_id: str) -> int:
+        record = self.workers.get(worker_id)
+        stats = record.stats if record is not None else None
+        return 0 if stats is None else (stats.num_used_blocks + stats.num_free_blocks) * self.config.block_size
 
     def _serving(self, role: str) -> list[str]:
         return sorted(w for w, record in self.workers.items() if record.register.role == role and record.stats)
@@ -315,6 +352,8 @@ class ClusterManager:
             self._num_waiting -= 1
         request_id = entry.call.request_id
         self._calls.pop(request_id, None)
+        if self.admission is not None:
+            self.admission.on_ended(request_id)
         for worker_id in (entry.worker_id, entry.prefill_worker):
             record = self.workers.get(worker_id)
             if record is not None:
@@ -333,6 +372,8 @@ class ClusterManager:
             self.policy.on_first_token(delta.request_id, now - entry.call.arrival_at, now)
             self._num_waiting -= 1
         entry.num_tokens_seen += len(delta.new_token_ids)
+        if self.admission is not None and delta.new_token_ids:
+            self.admission.on_tokens(delta.request_id, len(delta.new_token_ids))
         if delta.finished:
             self._end_call(entry)
         entry.queue.put_nowait(delta)

@@ -28,6 +28,8 @@ from kvbaton.server.api import create_app
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+from kvbaton.router.admission import AdmissionPolicy, AdmissionSLO, create_admission
+from kvbaton.sim.costs.linear import load_linear_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,25 @@ class ServeConfig:
     startup_timeout_s: float = 300.0  # every worker registered within this
     drain_timeout_s: float = 30.0  # in-flight requests may finish within this after a stop signal
     worker_exit_timeout_s: float = 10.0  # then stragglers are killed
+    # SLO admission (kvbaton.router.admission): none | baseline | early | predicted. The others price each
+    # arrival with the step times of `cost_profile` (a `kvbaton profile` file) against the SLOs.
+    admission: str = "none"
+    ttft_slo_s: float = 0.0
+    tpot_slo_s: float = 0.0
+    cost_profile: str = ""
+
+
+def admission_policy(config: ServeConfig) -> AdmissionPolicy | None:
+    """The router's admission policy for `config`, or None; a bad combination is a KvbatonError."""
+    if config.admission == "none":
+        return None
+    if config.ttft_slo_s <= 0 or config.tpot_slo_s <= 0 or not config.cost_profile:
+        raise KvbatonError(f"--admission {config.admission} needs --ttft-slo, --tpot-slo and --cost-profile FILE "
+                           f"(step times measured by `kvbaton profile --model {config.model} --threads "
+                           f"{config.num_threads_per_worker} --out FILE`)")
+    # Every worker runs the same model on the same kind of host: one profile prices them all.
+    return create_admission(config.admission, AdmissionSLO(config.ttft_slo_s, config.tpot_slo_s), {},
+                            default_model=load_linear_model(config.cost_profile))
 
 
 class _Server(uvicorn.Server):
@@ -108,13 +129,15 @@ class Launcher:
             loop.add_signal_handler(sig, self.request_stop)
         config = self.config
         model_config, _, tokenizer = read_model_source(resolve_model_source(config.model))  # weights dropped here
+        admission = admission_policy(config)
         cluster = ClusterManager(ClusterConfig(
             bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
             block_size=config.block_size, tokenizer_probe_hash=tokenizer_probe_hash(tokenizer), seed=config.seed,
             max_num_waiting=config.max_num_waiting,
             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
             kv_load_failure_policy=config.kv_load_failure_policy,
-            kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)))
+            kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)),
+            admission=admission)
         http_socket = _bind_http(config.host, config.port)  # fail on a taken port before starting any worker
         address = await cluster.start()
         try:

@@ -1,0 +1,106 @@
+"""The live router's SLO admission gate: its own tally of routed calls, priced by the pure `AdmissionPolicy`.
+
+The router knows every call it routed: which worker prefills it, which decodes it, how many prompt
+tokens the prefill worker must compute (uncached at routing) and how many tokens have streamed
+back. From that tally it builds the policy's inputs per worker — a prefill queue (uncached tokens
+of calls without a first token) and a decode load (calls streaming there, and calls still
+prefilling on their way there) — for every way the cluster could serve an arriving call, and asks
+`AdmissionPolicy.check_options` whether any of them meets the SLO. The tally is exact about what
+the router sent and conservative about progress: a prompt counts in full until its first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvbaton.router.admission import AdmissionDecision, AdmissionPolicy, AdmissionRequest, DecodeLoad, DecodeSlot, PrefillLoad
+
+
+@dataclass(slots=True)
+class _Tracked:
+    prefill_worker: str
+    decode_worker: str
+    num_prompt_tokens: int
+    num_uncached_tokens: int  # what the prefill worker computes (the rest was cached there at routing)
+    max_tokens: int
+    num_tokens_seen: int = 0
+
+
+class AdmissionGate:
+    def __init__(self, policy: AdmissionPolicy, block_size: int,
+                 capacity_tokens: Callable[[str], int]) -> None:
+        self.policy = policy
+        self.block_size = block_size
+        self._capacity_tokens = capacity_tokens  # worker -> KV tokens it can hold (from its heartbeat)
+        self._calls: dict[str, _Tracked] = {}
+        self._by_worker: dict[str, set[str]] = {}
+        self.num_rejected_by_stage: dict[str, int] = {"prefill": 0, "decode": 0}
+
+    # -- the tally --------------------------------------------------------------------------------
+
+    def on_routed(self, request_id: str, prefill_worker: str, decode_worker: str, num_prompt_tokens: int,
+                  num_cached_tokens: int, max_tokens: int) -> None:
+        """A call placed: `prefill_worker` == `decode_worker` when one worker serves it whole."""
+        self._calls[request_id] = _Tracked(prefill_worker, decode_worker, num_prompt_tokens,
+                                           max(num_prompt_tokens - num_cached_tokens, 1), max_tokens)
+        for worker in {prefill_worker, decode_worker}:
+            self._by_worker.setdefault(worker, set()).add(request_id)
+
+    def on_tokens(self, request_id: str, num_tokens: int) -> None:
+        tracked = self._calls.get(request_id)
+        if tracked is not None:
+            tracked.num_tokens_seen += num_tokens
+
+    def on_ended(self, request_id: str) -> None:
+        tracked = self._calls.pop(request_id, None)
+        if tracked is None:
+            return
+        for worker in {tracked.prefill_worker, tracked.decode_worker}:
+            ids = self._by_worker.get(worker)
+            if ids is not None:
+                ids.discard(request_id)
+                if not ids:
+                    del self._by_worker[worker]
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._calls)
+
+    # -- per-worker loads -------------------------------------------------------------------------
+
+    def prefill_load(self, worker: str) -> PrefillLoad:
+        queued = sum(t.num_uncached_tokens for r in self._by_worker.get(worker, ())
+                     if (t := self._calls[r]).prefill_worker == worker and t.num_tokens_seen == 0)
+        return PrefillLoad(worker, queued)
+
+    def decode_load(self, worker: str) -> DecodeLoad:
+        decoding: list[DecodeSlot] = []
+        incoming: list[DecodeSlot] = []
+        for request_id in sorted(self._by_worker.get(worker, ())):
+            t = self._calls[request_id]
+            if t.decode_worker != worker:
+                continue
+            slot = DecodeSlot(t.num_prompt_tokens + t.num_tokens_seen, max(t.max_tokens - t.num_tokens_seen, 0))
+            (decoding if t.num_tokens_seen else incoming).append(slot)
+        return DecodeLoad(worker, tuple(decoding), tuple(incoming), self._capacity_tokens(worker))
+
+    # -- the decision -----------------------------------------------------------------------------
+
+    def check(self, request_id: str, num_prompt_tokens: int, max_tokens: int, matched_blocks: Mapping[str, int],
+              pairs: Sequence[tuple[str, str]], now: float) -> AdmissionDecision:
+        """`pairs`: every (prefill worker, decode worker) that could serve the call; equal ids: one worker
+        serves it whole. `matched_blocks`: the prompt blocks each worker holds, per the router's index."""
+        options = []
+        decode_loads: dict[str, DecodeLoad] = {}
+        for prefill_worker, decode_worker in pairs:
+            cached = min(matched_blocks.get(prefill_worker, 0) * self.block_size, num_prompt_tokens - 1)
+            request = AdmissionRequest(request_id, num_prompt_tokens, max_tokens, max(cached, 0))
+            if decode_worker not in decode_loads:
+                decode_loads[decode_worker] = self.decode_load(decode_worker)
+            options.append((request, self.prefill_load(prefill_worker), decode_loads[decode_worker]))
+        decision = self.policy.check_options(options, now)
+        if not decision.admitted:
+            stage = "prefill" if decision.reason.startswith("prefill") else "decode"
+            self.num_rejected_by_stage[stage] += 1
+        return decision

@@ -1,0 +1,117 @@
+"""Live SLO admission: the router's tally of routed calls, and 429s from an overloaded 1P+1D cluster.
+
+The pure policy's decisions are tested in tests/router/test_admission.py; here the router feeds it from
+what it routed and refuses at arrival, before any worker sees the call, and nothing is left held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbaton.core.errors import KvbatonError
+from kvbaton.model.registry import LoadedModel, load_model
+from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, AdmissionSLO, DecodeSlot, PrefillLoad
+from kvbaton.server.base import GenerateCall, RejectedError
+from kvbaton.server.cluster import ClusterManager
+from kvbaton.server.cluster_admission import AdmissionGate
+from kvbaton.server.launcher import ServeConfig, admission_policy
+from kvbaton.sim.costs.linear import LinearCoefficients, LinearCostModel, save_linear_model
+from tests.server.pd_helpers import BLOCK_SIZE, collect, greedy, run_pd, wait_clean
+from tests.server.test_worker_cluster import WorkerThread
+
+# 1 ms per prompt token, 10 ms per decode step plus 1 ms per sequence: easy arithmetic, not the host's speed.
+COST = LinearCostModel({1: LinearCoefficients((0.0, 1e-3, 0.0, 0.0), (0.01, 0.0, 1e-3), (0.01, 0.0, 1e-3))}, 0)
+
+
+def policy(name: str, ttft_s: float = 0.25, tpot_s: float = 0.05) -> AdmissionPolicy:
+    return AdmissionPolicy(name, AdmissionSLO(ttft_s, tpot_s), {}, default_model=COST)
+
+
+def gate(name: str = "early", capacity_tokens: int = 10_000) -> AdmissionGate:
+    return AdmissionGate(policy(name), BLOCK_SIZE, lambda worker: capacity_tokens)
+
+
+def test_tally_prices_waiting_prompts_on_their_prefill_worker_and_decodes_on_their_decode_worker() -> None:
+    g = gate()
+    g.on_routed("a", "p0", "d0", 100, 32, 10)  # 68 tokens to compute on p0, decodes on d0
+    g.on_routed("b", "p0", "d0", 50, 0, 5)
+    g.on_routed("c", "w0", "w0", 40, 0, 8)  # served whole by one worker
+    assert g.prefill_load("p0").num_queued_tokens == 68 + 50
+    assert g.decode_load("d0").incoming == (DecodeSlot(100, 10), DecodeSlot(50, 5)) and not g.decode_load("d0").decoding
+    g.on_tokens("a", 3)  # first tokens streamed: a left the prefill queue and decodes now
+    assert g.prefill_load("p0").num_queued_tokens == 50
+    assert g.decode_load("d0").decoding == (DecodeSlot(103, 7),)
+    assert g.prefill_load("w0").num_queued_tokens == 40 and len(g.decode_load("w0").incoming) == 1
+    for request_id in ("a", "b", "c", "never-routed"):
+        g.on_ended(request_id)
+    assert g.num_tracked == 0 and g.prefill_load("p0").num_queued_tokens == 0 and g.decode_load("d0").incoming == ()
+
+
+def test_check_admits_on_the_best_option_and_counts_refusals_by_stage() -> None:
+    g = gate("baseline")
+    g.on_routed("busy", "p0", "d0", 240, 0, 4)  # p0: 240 ms of prefill queued
+    # 40 new tokens: p0 would answer in 0.28 s > 0.25 s, p1 in 0.04 s.
+    assert g.check("x", 40, 4, {}, [("p0", "d0"), ("p1", "d0")], 0.0).admitted
+    refused = g.check("x", 40, 4, {}, [("p0", "d0")], 0.0)
+    assert not refused.admitted and refused.reason.startswith("prefill over capacity")
+    # The prompt's blocks cached on p0 shorten its prefill under the SLO.
+    assert g.check("x", 40, 4, {"p0": 2}, [("p0", "d0")], 0.0).admitted
+    assert g.num_rejected_by_stage == {"prefill": 1, "decode": 0}
+
+
+def test_decode_stage_refuses_when_kv_reservations_exceed_the_decode_worker() -> None:
+    g = gate("early", capacity_tokens=1000)
+    g.on_routed("long", "p0", "d0", 500, 0, 400)
+    g.on_tokens("long", 1)
+    decision = g.check("x", 40, 100, {}, [("p0", "d0")], 0.0)  # 901 + 140 reserved > 1000
+    assert not decision.admitted and decision.reason.startswith("decode over capacity")
+    assert gate("baseline", capacity_tokens=1000).check("x", 40, 100, {}, [("p0", "d0")], 0.0).admitted
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny-random")
+
+
+def test_overloaded_pd_cluster_answers_429_at_once_and_serves_what_it_admitted(tiny: LoadedModel) -> None:
+    def prompt(i: int) -> tuple[int, ...]:  # 80 unrelated tokens each: 80 ms priced; a 0.25 s TTFT holds three
+        return tuple((j * 7 + i * 13) % 380 + 3 for j in range(80))
+
+    async def body(cluster: ClusterManager, workers: dict[str, WorkerThread]) -> None:
+        async def one(i: int) -> tuple[str, float]:
+            started = time.monotonic()
+            try:
+                deltas = await collect(cluster, GenerateCall(f"r-{i}", prompt(i), greedy(4), 0.0))
+            except RejectedError as exc:
+                assert exc.status_code == 429 and "cannot meet its SLO (baseline admission)" in str(exc)
+                assert "prefill over capacity" in str(exc)
+                return "rejected", time.monotonic() - started
+            assert deltas[-1].finish_reason == "length"
+            return "served", time.monotonic() - started
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(8)))  # routed in one loop turn: one burst
+        assert [kind for kind, _ in outcomes] == ["served"] * 3 + ["rejected"] * 5
+        assert max(s for kind, s in outcomes if kind == "rejected") < 0.05  # refused at arrival, not queued
+        assert cluster.router_decisions.get("slo_reject_prefill") == 5
+        await wait_clean(cluster, ["p0", "d0"])
+        assert cluster.admission is not None and cluster.admission.num_tracked == 0
+        # The burst drained: the same prompt is admitted again.
+        assert (await one(100))[0] == "served"
+
+    run_pd(tiny, {"p0": "prefill", "d0": "decode"}, body, admission=policy("baseline"))
+
+
+def test_serve_builds_the_admission_policy_from_a_profile_and_refuses_an_incomplete_setup(tmp_path: Path) -> None:
+    assert admission_policy(ServeConfig()) is None
+    with pytest.raises(KvbatonError, match="needs --ttft-slo, --tpot-slo and --cost-profile"):
+        admission_policy(ServeConfig(admission="predicted", ttft_slo_s=1.0, tpot_slo_s=0.1))
+    profile = tmp_path / "profile.json"
+    save_linear_model(profile, "smollm2-135m", COST.coefficients(1), 0, "test")
+    built = admission_policy(ServeConfig(admission="predicted", ttft_slo_s=1.0, tpot_slo_s=0.1,
+                                         cost_profile=str(profile)))
+    assert built is not None and built.name == "predicted" and built.slo == AdmissionSLO(1.0, 0.1)
+    assert built.predict_ttft_s(AdmissionRequest("r", 100, 1), PrefillLoad("any-worker", 400)) == pytest.approx(0.5)

@@ -89,7 +89,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-slo", type=float, default=0.0, help="seconds, for --admission")
     p.add_argument("--tpot-slo", type=float, default=0.0, help="seconds per output token, for --admission")
     p.add_argument("--cost-profile", default="", metavar="FILE",
-                   help="step times from `kvbaton profile --threads T --out FILE`, for --admission")
+                   help="step times from `kvbaton profile --threads T --out FILE`, for --admission and --adaptive-pools")
+    p.add_argument("--adaptive-pools", action="store_true",
+                   help="lend a worker of the idle pool to mixed duty while the other pool queues (needs the SLOs "
+                        "and --cost-profile)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -114,7 +117,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         rpc_address=args.rpc_address, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
-        admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile))
+        admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
+        adaptive_pools=args.adaptive_pools))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:

@@ -17,6 +17,7 @@ from kvbaton.core.sampling import SamplingParams
 from kvbaton.engine.engine import Engine
 from kvbaton.model.registry import LoadedModel
 from kvbaton.router.admission import AdmissionPolicy
+from kvbaton.router.pools import PoolBalancer
 from kvbaton.server.base import GenerateCall, TokenDelta
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
@@ -45,7 +46,7 @@ Body = Callable[[ClusterManager, dict[str, WorkerThread]], Awaitable[None]]
 
 def run_pd(loaded: LoadedModel, roles: dict[str, str], body: Body,
            overrides: dict[str, dict[str, object]] | None = None, timeout_s: float = 40.0,
-           admission: AdmissionPolicy | None = None, **config: object) -> None:
+           admission: AdmissionPolicy | None = None, pools: PoolBalancer | None = None, **config: object) -> None:
     """Start a router and the workers `roles` names (id -> role), run `body`, shut down, check cleanup."""
     before = shm_files()
 
@@ -54,7 +55,7 @@ def run_pd(loaded: LoadedModel, roles: dict[str, str], body: Body,
         fields.update(config)
         cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=BLOCK_SIZE,
                                                tokenizer_probe_hash=tokenizer_probe_hash(loaded.tokenizer),
-                                               **fields), admission=admission)  # type: ignore[arg-type]
+                                               **fields), admission=admission, pools=pools)  # type: ignore[arg-type]
         address = await cluster.start()
         workers = {w: start(loaded, address, w, role, **(overrides or {}).get(w, {})) for w, role in roles.items()}
         try:

@@ -1,4 +1,5 @@
-"""Live SLO admission: the router's tally of routed calls, and 429s from an overloaded 1P+1D cluster.
+"""Live SLO admission and adaptive pools: the router's tally of routed calls, 429s from an overloaded 1P+1D
+cluster, and a prefill worker lent to mixed duty while decode queues.
 
 The pure policy's decisions are tested in tests/router/test_admission.py; here the router feeds it from
 what it routed and refuses at arrival, before any worker sees the call, and nothing is left held.
@@ -15,12 +16,13 @@ import pytest
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, AdmissionSLO, DecodeSlot, PrefillLoad
+from kvbaton.router.pools import PoolBalancer, PoolConfig
 from kvbaton.server.base import GenerateCall, RejectedError
 from kvbaton.server.cluster import ClusterManager
 from kvbaton.server.cluster_admission import AdmissionGate
-from kvbaton.server.launcher import ServeConfig, admission_policy
+from kvbaton.server.launcher import ServeConfig, admission_policy, pool_balancer
 from kvbaton.sim.costs.linear import LinearCoefficients, LinearCostModel, save_linear_model
-from tests.server.pd_helpers import BLOCK_SIZE, collect, greedy, run_pd, wait_clean
+from tests.server.pd_helpers import BLOCK_SIZE, collect, colocated, greedy, run_pd, tokens_of, wait_clean
 from tests.server.test_worker_cluster import WorkerThread
 
 # 1 ms per prompt token, 10 ms per decode step plus 1 ms per sequence: easy arithmetic, not the host's speed.
@@ -98,7 +100,7 @@ def test_overloaded_pd_cluster_answers_429_at_once_and_serves_what_it_admitted(t
         assert max(s for kind, s in outcomes if kind == "rejected") < 0.05  # refused at arrival, not queued
         assert cluster.router_decisions.get("slo_reject_prefill") == 5
         await wait_clean(cluster, ["p0", "d0"])
-        assert cluster.admission is not None and cluster.admission.num_tracked == 0
+        assert cluster.tally is not None and cluster.tally.num_tracked == 0
         # The burst drained: the same prompt is admitted again.
         assert (await one(100))[0] == "served"
 
@@ -115,3 +117,40 @@ def test_serve_builds_the_admission_policy_from_a_profile_and_refuses_an_incompl
                                          cost_profile=str(profile)))
     assert built is not None and built.name == "predicted" and built.slo == AdmissionSLO(1.0, 0.1)
     assert built.predict_ttft_s(AdmissionRequest("r", 100, 1), PrefillLoad("any-worker", 400)) == pytest.approx(0.5)
+
+
+def test_adaptive_pools_lend_the_idle_prefill_worker_when_decode_queues_and_its_outputs_stay_exact(
+        tiny: LoadedModel) -> None:
+    # Decode-heavy traffic: short prompts, long outputs. A 12 ms TPOT SLO holds two decoding sequences on d0
+    # (10 ms + 1 ms each), so a third pushes the decode pool over while the prefill pool idles.
+    balancer = PoolBalancer(AdmissionSLO(ttft_s=1.0, tpot_s=0.012), {}, COST,
+                            PoolConfig(sustain_s=0.0, cooldown_s=0.0))
+
+    def prompt(i: int) -> list[int]:
+        return [(j * 5 + i * 11) % 380 + 3 for j in range(20)]
+
+    async def body(cluster: ClusterManager, workers: dict[str, WorkerThread]) -> None:
+        calls = [GenerateCall(f"r-{i}", tuple(prompt(i)), greedy(24), 0.0) for i in range(6)]
+        results = await asyncio.gather(*(collect(cluster, call) for call in calls))
+        assert balancer.lent == {"p0": "prefill"} and balancer.switches[0].worker_id == "p0"
+        assert cluster.router_decisions.get("pool_lent", 0) >= 1 and cluster.router_decisions.get("pair", 0) >= 2
+        for i, deltas in enumerate(results):  # whole on p0 or handed off to d0: the same greedy tokens
+            assert tokens_of(deltas) == colocated(tiny, prompt(i), greedy(24))
+        await wait_clean(cluster, ["p0", "d0"])
+        assert cluster.tally is not None and cluster.tally.num_tracked == 0
+        assert cluster.cluster_info()["lent_workers"] == {"p0": "prefill"}
+
+    run_pd(tiny, {"p0": "prefill", "d0": "decode"}, body, pools=balancer)
+
+
+def test_serve_builds_adaptive_pools_only_for_disaggregated_pools_with_slos_and_a_profile(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    save_linear_model(profile, "smollm2-135m", COST.coefficients(1), 0, "test")
+    full = dict(ttft_slo_s=1.0, tpot_slo_s=0.1, cost_profile=str(profile))
+    assert pool_balancer(ServeConfig(num_prefill=1, num_decode=1, **full)) is None  # not asked for
+    with pytest.raises(KvbatonError, match="needs disaggregated pools"):
+        pool_balancer(ServeConfig(adaptive_pools=True, **full))
+    with pytest.raises(KvbatonError, match="needs --ttft-slo"):
+        pool_balancer(ServeConfig(num_prefill=1, num_decode=1, adaptive_pools=True))
+    built = pool_balancer(ServeConfig(num_prefill=1, num_decode=1, adaptive_pools=True, **full))
+    assert built is not None and built.admission.slo == AdmissionSLO(1.0, 0.1) and built.lent == {}

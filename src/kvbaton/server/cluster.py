@@ -32,6 +32,7 @@ from kvbaton.router.admission import AdmissionPolicy
 from kvbaton.router.base import RouteRequest
 from kvbaton.router.load import WorkerStats
 from kvbaton.router.policies import create_policy, local_queue_policy
+from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.state import RouterState
 from kvbaton.server import rpc
 from kvbaton.server.base import GenerateCall, RejectedError, TokenDelta
@@ -81,7 +82,7 @@ class _Call:
 
 class ClusterManager:
     def __init__(self, config: ClusterConfig, clock: Callable[[], float] = time.monotonic,
-                 admission: AdmissionPolicy | None = None) -> None:
+                 admission: AdmissionPolicy | None = None, pools: PoolBalancer | None = None) -> None:
         self.config = config
         self.clock = clock
         self.state = RouterState(block_size=config.block_size)
@@ -102,10 +103,14 @@ class ClusterManager:
         self.handoff_endings: dict[str, int] = {}  # outcome of those legs -> count
         self.pairs = PairChooser(self.state, PairChoiceConfig(config.local_prefill_threshold_tokens,
                                                               config.kv_bytes_per_token))
-        # SLO admission (None: admit whatever the queue limit allows): refuses at arrival what no worker can serve
-        # within its SLO, priced over the router's own tally of routed calls.
-        self.admission = (AdmissionGate(admission, config.block_size, self._kv_capacity_tokens)
-                          if admission is not None else None)
+        # SLO admission (None: admit whatever the queue limit allows) refuses at arrival what no worker can serve
+        # within its SLO; adaptive pools (None: fixed roles) lend a worker of the idle pool to mixed duty. Both
+        # price over the router's own tally of routed calls.
+        self.admission = admission
+        self.pools = pools
+        pricing = admission if admission is not None else (pools.admission if pools is not None else None)
+        self.tally = (AdmissionGate(pricing, config.block_size, self._kv_capacity_tokens)
+                      if pricing is not None else None)
         self.retired_prefix_cache_tokens = [0, 0]  # (queries, hits) of workers that left: keeps totals monotone
         self._socket: RouterSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -218,6 +223,8 @@ class ClusterManager:
             "num_in_flight": len(self._calls),
             "num_waiting": self.num_waiting,
             "index_blocks": self.state.index.num_blocks,
+            "lent_workers": {} if self.pools is None else dict(sorted(self.pools.lent.items())),
+            "pool_switches": 0 if self.pools is None else len(self.pools.switches),
             "router_decisions": dict(sorted(self.router_decisions.items())),
             "num_rejected": self.num_rejected,
             "num_failed_by_worker_loss": self.num_failed_by_worker_loss,
@@ -276,18 +283,18 @@ class ClusterManager:
                                            call.sampling.max_tokens, call.tenant)
         now = self.clock()
         # Before placing: the policy's commit adds the prompt's blocks to the index under the chosen worker.
-        matched = self.state.index.match(request.block_hashes) if self.admission is not None else {}
+        matched = self.state.index.match(request.block_hashes) if self.tally is not None else {}
         if self.admission is not None:
             self._admit(call, matched, now)
         try:
-            entry, reason = self._place(call, request, now)
+            entry, reason = self._place(call, request, matched, now)
         except CapacityError as exc:
             self.num_rejected += 1
             raise RejectedError(str(exc), status_code=503, retry_after_s=self.config.retry_after_s) from exc
         self.router_decisions[reason] = self.router_decisions.get(reason, 0) + 1
-        if self.admission is not None:
+        if self.tally is not None:
             prefiller = entry.prefill_worker or entry.worker_id
-            self.admission.on_routed(call.request_id, prefiller, entry.worker_id, len(call.prompt_token_ids),
+            self.tally.on_routed(call.request_id, prefiller, entry.worker_id, len(call.prompt_token_ids),
                                      self.state.matched_tokens(request, matched.get(prefiller, 0)),
                                      call.sampling.max_tokens)
         self._calls[call.request_id] = entry
@@ -307,19 +314,31 @@ class ClusterManager:
 
     def _admit(self, call: GenerateCall, matched: Mapping[str, int], now: float) -> None:
         """Refuse (429) a call no serving option can take within its SLO; see `AdmissionGate`."""
-        assert self.admission is not None
+        assert self.admission is not None and self.tally is not None
         prefill, decode, mixed = self._serving("prefill"), self._serving("decode"), self._serving("mixed")
         pairs = ([(p, d) for p in prefill for d in decode] + [(d, d) for d in decode if not prefill]
                  + [(w, w) for w in mixed])
-        decision = self.admission.check(call.request_id, len(call.prompt_token_ids), call.sampling.max_tokens,
+        decision = self.tally.check(call.request_id, len(call.prompt_token_ids), call.sampling.max_tokens,
                                         matched, pairs, now)
         if not decision.admitted:
             self.num_rejected += 1
             stage = "prefill" if decision.reason.startswith("prefill") else "decode"
             self.router_decisions[f"slo_reject_{stage}"] = self.router_decisions.get(f"slo_reject_{stage}", 0) + 1
-            raise RejectedError(f"request cannot meet its SLO ({self.admission.policy.name} admission): "
+            raise RejectedError(f"request cannot meet its SLO ({self.admission.name} admission): "
                                 f"{decision.reason}; retry later", status_code=429,
                                 retry_after_s=self.config.retry_after_s)
+
+    def _lent_worker(self, call: GenerateCall, matched: Mapping[str, int], decode: list[str],
+                     now: float) -> str | None:
+        """Adaptive pools: update both pools' pressure, then the lent worker to take this call whole, if any."""
+        assert self.pools is not None and self.tally is not None
+        prefill, prompt_len, max_tokens = self._serving("prefill"), len(call.prompt_token_ids), call.sampling.max_tokens
+        switch = self.tally.observe_pools(self.pools, call.request_id, prompt_len, max_tokens, prefill, decode, now)
+        if switch is not None:
+            log.info("adaptive pools: %s %s (%s)", "lent" if switch.lent else "returned", switch.worker_id,
+                     switch.reason)
+        return self.tally.lent_worker_for(self.pools, call.request_id, prompt_len, max_tokens, matched, prefill,
+                                          decode, now)
 
     def _kv_capacity_tokens(self, worker_id: str) -> int:
         record = self.workers.get(worker_id)
@@ -329,11 +348,18 @@ class ClusterManager:
     def _serving(self, role: str) -> list[str]:
         return sorted(w for w, record in self.workers.items() if record.register.role == role and record.stats)
 
-    def _place(self, call: GenerateCall, request: RouteRequest, now: float) -> tuple[_Call, str]:
+    def _place(self, call: GenerateCall, request: RouteRequest, matched: Mapping[str, int],
+               now: float) -> tuple[_Call, str]:
         """Mixed pool only: the cluster policy. With prefill and decode pools: the pair chooser, whose
-        short-prompt ("local_prefill") calls go to the mixed pool by the policy when there is one."""
+        short-prompt ("local_prefill") calls go to the mixed pool by the policy when there is one; with adaptive
+        pools, a worker lent to mixed duty may take the call whole ("pool_lent")."""
         decode_workers = {w: self.workers[w].register.kv_address.partition("://")[0] for w in self._serving("decode")}
         mixed = self._serving("mixed")
+        if decode_workers and self.pools is not None:
+            lent = self._lent_worker(call, matched, sorted(decode_workers), now)
+            if lent is not None:
+                self.state.commit(request, lent, matched.get(lent, 0), now)
+                return _Call(call, lent, asyncio.Queue(), by_policy=False), "pool_lent"
         if decode_workers:
             pair = self.pairs.choose(request, self._serving("prefill"), decode_workers, now)
             if pair.prefill_worker:
@@ -352,8 +378,8 @@ class ClusterManager:
             self._num_waiting -= 1
         request_id = entry.call.request_id
         self._calls.pop(request_id, None)
-        if self.admission is not None:
-            self.admission.on_ended(request_id)
+        if self.tally is not None:
+            self.tally.on_ended(request_id)
         for worker_id in (entry.worker_id, entry.prefill_worker):
             record = self.workers.get(worker_id)
             if record is not None:
@@ -372,8 +398,8 @@ class ClusterManager:
             self.policy.on_first_token(delta.request_id, now - entry.call.arrival_at, now)
             self._num_waiting -= 1
         entry.num_tokens_seen += len(delta.new_token_ids)
-        if self.admission is not None and delta.new_token_ids:
-            self.admission.on_tokens(delta.request_id, len(delta.new_token_ids))
+        if self.tally is not None and delta.new_token_ids:
+            self.tally.on_tokens(delta.request_id, len(delta.new_token_ids))
         if delta.finished:
             self._end_call(entry)
         entry.queue.put_nowait(delta)
@@ -517,6 +543,8 @@ class ClusterManager:
         log.log(logging.INFO if reason.startswith("left:") else logging.WARNING, "worker %s removed: %s", worker_id,
                 reason)
         self.lost_workers[worker_id] = reason
+        if self.pools is not None:
+            self.pools.remove_worker(worker_id)
         if record.stats is not None:
             self.retired_prefix_cache_tokens[0] += record.stats.prefix_cache_queries_tokens
             self.retired_prefix_cache_tokens[1] += record.stats.prefix_cache_hits_tokens

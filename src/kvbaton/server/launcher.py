@@ -29,7 +29,8 @@ from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 from kvbaton.router.admission import AdmissionPolicy, AdmissionSLO, create_admission
-from kvbaton.sim.costs.linear import load_linear_model
+from kvbaton.router.pools import PoolBalancer
+from kvbaton.sim.costs.linear import LinearCostModel, load_linear_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,19 +70,34 @@ class ServeConfig:
     ttft_slo_s: float = 0.0
     tpot_slo_s: float = 0.0
     cost_profile: str = ""
+    adaptive_pools: bool = False  # lend a worker of the idle pool to mixed duty (kvbaton.router.pools)
+
+
+def _slo_and_profile(config: ServeConfig, flag: str) -> tuple[AdmissionSLO, LinearCostModel]:
+    if config.ttft_slo_s <= 0 or config.tpot_slo_s <= 0 or not config.cost_profile:
+        raise KvbatonError(f"{flag} needs --ttft-slo, --tpot-slo and --cost-profile FILE (step times measured by "
+                           f"`kvbaton profile --model {config.model} --threads {config.num_threads_per_worker} "
+                           f"--out FILE`)")
+    # Every worker runs the same model on the same kind of host: one profile prices them all.
+    return AdmissionSLO(config.ttft_slo_s, config.tpot_slo_s), load_linear_model(config.cost_profile)
 
 
 def admission_policy(config: ServeConfig) -> AdmissionPolicy | None:
     """The router's admission policy for `config`, or None; a bad combination is a KvbatonError."""
     if config.admission == "none":
         return None
-    if config.ttft_slo_s <= 0 or config.tpot_slo_s <= 0 or not config.cost_profile:
-        raise KvbatonError(f"--admission {config.admission} needs --ttft-slo, --tpot-slo and --cost-profile FILE "
-                           f"(step times measured by `kvbaton profile --model {config.model} --threads "
-                           f"{config.num_threads_per_worker} --out FILE`)")
-    # Every worker runs the same model on the same kind of host: one profile prices them all.
-    return create_admission(config.admission, AdmissionSLO(config.ttft_slo_s, config.tpot_slo_s), {},
-                            default_model=load_linear_model(config.cost_profile))
+    slo, profile = _slo_and_profile(config, f"--admission {config.admission}")
+    return create_admission(config.admission, slo, {}, default_model=profile)
+
+
+def pool_balancer(config: ServeConfig) -> PoolBalancer | None:
+    """The router's adaptive-pools policy for `config`, or None (fixed roles)."""
+    if not config.adaptive_pools:
+        return None
+    if not config.num_prefill or not config.num_decode:
+        raise KvbatonError("--adaptive-pools needs disaggregated pools (--prefill N --decode M)")
+    slo, profile = _slo_and_profile(config, "--adaptive-pools")
+    return PoolBalancer(slo, {}, default_model=profile)
 
 
 class _Server(uvicorn.Server):
@@ -129,7 +145,7 @@ class Launcher:
             loop.add_signal_handler(sig, self.request_stop)
         config = self.config
         model_config, _, tokenizer = read_model_source(resolve_model_source(config.model))  # weights dropped here
-        admission = admission_policy(config)
+        admission, pools = admission_policy(config), pool_balancer(config)
         cluster = ClusterManager(ClusterConfig(
             bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
             block_size=config.block_size, tokenizer_probe_hash=tokenizer_probe_hash(tokenizer), seed=config.seed,
@@ -137,7 +153,7 @@ class Launcher:
             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
             kv_load_failure_policy=config.kv_load_failure_policy,
             kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)),
-            admission=admission)
+            admission=admission, pools=pools)
         http_socket = _bind_http(config.host, config.port)  # fail on a taken port before starting any worker
         address = await cluster.start()
         try:

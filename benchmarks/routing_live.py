@@ -68,16 +68,18 @@ def _pump_output(server: ServerProcess, banner_seen: threading.Event) -> None:
             banner_seen.set()
 
 
-def start_server(args: argparse.Namespace, policy: str, pools: Sequence[str] | None = None) -> ServerProcess:
+def start_server(args: argparse.Namespace, policy: str, pools: Sequence[str] | None = None,
+                 extra: Sequence[str] = ()) -> ServerProcess:
     """Start `kvbaton serve` on a free port and wait until `/ready` answers 200 (raises after the timeout).
 
-    `pools` are the worker-pool flags (default `--workers N`; e.g. `--prefill 1 --decode 1`).
+    `pools` are the worker-pool flags (default `--workers N`; e.g. `--prefill 1 --decode 1`); `extra` are
+    appended as they are (e.g. admission flags).
     """
     pools = list(pools) if pools is not None else ["--workers", str(args.workers)]
     command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", args.model, *pools,
                "--policy", policy, "--port", "0", "--num-blocks", str(args.num_blocks),
                "--threads-per-worker", str(args.threads_per_worker), "--max-num-waiting", "1024",
-               "--drain-timeout", "5", "--seed", str(args.seed)]
+               "--drain-timeout", "5", "--seed", str(args.seed), *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     server = ServerProcess(process)

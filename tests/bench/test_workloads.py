@@ -195,3 +195,15 @@ def test_sharing_index_matches_brute_force(base: list[int], shapes: list[tuple[i
                            min(len(prompt), len(earlier)))
                 expected = max(expected, lcp)
         assert index.insert(np.asarray(prompt, dtype=np.int32), tenant) == expected
+
+
+def test_shifting_mix_turns_long_prompts_into_long_outputs_at_the_shift() -> None:
+    requests = create_workload("shifting-mix", num_requests=200, seed=1, rate=4.0, shift_fraction=0.25)
+    first, second = requests[:50], requests[50:]
+    assert {r.group for r in first} == {"phase1"} and {r.group for r in second} == {"phase2"}
+    assert (statistics.fmean(r.num_prompt_tokens for r in first)
+            > 5 * statistics.fmean(r.num_prompt_tokens for r in second))
+    assert statistics.fmean(r.output_tokens for r in second) > 10 * statistics.fmean(r.output_tokens for r in first)
+    assert max(r.arrival_s for r in first) < min(r.arrival_s for r in second)
+    with pytest.raises(InvalidRequestError, match="shift_fraction"):
+        create_workload("shifting-mix", num_requests=10, shift_fraction=1.0)

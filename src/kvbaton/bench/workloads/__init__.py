@@ -22,7 +22,7 @@ from kvbaton.bench.workloads.hot_prefix import generate_hot_prefix_burst
 from kvbaton.bench.workloads.mooncake import generate_mooncake
 from kvbaton.bench.workloads.prefix_library import generate_programming, generate_tool_use
 from kvbaton.bench.workloads.shared_prefix import generate_shared_prefix
-from kvbaton.bench.workloads.sharegpt import generate_sharegpt_like
+from kvbaton.bench.workloads.sharegpt import generate_sharegpt_like, generate_shifting_mix
 from kvbaton.core.errors import InvalidRequestError
 
 __all__ = ["WORKLOADS", "PREBLE_WORKLOADS", "WorkloadRequest", "create_workload"]
@@ -46,6 +46,8 @@ WORKLOADS: dict[str, WorkloadFamily] = {f.name: f for f in (
                    "Mooncake JSONL trace replay: 512-token hash blocks, timestamp arrivals"),
     WorkloadFamily("sharegpt-like", generate_sharegpt_like, 8.0, 1000,
                    "ShareGPT-shaped chat lengths (or a ShareGPT JSON file), no deliberate sharing"),
+    WorkloadFamily("shifting-mix", generate_shifting_mix, 4.0, 1000,
+                   "issue 7: long prompts/short outputs, then halfway short prompts/long outputs"),
 )}
 
 PREBLE_WORKLOADS = ("tool-use", "agent", "programming", "video-qa", "long-doc-qa")

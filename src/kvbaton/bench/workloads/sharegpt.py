@@ -73,3 +73,26 @@ def generate_sharegpt_like(*, num_requests: int | None, vocab_size: int, rng: np
     if not drafts:
         raise InvalidRequestError(f"{path}: no usable human/gpt exchanges")
     return drafts
+
+
+def generate_shifting_mix(*, num_requests: int | None, vocab_size: int, rng: np.random.Generator,
+                          arrival_rng: random.Random, rate: float | None, shift_fraction: float = 0.5,
+                          first_prompt_mean_tokens: float = 1500, first_output_mean_tokens: float = 20,
+                          second_prompt_mean_tokens: float = 150, second_output_mean_tokens: float = 400,
+                          max_output_tokens: int = 2048) -> list[Draft]:
+    """A prompt/output mix that shifts once: long prompts with short outputs, then (from `shift_fraction` of
+    the requests on) short prompts with long outputs; a pool split sized for one phase is wrong for the other.
+    Lengths are lognormal with a std of a third of the mean; the group ("phase1"/"phase2") names the phase."""
+    if not 0.0 < shift_fraction < 1.0:
+        raise InvalidRequestError(f"shift_fraction must be in (0, 1), got {shift_fraction}")
+    total = num_requests or 1000
+    first = max(1, min(total - 1, round(total * shift_fraction)))
+    drafts: list[Draft] = []
+    for phase, count, prompt_mean, output_mean in (
+            ("phase1", first, first_prompt_mean_tokens, first_output_mean_tokens),
+            ("phase2", total - first, second_prompt_mean_tokens, second_output_mean_tokens)):
+        prompts = lognormal_lengths(rng, count, prompt_mean, prompt_mean / 3, low=4, high=8192)
+        outputs = lognormal_lengths(rng, count, output_mean, output_mean / 3, low=1, high=max_output_tokens)
+        drafts += [Draft(prompt_parts=(random_tokens(rng, p, vocab_size),), output_tokens=o, group=phase)
+                   for p, o in zip(prompts, outputs)]
+    return drafts

@@ -37,6 +37,9 @@ def test_1p1d_outputs_equal_colocated_including_a_prefill_cache_hit(tiny: Loaded
             deltas = await collect(cluster, GenerateCall(f"r{i}-0", tuple(prompt), greedy(10), arrival_at=0.0))
             assert tokens_of(deltas) == expected[i], i
             assert deltas[-1].finish_reason == "length" and deltas[-1].worker_id == "d0"
+            # usage.cached_tokens is the prefill worker's hit, carried to d0 with the first token
+            hit_tokens = (len(system) // BLOCK_SIZE) * BLOCK_SIZE if i == 1 else 0
+            assert deltas[-1].num_cached_tokens == hit_tokens, i
             await asyncio.sleep(0.1)
         await wait_clean(cluster, ["p0", "d0"])
         p_stats, d_stats = cluster.workers["p0"].stats, cluster.workers["d0"].stats

@@ -9,7 +9,7 @@ from kvbaton.transfer import FirstToken, HandoffDestination, HandoffSource, KVLa
 
 LAYOUT = KVLayout("rev-1", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=3)
 OTHER_LAYOUT = replace(LAYOUT, model_revision="rev-2")
-FIRST = FirstToken(token_id=42, logprob=-0.5, top_logprobs=((42, -0.5), (7, -1.5)))
+FIRST = FirstToken(token_id=42, logprob=-0.5, top_logprobs=((42, -0.5), (7, -1.5)), num_cached_tokens=32)
 LEASE_S = 5.0
 
 

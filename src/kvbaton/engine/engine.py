@@ -116,9 +116,10 @@ class Engine:
 
     def adopt_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
                       first_token: SampledToken, block_ids: Sequence[int], tenant: str = "",
-                      slo_class: str = "default", arrival_at: float | None = None) -> RequestOutput | None:
+                      slo_class: str = "default", arrival_at: float | None = None,
+                      num_cached_tokens: int = 0) -> RequestOutput | None:
         """Admit a request whose prompt KV is already in `block_ids` (a completed handoff) and decode from
-        `first_token`, which the prefill worker sampled. Returns the first token's output, or None when the
+        `first_token`, which the prefill worker sampled (its prefix cache supplied `num_cached_tokens`). Returns the first token's output, or None when the
         scheduler cannot take it now (the caller keeps the blocks and retries). On success the request owns
         the blocks' references (one each, handed over by the caller): nothing is copied.
         """
@@ -131,6 +132,7 @@ class Engine:
                           tenant=tenant, slo_class=slo_class, eos_token_id=self.tokenizer.eos_token_id,
                           max_model_len=self.max_model_len)
         request.output_token_ids.append(first_token.token_id)
+        request.num_cached_tokens = num_cached_tokens  # the prefill worker's hit: what usage reports
         if not self.scheduler.admit_prefilled(request, len(token_ids), now, block_ids=block_ids):
             return None
         request.first_token_at = now

@@ -130,7 +130,8 @@ class DecodeHandoffs:
         try:
             output = self.engine.adopt_request(entry.prompt_token_ids, entry.params, entry.request_id,
                                                SampledToken(first.token_id, first.logprob, first.top_logprobs),
-                                               adopted.block_ids, entry.tenant, entry.slo_class)
+                                               adopted.block_ids, entry.tenant, entry.slo_class,
+                                               num_cached_tokens=first.num_cached_tokens)
         except KvbatonError as exc:
             output, error = None, str(exc)
         else:

@@ -134,7 +134,7 @@ class PrefillHandoffs:
                 passed.append(out)
             elif out.new_token_ids and out.new_logprobs:
                 token = out.new_logprobs[0]
-                first = FirstToken(token.token_id, token.logprob, token.top_logprobs)
+                first = FirstToken(token.token_id, token.logprob, token.top_logprobs, out.num_cached_tokens)
                 leg.in_engine = not out.finished
                 transfer_id = transfer_id_of(leg.request_id)
                 if self.source.state(transfer_id) is SourceState.STREAMING:

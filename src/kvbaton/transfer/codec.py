@@ -120,7 +120,8 @@ def encode(frame: Frame) -> bytes:
     elif isinstance(frame, SourceDone):
         token = frame.first_token
         fields = ["done", _tid(frame.transfer_id), frame.num_tokens,
-                  [token.token_id, token.logprob, [list(pair) for pair in token.top_logprobs]]]
+                  [token.token_id, token.logprob, [list(pair) for pair in token.top_logprobs],
+                   token.num_cached_tokens]]
     elif isinstance(frame, ReserveGranted):
         fields = ["grant", _tid(frame.transfer_id), list(frame.dst_block_ids)]
     elif isinstance(frame, ReserveRefused):
@@ -149,8 +150,9 @@ def decode(data: bytes) -> Frame:
         raise FrameError(f"malformed transfer frame: {error!r}") from error
 
 
-def _decode_first_token(token_id: int, logprob: float, top: list[list[Any]]) -> FirstToken:
-    return FirstToken(int(token_id), float(logprob), tuple((int(t), float(lp)) for t, lp in top))
+def _decode_first_token(token_id: int, logprob: float, top: list[list[Any]], num_cached_tokens: int) -> FirstToken:
+    return FirstToken(int(token_id), float(logprob), tuple((int(t), float(lp)) for t, lp in top),
+                      int(num_cached_tokens))
 
 
 _DECODERS: dict[str, Any] = {

@@ -25,11 +25,13 @@ class TransferId:
 
 @dataclass(frozen=True, slots=True)
 class FirstToken:
-    """The token the prefill worker sampled after the last prompt position; decode starts from it."""
+    """The token the prefill worker sampled after the last prompt position; decode starts from it. It also
+    carries how many prompt tokens the prefill worker's prefix cache supplied, for the request's usage."""
 
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    num_cached_tokens: int = 0
 
 
 class AbortCause(Enum):

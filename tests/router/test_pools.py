@@ -89,3 +89,19 @@ def test_config_is_validated() -> None:
         PoolConfig(high_pressure=0.5, low_pressure=0.5)
     with pytest.raises(InvalidRequestError):
         PoolConfig(max_lent_per_pool=0)
+
+
+def test_route_prices_the_pair_on_the_best_workers_and_sends_whole_to_a_lent_one_when_better() -> None:
+    b = balancer(PoolConfig(sustain_s=0.0, cooldown_s=0.0))
+    crowded = tuple(DecodeSlot(100, 50) for _ in range(60))
+    prefill = {"p0": PrefillLoad("p0", 0), "p1": PrefillLoad("p1", 500)}
+    decode = {"d0": DecodeLoad("d0", crowded, (), 1_000_000), "p0": DecodeLoad("p0", (), (), 1_000_000),
+              "p1": DecodeLoad("p1", (), (), 1_000_000)}
+    request = AdmissionRequest("r", 100, 50)
+    lent, switch = b.route(request, {}, ["p0", "p1"], ["d0"], prefill.__getitem__, decode.__getitem__, 0.0)
+    assert switch is not None and switch.worker_id == "p0"  # the least loaded prefill worker is lent ...
+    assert lent == "p0"  # ... and, its decode batch empty, beats the crowded pair at once
+    # p1 holds the whole prompt in its cache but is not lent: the pair still prices on p0 (least TTFT).
+    lent, _ = b.route(request, {"p1": 100}, ["p0", "p1"], ["d0"], prefill.__getitem__, decode.__getitem__, 0.1)
+    assert lent == "p0"
+    assert b.route(request, {}, [], ["d0"], prefill.__getitem__, decode.__getitem__, 0.2) == (None, None)

@@ -19,7 +19,7 @@ decisions in the live router and in the simulator.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvbaton.core.errors import InvalidRequestError
@@ -30,7 +30,7 @@ from kvbaton.router.admission import (AdmissionPolicy, AdmissionRequest, Admissi
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     high_pressure: float = 1.0  # a pool queues: its least loaded worker's predicted latency over the SLO
-    low_pressure: float = 0.5  # a pool idles
+    low_pressure: float = 0.7  # a pool idles (a decode step's fixed cost alone is a good part of a TPOT SLO)
     sustain_s: float = 2.0  # a condition must hold this long before a switch
     cooldown_s: float = 5.0  # at least this long between two switches
     max_lent_per_pool: int = 1
@@ -159,6 +159,39 @@ class PoolBalancer:
             raise InvalidRequestError("choose needs at least the disaggregated pair")
         scores = [self.score(request, prefill, decode, now) for _, request, prefill, decode in options]
         return options[min(range(len(options)), key=lambda i: (scores[i], i))][0]
+
+    def route(self, request: AdmissionRequest, cached_tokens: Mapping[str, int], prefill_workers: Sequence[str],
+              decode_workers: Sequence[str], prefill_load: Callable[[str], PrefillLoad],
+              decode_load: Callable[[str], DecodeLoad], now: float) -> tuple[str | None, PoolSwitch | None]:
+        """One arrival: update both pools' pressure (maybe switching a worker), then pick the lent worker to
+        serve `request` whole, or None for the disaggregated pair. The pair is priced on its best prefill
+        worker (least predicted TTFT, with the prompt tokens each caches: `cached_tokens`) and best decode
+        worker; the router's own pair choice may differ, never by much. Returns (lent worker, switch)."""
+        if not prefill_workers or not decode_workers:
+            return None, None
+        prefills = {w: prefill_load(w) for w in prefill_workers}
+        decodes = {w: decode_load(w) for w in decode_workers}
+
+        def with_cache(worker: str) -> AdmissionRequest:
+            return replace(request, num_cached_tokens=min(cached_tokens.get(worker, 0), request.num_prompt_tokens - 1))
+
+        ttft_s = {w: self.admission.predict_ttft_s(with_cache(w), load) for w, load in prefills.items()}
+        decode_loads = {w: self.decode_pressure(request, [load]) for w, load in decodes.items()}
+        by_prefill = sorted(prefills, key=lambda w: (ttft_s[w], w))
+        by_decode = sorted(decodes, key=lambda w: (decode_loads[w], w))
+        switch = self.observe(now, ttft_s[by_prefill[0]] / self.admission.slo.ttft_s, decode_loads[by_decode[0]],
+                              {"prefill": by_prefill, "decode": by_decode})
+        lent = [w for w in sorted(self.lent) if w in prefills or w in decodes]
+        if not lent:
+            return None, switch
+        pair = Placement(by_prefill[0], by_decode[0])
+        options = [(pair, with_cache(pair.prefill_worker), prefills[pair.prefill_worker], decodes[pair.decode_worker])]
+        for worker in lent:
+            own_prefill = prefills[worker] if worker in prefills else prefill_load(worker)
+            own_decode = decodes[worker] if worker in decodes else decode_load(worker)
+            options.append((Placement(worker, worker), with_cache(worker), own_prefill, own_decode))
+        chosen = self.choose(options, now)
+        return (chosen.prefill_worker if chosen.whole else None), switch
 
     def score(self, request: AdmissionRequest, prefill: PrefillLoad, decode: DecodeLoad, now: float) -> float:
         decision = self.admission.check_arrival(request, prefill, decode, now)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.core.errors import CapacityError
-from kvbaton.router.admission import AdmissionPolicy
+from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest
 from kvbaton.router.base import RouteRequest
 from kvbaton.router.load import WorkerStats
 from kvbaton.router.policies import create_policy, local_queue_policy
@@ -332,13 +332,15 @@ class ClusterManager:
                      now: float) -> str | None:
         """Adaptive pools: update both pools' pressure, then the lent worker to take this call whole, if any."""
         assert self.pools is not None and self.tally is not None
-        prefill, prompt_len, max_tokens = self._serving("prefill"), len(call.prompt_token_ids), call.sampling.max_tokens
-        switch = self.tally.observe_pools(self.pools, call.request_id, prompt_len, max_tokens, prefill, decode, now)
+        prompt_len = len(call.prompt_token_ids)
+        request = AdmissionRequest(call.request_id, prompt_len, call.sampling.max_tokens)
+        cached = {w: num_blocks * self.config.block_size for w, num_blocks in matched.items()}
+        lent, switch = self.pools.route(request, cached, self._serving("prefill"), decode, self.tally.prefill_load,
+                                        self.tally.decode_load, now)
         if switch is not None:
             log.info("adaptive pools: %s %s (%s)", "lent" if switch.lent else "returned", switch.worker_id,
                      switch.reason)
-        return self.tally.lent_worker_for(self.pools, call.request_id, prompt_len, max_tokens, matched, prefill,
-                                          decode, now)
+        return lent
 
     def _kv_capacity_tokens(self, worker_id: str) -> int:
         record = self.workers.get(worker_id)

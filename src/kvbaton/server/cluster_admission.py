@@ -10,7 +10,7 @@ prefilling on their way there) — for every way the cluster could serve an arri
 the router sent and conservative about progress: a prompt counts in full until its first token.
 
 The same tally feeds adaptive pools (`kvbaton.router.pools`): each arrival updates both pools'
-pressure, and while a worker is lent to mixed duty the arrival may go to it whole (`lent_worker_for`).
+pressure, and while a worker is lent to mixed duty the arrival may go to it whole (`PoolBalancer.route`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from kvbaton.router.admission import (AdmissionDecision, AdmissionPolicy, AdmissionRequest, DecodeLoad, DecodeSlot,
                                       PrefillLoad)
-from kvbaton.router.pools import Placement, PoolBalancer, PoolSwitch
 
 
 @dataclass(slots=True)
@@ -114,40 +113,3 @@ class AdmissionGate:
             stage = "prefill" if decision.reason.startswith("prefill") else "decode"
             self.num_rejected_by_stage[stage] += 1
         return decision
-
-    # -- adaptive pools ---------------------------------------------------------------------------
-
-    def observe_pools(self, balancer: PoolBalancer, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                      prefill_workers: Sequence[str], decode_workers: Sequence[str], now: float) -> PoolSwitch | None:
-        """Both pools' pressure for this arrival into the balancer; returns the switch it made, if any."""
-        request = AdmissionRequest(request_id, num_prompt_tokens, max_tokens)
-        prefill = sorted((self.prefill_load(w) for w in prefill_workers), key=lambda x: (x.num_queued_tokens,
-                                                                                         x.worker_id))
-        decode = sorted((self.decode_load(w) for w in decode_workers),
-                        key=lambda x: (x.num_reserved_tokens + len(x.incoming), x.worker_id))
-        return balancer.observe(now, balancer.prefill_pressure(request, prefill),
-                                balancer.decode_pressure(request, decode),
-                                {"prefill": [x.worker_id for x in prefill], "decode": [x.worker_id for x in decode]})
-
-    def lent_worker_for(self, balancer: PoolBalancer, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                        matched_blocks: Mapping[str, int], prefill_workers: Sequence[str],
-                        decode_workers: Sequence[str], now: float) -> str | None:
-        """The lent worker to serve this call whole, or None for the disaggregated pair. The pair is priced on
-        its best prefill and decode workers (the pair chooser's own pick may differ, never by much)."""
-        lent = [w for w in sorted(balancer.lent) if w in prefill_workers or w in decode_workers]
-        if not lent or not prefill_workers or not decode_workers:
-            return None
-
-        def priced(prefill_worker: str, decode_worker: str) -> tuple[Placement, AdmissionRequest, PrefillLoad,
-                                                                      DecodeLoad]:
-            request = self._request(request_id, num_prompt_tokens, max_tokens, matched_blocks, prefill_worker)
-            return (Placement(prefill_worker, decode_worker), request, self.prefill_load(prefill_worker),
-                    self.decode_load(decode_worker))
-
-        best_prefill = min(prefill_workers, key=lambda w: (balancer.admission.predict_ttft_s(
-            self._request(request_id, num_prompt_tokens, max_tokens, matched_blocks, w), self.prefill_load(w)), w))
-        request = AdmissionRequest(request_id, num_prompt_tokens, max_tokens)
-        best_decode = min(decode_workers, key=lambda w: (balancer.admission.check_decode(
-            request, self.decode_load(w), now).decode_load, w))
-        chosen = balancer.choose([priced(best_prefill, best_decode)] + [priced(w, w) for w in lent], now)
-        return chosen.prefill_worker if chosen.whole else None

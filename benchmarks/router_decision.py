@@ -6,6 +6,9 @@ commit also evicts. Prompt hashing happens beforehand (the router hashes each pr
 the decision). Half the requests continue an indexed conversation (exploit), half share only its
 system prompt (explore over all workers). `calibration_dict_get_64_us` times a trivial 64-step
 loop so figures from different (or busy) machines can be compared.
+The index maps block hash -> segment lazily (only KV events and `holders` need it), so routing
+leaves that per-block work to the next lookup; a live router pays it when the workers' KV events
+arrive. `p50/mean_deferred_block_map_us` time it after each decision, outside the decision figures.
 Usage: python benchmarks/router_decision.py [--workers 64 --index-blocks 100000 --decisions 3000]
 """
 
@@ -67,12 +70,16 @@ def bench(policy_name: str, num_workers: int, num_index_blocks: int, num_decisio
     policy = create_policy(policy_name, timed, random.Random(seed))
     samples_us: list[float] = []
     commit_us: list[float] = []
+    deferred_us: list[float] = []
     now = 1.0
     for request in requests:
         start = time.perf_counter_ns()
         policy.choose(request, workers, now)
         samples_us.append((time.perf_counter_ns() - start) / 1000.0)
         commit_us.append(timed.last_commit_ns / 1000.0)
+        start = time.perf_counter_ns()
+        state.index.holders(request.block_hashes[-1])  # a lookup by block hash maps what routing queued
+        deferred_us.append((time.perf_counter_ns() - start) / 1000.0)
         now += 0.01
     skip = len(samples_us) // 10  # warm-up
     decide_us = sorted(total - commit for total, commit in zip(samples_us[skip:], commit_us[skip:]))
@@ -82,6 +89,8 @@ def bench(policy_name: str, num_workers: int, num_index_blocks: int, num_decisio
         "p99_us": round(samples_us[int(0.99 * (len(samples_us) - 1))], 2),
         "p50_commit_us": round(statistics.median(commit_us[skip:]), 2),
         "p50_without_commit_us": round(statistics.median(decide_us), 2),
+        "p50_deferred_block_map_us": round(statistics.median(deferred_us[skip:]), 2),
+        "mean_deferred_block_map_us": round(statistics.mean(deferred_us[skip:]), 2),
         "index_blocks": state.index.num_blocks,
     }
 
@@ -91,9 +100,17 @@ class _TimedCommitState(RouterState):
 
     last_commit_ns = 0
 
-    def commit(self, request: RouteRequest, worker: str, num_matched_blocks: int, now: float, group: int | None = None) -> None:
+    def commit(
+        self,
+        request: RouteRequest,
+        worker: str,
+        num_matched_blocks: int,
+        now: float,
+        group: int | None = None,
+        prefill_s: float | None = None,
+    ) -> None:
         start = time.perf_counter_ns()
-        RouterState.commit(self, request, worker, num_matched_blocks, now, group)
+        RouterState.commit(self, request, worker, num_matched_blocks, now, group, prefill_s)
         self.last_commit_ns = time.perf_counter_ns() - start
 
 

@@ -2,8 +2,11 @@
 
 - `PrebleE2Policy._least_cost` (one pass over dict reads, inlined eviction-price cache) against the
   per-worker reference formula, in lockstep on random clusters: same worker, costs, reasons.
-- `LoadTracker`'s flat per-worker mirrors (`cost_lookups`) stay equal to `window_load_s`/`free_blocks`.
-- `GlobalPrefixIndex._insert` finds an orphan root inside a new run (it probes `_roots` only).
+- `LoadTracker`'s flat per-worker mirror (`cost_lookup`) stays equal to `window_load_s`/`free_blocks`.
+- `GlobalPrefixIndex._insert` finds an orphan root inside a new run (it probes KV-event roots only).
+- `on_routed` right after `match` of the same tuple resumes match's walk: same index as a fresh walk.
+- The lazily built block map answers lookups by block hash exactly and drops its stale entries.
+- `LoadTracker.move_group` reads the group's own entries, oldest first, and keeps window order.
 """
 
 from __future__ import annotations
@@ -128,10 +131,9 @@ def test_load_tracker_mirrors_match_its_reads(operations: list[tuple[str, str, i
         else:
             load.remove_worker(worker)
         load.check_invariants()
-        window_load_s, free_blocks = load.cost_lookups()
+        cost_lookup = load.cost_lookup()
         for w in ("w0", "w1", "w2", "unknown"):
-            assert window_load_s(w, 0.0) == load.window_load_s(w)
-            assert free_blocks(w) == load.free_blocks(w)
+            assert cost_lookup(w, (0.0, None)) == (load.window_load_s(w), load.free_blocks(w))
 
 
 def test_routing_a_new_run_stops_at_an_orphan_root_inside_it_and_adopts_it() -> None:
@@ -143,3 +145,84 @@ def test_routing_a_new_run_stops_at_an_orphan_root_inside_it_and_adopts_it() -> 
     assert index.match(a) == {"w0": 6, "w1": 5}
     assert index.holders(a[0]) == {"w0", "w1"}  # w1 holds the adopted root's ancestors too
     index.check_invariants()
+
+
+def _index_view(index: GlobalPrefixIndex, paths: list[list[int]], workers: list[str]) -> object:
+    """Everything observable about an index along the given paths: matches, holders, reuse, recency, size."""
+    return (
+        [index.match(p) for p in paths],
+        [(index.holders(h), index.num_routed(h)) for p in paths for h in p],
+        [(index.coldest(w, 1000), index.num_worker_blocks(w)) for w in workers],
+        index.num_blocks,
+        index.num_evicted_blocks,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(("w0", "w1", "w2")), st.lists(st.integers(0, 3), min_size=1, max_size=6),
+                          st.booleans()), max_size=30),
+       st.integers(3, 30))
+def test_routing_after_match_resumes_its_walk_and_ends_where_a_fresh_walk_does(
+    routes: list[tuple[str, list[int], bool]], max_blocks: int
+) -> None:
+    """`on_routed(t)` right after `match(t)` (tuple t) starts from match's walk; the result must not differ."""
+    resumed, fresh = GlobalPrefixIndex(max_blocks=max_blocks), GlobalPrefixIndex(max_blocks=max_blocks)
+    paths = []
+    for i, (worker, blocks, stale) in enumerate(routes):
+        hashes = tuple(hash_block_tokens(KEY, [t for b in blocks for t in [b] * BS], BS))
+        paths.append(list(hashes))
+        assert resumed.match(hashes) == fresh.match(list(hashes))
+        if stale:  # the index changes between match and on_routed: the walk must not be reused
+            other = tuple(hash_block_tokens(KEY, [9 + i % 3] * BS, BS))
+            resumed.on_routed("w9", other)
+            fresh.on_routed("w9", list(other))
+        resumed.on_routed(worker, hashes)
+        fresh.on_routed(worker, list(hashes))
+        resumed.check_invariants()
+    fresh.check_invariants()
+    workers = ["w0", "w1", "w2", "w9"]
+    assert _index_view(resumed, paths, workers) == _index_view(fresh, paths, workers)
+
+
+def test_block_lookups_find_blocks_routing_added_split_and_evicted() -> None:
+    """Routing queues segments instead of mapping blocks; every lookup by block hash must still be exact."""
+    index = GlobalPrefixIndex(max_blocks=8)
+    a = hash_block_tokens(KEY, [t for b in (1, 2, 3, 4, 5) for t in [b] * BS], BS)
+    index.on_routed("w0", a)  # one segment of 5 blocks, queued, not mapped
+    assert index.holders(a[3]) == {"w0"}
+    index.on_routed("w1", a[:2])  # split after block 2: the tail's blocks move to a new segment
+    assert index.holders(a[1]) == {"w0", "w1"} and index.holders(a[3]) == {"w0"}
+    # A KV event names a block inside the routed run as its parent: found through the lazy map.
+    b = hash_block_tokens(KEY, [t for b in (1, 2, 3, 7) for t in [b] * BS], BS)
+    assert index.on_kv_events("w2", [KVEvent(1, KVEventKind.STORED, (b[3],), b[2], BS)])
+    assert index.match(b) == {"w0": 3, "w1": 2, "w2": 4}
+    assert index.on_kv_events("w0", [KVEvent(1, KVEventKind.EVICTED, (a[4], a[3]), None, BS)])
+    assert index.holders(a[4]) == frozenset() and index.match(a) == {"w0": 3, "w1": 2, "w2": 3}
+    index.on_routed("w1", hash_block_tokens(KEY, [t for b in (6, 6, 6, 6, 6) for t in [b] * BS], BS))  # evicts
+    assert index.num_blocks <= 8
+    index.check_invariants()
+
+
+def test_block_map_drops_stale_entries_once_they_dominate() -> None:
+    index = GlobalPrefixIndex(max_blocks=64)
+    rng = random.Random(0)
+    for i in range(600):  # 9,600 blocks pass through a 64-block index: without compaction the map would keep them
+        hashes = hash_block_tokens(KEY, [rng.randrange(1000) for _ in range(16 * BS)], BS)
+        index.on_routed(f"w{i % 3}", hashes)
+        assert index.holders(hashes[0]) == {f"w{i % 3}"}  # maps the queue, evicted blocks stay behind
+    index.check_invariants()
+    assert len(index._blocks._mapped) <= 2 * index.num_blocks + 4096
+
+
+def test_moving_a_group_moves_its_oldest_entries_and_keeps_window_order() -> None:
+    load = LoadTracker(window_s=10.0)
+    for i, (worker, group, work_s) in enumerate([("a", 1, 1.0), ("b", 1, 2.0), ("a", 2, 4.0), ("a", 1, 8.0),
+                                                 ("b", 1, 16.0), ("a", 1, 32.0)]):
+        load.on_assigned(worker, f"r{i}", float(i), 0, 0, work_s, group)
+    assert load.move_group(1, "a", "b", fraction=0.2) == 9.0  # 1 + 8 reach 20% of 41, oldest first
+    assert load.group_loads_s("a") == {1: 32.0, 2: 4.0} and load.group_loads_s("b") == {1: 27.0}
+    load.check_invariants()  # b's entries of group 1 are in window order: 1, 2, 8, 16
+    load.prune(11.5)  # drops the entries assigned at 0 and 1
+    assert load.group_loads_s("b") == {1: 24.0} and load.window_load_s("a") == 36.0
+    assert load.move_group(1, "b", "a") == 24.0 and load.group_loads_s("b") == {}
+    load.check_invariants()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from heapq import merge
+from operator import attrgetter
 from dataclasses import dataclass
 
 from kvbaton.core.errors import InvalidRequestError
@@ -34,9 +36,10 @@ class WorkerStats:
 
 
 class _Entry:
-    __slots__ = ("at", "worker", "group", "work_s")
+    __slots__ = ("seq", "at", "worker", "group", "work_s")
 
-    def __init__(self, at: float, worker: WorkerId, group: int | None, work_s: float) -> None:
+    def __init__(self, seq: int, at: float, worker: WorkerId, group: int | None, work_s: float) -> None:
+        self.seq = seq  # assignment order: the window's order
         self.at = at
         self.worker = worker  # rewritten when rebalancing moves the group
         self.group = group
@@ -44,7 +47,9 @@ class _Entry:
 
 
 class _WorkerLoad:
-    __slots__ = ("stats", "pending", "pending_prefill_tokens", "pending_blocks", "work_s", "num_entries", "groups")
+    __slots__ = (
+        "stats", "pending", "pending_prefill_tokens", "pending_blocks", "work_s", "num_entries", "groups", "group_window"
+    )
 
     def __init__(self) -> None:
         self.stats: WorkerStats | None = None
@@ -54,6 +59,12 @@ class _WorkerLoad:
         self.work_s = 0.0  # window sum
         self.num_entries = 0  # window entries; the sum is reset to exactly 0 when this reaches 0
         self.groups: dict[int, list[float]] = {}  # group -> [window work_s, num entries]
+        # group -> this worker's window entries of it, in window order (same keys as `groups`), so
+        # moving a group reads its entries, not the whole window.
+        self.group_window: dict[int, deque[_Entry]] = {}
+
+
+_BY_SEQ = attrgetter("seq")
 
 
 class LoadTracker:
@@ -65,19 +76,24 @@ class LoadTracker:
         self.pending_grace_s = pending_grace_s
         self._workers: dict[WorkerId, _WorkerLoad] = {}
         self._window: deque[_Entry] = deque()  # in assignment order, so oldest first
+        self._num_assigned = 0  # next entry's seq
         self._group_entries: dict[int, int] = {}  # window entries per group, over all workers
         self._requests: dict[str, tuple[WorkerId, int | None]] = {}  # outstanding request -> (worker, group)
-        # Flat mirrors of each worker's `work_s` and free blocks (stats free - pending), kept in step with
-        # `_workers`, so a cost-based hot loop reads them with one dict lookup each (`cost_lookups`).
-        self._window_s_by_worker: dict[WorkerId, float] = {}
-        self._free_by_worker: dict[WorkerId, int] = {}  # workers with a heartbeat only
+        # Flat mirror of each worker's (`work_s`, free blocks = stats free - pending, None before a
+        # heartbeat), kept in step with `_workers`, so a cost-based hot loop reads both with one
+        # dict lookup (`cost_lookup`).
+        self._costs: dict[WorkerId, tuple[float, int | None]] = {}
 
     def _worker(self, worker: WorkerId) -> _WorkerLoad:
         load = self._workers.get(worker)
         if load is None:
             load = self._workers[worker] = _WorkerLoad()
-            self._window_s_by_worker[worker] = 0.0
+            self._costs[worker] = (0.0, None)
         return load
+
+    def _mirror(self, worker: WorkerId, load: _WorkerLoad) -> None:
+        stats = load.stats
+        self._costs[worker] = (load.work_s, None if stats is None else stats.num_kv_blocks_free - load.pending_blocks)
 
     # ---- inputs --------------------------------------------------------------------------------
     def on_stats(self, stats: WorkerStats, now: float) -> None:
@@ -88,7 +104,7 @@ class LoadTracker:
             _, tokens, blocks = load.pending.popleft()
             load.pending_prefill_tokens -= tokens
             load.pending_blocks -= blocks
-        self._free_by_worker[stats.worker_id] = stats.num_kv_blocks_free - load.pending_blocks
+        self._mirror(stats.worker_id, load)
 
     def on_assigned(
         self,
@@ -105,13 +121,18 @@ class LoadTracker:
         load.pending.append((now, num_prefill_tokens, num_blocks))
         load.pending_prefill_tokens += num_prefill_tokens
         load.pending_blocks += num_blocks
-        if load.stats is not None:
-            self._free_by_worker[worker] = load.stats.num_kv_blocks_free - load.pending_blocks
-        self._window.append(_Entry(now, worker, group, work_s))
+        entry = _Entry(self._num_assigned, now, worker, group, work_s)
+        self._num_assigned += 1
+        self._window.append(entry)
         self._add(load, group, work_s, 1)
-        self._window_s_by_worker[worker] = load.work_s
+        self._mirror(worker, load)
         if group is not None:
             self._group_entries[group] = self._group_entries.get(group, 0) + 1
+            group_window = load.group_window.get(group)
+            if group_window is None:
+                load.group_window[group] = deque((entry,))
+            else:
+                group_window.append(entry)
         self._requests[request_id] = (worker, group)
 
     def on_finished(self, request_id: str) -> tuple[WorkerId, int | None] | None:
@@ -150,13 +171,13 @@ class LoadTracker:
                 out.append((load.work_s, None if stats is None else stats.num_kv_blocks_free - load.pending_blocks))
         return out
 
-    def cost_lookups(self) -> tuple[Callable[[WorkerId, float], float], Callable[[WorkerId], int | None]]:
-        """(window_load_s(worker, default), free_blocks(worker)) as bound dict reads, for per-worker hot loops.
+    def cost_lookup(self) -> Callable[[WorkerId, tuple[float, None]], tuple[float, int | None]]:
+        """`lookup(worker, default)` -> (window_load_s, free_blocks) as one bound dict read, for per-worker hot loops.
 
-        Same values as `window_load_s` (default for an unknown worker) and `free_blocks` (None before
-        the first heartbeat); valid until the tracker's next update.
+        Same values as `window_load_s` and `free_blocks` (None before the first heartbeat); an
+        unknown worker gets `default`. Valid until the tracker's next update.
         """
-        return self._window_s_by_worker.get, self._free_by_worker.get
+        return self._costs.get
 
     def stats(self, worker: WorkerId) -> WorkerStats | None:
         load = self._workers.get(worker)
@@ -171,7 +192,12 @@ class LoadTracker:
             load = self._workers.get(entry.worker)
             if load is not None:
                 self._add(load, entry.group, -entry.work_s, -1)
-                self._window_s_by_worker[entry.worker] = load.work_s
+                self._mirror(entry.worker, load)
+                if entry.group is not None:
+                    group_window = load.group_window[entry.group]
+                    group_window.popleft()  # the oldest in the window is the oldest of its group there
+                    if not group_window:
+                        del load.group_window[entry.group]
             if entry.group is not None:
                 left = self._group_entries[entry.group] - 1
                 if left:
@@ -201,24 +227,30 @@ class LoadTracker:
         target = src_load.groups[group][0] * fraction
         dst_load = self._worker(dst)
         moved = 0.0
-        for entry in self._window:
-            if moved >= target - 1e-12:
-                break
-            if entry.group == group and entry.worker == src:
-                entry.worker = dst
-                self._add(src_load, group, -entry.work_s, -1)
-                self._add(dst_load, group, entry.work_s, 1)
-                moved += entry.work_s
-        self._window_s_by_worker[src] = src_load.work_s
-        self._window_s_by_worker[dst] = dst_load.work_s
+        src_window = src_load.group_window[group]
+        moved_entries: list[_Entry] = []
+        while src_window and moved < target - 1e-12:
+            entry = src_window.popleft()
+            entry.worker = dst
+            self._add(src_load, group, -entry.work_s, -1)
+            self._add(dst_load, group, entry.work_s, 1)
+            moved += entry.work_s
+            moved_entries.append(entry)
+        if not src_window:
+            del src_load.group_window[group]
+        if moved_entries:
+            dst_window = dst_load.group_window.get(group)
+            merged = moved_entries if dst_window is None else merge(dst_window, moved_entries, key=_BY_SEQ)
+            dst_load.group_window[group] = deque(merged)
+        self._mirror(src, src_load)
+        self._mirror(dst, dst_load)
         return moved
 
     def remove_worker(self, worker: WorkerId) -> None:
         """Forget a worker: its stats and its window entries (outstanding request ids stay until finished)."""
         if self._workers.pop(worker, None) is None:
             return
-        del self._window_s_by_worker[worker]
-        self._free_by_worker.pop(worker, None)
+        del self._costs[worker]
         kept: deque[_Entry] = deque()
         for entry in self._window:
             if entry.worker != worker:
@@ -246,16 +278,16 @@ class LoadTracker:
                 del load.groups[group]
 
     def check_invariants(self) -> None:
-        assert self._window_s_by_worker == {w: load.work_s for w, load in self._workers.items()}
-        assert self._free_by_worker == {w: load.stats.num_kv_blocks_free - load.pending_blocks
-                                        for w, load in self._workers.items() if load.stats is not None}
+        assert self._costs == {w: (self.window_load_s(w), self.free_blocks(w)) for w in self._workers}
         for worker, load in self._workers.items():
             entries = [e for e in self._window if e.worker == worker]
             assert load.num_entries == len(entries)
             assert abs(load.work_s - sum(e.work_s for e in entries)) <= 1e-6 * max(1.0, load.work_s)
             assert load.pending_prefill_tokens == sum(p[1] for p in load.pending)
             assert load.pending_blocks == sum(p[2] for p in load.pending)
+            assert load.group_window.keys() == load.groups.keys()
             for group, (work_s, count) in load.groups.items():
                 group_entries = [e for e in entries if e.group == group]
+                assert list(load.group_window[group]) == group_entries
                 assert count == len(group_entries) > 0
                 assert abs(work_s - sum(e.work_s for e in group_entries)) <= 1e-6 * max(1.0, work_s)

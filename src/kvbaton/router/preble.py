@@ -51,6 +51,8 @@ class PrebleConfig:
 
 
 _SWEEP_EVERY = 1024  # decisions between sweeps of stale per-group state
+_NO_RECORD = (0.0, None)  # (window load, free blocks) of a worker the load tracker has not seen
+_NEVER_PRICED = (-math.inf, 0.0)  # (mutation count, price) of a worker never priced: always stale
 
 
 class TtftTrend:
@@ -110,9 +112,8 @@ class PrebleE2Policy(BasePolicy):
         # Prefix group -> (workers its exploit traffic goes to, "rebalanced" | "replicated"). Dropped
         # once the group has no work left in the load window (Preble resets allocations then too).
         self._allocations: dict[int, tuple[frozenset[WorkerId], str]] = {}
-        # Per-worker eviction price (s per evicted block) and the index mutation count it was computed at.
-        self._eviction_price: dict[WorkerId, float] = {}
-        self._eviction_at: dict[WorkerId, int] = {}
+        # Per-worker (index mutation count, eviction price in s per evicted block computed then).
+        self._eviction_prices: dict[WorkerId, tuple[float, float]] = {}
         self._live_key: tuple[WorkerId, ...] = ()
         self._live: frozenset[WorkerId] = frozenset()
         self.num_decisions = 0
@@ -148,11 +149,11 @@ class PrebleE2Policy(BasePolicy):
                 candidates = [w for w, n in matched.items() if n >= min_blocks and w in live]
                 reason = "exploit"
         else:
-            candidates, reason = list(workers), "explore"
+            candidates, reason = workers, "explore"
 
         worker, costs = self._least_cost(request, candidates, matched)
         num_blocks = matched.get(worker, 0)
-        state.commit(request, worker, num_blocks, now, group)
+        state.commit(request, worker, num_blocks, now, group, prefill_s=costs.prefill_s)
         return RouteDecision(
             worker, state.matched_tokens(request, num_blocks), reason, state.load.load_tokens(worker), costs
         )
@@ -182,9 +183,9 @@ class PrebleE2Policy(BasePolicy):
         block_size = state.block_size
         cold_prefill_s = predict(num_prompt, 0)
         total_blocks = state.num_blocks_needed(request, 0)
-        window_load_s, free_blocks = state.load.cost_lookups()
+        cost_inputs = state.load.cost_lookup()
         matched_blocks = matched.get
-        priced_at, price_of = self._eviction_at.get, self._eviction_price
+        priced = self._eviction_prices.get
         # A cached eviction price computed after this mutation count is still fresh.
         stale_at = state.index.num_mutations - self.config.eviction_refresh_mutations
         prefill_by_blocks: dict[int, float] = {}  # many holders share a match length: predict once each
@@ -193,32 +194,34 @@ class PrebleE2Policy(BasePolicy):
         # Hot loop (all live workers when exploring): one pass, dict reads only, no per-worker calls
         # except a prediction per distinct match length and a refresh of a stale eviction price.
         for worker in candidates:
+            load_s, free = cost_inputs(worker, _NO_RECORD)
             num_blocks = matched_blocks(worker, 0)
             if num_blocks:
                 prefill_s = prefill_by_blocks.get(num_blocks)
                 if prefill_s is None:
                     cached = min(num_blocks * block_size, num_prompt)
                     prefill_s = prefill_by_blocks[num_blocks] = predict(num_prompt - cached, cached)
-                total = window_load_s(worker, 0.0) + prefill_s
+                total = load_s + prefill_s
             else:
-                total = window_load_s(worker, 0.0) + cold_prefill_s
-            free = free_blocks(worker)
+                total = load_s + cold_prefill_s
             if free is not None and total_blocks - num_blocks > free:
-                at = priced_at(worker)
-                price_s = price_of[worker] if at is not None and at > stale_at else self._eviction_s_per_block(worker)
+                at, price_s = priced(worker, _NEVER_PRICED)
+                if at <= stale_at:
+                    price_s = self._eviction_s_per_block(worker)
                 total += (total_blocks - num_blocks - free) * price_s
-            if total < low:
-                tolerance = 1e-9 * (total if total > 1.0 else 1.0)
-                low, high, tied = total - tolerance, total + tolerance, [worker]
-            elif total <= high:
-                tied.append(worker)
+            if total <= high:  # low < high: most totals fail this one test
+                if total < low:
+                    tolerance = 1e-9 * (total if total > 1.0 else 1.0)
+                    low, high, tied = total - tolerance, total + tolerance, [worker]
+                else:
+                    tied.append(worker)
         worker = self._break_tie(tied)
-        load_s, free = state.load.cost_inputs([worker])[0]
-        num_blocks = matched.get(worker, 0)
-        cached = min(num_blocks * block_size, num_prompt)
+        num_blocks = matched_blocks(worker, 0)
+        load_s, free = cost_inputs(worker, _NO_RECORD)
         deficit = 0 if free is None else total_blocks - num_blocks - free
         eviction_s = deficit * self._eviction_s_per_block(worker) if deficit > 0 else 0.0
-        return worker, CostTerms(load_s, eviction_s, predict(num_prompt - cached, cached))
+        prefill_s = prefill_by_blocks[num_blocks] if num_blocks else cold_prefill_s
+        return worker, CostTerms(load_s, eviction_s, prefill_s)
 
     def _eviction_s_per_block(self, worker: WorkerId) -> float:
         """M_i per evicted block: expected recompute of the worker's coldest cached blocks.
@@ -228,9 +231,9 @@ class PrebleE2Policy(BasePolicy):
         and refreshed after `eviction_refresh_mutations` index changes: an estimate, not a ledger.
         """
         index = self.state.index
-        at = self._eviction_at.get(worker)
-        if at is not None and index.num_mutations - at < self.config.eviction_refresh_mutations:
-            return self._eviction_price[worker]
+        at, price_s = self._eviction_prices.get(worker, _NEVER_PRICED)
+        if index.num_mutations - at < self.config.eviction_refresh_mutations:
+            return price_s
         victims = index.coldest(worker, self.config.max_sampled_victims)
         num_sampled = sum(num_blocks for num_blocks, _ in victims)
         per_block_s = 0.0
@@ -238,8 +241,7 @@ class PrebleE2Policy(BasePolicy):
             block_s = self.state.prefill_model.marginal_s(self.state.block_size, 0)
             reuses = sum(num_blocks * max(0, num_routed - 1) for num_blocks, num_routed in victims)
             per_block_s = block_s * reuses / num_sampled
-        self._eviction_at[worker] = index.num_mutations
-        self._eviction_price[worker] = per_block_s
+        self._eviction_prices[worker] = (index.num_mutations, per_block_s)
         return per_block_s
 
     def _allocation(
@@ -276,8 +278,7 @@ class PrebleE2Policy(BasePolicy):
     def on_worker_removed(self, worker_id: WorkerId) -> None:
         super().on_worker_removed(worker_id)
         self.ttft.forget_worker(worker_id)
-        self._eviction_price.pop(worker_id, None)
-        self._eviction_at.pop(worker_id, None)
+        self._eviction_prices.pop(worker_id, None)
         for group, (allowed, reason) in list(self._allocations.items()):
             if worker_id in allowed:
                 rest = allowed - {worker_id}
@@ -294,8 +295,8 @@ class PrebleE2Policy(BasePolicy):
         and the next heaviest is paired with whichever worker is lightest now, while the pair is
         still >= `rebalance_ratio` apart.
         """
-        load = self.state.load
-        loads = sorted((load.window_load_s(w), w) for w in workers)
+        cost_inputs = self.state.load.cost_lookup()  # (window load, free): the same L as `window_load_s`
+        loads = sorted((cost_inputs(w, _NO_RECORD)[0], w) for w in workers)
         changed = False
         while len(loads) >= 2:
             light_s, light = loads[0]

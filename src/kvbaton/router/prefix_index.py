@@ -6,13 +6,15 @@ O(segments on the path), not O(blocks). Invariants (checked by `check_invariants
 - every segment is held by at least one worker (an emptied segment is deleted with its subtree);
 - a child's holders are a subset of its parent's. This mirrors the workers' radix caches, which
   only evict leaves, and it lets `match` read every worker's matched depth off one walk;
-- every indexed block maps to exactly one segment; at most `max_blocks` blocks are indexed, past
+- every indexed block is in exactly one segment; at most `max_blocks` blocks are indexed, past
   that the least recently routed subtrees go (recency is an insertion-ordered dict touched
   deepest-first, so ancestors stay more recent than descendants; no clocks).
 - blocks a KV event stores under a parent block not indexed start a root segment (an orphan),
   remembered by parent hash; no orphan's parent is indexed: the segment that indexes it (routed
   or stored, whatever walks there next) ends at it and takes its orphans as children.
-Block hashes along one path are distinct (they are chained).
+Block hashes along one path are distinct (they are chained), so routing walks by segment heads only;
+looking a block up by hash (KV events, `holders`) goes through `LazyBlockMap`, which the routing
+path feeds whole segments, not blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.router.base import WorkerId
+from kvbaton.router.block_map import LazyBlockMap
 
 
 class _Segment:
@@ -42,22 +45,29 @@ class GlobalPrefixIndex:
             raise InvalidRequestError(f"max_blocks must be positive, got {max_blocks}")
         self.max_blocks = max_blocks
         self._roots: dict[int, _Segment] = {}  # segments whose first block has no known parent
+        # Heads of the roots a KV event created. Only these can recur inside another chain: a root
+        # that routing created starts at a prompt's first block, which no other block hash equals.
+        self._event_roots: set[int] = set()
         # Roots created by a KV event under a parent block not indexed then, keyed both ways: parent
         # hash -> first hashes of the roots waiting on it, and root's first hash -> its parent hash.
         # Invariant: no waiting parent is indexed; the moment one is, its orphans are attached under it.
         self._orphans: dict[int, dict[int, None]] = {}
         self._orphan_parent: dict[int, int] = {}
-        self._where: dict[int, _Segment] = {}  # block hash -> its segment
-        self._lru: OrderedDict[int, None] = OrderedDict()  # segments by first hash, least recent first
+        self._num_blocks = 0
+        self._lru: OrderedDict[int, _Segment] = OrderedDict()  # every segment by first hash, least recent first
+        self._blocks: LazyBlockMap[_Segment] = LazyBlockMap(self._is_live)  # block hash -> segment
         self._worker_lru: dict[WorkerId, OrderedDict[int, None]] = {}  # per worker, segments it holds
         self._last_seq: dict[WorkerId, int] = {}  # last KV event seq applied per worker
         self._num_mutations = 0  # bumped by every change; lets callers cache derived estimates
+        # The last `match` of a tuple: (that tuple, num_mutations then, it as a list, segments matched
+        # whole). Valid while the index is unchanged; `on_routed` of the same tuple starts from there.
+        self._last_walk: tuple[tuple[int, ...], int, list[int], list[_Segment]] | None = None
         self.num_evicted_blocks = 0  # blocks dropped to respect max_blocks
 
     # ---- reads -------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return len(self._where)
+        return self._num_blocks
 
     @property
     def workers(self) -> list[WorkerId]:
@@ -70,14 +80,14 @@ class GlobalPrefixIndex:
 
     def num_worker_blocks(self, worker: WorkerId) -> int:
         lru = self._worker_lru.get(worker, {})
-        return sum(len(self._where[h].hashes) for h in lru)
+        return sum(len(self._lru[h].hashes) for h in lru)
 
     def holders(self, block_hash: int) -> frozenset[WorkerId]:
-        segment = self._where.get(block_hash)
+        segment = self._segment_of(block_hash)
         return frozenset(segment.workers) if segment is not None else frozenset()
 
     def num_routed(self, block_hash: int) -> int:
-        segment = self._where.get(block_hash)
+        segment = self._segment_of(block_hash)
         return segment.num_routed if segment is not None else 0
 
     def match(self, block_hashes: Sequence[int]) -> dict[WorkerId, int]:
@@ -85,12 +95,14 @@ class GlobalPrefixIndex:
         matched: dict[WorkerId, int] = {}
         if not block_hashes:
             return matched
+        request_hashes = block_hashes
         if not isinstance(block_hashes, list):
             block_hashes = list(block_hashes)  # slices must be lists to compare equal to a segment's run
         segment = self._roots.get(block_hashes[0])
         holders: set[WorkerId] | None = None
         depth = 0
         total = len(block_hashes)
+        walked: list[_Segment] = []  # the segments matched whole, from the root
         while segment is not None:
             run = segment.hashes
             end = depth + len(run)
@@ -108,12 +120,16 @@ class GlobalPrefixIndex:
                     if worker not in workers:
                         matched[worker] = depth
             holders, depth = workers, matched_end
-            if matched_end != end or end >= total:
+            if matched_end != end:
+                break
+            walked.append(segment)
+            if end >= total:
                 break
             segment = segment.children.get(block_hashes[end])
         if holders is not None:
-            for worker in holders:
-                matched[worker] = depth
+            matched.update(dict.fromkeys(holders, depth))  # none of them is in yet (they held every segment)
+        if type(request_hashes) is tuple:  # immutable: `on_routed` may resume this walk (see there)
+            self._last_walk = (request_hashes, self._num_mutations, block_hashes, walked)
         return matched
 
     def coldest(self, worker: WorkerId, max_num_blocks: int) -> list[tuple[int, int]]:
@@ -123,7 +139,7 @@ class GlobalPrefixIndex:
         for first_hash in self._worker_lru.get(worker, ()):
             if budget <= 0:
                 break
-            segment = self._where[first_hash]
+            segment = self._lru[first_hash]
             num_blocks = min(budget, len(segment.hashes))
             out.append((num_blocks, segment.num_routed))
             budget -= num_blocks
@@ -133,8 +149,12 @@ class GlobalPrefixIndex:
     def on_routed(self, worker: WorkerId, block_hashes: Sequence[int]) -> None:
         """The worker was chosen for a prompt with these blocks: it will hold all of them."""
         if block_hashes:
+            walk, self._last_walk = self._last_walk, None
+            if walk is not None and walk[0] is block_hashes and walk[1] == self._num_mutations:
+                path = self._insert(worker, None, walk[2], count_routed=True, walked=walk[3])  # one walk, not two
+            else:
+                path = self._insert(worker, None, block_hashes, count_routed=True)
             self._num_mutations += 1
-            path = self._insert(worker, None, block_hashes, count_routed=True)
             self._touch(worker, path)
             self._enforce_bound()
 
@@ -181,6 +201,12 @@ class GlobalPrefixIndex:
         self._last_seq.pop(worker, None)
 
     # ---- internals -----------------------------------------------------------------------------
+    def _is_live(self, segment: _Segment) -> bool:
+        return self._lru.get(segment.hashes[0]) is segment
+
+    def _segment_of(self, block_hash: int) -> _Segment | None:
+        return self._blocks.get(block_hash, self._num_blocks, self._lru.values)
+
     def _apply(self, worker: WorkerId, event: KVEvent) -> None:
         self._num_mutations += 1
         if event.kind is KVEventKind.CLEARED:
@@ -199,15 +225,33 @@ class GlobalPrefixIndex:
             self._enforce_bound()
 
     def _insert(
-        self, worker: WorkerId, start: _Segment | None, block_hashes: Sequence[int], count_routed: bool
+        self,
+        worker: WorkerId,
+        start: _Segment | None,
+        block_hashes: Sequence[int],
+        count_routed: bool,
+        walked: list[_Segment] | None = None,
     ) -> list[_Segment]:
-        """Add `worker` along block_hashes below `start` (None: from the roots); returns the segments on the path."""
+        """Add `worker` along block_hashes below `start` (None: from the roots); returns the segments on the path.
+
+        `walked`: the leading segments already known to match block_hashes whole (from `match`,
+        index unchanged since), taken without comparing again.
+        """
         if not isinstance(block_hashes, list):
             block_hashes = list(block_hashes)  # slices must be lists to compare equal to a segment's run
         worker_lru = self._worker_lru.setdefault(worker, OrderedDict())
         path: list[_Segment] = []
         parent = start
         depth = 0
+        for segment in walked or ():
+            if worker not in segment.workers:
+                segment.workers.add(worker)
+                worker_lru[segment.hashes[0]] = None
+            if count_routed:
+                segment.num_routed += 1
+            path.append(segment)
+            parent = segment
+            depth += len(segment.hashes)
         total = len(block_hashes)
         while depth < total:
             head = block_hashes[depth]
@@ -215,24 +259,28 @@ class GlobalPrefixIndex:
             if segment is None and parent is not None and head in self._roots:
                 segment = self._adopt(parent, self._roots[head])  # a root whose parent no event named
             if segment is None:
-                if head in self._where:
-                    break  # a block already indexed elsewhere: never fork a chain's hash
+                if not count_routed and self._segment_of(head) is not None:
+                    break  # a worker reported a block indexed elsewhere: never fork a chain's hash
                 # Only a root's head can be indexed further on: hashes are chained, so an indexed block
                 # has the same predecessor in the tree as here, and every indexed block but a root's head
                 # has an indexed predecessor. Such a root is an orphan waiting on the block before it
                 # (unless an event left its parent unnamed), so the run ends at the first block orphans
                 # wait on, they are attached beneath it and the next round walks into them; and it stops
-                # before any root's head in any case. Scanned in C; `_roots` is small and stays in cache,
-                # `_orphans` is empty in a routing-only index.
-                rest = block_hashes[depth + 1 :]
-                known = next(filter(self._roots.__contains__, rest), None)
-                end = total if known is None else depth + 1 + rest.index(known)
+                # before any root's head (one a KV event created: see `_event_roots`) in any case.
+                # Scanned in C; both sets are empty in a routing-only index.
+                known = None
+                if self._event_roots:
+                    rest = block_hashes[depth + 1 :]
+                    known = next(filter(self._event_roots.__contains__, rest), None)
+                end = total if known is None else block_hashes.index(known, depth + 1)
                 waited = None
                 if self._orphans:
                     waited = next(filter(self._orphans.__contains__, block_hashes[depth:end]), None)
                     if waited is not None:
                         end = block_hashes.index(waited, depth) + 1
                 segment = self._create(block_hashes[depth:end], parent, worker)
+                if parent is None and not count_routed:
+                    self._event_roots.add(segment.hashes[0])
                 if waited is not None:
                     for orphan_head in list(self._orphans[waited]):
                         self._adopt(segment, self._roots[orphan_head])
@@ -260,8 +308,9 @@ class GlobalPrefixIndex:
     def _create(self, hashes: list[int], parent: _Segment | None, worker: WorkerId) -> _Segment:
         segment = _Segment(hashes, parent, set(), 0)
         (parent.children if parent is not None else self._roots)[hashes[0]] = segment
-        self._where.update(dict.fromkeys(hashes, segment))
-        self._lru[hashes[0]] = None
+        self._num_blocks += len(hashes)
+        self._lru[hashes[0]] = segment
+        self._blocks.add(segment)
         return segment
 
     def _split(self, segment: _Segment, offset: int) -> _Segment:
@@ -273,9 +322,9 @@ class GlobalPrefixIndex:
         for child in tail.children.values():
             child.parent = tail
         segment.children = {tail_hashes[0]: tail}
-        self._where.update(dict.fromkeys(tail_hashes, tail))
         key = tail_hashes[0]
-        self._lru[key] = None
+        self._lru[key] = tail
+        self._blocks.add(tail)  # its blocks' entries still name `segment`
         self._lru.move_to_end(segment.hashes[0])  # keep the ancestor more recent than its tail
         for worker in tail.workers:
             worker_lru = self._worker_lru[worker]
@@ -286,6 +335,7 @@ class GlobalPrefixIndex:
     def _adopt(self, parent: _Segment, orphan: _Segment) -> _Segment:
         """Attach a root segment under its now-known parent block; its holders hold the parent too."""
         del self._roots[orphan.hashes[0]]
+        self._event_roots.discard(orphan.hashes[0])
         self._unregister_orphan(orphan.hashes[0])
         orphan.parent = parent
         parent.children[orphan.hashes[0]] = orphan
@@ -308,7 +358,7 @@ class GlobalPrefixIndex:
                 del self._orphans[parent_hash]
 
     def _segment_ending_at(self, block_hash: int) -> _Segment | None:
-        segment = self._where.get(block_hash)
+        segment = self._segment_of(block_hash)
         if segment is None:
             return None
         offset = segment.hashes.index(block_hash)
@@ -332,15 +382,13 @@ class GlobalPrefixIndex:
             worker_lru.move_to_end(key)
 
     def _evict_from(self, worker: WorkerId, block_hash: int) -> None:
-        segment = self._where.get(block_hash)
+        segment = self._segment_of(block_hash)
         if segment is None or worker not in segment.workers:
             return
         offset = segment.hashes.index(block_hash)
         if offset and not segment.children and len(segment.workers) == 1:
-            trimmed = segment.hashes[offset:]  # sole holder of a leaf: cut its tail in place, no split
+            self._num_blocks -= len(segment.hashes) - offset  # sole holder of a leaf: cut its tail in place
             del segment.hashes[offset:]
-            for _ in map(self._where.pop, trimmed):
-                pass
             return
         if offset:
             segment = self._split(segment, offset)
@@ -359,12 +407,12 @@ class GlobalPrefixIndex:
         worker_lru = self._worker_lru.get(worker)
         if not worker_lru:
             return
-        segments = [self._where[h] for h in worker_lru]
+        segments = [self._lru[h] for h in worker_lru]
         worker_lru.clear()
         for segment in segments:
             segment.workers.discard(worker)
         for segment in segments:
-            if not segment.workers and self._where.get(segment.hashes[0]) is segment:
+            if not segment.workers and self._is_live(segment):
                 self._delete_subtree(segment)
 
     def _delete_subtree(self, segment: _Segment) -> None:
@@ -372,49 +420,49 @@ class GlobalPrefixIndex:
             del segment.parent.children[segment.hashes[0]]
         else:
             del self._roots[segment.hashes[0]]
+            self._event_roots.discard(segment.hashes[0])
             self._unregister_orphan(segment.hashes[0])  # descendants are never roots
         stack = [segment]
         while stack:
             current = stack.pop()
             key = current.hashes[0]
-            for _ in map(self._where.pop, current.hashes):  # drain the C-level map
-                pass
+            self._num_blocks -= len(current.hashes)
+            self._blocks.discard(current)
             del self._lru[key]
             for worker in current.workers:
                 self._worker_lru[worker].pop(key, None)
             stack.extend(current.children.values())
 
     def _enforce_bound(self) -> None:
-        while len(self._where) > self.max_blocks:
-            coldest = self._where[next(iter(self._lru))]
-            overflow = len(self._where) - self.max_blocks
+        while self._num_blocks > self.max_blocks:
+            coldest = next(iter(self._lru.values()))
+            overflow = self._num_blocks - self.max_blocks
             if not coldest.children and len(coldest.hashes) > overflow:
-                trimmed = coldest.hashes[-overflow:]  # the leaf's deepest blocks only
-                del coldest.hashes[-overflow:]
-                for _ in map(self._where.pop, trimmed):
-                    pass
+                del coldest.hashes[-overflow:]  # the leaf's deepest blocks only
+                self._num_blocks -= overflow
                 self.num_evicted_blocks += overflow
                 return
-            before = len(self._where)
+            before = self._num_blocks
             self._delete_subtree(coldest)
-            self.num_evicted_blocks += before - len(self._where)
+            self.num_evicted_blocks += before - self._num_blocks
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the index's structure is inconsistent."""
-        assert len(self._where) <= self.max_blocks
+        assert self._num_blocks <= self.max_blocks
         seen: set[int] = set()
         held: dict[WorkerId, set[int]] = {w: set() for w in self._worker_lru}
         stack = list(self._roots.values())
         for segment in stack:
             assert segment.parent is None
+        live: list[_Segment] = []
         while stack:
             segment = stack.pop()
+            live.append(segment)
             key = segment.hashes[0]
             assert segment.hashes and segment.workers, f"segment {key} is empty or has no holder"
             for block_hash in segment.hashes:
                 assert block_hash not in seen, f"block {block_hash} indexed twice"
                 seen.add(block_hash)
-                assert self._where.get(block_hash) is segment
             for worker in segment.workers:
                 assert worker in held, f"holder {worker} of {key} is not tracked"
                 held[worker].add(key)
@@ -422,13 +470,15 @@ class GlobalPrefixIndex:
                 assert child.hashes[0] == first and child.parent is segment
                 assert child.workers <= segment.workers, f"segment {first} holders not a subset of its parent's"
                 stack.append(child)
-        assert seen == set(self._where), "unreachable blocks indexed"
-        assert set(self._lru) == {h for h in seen if self._where[h].hashes[0] == h}
+        assert len(seen) == self._num_blocks, "block count differs from the tree"
+        assert {h: id(s) for h, s in self._lru.items()} == {s.hashes[0]: id(s) for s in live}, "lru != tree segments"
+        self._blocks.check_invariants(live)
         for worker, lru in self._worker_lru.items():
             assert set(lru) == held[worker], f"worker {worker} segment list differs from the tree"
+        assert self._event_roots <= self._roots.keys(), "an event root is not a root"
         for head, parent_hash in self._orphan_parent.items():
             assert head in self._roots, f"orphan {head} is not a root"
-            assert parent_hash not in self._where, f"orphan {head} was not attached under its indexed parent"
+            assert parent_hash not in seen, f"orphan {head} was not attached under its indexed parent"
             assert head in self._orphans.get(parent_hash, {}), f"orphan {head} missing under {parent_hash}"
         assert sum(map(len, self._orphans.values())) == len(self._orphan_parent), "orphan maps disagree"
         assert all(self._orphans.values()), "empty orphan list kept"

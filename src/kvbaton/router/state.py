@@ -30,16 +30,30 @@ class RouterState:
         total_tokens = request.num_prompt_tokens + request.num_output_tokens
         return max(0, -(-total_tokens // self.block_size) - num_matched_blocks)
 
-    def predicted_work_s(self, request: RouteRequest, num_matched_blocks: int) -> float:
-        """Prefill of the uncached tokens plus the decode work, in predicted seconds."""
-        cached = self.matched_tokens(request, num_matched_blocks)
-        prefill_s = self.prefill_model.predict(request.num_prompt_tokens - cached, cached)
+    def predicted_work_s(self, request: RouteRequest, num_matched_blocks: int, prefill_s: float | None = None) -> float:
+        """Prefill of the uncached tokens plus the decode work, in predicted seconds.
+
+        `prefill_s`, when the caller already predicted the prefill for this match, must equal
+        that prediction; it only saves predicting it again.
+        """
+        if prefill_s is None:
+            cached = self.matched_tokens(request, num_matched_blocks)
+            prefill_s = self.prefill_model.predict(request.num_prompt_tokens - cached, cached)
         return prefill_s + request.num_output_tokens * self.decode_s_per_token
 
     def commit(
-        self, request: RouteRequest, worker: WorkerId, num_matched_blocks: int, now: float, group: int | None = None
+        self,
+        request: RouteRequest,
+        worker: WorkerId,
+        num_matched_blocks: int,
+        now: float,
+        group: int | None = None,
+        prefill_s: float | None = None,
     ) -> None:
-        """Record a routing decision in the index and the load tracker (which also expires old window work)."""
+        """Record a routing decision in the index and the load tracker (which also expires old window work).
+
+        `prefill_s`: the predicted prefill of this request on `worker` if the caller has it (see `predicted_work_s`).
+        """
         self.index.on_routed(worker, request.block_hashes)
         self.load.prune(now)
         cached = self.matched_tokens(request, num_matched_blocks)
@@ -49,7 +63,7 @@ class RouterState:
             now,
             num_prefill_tokens=request.num_prompt_tokens - cached,
             num_blocks=self.num_blocks_needed(request, num_matched_blocks),
-            work_s=self.predicted_work_s(request, num_matched_blocks),
+            work_s=self.predicted_work_s(request, num_matched_blocks, prefill_s),
             group=group,
         )
 

@@ -1,4 +1,7 @@
-"""RadixCache.insert_from: same tree, events, LRU order and block ids as re-inserting the whole prefix."""
+"""RadixCache.insert_from: same tree, events, LRU order and block ids as re-inserting the whole prefix.
+
+The `*_blocks` variants (the sequence pre-split into token tuples) must match the token-list calls exactly.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ class _World:
     else (the op sequence, admissions, evictions) is identical, so two worlds must stay identical.
     """
 
-    def __init__(self, incremental: bool) -> None:
+    def __init__(self, incremental: bool, use_blocks: bool = False) -> None:
         self.incremental = incremental
+        self.use_blocks = use_blocks  # call match_prefix_blocks / insert_blocks / insert_from_blocks
         self.pool = BlockPool(NUM_BLOCKS)
         self.cache = RadixCache(self.pool, BLOCK_SIZE)
         self.tokens: dict[int, list[int]] = {}
@@ -35,7 +39,10 @@ class _World:
 
     def admit(self, rid: int, tokens: list[int]) -> bool:
         num_blocks = len(tokens) // BLOCK_SIZE
-        match = self.cache.match_prefix(KEY, tokens[: (num_blocks - 1) * BLOCK_SIZE])
+        if self.use_blocks:
+            match = self.cache.match_prefix_blocks(KEY, _blocks(tokens[: (num_blocks - 1) * BLOCK_SIZE]))
+        else:
+            match = self.cache.match_prefix(KEY, tokens[: (num_blocks - 1) * BLOCK_SIZE])
         self.pool.ref(match.block_ids)  # take the hit (ref + lock) before evicting for the rest
         self.cache.lock(match.node)
         shortfall = num_blocks - match.num_blocks - self.pool.num_free_blocks
@@ -60,10 +67,16 @@ class _World:
         hold = self.holds.get(rid)
         if self.incremental and hold is not None:
             tokens = self.tokens[rid][done * BLOCK_SIZE : num_full * BLOCK_SIZE]
-            match = self.cache.insert_from(hold, tokens, self.block_ids[rid][done:num_full])
+            if self.use_blocks:
+                match = self.cache.insert_from_blocks(hold, _blocks(tokens), self.block_ids[rid][done:num_full])
+            else:
+                match = self.cache.insert_from(hold, tokens, self.block_ids[rid][done:num_full])
         else:
             tokens = self.tokens[rid][: num_full * BLOCK_SIZE]
-            match = self.cache.insert(KEY, tokens, self.block_ids[rid][:num_full])
+            if self.use_blocks:
+                match = self.cache.insert_blocks(KEY, _blocks(tokens), self.block_ids[rid][:num_full])
+            else:
+                match = self.cache.insert(KEY, tokens, self.block_ids[rid][:num_full])
         self.cache.lock(match.node)
         if hold is not None:
             self.cache.unlock(hold)
@@ -84,9 +97,13 @@ class _World:
                 sorted(self.block_ids.items()))
 
 
-def _run(seed: int) -> None:
+def _blocks(tokens: list[int]) -> list[tuple[int, ...]]:
+    return [tuple(tokens[i : i + BLOCK_SIZE]) for i in range(0, len(tokens), BLOCK_SIZE)]
+
+
+def _run(seed: int, use_blocks: bool = False) -> None:
     rng = random.Random(seed)
-    full, incremental = _World(incremental=False), _World(incremental=True)
+    full, incremental = _World(incremental=False), _World(incremental=True, use_blocks=use_blocks)
     next_rid = 0
     for _ in range(60):
         growable = sorted(rid for rid, n in full.num_cached_blocks.items() if n < len(full.block_ids[rid]))
@@ -112,6 +129,24 @@ def _run(seed: int) -> None:
 @given(seed=st.integers(0, 2**32 - 1))
 def test_insert_from_matches_whole_prefix_insert(seed: int) -> None:
     _run(seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_block_tuple_calls_match_token_list_calls(seed: int) -> None:
+    _run(seed, use_blocks=True)
+
+
+def test_block_tuple_calls_reject_ragged_blocks_and_change_nothing() -> None:
+    pool = BlockPool(8)
+    cache = RadixCache(pool, BLOCK_SIZE)
+    mine = pool.allocate(2)
+    with pytest.raises(ValueError):
+        cache.insert_blocks(KEY, [(1, 2), (3,)], mine)
+    with pytest.raises(ValueError):
+        cache.insert_blocks(KEY, [(1, 2)], mine)
+    assert cache.num_cached_blocks == 0 and cache.take_events() == []
+    cache.check_invariants()
 
 
 def test_insert_from_extends_below_the_held_node_and_shares_cached_continuations() -> None:

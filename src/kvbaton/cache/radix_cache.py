@@ -131,8 +131,16 @@ class RadixCache:
         touch=False changes nothing; its node is then the one holding the last matched block, which
         may hold more blocks, so locking it pins those too (safe, merely conservative).
         """
-        root = self._root(key)
-        node, num_in_node, block_ids, block_hashes = self._walk(root, self._token_blocks(token_ids))
+        return self.match_prefix_blocks(key, self._token_blocks(token_ids), touch=touch)
+
+    def match_prefix_blocks(self, key: CacheKey, token_blocks: list[BlockTokens], *,
+                            touch: bool = True) -> PrefixMatch:
+        """`match_prefix` of a sequence already split into full blocks (a list of block_size-token tuples).
+
+        For callers that keep a request's block tuples between calls instead of re-tupling its tokens.
+        It must be a list (the walk compares list slices) and is not kept: the cache copies what it adopts.
+        """
+        node, num_in_node, block_ids, block_hashes = self._walk(self._root(key), token_blocks)
         if touch:
             if num_in_node < len(node.block_ids):
                 node = self._split(node, num_in_node)
@@ -176,6 +184,11 @@ class RadixCache:
             )
         return self._insert_below(self._root(key), self._token_blocks(token_ids), block_ids)
 
+    def insert_blocks(self, key: CacheKey, token_blocks: list[BlockTokens], block_ids: Sequence[int]) -> PrefixMatch:
+        """`insert` of a sequence already split into full blocks: one token tuple per block id."""
+        self._check_blocks(token_blocks, block_ids)
+        return self._insert_below(self._root(key), token_blocks, block_ids)
+
     def insert_from(self, node: object, token_ids: Sequence[int], block_ids: Sequence[int]) -> PrefixMatch:
         """`insert` of a path that continues below `node`, given only the blocks after it.
 
@@ -193,7 +206,22 @@ class RadixCache:
             )
         return self._insert_below(start, self._token_blocks(token_ids), block_ids)
 
-    def _insert_below(self, start: RadixNode, token_blocks: list[BlockTokens], block_ids: Sequence[int]) -> PrefixMatch:
+    def insert_from_blocks(self, node: object, token_blocks: list[BlockTokens],
+                           block_ids: Sequence[int]) -> PrefixMatch:
+        """`insert_from` of blocks already split into token tuples: one tuple per block id."""
+        start = self._check_node(node)
+        if start.lock_ref == 0:
+            raise ValueError("insert_from needs a locked node: an unlocked one may be trimmed or split")
+        self._check_blocks(token_blocks, block_ids)
+        return self._insert_below(start, token_blocks, block_ids)
+
+    def _check_blocks(self, token_blocks: list[BlockTokens], block_ids: Sequence[int]) -> None:
+        if len(token_blocks) != len(block_ids) or any(len(t) != self.block_size for t in token_blocks):
+            raise ValueError(f"{len(token_blocks)} token blocks for {len(block_ids)} block ids; every block "
+                             f"must hold {self.block_size} tokens")
+
+    def _insert_below(self, start: RadixNode, token_blocks: list[BlockTokens],
+                      block_ids: Sequence[int]) -> PrefixMatch:
         """Shared body of `insert`/`insert_from`: walk down from `start`, adopt the blocks past the
         cached path, touch the end node."""
         node, num_in_node, path_ids, path_hashes = self._walk(start, token_blocks)

@@ -45,6 +45,10 @@ class BlockManager:
         self.cache_key = cache_key
         self.block_size = block_size
         self._holds: dict[str, _CacheHold] = {}
+        # Per request (with a cache attached): its full blocks' token tuples, built once and extended as
+        # it grows, so cache probes, matches and inserts do not re-tuple the prompt. Tokens are
+        # append-only, so the tuples stay valid; the entry goes with `free`.
+        self._token_blocks: dict[str, list[tuple[int, ...]]] = {}
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -57,9 +61,9 @@ class BlockManager:
         """Tokens the cache would supply if `request` were admitted now; does not touch LRU order."""
         if self.cache is None:
             return 0
-        n = self._max_hit_blocks(request) * self.block_size
+        num_blocks = self._max_hit_blocks(request)
         key = self.cache_key.with_tenant(request.tenant)
-        match = self.cache.match_prefix(key, request.all_token_ids[:n], touch=False)
+        match = self.cache.match_prefix_blocks(key, self._blocks_of(request, num_blocks), touch=False)
         return match.num_blocks * self.block_size
 
     def attach_prefix(self, request: Request) -> int:
@@ -71,11 +75,11 @@ class BlockManager:
         assert not request.block_ids and request.num_computed_tokens == 0
         if self.cache is None:
             return 0
-        n = self._max_hit_blocks(request) * self.block_size
-        if n == 0:
+        num_blocks = self._max_hit_blocks(request)
+        if num_blocks == 0:
             return 0
         key = self.cache_key.with_tenant(request.tenant)
-        match = self.cache.match_prefix(key, request.all_token_ids[:n])
+        match = self.cache.match_prefix_blocks(key, self._blocks_of(request, num_blocks))
         if match.num_blocks == 0:
             return 0
         self.pool.ref(match.block_ids)
@@ -112,15 +116,13 @@ class BlockManager:
         # Positions already cached keep the cache's block; our duplicate stays in our table.
         if hold is None:
             key = self.cache_key.with_tenant(request.tenant)
-            tokens = _tokens_between(request, 0, num_full * self.block_size)
-            match = self.cache.insert(key, tokens, request.block_ids[:num_full])
+            match = self.cache.insert_blocks(key, self._blocks_of(request, num_full), request.block_ids[:num_full])
         else:
             # Root..hold.node is exactly our first hold.num_blocks blocks and stays so while it is
             # locked (splits keep the handle at the tail; locked blocks are never trimmed), so only
             # the blocks after it need walking: same result as re-inserting the whole prefix.
-            start_pos = hold.num_blocks * self.block_size
-            tokens = _tokens_between(request, start_pos, num_full * self.block_size)
-            match = self.cache.insert_from(hold.node, tokens, request.block_ids[hold.num_blocks : num_full])
+            token_blocks = self._blocks_of(request, num_full)[hold.num_blocks :]
+            match = self.cache.insert_from_blocks(hold.node, token_blocks, request.block_ids[hold.num_blocks : num_full])
         self.cache.lock(match.node)  # lock the new node before unlocking the old: no evictable gap
         if hold is not None:
             self.cache.unlock(hold.node)
@@ -134,8 +136,20 @@ class BlockManager:
         hold = self._holds.pop(request.request_id, None)
         if hold is not None and self.cache is not None:
             self.cache.unlock(hold.node)
+        self._token_blocks.pop(request.request_id, None)
         request.block_ids = []
         request.num_computed_tokens = 0
+
+    def _blocks_of(self, request: Request, num_blocks: int) -> list[tuple[int, ...]]:
+        """The token tuples of the request's first `num_blocks` full blocks (a fresh list)."""
+        blocks = self._token_blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self._token_blocks[request.request_id] = []
+        if len(blocks) < num_blocks:
+            size = self.block_size
+            tokens = _tokens_between(request, len(blocks) * size, num_blocks * size)
+            blocks.extend(zip(*[iter(tokens)] * size))  # consecutive size-token tuples, built in C
+        return blocks[:num_blocks]
 
     def num_cached_blocks_of(self, request_id: str) -> int:
         hold = self._holds.get(request_id)

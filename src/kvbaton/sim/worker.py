@@ -20,7 +20,7 @@ from kvbaton.core.request import Request
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.router.load import WorkerStats
 from kvbaton.scheduler.local_scheduler import LocalScheduler, TokenOutput
-from kvbaton.sim.costs.base import BatchShape, CostModel
+from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.spec import WorkerSpec
 
 TokenFn = Callable[[str, int], int]  # (request id, output index) -> token id
@@ -63,12 +63,12 @@ class SimWorker:
         """Schedule the next step at `now`; returns when it ends, or None if there is nothing to run."""
         assert self.plan is None, "a step is already in flight"
         plan = self.scheduler.schedule(now)
-        if plan.is_empty and (plan.preempted_ids or plan.finished_ids) and self.scheduler.has_unfinished_requests():
+        if not plan.chunks and (plan.preempted_ids or plan.finished_ids) and self.scheduler.has_unfinished_requests():
             plan = self.scheduler.schedule(now)  # the previous plan only freed memory; try again once
-        if plan.is_empty:
+        if not plan.chunks:
             return None
         self.plan = plan
-        self.step_s = self.cost_model.step_s(BatchShape.of_plan(plan), self.spec.parallel)
+        self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
         return now + self.step_s
 
     def finish_step(self, now: float) -> tuple[list[TokenOutput], list[Request]]:
@@ -80,7 +80,8 @@ class SimWorker:
         outputs = self.scheduler.update(plan, self._execute(plan), now)
         self.busy_s += self.step_s
         self.num_steps += 1
-        self.admit_handoffs(now)
+        if self.pending_handoffs:
+            self.admit_handoffs(now)
         return outputs, self.scheduler.take_finished()
 
     def take_finished(self) -> list[Request]:
@@ -90,17 +91,19 @@ class SimWorker:
     def _execute(self, plan: StepPlan) -> StepResult:
         sampled: dict[str, SampledToken] = {}
         get = self.scheduler.get_request
+        token_for = self.token_for
         for chunk in plan.chunks:
             if not chunk.samples:
                 continue
-            request = get(chunk.request_id)
+            request_id = chunk.request_id
+            request = get(request_id)
             if request is None:
                 continue  # aborted while the step ran; update() ignores its chunk
-            index = chunk.end_pos - request.num_prompt_tokens
-            if self.token_for is None:
-                sampled[chunk.request_id] = _TOKENS[index % 1000]
+            index = chunk.start_pos + len(chunk.token_ids) - len(request.prompt_token_ids)  # output index
+            if token_for is None:
+                sampled[request_id] = _TOKENS[index % 1000]
             else:
-                sampled[chunk.request_id] = SampledToken(self.token_for(chunk.request_id, index))
+                sampled[request_id] = SampledToken(token_for(request_id, index))
         return StepResult(plan.step_id, sampled, self.step_s)
 
     # ---- disaggregation: the decode side of a handoff ----------------------------------------------
@@ -124,7 +127,10 @@ class SimWorker:
     # ---- what the router hears ----------------------------------------------------------------------
 
     def stats(self) -> WorkerStats:
-        s = self.scheduler.stats()
-        return WorkerStats(self.worker_id, s.num_queued_prefill_tokens, max(s.num_used_blocks - s.num_cached_blocks, 0),
-                           s.num_free_blocks, s.num_running, s.num_waiting + len(self.pending_handoffs),
-                           s.num_cached_blocks, self.block_size)
+        # The figures of `scheduler.stats()` (same pool and cache), without building its full record.
+        scheduler, pool = self.scheduler, self.pool
+        num_cached_blocks = self.cache.num_cached_blocks if self.cache is not None else 0
+        return WorkerStats(self.worker_id, scheduler.num_queued_prefill_tokens(),
+                           max(pool.num_used_blocks - num_cached_blocks, 0), pool.num_free_blocks,
+                           scheduler.num_running, scheduler.num_waiting + len(self.pending_handoffs),
+                           num_cached_blocks, self.block_size)

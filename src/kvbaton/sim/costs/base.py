@@ -27,14 +27,16 @@ class BatchShape:
         new: list[int] = []
         ctx: list[int] = []
         num_decodes = decode_ctx = 0
-        for chunk in plan.chunks:
-            n = len(chunk.token_ids)
-            if n == 1 and chunk.samples and chunk.start_pos > 0:
+        for chunk in plan.chunks:  # the simulator's hot path: every step of every worker
+            start_pos = chunk.start_pos
+            if len(chunk.token_ids) == 1 and start_pos > 0 and chunk.samples:
                 num_decodes += 1
-                decode_ctx += chunk.start_pos + 1
+                decode_ctx += start_pos + 1
             else:
-                new.append(n)
-                ctx.append(chunk.start_pos)
+                new.append(len(chunk.token_ids))
+                ctx.append(start_pos)
+        if not new:
+            return BatchShape((), (), num_decodes, decode_ctx)
         return BatchShape(tuple(new), tuple(ctx), num_decodes, decode_ctx)
 
     @property
@@ -71,6 +73,13 @@ class CostModel(ABC):
     @abstractmethod
     def step_s(self, shape: BatchShape, parallel: Parallelism = Parallelism()) -> float:
         """Time of one engine step running `shape` (prefill chunks and decodes in one batch)."""
+
+    def plan_s(self, plan: StepPlan, parallel: Parallelism = Parallelism()) -> float:
+        """Time of the step `plan` asks for: exactly `step_s(BatchShape.of_plan(plan), parallel)`.
+
+        The simulator calls this for every step; a model may override it to skip building the shape.
+        """
+        return self.step_s(BatchShape.of_plan(plan), parallel)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0, parallel: Parallelism = Parallelism()) -> float:
         """One request's prefill alone: `new_tokens` on top of `cached_tokens` already in KV."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbaton.core.step import StepPlan
 from kvbaton.sim.catalog import GpuSpec, ModelSpec
 from kvbaton.sim.costs.base import BatchShape, CostModel, Parallelism
 from kvbaton.sim.links import get_link
@@ -41,28 +42,61 @@ class RooflineCostModel(CostModel):
         self._attention_flops_per_pair = 4 * model.num_layers * model.hidden_size
         self._s_per_flop = 1.0 / (gpu.flops_per_s * efficiency.flops)
         self._s_per_byte = 1.0 / (gpu.mem_bytes_per_s * efficiency.mem_bandwidth)
+        # The simulator prices every step of every worker: the catalog's derived figures (properties
+        # that recount the parameters) are read once here, not per step.
+        self._weight_bytes = model.weight_bytes
+        self._activation_bytes_per_token = model.hidden_size * model.dtype_bytes
+        self._step_overhead_s = efficiency.step_overhead_s
 
     def step_s(self, shape: BatchShape, parallel: Parallelism = Parallelism()) -> float:
-        num_tokens = shape.num_tokens
+        prefill_new_tokens = shape.prefill_new_tokens
+        num_decodes = shape.num_decodes
+        num_tokens = sum(prefill_new_tokens) + num_decodes if prefill_new_tokens else num_decodes
         if not num_tokens:
             return 0.0
-        m = self.model
-        num_sampled = len(shape.prefill_new_tokens) + shape.num_decodes  # upper bound: one row per chunk
         attention_pairs = shape.decode_context_tokens
-        context_read = shape.decode_context_tokens
-        for n, ctx in zip(shape.prefill_new_tokens, shape.prefill_context_tokens):
+        context_read = attention_pairs
+        for n, ctx in zip(prefill_new_tokens, shape.prefill_context_tokens):
             attention_pairs += n * (ctx + n / 2)
             context_read += ctx
+        # upper bound on sampled rows: one per chunk
+        return self._price(num_tokens, len(prefill_new_tokens) + num_decodes, attention_pairs, context_read, parallel)
+
+    def plan_s(self, plan: StepPlan, parallel: Parallelism = Parallelism()) -> float:
+        """`step_s(BatchShape.of_plan(plan))` without building the shape: same sums in the same order."""
+        num_tokens = num_chunks = decode_ctx = 0
+        prefill_pairs: list[float] = []
+        prefill_ctx = 0
+        for chunk in plan.chunks:
+            start_pos = chunk.start_pos
+            n = len(chunk.token_ids)
+            num_tokens += n
+            num_chunks += 1
+            if n == 1 and start_pos > 0 and chunk.samples:  # a decode (BatchShape.of_plan's rule)
+                decode_ctx += start_pos + 1
+            else:
+                prefill_pairs.append(n * (start_pos + n / 2))
+                prefill_ctx += start_pos
+        if not num_tokens:
+            return 0.0
+        attention_pairs = decode_ctx
+        for pairs in prefill_pairs:  # added after the decodes' sum, in chunk order, as step_s does
+            attention_pairs += pairs
+        return self._price(num_tokens, num_chunks, attention_pairs, decode_ctx + prefill_ctx, parallel)
+
+    def _price(self, num_tokens: int, num_sampled: int, attention_pairs: float, context_read: int,
+               parallel: Parallelism) -> float:
         flops = (self._flops_per_token * num_tokens + self._flops_per_sampled_row * num_sampled
                  + self._attention_flops_per_pair * attention_pairs)
-        mem_bytes = m.weight_bytes + m.kv_bytes_per_token * (context_read + num_tokens)
-        step_s = max(flops * self._s_per_flop, mem_bytes * self._s_per_byte) / parallel.tp
-        step_s += self.efficiency.step_overhead_s
-        if parallel.tp > 1 or parallel.pp > 1:
-            activation_bytes = num_tokens * m.hidden_size * m.dtype_bytes
-            if parallel.tp > 1:
-                ring_bytes = 2 * (parallel.tp - 1) / parallel.tp * activation_bytes
-                step_s += 2 * m.num_layers * self._link.transfer_s(int(ring_bytes))
-            if parallel.pp > 1:
-                step_s += (parallel.pp - 1) * self._link.transfer_s(activation_bytes)
-        return step_s / parallel.pp
+        mem_bytes = self._weight_bytes + self.kv_bytes_per_token * (context_read + num_tokens)
+        tp, pp = parallel.tp, parallel.pp
+        step_s = max(flops * self._s_per_flop, mem_bytes * self._s_per_byte) / tp
+        step_s += self._step_overhead_s
+        if tp > 1 or pp > 1:
+            activation_bytes = num_tokens * self._activation_bytes_per_token
+            if tp > 1:
+                ring_bytes = 2 * (tp - 1) / tp * activation_bytes
+                step_s += 2 * self.model.num_layers * self._link.transfer_s(int(ring_bytes))
+            if pp > 1:
+                step_s += (pp - 1) * self._link.transfer_s(activation_bytes)
+        return step_s / pp

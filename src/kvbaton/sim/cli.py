@@ -54,6 +54,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpot-slo", type=float, default=None, help="TPOT SLO in seconds")
     parser.add_argument("--admission", choices=ADMISSION_POLICIES, default="none",
                         help="SLO admission control (Mooncake's variants; needs --ttft-slo and --tpot-slo)")
+    parser.add_argument("--adaptive-pools", action="store_true",
+                        help="lend workers of the idle pool to mixed duty while the other queues (needs the SLOs)")
     parser.add_argument("--out", metavar="DIR", help="write report.json, report.md and plots here")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -73,7 +75,7 @@ def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
                     cost_model=args.cost_model, seed=args.seed, block_size=args.block_size,
                     num_blocks=args.num_blocks, enable_prefix_cache=not args.no_prefix_cache,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                    max_model_len=args.max_model_len, admission=args.admission,
+                    max_model_len=args.max_model_len, admission=args.admission, adaptive_pools=args.adaptive_pools,
                     admission_slo=(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None)
 
 

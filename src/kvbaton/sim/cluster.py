@@ -34,6 +34,7 @@ from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import StepPlan
 from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, DecodeLoad, DecodeSlot, PrefillLoad
+from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.base import RouteRequest
 from kvbaton.router.policies import create_policy, local_queue_policy
 from kvbaton.router.state import RouterState
@@ -65,7 +66,9 @@ class SimConfig:
 class _Flight:
     workload: WorkloadRequest
     front: str  # worker id of the mixed or prefill worker
+    prompt: list[int]  # wr.prompt_array as a list, converted once (the decode side copies it)
     decode: str = ""  # decode worker id when disaggregated
+    whole: bool = False  # adaptive pools: `front`, lent to mixed duty, serves it start to end (no handoff)
     prefill_request: Request | None = None  # waiting for its reservation to be granted
     attempts: int = 0  # refused reservations so far
     token_times_s: list[float] = field(default_factory=list)
@@ -110,9 +113,11 @@ def stage_time_models(spec: ClusterSpec, cost_model: CostModel) -> dict[str, _Bo
 
 class ClusterSim:
     def __init__(self, spec: ClusterSpec, cost_model: CostModel, config: SimConfig = SimConfig(),
-                 token_for: TokenFn | None = None, admission: AdmissionPolicy | None = None) -> None:
+                 token_for: TokenFn | None = None, admission: AdmissionPolicy | None = None,
+                 pools: PoolBalancer | None = None) -> None:
         self.spec = spec
         self.admission = admission
+        self.pools = pools
         self.cost_model = cost_model
         self.config = config
         sched = config.scheduler or SchedulerConfig(queue_policy=local_queue_policy(config.policy))
@@ -177,7 +182,7 @@ class ClusterSim:
 
     def _kick(self, worker: SimWorker, now: float) -> None:
         """Start the worker's next step if it is idle and has something to run."""
-        if worker.busy:
+        if worker.plan is not None:  # busy
             return
         end = worker.start_step(now)
         for request in worker.take_finished():
@@ -194,28 +199,38 @@ class ClusterSim:
         prompt = wr.prompt_array.tolist()
         route = RouteRequest.from_tokens(rid, prompt, self.config.cache_key, self.config.cache.block_size,
                                          num_output_tokens=wr.output_tokens, tenant=wr.tenant)
-        front = self.workers[self.policy.choose(route, self.front_ids, now).worker_id]
-        flight = _Flight(wr, front.worker_id)
+        decode_route = RouteRequest(rid, (), route.num_prompt_tokens, wr.output_tokens)
+        lent = self._lent_worker(wr, route, now) if self.pools is not None and self.decode_ids else None
+        if lent is None:
+            front = self.workers[self.policy.choose(route, self.front_ids, now).worker_id]
+        elif self.workers[lent].spec.role == "decode":  # committed where its load is tracked
+            front = self.workers[self.decode_policy.choose(decode_route, [lent], now).worker_id]
+        else:
+            front = self.workers[self.policy.choose(route, [lent], now).worker_id]
+        flight = _Flight(wr, front.worker_id, prompt, whole=lent is not None, at_decode=lent is not None)
         self._flights[rid] = flight
-        if self.decode_ids:
-            decode_route = RouteRequest(rid, (), route.num_prompt_tokens, wr.output_tokens)
+        if lent is not None:
+            flight.decode = lent if front.spec.role == "decode" else ""
+        elif self.decode_ids:
             flight.decode = self.decode_policy.choose(decode_route, self.decode_ids, now).worker_id
         if self.admission is not None:
+            decode_at = front.worker_id if flight.whole else flight.decode
             decision = self.admission.check_arrival(
                 AdmissionRequest(rid, wr.num_prompt_tokens, wr.output_tokens),
-                PrefillLoad(front.worker_id, front.scheduler.stats().num_queued_prefill_tokens),
-                self._decode_load(flight.decode, exclude=rid) if flight.decode else None, now)
+                PrefillLoad(front.worker_id, front.scheduler.num_queued_prefill_tokens()),
+                self._decode_load(decode_at, exclude=rid) if decode_at else None, now)
             if not decision.admitted:
                 self._reject(flight, decision.reason, now)
                 return
-        max_tokens = 1 if front.spec.role == "prefill" else wr.output_tokens
+        handoff = front.spec.role == "prefill" and not flight.whole
+        max_tokens = 1 if handoff else wr.output_tokens
         request = Request(rid, prompt, self._sampling(max_tokens), now, tenant=wr.tenant, slo_class=wr.slo_class,
                           max_model_len=self.config.max_model_len)
         if wr.num_prompt_tokens + wr.output_tokens > self.config.max_model_len:
             self._fail(flight, f"prompt + output ({wr.num_prompt_tokens + wr.output_tokens} tokens) exceed "
                                f"max_model_len {self.config.max_model_len}", now)
             return
-        if front.spec.role == "prefill" and wr.output_tokens > 1:
+        if handoff and wr.output_tokens > 1:
             if not self.workers[flight.decode].can_ever_hold(wr.num_prompt_tokens + wr.output_tokens):
                 self._fail(flight, f"decode worker {flight.decode} has too few KV blocks for the request", now)
                 return
@@ -223,6 +238,18 @@ class ClusterSim:
             self._start_handoff(flight, now)  # the prefill starts once the decode worker grants blocks
             return
         self._admit(front, flight, request, now)
+
+    def _lent_worker(self, wr: WorkloadRequest, route: RouteRequest, now: float) -> str | None:
+        """Adaptive pools: both pools' pressure for this arrival, then the lent worker to serve it whole, if any
+        (`PoolBalancer.route`, as in the live router)."""
+        assert self.pools is not None
+        block_size = self.config.cache.block_size
+        cached = {w: n * block_size for w, n in self.state.index.match(route.block_hashes).items()}
+        lent, _ = self.pools.route(
+            AdmissionRequest(wr.request_id, wr.num_prompt_tokens, wr.output_tokens), cached, self.front_ids,
+            self.decode_ids, lambda w: PrefillLoad(w, self.workers[w].scheduler.num_queued_prefill_tokens()),
+            self._decode_load, now)
+        return lent
 
     def _admit(self, worker: SimWorker, flight: _Flight, request: Request, now: float) -> None:
         try:
@@ -270,7 +297,7 @@ class ClusterSim:
         wr = flight.workload
         adopted = event.adopted
         assert adopted is not None
-        request = Request(wr.request_id, wr.prompt_array.tolist(), self._sampling(wr.output_tokens), wr.arrival_s,
+        request = Request(wr.request_id, list(flight.prompt), self._sampling(wr.output_tokens), wr.arrival_s,
                           tenant=wr.tenant, slo_class=wr.slo_class, max_model_len=self.config.max_model_len,
                           output_token_ids=[adopted.first_token.token_id])
         flight.transfer_bytes = self.handoffs.bytes_of.pop(wr.request_id, 0)  # type: ignore[union-attr]
@@ -290,22 +317,25 @@ class ClusterSim:
 
     def _on_step_done(self, worker: SimWorker, now: float) -> None:
         outputs, finished = worker.finish_step(now)
+        flights = self._flights
         for out in outputs:
-            flight = self._flights[out.request_id]
-            if not flight.token_times_s:
+            flight = flights[out.request_id]
+            token_times_s = flight.token_times_s
+            if not token_times_s:
                 flight.first_token_id = out.token.token_id
                 self.policy.on_first_token(out.request_id, now - flight.workload.arrival_s, now)
-                if worker.spec.role == "prefill" and flight.workload.output_tokens > 1:
+                if worker.spec.role == "prefill" and not flight.whole and flight.workload.output_tokens > 1:
                     self.handoffs.on_first_token(out.request_id, out.token.token_id, now)  # type: ignore[union-attr]
-            flight.token_times_s.append(now)
+            token_times_s.append(now)
         for request in finished:
             self._on_request_finished(worker, request, now)
-        self._heartbeat(worker, now, force=False)
+        if now - worker.last_heartbeat_at >= self.config.heartbeat_s:  # _heartbeat's own test, without the call
+            self._heartbeat(worker, now, force=False)
         self._kick(worker, now)
 
     def _on_request_finished(self, worker: SimWorker, request: Request, now: float) -> None:
         flight = self._flights[request.request_id]
-        role = worker.spec.role
+        role = "mixed" if flight.whole else worker.spec.role
         if role != "decode":
             flight.cached_tokens = max(request.num_cached_tokens, 0)
             if request.first_scheduled_at is not None:
@@ -351,7 +381,8 @@ class ClusterSim:
         self._finish_policies(flight, now)
         wr = flight.workload
         times = tuple(flight.token_times_s)
-        workers = (flight.front, flight.decode) if flight.decode and len(times) > 1 else (flight.front,)
+        handed_off = flight.decode and flight.decode != flight.front and len(times) > 1
+        workers = (flight.front, flight.decode) if handed_off else (flight.front,)
         self._emit(RequestRecord(
             request_id=wr.request_id, arrival_s=wr.arrival_s, status="completed", slo_class=wr.slo_class,
             tenant=wr.tenant, prompt_tokens=wr.num_prompt_tokens, cached_tokens=flight.cached_tokens,
@@ -372,7 +403,8 @@ class ClusterSim:
         decoding: list[DecodeSlot] = []
         incoming: list[DecodeSlot] = []
         for flight in self._flights.values():
-            if flight.decode != decode_id or flight.workload.request_id == exclude:
+            if (flight.decode != decode_id and not (flight.whole and flight.front == decode_id)
+                    or flight.workload.request_id == exclude):
                 continue
             wr = flight.workload
             num_done = len(flight.token_times_s)

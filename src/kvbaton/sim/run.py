@@ -16,6 +16,7 @@ from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.router.admission import AdmissionSLO, create_admission
 from kvbaton.router.policies import local_queue_policy
+from kvbaton.router.pools import PoolBalancer, PoolConfig
 from kvbaton.sim.catalog import MODELS, get_gpu
 from kvbaton.sim.cluster import ClusterSim, SimConfig, WorkerReport, stage_time_models
 from kvbaton.sim.costs import CostModel, create_cost_model
@@ -43,6 +44,9 @@ class SimSetup:
     admission: str = "none"  # none | baseline | early | predicted (kvbaton.router.admission)
     admission_slo: tuple[float, float] | None = None  # (TTFT s, TPOT s) admission protects; needed unless none
     admission_max_load: float = 1.0  # a stage is over capacity above this predicted latency / SLO
+    # Adaptive pools (kvbaton.router.pools): lend workers of the idle pool to mixed duty; prices with admission_slo.
+    adaptive_pools: bool = False
+    pools: PoolConfig = PoolConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,13 +87,18 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
         scheduler=SchedulerConfig(max_num_batched_tokens=setup.max_num_batched_tokens,
                                   max_num_seqs=setup.max_num_seqs, queue_policy=local_queue_policy(setup.policy)),
         heartbeat_s=setup.heartbeat_s, max_model_len=max_model_len)
-    admission = None
+    admission = pools = None
+    if (setup.admission != "none" or setup.adaptive_pools) and setup.admission_slo is None:
+        raise InvalidRequestError("admission and adaptive pools need admission_slo (TTFT s, TPOT s)")
     if setup.admission != "none":
-        if setup.admission_slo is None:
-            raise InvalidRequestError(f"admission {setup.admission!r} needs admission_slo (TTFT s, TPOT s)")
         admission = create_admission(setup.admission, AdmissionSLO(*setup.admission_slo),
                                      stage_time_models(spec, cost_model), setup.admission_max_load)
-    return ClusterSim(spec, cost_model, config, admission=admission), spec, num_blocks
+    if setup.adaptive_pools:
+        if not any(w.role == "decode" for w in spec.workers) or not any(w.role == "prefill" for w in spec.workers):
+            raise InvalidRequestError(f"adaptive pools need prefill and decode workers; {setup.cluster!r} has not")
+        pools = PoolBalancer(AdmissionSLO(*setup.admission_slo), stage_time_models(spec, cost_model),
+                             config=setup.pools)
+    return ClusterSim(spec, cost_model, config, admission=admission, pools=pools), spec, num_blocks
 
 
 def simulate(requests: Sequence[WorkloadRequest], setup: SimSetup,

@@ -15,7 +15,8 @@ import pytest
 
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.registry import LoadedModel, load_model
-from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, AdmissionSLO, DecodeSlot, PrefillLoad
+from kvbaton.router.admission import (AdmissionPolicy, AdmissionRequest, AdmissionSLO, CalibratedTimeModel, DecodeSlot,
+                                      PrefillLoad)
 from kvbaton.router.pools import PoolBalancer, PoolConfig
 from kvbaton.server.base import GenerateCall, RejectedError
 from kvbaton.server.cluster import ClusterManager
@@ -154,3 +155,18 @@ def test_serve_builds_adaptive_pools_only_for_disaggregated_pools_with_slos_and_
         pool_balancer(ServeConfig(num_prefill=1, num_decode=1, adaptive_pools=True))
     built = pool_balancer(ServeConfig(num_prefill=1, num_decode=1, adaptive_pools=True, **full))
     assert built is not None and built.admission.slo == AdmissionSLO(1.0, 0.1) and built.lent == {}
+
+
+def test_the_gate_feeds_measured_ttft_and_tpot_back_into_a_calibrated_model() -> None:
+    calibrated = CalibratedTimeModel(COST, smoothing=1.0)  # the last observation is the scale
+    g = AdmissionGate(AdmissionPolicy("baseline", AdmissionSLO(1.0, 0.05), {}, default_model=calibrated),
+                      BLOCK_SIZE, lambda worker: 10_000, calibrated)
+    g.on_routed("a", "p0", "d0", 100, 0, 5, now=10.0)  # uncorrected: 0.1 s TTFT, a 0.011 s decode step
+    g.on_tokens("a", 1, now=10.3)  # 3x the predicted TTFT
+    assert calibrated.prefill_scale == pytest.approx(3.0)
+    g.on_tokens("a", 4, now=10.3 + 4 * 0.022)  # 4 more tokens at 2x the predicted step
+    g.on_ended("a")
+    assert calibrated.decode_scale == pytest.approx(2.0)
+    # Admission now prices with the corrected model: 100 tokens behind 240 queued -> 3 x 0.34 s > 1 s.
+    g.on_routed("busy", "p0", "d0", 240, 0, 4)
+    assert not g.check("x", 100, 4, {}, [("p0", "d0")], 11.0).admitted

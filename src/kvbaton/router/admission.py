@@ -46,6 +46,53 @@ class StageTimeModel(Protocol):
         ...
 
 
+class CalibratedTimeModel:
+    """A `StageTimeModel` corrected by what serving measures: a profile taken on an idle core misses what a
+    live worker pays around its steps (the router, HTTP, other processes on the host, the handoff), so
+    the router feeds back each call's measured TTFT and TPOT against this model's *uncorrected*
+    prediction for it, and scales prefill and decode times by an exponential moving average of those
+    ratios (bounded, so one outlier cannot blind admission)."""
+
+    __slots__ = ("base", "smoothing", "min_scale", "max_scale", "prefill_scale", "decode_scale",
+                 "num_ttft_observations", "num_tpot_observations")
+
+    def __init__(self, base: StageTimeModel, smoothing: float = 0.2, min_scale: float = 0.25,
+                 max_scale: float = 8.0) -> None:
+        if not 0.0 < smoothing <= 1.0 or not 0.0 < min_scale <= 1.0 <= max_scale:
+            raise InvalidRequestError(f"bad calibration settings: smoothing {smoothing}, scale in "
+                                      f"[{min_scale}, {max_scale}]")
+        self.base = base
+        self.smoothing = smoothing
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.prefill_scale = 1.0
+        self.decode_scale = 1.0
+        self.num_ttft_observations = 0
+        self.num_tpot_observations = 0
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.prefill_scale * self.base.prefill_s(new_tokens, cached_tokens)
+
+    def decode_s(self, num_seqs: int, context_tokens: int) -> float:
+        return self.decode_scale * self.base.decode_s(num_seqs, context_tokens)
+
+    def _updated(self, scale: float, base_predicted_s: float, measured_s: float) -> float:
+        ratio = min(max(measured_s / base_predicted_s, self.min_scale), self.max_scale)
+        return (1.0 - self.smoothing) * scale + self.smoothing * ratio
+
+    def observe_ttft(self, base_predicted_s: float, measured_s: float) -> None:
+        """A call's first token came `measured_s` after routing; `base.prefill_s` predicted `base_predicted_s`."""
+        if base_predicted_s > 0 and measured_s >= 0:
+            self.prefill_scale = self._updated(self.prefill_scale, base_predicted_s, measured_s)
+            self.num_ttft_observations += 1
+
+    def observe_tpot(self, base_predicted_s: float, measured_s: float) -> None:
+        """A call's mean time per output token after the first, against `base.decode_s` at its admission."""
+        if base_predicted_s > 0 and measured_s >= 0:
+            self.decode_scale = self._updated(self.decode_scale, base_predicted_s, measured_s)
+            self.num_tpot_observations += 1
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionSLO:
     ttft_s: float

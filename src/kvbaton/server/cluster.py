@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.core.errors import CapacityError
-from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest
+from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, CalibratedTimeModel
 from kvbaton.router.base import RouteRequest
 from kvbaton.router.load import WorkerStats
 from kvbaton.router.policies import create_policy, local_queue_policy
@@ -109,7 +109,9 @@ class ClusterManager:
         self.admission = admission
         self.pools = pools
         pricing = admission if admission is not None else (pools.admission if pools is not None else None)
-        self.tally = (AdmissionGate(pricing, config.block_size, self._kv_capacity_tokens)
+        calibration = pricing.default_model if pricing is not None else None
+        self.tally = (AdmissionGate(pricing, config.block_size, self._kv_capacity_tokens,
+                                    calibration if isinstance(calibration, CalibratedTimeModel) else None)
                       if pricing is not None else None)
         self.retired_prefix_cache_tokens = [0, 0]  # (queries, hits) of workers that left: keeps totals monotone
         self._socket: RouterSocket | None = None
@@ -296,7 +298,7 @@ class ClusterManager:
             prefiller = entry.prefill_worker or entry.worker_id
             self.tally.on_routed(call.request_id, prefiller, entry.worker_id, len(call.prompt_token_ids),
                                      self.state.matched_tokens(request, matched.get(prefiller, 0)),
-                                     call.sampling.max_tokens)
+                                     call.sampling.max_tokens, now)
         self._calls[call.request_id] = entry
         self._num_waiting += 1
         self.workers[entry.worker_id].in_flight.add(call.request_id)
@@ -401,7 +403,7 @@ class ClusterManager:
             self._num_waiting -= 1
         entry.num_tokens_seen += len(delta.new_token_ids)
         if self.tally is not None and delta.new_token_ids:
-            self.tally.on_tokens(delta.request_id, len(delta.new_token_ids))
+            self.tally.on_tokens(delta.request_id, len(delta.new_token_ids), self.clock())
         if delta.finished:
             self._end_call(entry)
         entry.queue.put_nowait(delta)

@@ -9,6 +9,9 @@ prefilling on their way there) — for every way the cluster could serve an arri
 `AdmissionPolicy.check_options` whether any of them meets the SLO. The tally is exact about what
 the router sent and conservative about progress: a prompt counts in full until its first token.
 
+With a `CalibratedTimeModel` the tally also closes the loop: each call's TTFT and TPOT as the router
+sees them, against the uncorrected model's prediction at routing, tune the model's scales.
+
 The same tally feeds adaptive pools (`kvbaton.router.pools`): each arrival updates both pools'
 pressure, and while a worker is lent to mixed duty the arrival may go to it whole (`PoolBalancer.route`).
 """
@@ -18,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvbaton.router.admission import (AdmissionDecision, AdmissionPolicy, AdmissionRequest, DecodeLoad, DecodeSlot,
-                                      PrefillLoad)
+from kvbaton.router.admission import (AdmissionDecision, AdmissionPolicy, AdmissionRequest, CalibratedTimeModel,
+                                      DecodeLoad, DecodeSlot, PrefillLoad)
 
 
 @dataclass(slots=True)
@@ -29,13 +32,19 @@ class _Tracked:
     num_prompt_tokens: int
     num_uncached_tokens: int  # what the prefill worker computes (the rest was cached there at routing)
     max_tokens: int
+    routed_at: float = 0.0
+    base_ttft_s: float = 0.0  # the uncalibrated model's TTFT and TPOT at routing (0: not calibrating)
+    base_tpot_s: float = 0.0
+    first_token_at: float = -1.0
+    last_token_at: float = -1.0
     num_tokens_seen: int = 0
 
 
 class AdmissionGate:
-    def __init__(self, policy: AdmissionPolicy, block_size: int,
-                 capacity_tokens: Callable[[str], int]) -> None:
+    def __init__(self, policy: AdmissionPolicy, block_size: int, capacity_tokens: Callable[[str], int],
+                 calibration: CalibratedTimeModel | None = None) -> None:
         self.policy = policy
+        self.calibration = calibration
         self.block_size = block_size
         self._capacity_tokens = capacity_tokens  # worker -> KV tokens it can hold (from its heartbeat)
         self._calls: dict[str, _Tracked] = {}
@@ -45,22 +54,40 @@ class AdmissionGate:
     # -- the tally --------------------------------------------------------------------------------
 
     def on_routed(self, request_id: str, prefill_worker: str, decode_worker: str, num_prompt_tokens: int,
-                  num_cached_tokens: int, max_tokens: int) -> None:
+                  num_cached_tokens: int, max_tokens: int, now: float = 0.0) -> None:
         """A call placed: `prefill_worker` == `decode_worker` when one worker serves it whole."""
-        self._calls[request_id] = _Tracked(prefill_worker, decode_worker, num_prompt_tokens,
-                                           max(num_prompt_tokens - num_cached_tokens, 1), max_tokens)
+        uncached = max(num_prompt_tokens - num_cached_tokens, 1)
+        tracked = _Tracked(prefill_worker, decode_worker, num_prompt_tokens, uncached, max_tokens, now)
+        if self.calibration is not None:  # priced before the call joins the queues it is priced on
+            base = self.calibration.base
+            tracked.base_ttft_s = base.prefill_s(self.prefill_load(prefill_worker).num_queued_tokens + uncached,
+                                                 num_prompt_tokens - uncached)
+            decode = self.decode_load(decode_worker)
+            slots = decode.decoding + decode.incoming
+            tracked.base_tpot_s = base.decode_s(len(slots) + 1, sum(s.num_context_tokens for s in slots)
+                                                + num_prompt_tokens)
+        self._calls[request_id] = tracked
         for worker in {prefill_worker, decode_worker}:
             self._by_worker.setdefault(worker, set()).add(request_id)
 
-    def on_tokens(self, request_id: str, num_tokens: int) -> None:
+    def on_tokens(self, request_id: str, num_tokens: int, now: float = 0.0) -> None:
         tracked = self._calls.get(request_id)
-        if tracked is not None:
-            tracked.num_tokens_seen += num_tokens
+        if tracked is None:
+            return
+        if tracked.num_tokens_seen == 0:
+            tracked.first_token_at = now
+            if self.calibration is not None:
+                self.calibration.observe_ttft(tracked.base_ttft_s, now - tracked.routed_at)
+        tracked.num_tokens_seen += num_tokens
+        tracked.last_token_at = now
 
     def on_ended(self, request_id: str) -> None:
         tracked = self._calls.pop(request_id, None)
         if tracked is None:
             return
+        if self.calibration is not None and tracked.num_tokens_seen > 1:
+            tpot_s = (tracked.last_token_at - tracked.first_token_at) / (tracked.num_tokens_seen - 1)
+            self.calibration.observe_tpot(tracked.base_tpot_s, tpot_s)
         for worker in {tracked.prefill_worker, tracked.decode_worker}:
             ids = self._by_worker.get(worker)
             if ids is not None:

@@ -28,9 +28,9 @@ from kvbaton.server.api import create_app
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
-from kvbaton.router.admission import AdmissionPolicy, AdmissionSLO, create_admission
+from kvbaton.router.admission import AdmissionPolicy, AdmissionSLO, CalibratedTimeModel, create_admission
 from kvbaton.router.pools import PoolBalancer
-from kvbaton.sim.costs.linear import LinearCostModel, load_linear_model
+from kvbaton.sim.costs.linear import load_linear_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,31 +73,34 @@ class ServeConfig:
     adaptive_pools: bool = False  # lend a worker of the idle pool to mixed duty (kvbaton.router.pools)
 
 
-def _slo_and_profile(config: ServeConfig, flag: str) -> tuple[AdmissionSLO, LinearCostModel]:
+def _slo_and_profile(config: ServeConfig, flag: str,
+                     time_model: CalibratedTimeModel | None) -> tuple[AdmissionSLO, CalibratedTimeModel]:
     if config.ttft_slo_s <= 0 or config.tpot_slo_s <= 0 or not config.cost_profile:
         raise KvbatonError(f"{flag} needs --ttft-slo, --tpot-slo and --cost-profile FILE (step times measured by "
                            f"`kvbaton profile --model {config.model} --threads {config.num_threads_per_worker} "
                            f"--out FILE`)")
-    # Every worker runs the same model on the same kind of host: one profile prices them all.
-    return AdmissionSLO(config.ttft_slo_s, config.tpot_slo_s), load_linear_model(config.cost_profile)
+    # Every worker runs the same model on the same kind of host: one profile prices them all, corrected online
+    # by what the router measures (CalibratedTimeModel).
+    model = time_model if time_model is not None else CalibratedTimeModel(load_linear_model(config.cost_profile))
+    return AdmissionSLO(config.ttft_slo_s, config.tpot_slo_s), model
 
 
-def admission_policy(config: ServeConfig) -> AdmissionPolicy | None:
+def admission_policy(config: ServeConfig, time_model: CalibratedTimeModel | None = None) -> AdmissionPolicy | None:
     """The router's admission policy for `config`, or None; a bad combination is a KvbatonError."""
     if config.admission == "none":
         return None
-    slo, profile = _slo_and_profile(config, f"--admission {config.admission}")
-    return create_admission(config.admission, slo, {}, default_model=profile)
+    slo, model = _slo_and_profile(config, f"--admission {config.admission}", time_model)
+    return create_admission(config.admission, slo, {}, default_model=model)
 
 
-def pool_balancer(config: ServeConfig) -> PoolBalancer | None:
+def pool_balancer(config: ServeConfig, time_model: CalibratedTimeModel | None = None) -> PoolBalancer | None:
     """The router's adaptive-pools policy for `config`, or None (fixed roles)."""
     if not config.adaptive_pools:
         return None
     if not config.num_prefill or not config.num_decode:
         raise KvbatonError("--adaptive-pools needs disaggregated pools (--prefill N --decode M)")
-    slo, profile = _slo_and_profile(config, "--adaptive-pools")
-    return PoolBalancer(slo, {}, default_model=profile)
+    slo, model = _slo_and_profile(config, "--adaptive-pools", time_model)
+    return PoolBalancer(slo, {}, default_model=model)
 
 
 class _Server(uvicorn.Server):
@@ -145,7 +148,10 @@ class Launcher:
             loop.add_signal_handler(sig, self.request_stop)
         config = self.config
         model_config, _, tokenizer = read_model_source(resolve_model_source(config.model))  # weights dropped here
-        admission, pools = admission_policy(config), pool_balancer(config)
+        # One calibrated model for both: what admission learns about this host, the balancer prices with too.
+        wanted = (config.admission != "none" or config.adaptive_pools) and config.cost_profile
+        time_model = CalibratedTimeModel(load_linear_model(config.cost_profile)) if wanted else None
+        admission, pools = admission_policy(config, time_model), pool_balancer(config, time_model)
         cluster = ClusterManager(ClusterConfig(
             bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
             block_size=config.block_size, tokenizer_probe_hash=tokenizer_probe_hash(tokenizer), seed=config.seed,

@@ -94,6 +94,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="lend a worker of the idle pool to mixed duty while the other pool queues (needs the SLOs "
                         "and --cost-profile)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-log-dir", default="", metavar="DIR",
+                   help="each worker writes DIR/<worker id>.steps.jsonl at exit (kvbaton profile --from-step-log)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -118,7 +120,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
         admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
-        adaptive_pools=args.adaptive_pools))
+        adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -140,6 +142,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
                    help="decode role: how prefill workers write KV")
     p.add_argument("--kv-host", default="127.0.0.1", help="decode role: address the KV receiver listens on")
     p.add_argument("--kv-lease", type=float, default=60.0, help="seconds a handoff reservation or held block lives")
+    p.add_argument("--step-log", default="", metavar="FILE",
+                   help="write each step's batch shape and period here at exit (kvbaton profile --from-step-log)")
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -157,7 +161,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.threads,
         queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,
-        kv_host=args.kv_host, kv_lease_s=args.kv_lease))
+        kv_host=args.kv_host, kv_lease_s=args.kv_lease, step_log=args.step_log))
     print(f"kvbaton worker {worker_id}: {args.model} loaded, registering with {args.router}", file=sys.stderr,
           flush=True)
     reason = worker.run()
@@ -189,6 +193,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="time the live engine over batch shapes and fit the simulator's cost model")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny-random | .gguf | HF dir")
     p.add_argument("--out", required=True, metavar="FILE", help="coefficient JSON for kvbaton sim --cost-model")
+    p.add_argument("--from-step-log", nargs="+", default=None, metavar="FILE",
+                   help="fit serving workers' step logs (kvbaton worker --step-log) instead of timing the engine")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for smoke tests)")
     p.add_argument("--threads", type=int, default=0,

@@ -80,6 +80,7 @@ class Engine:
         # Called with each executed plan before the scheduler applies it: the KV of the plan's chunks is
         # written and their block tables are still held, so a prefill worker can stream them (handoff).
         self.on_executed: Callable[[StepPlan], None] | None = None
+        self.last_plan: StepPlan | None = None  # the plan of the latest step (serving workers log its shape)
 
     @property
     def tokenizer(self):  # noqa: ANN201 - kvbaton.model.tokenizer.Tokenizer
@@ -159,6 +160,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         now = self._clock()
         plan = self.scheduler.schedule(now)
+        self.last_plan = plan
         sampled: dict[str, SampledToken] = {}
         started = time.perf_counter()
         if plan.chunks:

@@ -24,7 +24,8 @@ from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import StepPlan
 from kvbaton.engine.engine import Engine
 from kvbaton.sim.costs.base import BatchShape
-from kvbaton.sim.costs.fit import StepSample, fit_linear, fit_quality
+from kvbaton.sim.costs.fit import StepSample, fit_linear, fit_quality, read_step_samples
+from kvbaton.model.registry import read_model_source, resolve_model_source
 from kvbaton.sim.costs.linear import LinearCostModel
 
 
@@ -107,16 +108,22 @@ def profile_engine(model: str, out: str | Path, grid: ProfileGrid = ProfileGrid(
     engine = Engine(config)
     measure(engine, QUICK_GRID)  # warm-up: allocator, kernels, caches; discarded
     samples = measure(engine, grid)
-    coefficients = fit_linear(samples)
     kv_bytes = engine.loaded.config.kv_bytes_per_token(engine.loaded.dtype.itemsize)
-    fitted = LinearCostModel({1: coefficients}, kv_bytes, name=f"profile:{model}")
+    return write_profile(samples, model, kv_bytes, f"kvbaton profile --model {model} (live engine on "
+                         f"{engine.config.device}, dtype {engine.loaded.dtype})", out)
+
+
+def write_profile(samples: list[StepSample], model: str, kv_bytes_per_token: int, source: str,
+                  out: str | Path) -> dict:
+    """Fit DistServe's form to `samples` and write the coefficient file `kvbaton sim --cost-model` reads."""
+    coefficients = fit_linear(samples)
+    fitted = LinearCostModel({1: coefficients}, kv_bytes_per_token, name=f"profile:{model}")
     quality = {kind: asdict(fit_quality(fitted, [s for s in samples if _kind(s.shape) == kind]))
                for kind in ("prefill", "decode", "mixed")}
     payload = {
-        "source": f"kvbaton profile --model {model} (live engine on {engine.config.device}, "
-                  f"dtype {engine.loaded.dtype})",
+        "source": source,
         "time_unit": "s",
-        "models": {model: {"kv_bytes_per_token": kv_bytes, "tp": {"1": coefficients.to_json()}}},
+        "models": {model: {"kv_bytes_per_token": kv_bytes_per_token, "tp": {"1": coefficients.to_json()}}},
         "fit_quality": quality,
         "num_samples": len(samples),
     }
@@ -131,9 +138,17 @@ def _kind(shape: BatchShape) -> str:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    if args.threads > 0:  # profile with the threads a serving worker gets, or its step times are not the worker's
-        torch.set_num_threads(args.threads)
-    payload = profile_engine(args.model, args.out, QUICK_GRID if args.quick else ProfileGrid(), args.dtype)
+    if args.from_step_log:
+        samples = read_step_samples(args.from_step_log)
+        model_config, _, _ = read_model_source(resolve_model_source(args.model))
+        itemsize = 4 if args.dtype == "float32" else 2  # the serving default is bf16
+        payload = write_profile(samples, args.model, model_config.kv_bytes_per_token(itemsize),
+                                f"kvbaton profile --from-step-log ({len(args.from_step_log)} serving workers' logs)",
+                                args.out)
+    else:
+        if args.threads > 0:  # profile with the threads a serving worker gets, or its step times are not its own
+            torch.set_num_threads(args.threads)
+        payload = profile_engine(args.model, args.out, QUICK_GRID if args.quick else ProfileGrid(), args.dtype)
     if args.json:
         print(json.dumps(payload))
         return 0

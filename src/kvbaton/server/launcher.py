@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 
@@ -71,6 +72,7 @@ class ServeConfig:
     tpot_slo_s: float = 0.0
     cost_profile: str = ""
     adaptive_pools: bool = False  # lend a worker of the idle pool to mixed duty (kvbaton.router.pools)
+    step_log_dir: str = ""  # each worker logs its step shapes and periods to <dir>/<worker id>.steps.jsonl
 
 
 def _slo_and_profile(config: ServeConfig, flag: str,
@@ -123,7 +125,8 @@ def worker_command(config: ServeConfig, router_address: str, worker_id: str, rol
             "--model", config.model, "--worker-id", worker_id, "--dtype", config.dtype,
             "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
-            "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport]
+            "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport,
+            *(["--step-log", str(Path(config.step_log_dir) / f"{worker_id}.steps.jsonl")] if config.step_log_dir else [])]
 
 
 class Launcher:

@@ -33,6 +33,7 @@ from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta, TokenLogprob
 from kvbaton.server.identity import tokenizer_probe_hash
+from kvbaton.server.step_log import StepLog
 from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
 from kvbaton.transfer.faults import FaultRule
 
@@ -61,6 +62,7 @@ class WorkerConfig:
     kv_host: str = "127.0.0.1"  # decode workers: where the KV receiver listens
     kv_lease_s: float = DEFAULT_LEASE_S  # every reservation / held block of a handoff expires after this
     transfer_faults: tuple[FaultRule, ...] = ()  # prefill workers: scripted faults on outgoing KV (tests)
+    step_log: str = ""  # write each step's shape and period here at exit (kvbaton.server.step_log)
 
 
 def kv_layout_of(loaded: LoadedModel, block_size: int) -> str:
@@ -84,6 +86,7 @@ class Worker:
         self._in_flight: set[str] = set()  # added to the engine, final delta not yet sent
         self._last_event_seq = 0
         self._num_step_calls = 0
+        self._step_log = StepLog(config.step_log) if config.step_log else None
         self._checked_at_step_call = -1  # invariants are checked once per idle period
         self._invariant_error = ""
         self._last_router_at = 0.0
@@ -125,6 +128,8 @@ class Worker:
         finally:
             socket.close()
             context.term()
+            if self._step_log is not None:
+                self._step_log.write()
             if self._prefill_links is not None:
                 self._prefill_links.close()
             if self._decode_kv is not None:
@@ -173,6 +178,8 @@ class Worker:
         idle_poll_ms = int(self.config.idle_poll_s * 1000) if self.config.role == "mixed" else 2
         while not self._stopping:
             if not engine.has_unfinished_requests():
+                if self._step_log is not None:
+                    self._step_log.on_idle()
                 socket.poll(idle_poll_ms)
             self._drain(socket)
             self._pump_handoffs(socket)
@@ -269,11 +276,15 @@ class Worker:
 
     def _step(self, socket: zmq.Socket) -> None:
         assert self.engine is not None
+        started_s = time.perf_counter()
         outputs = self.engine.step()
         self._num_step_calls += 1
         if self.prefill is not None:
             outputs = self.prefill.on_outputs(outputs)
         self._emit(socket, outputs)
+        if self._step_log is not None and self.engine.last_plan is not None:
+            self._step_log.on_step(self.engine.last_plan, started_s, time.perf_counter(),
+                                   self.engine.has_unfinished_requests())
 
     def _emit(self, socket: zmq.Socket, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -2,14 +2,17 @@
 
 Prefill-only steps fit a + b·Σl + c·Σl² + d·Σ l·ctx; decode-only steps fit a + b·Σctx + c·B (one
 regime: a CPU or small GPU shows no batch-size knee worth a second set); mixed steps are kept to
-report how well the combination rule of `LinearCostModel` predicts them.
+report how well the combination rule of `LinearCostModel` predicts them. Samples round-trip through JSON
+lines (`write_step_samples` / `read_step_samples`): serving workers log theirs that way.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -70,3 +73,33 @@ def fit_quality(model: LinearCostModel, samples: Sequence[StepSample]) -> FitQua
         return FitQuality(0, 0.0, 0.0)
     errors = [abs(model.step_s(s.shape) - s.duration_s) / s.duration_s for s in samples if s.duration_s > 0]
     return FitQuality(len(samples), float(np.mean(errors)), float(np.max(errors)))
+
+
+def write_step_samples(path: str | Path, samples: Sequence[StepSample]) -> None:
+    """One JSON line per sample: the batch shape's fields and `duration_s`."""
+    with Path(path).open("w") as out:
+        for sample in samples:
+            shape = sample.shape
+            out.write(json.dumps({"prefill_new_tokens": shape.prefill_new_tokens,
+                                  "prefill_context_tokens": shape.prefill_context_tokens,
+                                  "num_decodes": shape.num_decodes,
+                                  "decode_context_tokens": shape.decode_context_tokens,
+                                  "duration_s": sample.duration_s}) + "\n")
+
+
+def read_step_samples(paths: Sequence[str | Path]) -> list[StepSample]:
+    """The samples `write_step_samples` wrote, from every file in order."""
+    samples: list[StepSample] = []
+    for path in paths:
+        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                shape = BatchShape(tuple(int(n) for n in row["prefill_new_tokens"]),
+                                   tuple(int(n) for n in row["prefill_context_tokens"]),
+                                   int(row["num_decodes"]), int(row["decode_context_tokens"]))
+                samples.append(StepSample(shape, float(row["duration_s"])))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise InvalidRequestError(f"{path}:{number}: not a step sample ({exc})") from None
+    return samples

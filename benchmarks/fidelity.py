@@ -1,7 +1,10 @@
 """Simulator fidelity: one trace on the live cluster and in the simulator with the profiled cost model.
 
-1. `kvbaton profile` measures this machine's engine (one torch thread, like each live worker) and
-   fits the simulator's step-time coefficients.
+1. The simulator's step-time coefficients for this host: with `--calibrate serving` (default) a
+   calibration run — the same workload family with another seed, on the same cluster — logs every
+   worker's steps as it serves (`kvbaton serve --step-log-dir`) and `kvbaton profile --from-step-log`
+   fits them, per cluster; with `--calibrate idle`, `kvbaton profile` times the engine alone (one
+   torch thread, like each live worker). The evaluation trace is never used for fitting.
 2. The same `shared-prefix` requests run on a live `kvbaton serve` (2 mixed workers, and 1 prefill +
    1 decode) through the live driver, and through `kvbaton.sim` with the profiled cost model, the
    same cluster shape, policy, KV pool and token budget.
@@ -38,8 +41,10 @@ def profile(args: argparse.Namespace, out: Path) -> None:
                    check=True, env=env, timeout=1800)
 
 
-def run_live_cluster(args: argparse.Namespace, cluster: str, requests: list) -> list[RequestRecord]:
-    server = start_server(args, args.policy, POOL_FLAGS[cluster])
+def run_live_cluster(args: argparse.Namespace, cluster: str, requests: list,
+                     step_log_dir: Path | None = None) -> list[RequestRecord]:
+    extra = ["--step-log-dir", str(step_log_dir)] if step_log_dir is not None else []
+    server = start_server(args, args.policy, POOL_FLAGS[cluster], extra)
     try:
         config = DriverConfig(url=server.url, model=discover_model(server.url), timeout_s=args.request_timeout_s)
         return run_live(requests, config)
@@ -62,19 +67,36 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default=None, help="reuse a coefficient file instead of profiling")
+    parser.add_argument("--calibrate", default="serving", choices=("serving", "idle"),
+                        help="fit step times from a calibration run's worker step logs, or time the idle engine")
     parser.add_argument("--startup-timeout-s", type=float, default=240.0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     args = parser.parse_args()
 
-    coefficients = Path(args.profile) if args.profile else Path(tempfile.mkdtemp()) / "profile.json"
-    if not args.profile:
-        profile(args, coefficients)
-    requests = create_workload("shared-prefix", num_requests=args.num_requests, seed=args.seed, rate=args.rate,
+    workdir = Path(tempfile.mkdtemp())
+    idle_profile = Path(args.profile) if args.profile else workdir / "profile.json"
+    if not args.profile and args.calibrate == "idle":
+        profile(args, idle_profile)
+
+    def trace(seed: int) -> list:
+        return create_workload("shared-prefix", num_requests=args.num_requests, seed=seed, rate=args.rate,
                                num_groups=args.num_groups, system_prompt_tokens=args.system_prompt_tokens,
                                question_tokens=args.question_tokens, output_tokens=args.output_tokens)
+
+    requests = trace(args.seed)
     result: dict[str, object] = {"benchmark": "fidelity", "model": args.model, "policy": args.policy,
-                                 "num_requests": args.num_requests, "rate_rps": args.rate, "clusters": {}}
+                                 "num_requests": args.num_requests, "rate_rps": args.rate,
+                                 "calibrate": "profile file" if args.profile else args.calibrate, "clusters": {}}
     for cluster in [c for c in args.clusters.split(",") if c]:
+        coefficients = idle_profile
+        if not args.profile and args.calibrate == "serving":
+            logs = workdir / f"steps-{cluster}"
+            logs.mkdir()
+            run_live_cluster(args, cluster, trace(args.seed + 1000), logs)  # another trace of the same family
+            coefficients = workdir / f"serving-{cluster}.json"
+            subprocess.run([sys.executable, "-m", "kvbaton.cli", "profile", "--model", args.model, "--out",
+                            str(coefficients), "--from-step-log", *sorted(str(p) for p in logs.iterdir())],
+                           check=True, stdout=subprocess.DEVNULL)
         live = run_live_cluster(args, cluster, requests)
         setup = SimSetup(model=args.model, cluster=cluster, policy=args.policy, cost_model=str(coefficients),
                          seed=args.seed, num_blocks=args.num_blocks, max_num_batched_tokens=512, max_num_seqs=128)

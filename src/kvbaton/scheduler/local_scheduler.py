@@ -299,7 +299,9 @@ class LocalScheduler:
         end_pos = request.num_computed_tokens + num_tokens
         while not self.blocks.try_grow(request, end_pos):
             victim = self._running[-1]
-            if victim is request and len(self._running) == 1:
+            # Alone and still short: fail only what the whole pool cannot hold. Otherwise blocks are held outside
+            # the scheduler (KV handoff reservations, released within their lease): wait for them, preempted.
+            if victim is request and len(self._running) == 1 and not self._fits_pool(end_pos):
                 self._running.remove(request)
                 self._fail_unfittable(request, end_pos, step, now)
                 return
@@ -324,10 +326,10 @@ class LocalScheduler:
             end_pos = request.num_computed_tokens + num_tokens
             if not self.blocks.try_grow(request, end_pos):
                 self.blocks.free(request)
-                if self._running:
-                    break  # admission never preempts; later requests wait behind this one
-                # Nothing runs and the cache is drained: this request (e.g. a preempted one whose
-                # recompute outgrew the pool) can never fit, and would block the queue forever.
+                if self._running or self._fits_pool(end_pos):
+                    break  # admission never preempts; later requests wait behind this one (or for held blocks)
+                # Nothing runs, the cache is drained and the whole pool is too small: this request (e.g. a
+                # preempted one whose recompute outgrew the pool) can never fit, and would block the queue forever.
                 self._waiting.remove(request)
                 self._fail_unfittable(request, end_pos, step, now)
                 continue
@@ -344,6 +346,9 @@ class LocalScheduler:
             step.add(self._make_chunk(request, num_tokens))
         if admitted:
             self._waiting = deque(r for r in self._waiting if r.request_id not in admitted)
+
+    def _fits_pool(self, end_pos: int) -> bool:
+        return self.blocks.num_blocks_for(end_pos) <= self.blocks.pool.num_blocks
 
     def _fail_unfittable(self, request: Request, end_pos: int, step: _StepBuilder, now: float) -> None:
         message = (

@@ -146,6 +146,8 @@ class ClusterSim:
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._flights: dict[str, _Flight] = {}
+        # Protocol messages for a worker in the middle of a step: as a live worker, it reads them between steps.
+        self._inbox: dict[str, list[Delivery]] = {}
         self._records: list[RequestRecord] = []
         self._params: dict[int, SamplingParams] = {}
         self._on_record: Callable[[RequestRecord], None] | None = None
@@ -167,7 +169,7 @@ class ClusterSim:
             elif kind == _ARRIVAL:
                 self._on_arrival(payload, now)  # type: ignore[arg-type]
             elif kind == _DELIVERY:
-                self._on_handoff_events(self.handoffs.deliver(payload, now), now)  # type: ignore[union-attr,arg-type]
+                self._on_delivery(payload, now)  # type: ignore[arg-type]
             else:
                 self._start_handoff(self._flights.get(payload), now)  # type: ignore[arg-type]
             if self.handoffs is not None and now >= self._next_expiry_at:
@@ -312,6 +314,10 @@ class ClusterSim:
                 self._reject(flight, decision.reason, now)
                 return
         flight.at_decode = True
+        # The client sees the first token when the decode worker adopts the KV and streams it, as live: between
+        # its steps, so after the one in flight (the prefill worker sampled it earlier; the router hears it here).
+        if flight.token_times_s:
+            flight.token_times_s[0] = decode.step_end_at if decode.plan is not None else now
         decode.offer_handoff(request, adopted.num_tokens, adopted.block_ids, now)
         self._kick(decode, now)
 
@@ -331,7 +337,16 @@ class ClusterSim:
             self._on_request_finished(worker, request, now)
         if now - worker.last_heartbeat_at >= self.config.heartbeat_s:  # _heartbeat's own test, without the call
             self._heartbeat(worker, now, force=False)
+        inbox = self._inbox.pop(worker.worker_id, None)
+        for delivery in inbox or ():
+            self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
         self._kick(worker, now)
+
+    def _on_delivery(self, delivery: Delivery, now: float) -> None:
+        if self.workers[delivery.to_worker].plan is not None:
+            self._inbox.setdefault(delivery.to_worker, []).append(delivery)
+        else:
+            self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
 
     def _on_request_finished(self, worker: SimWorker, request: Request, now: float) -> None:
         flight = self._flights[request.request_id]

@@ -45,6 +45,7 @@ class SimWorker:
         self.token_for = token_for
         self.plan: StepPlan | None = None  # the step in flight, None when idle
         self.step_s = 0.0
+        self.step_end_at = 0.0  # when the step in flight ends
         # KV arrived (in adopted blocks), waiting for a running slot, FIFO: (request, computed tokens, blocks).
         self.pending_handoffs: deque[tuple[Request, int, tuple[int, ...]]] = deque()
         self.on_executed: Callable[[StepPlan, float], None] | None = None  # after the forward, before update
@@ -69,7 +70,8 @@ class SimWorker:
             return None
         self.plan = plan
         self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
-        return now + self.step_s
+        self.step_end_at = now + self.step_s
+        return self.step_end_at
 
     def finish_step(self, now: float) -> tuple[list[TokenOutput], list[Request]]:
         """Apply the step in flight at its end time; returns its tokens and the requests that ended."""

@@ -10,6 +10,7 @@ from kvbaton.bench.tokens import as_token_array
 from kvbaton.bench.workloads import create_workload
 from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.core.config import CacheConfig, SchedulerConfig
+from kvbaton.core.errors import InvalidRequestError
 from kvbaton.sim.cluster import ClusterSim, SimConfig
 from kvbaton.sim.costs import ConstantCostModel, create_cost_model
 from kvbaton.sim.run import SimSetup, simulate
@@ -112,3 +113,17 @@ def test_handoff_leases_expire_when_the_prefill_is_too_slow() -> None:
     assert [r.status for r in records] == ["failed"] * 3
     assert all("lease expired" in r.reason for r in records)
     assert sim.workers["d0"].pool.num_used_blocks == 0 and sim.handoffs.sources["p0"].num_held_blocks == 0
+
+
+def test_first_token_leaves_the_decode_worker_unless_told_to_count_it_at_the_prefill() -> None:
+    cost = ConstantCostModel(0.01, kv_bytes_per_token=1000)
+    requests = small_workload()
+    at = {where: ClusterSim(parse_cluster_spec("2P2D:link=ethernet"), cost,
+                            SimConfig(cache=CacheConfig(16, 256), first_token_at=where)).run(requests)
+          for where in ("decode", "prefill")}
+    for via_decode, via_prefill in zip(at["decode"], at["prefill"]):
+        # The KV crosses the link before the decode worker streams the first token; the rest is the same.
+        assert via_decode.first_token_s >= via_prefill.first_token_s + 64_000 / 12.5e9 - 1e-12
+        assert via_decode.token_times_s[1:] == via_prefill.token_times_s[1:]
+    with pytest.raises(InvalidRequestError, match="first_token_at"):
+        SimConfig(first_token_at="router")

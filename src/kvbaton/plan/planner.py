@@ -167,11 +167,12 @@ class GoodputPlanner:
     def setup_for(self, placement: Placement) -> SimSetup:
         budget = (self.request.colocated_chunk_tokens if placement.colocated is not None
                   else self.request.disaggregated_batch_tokens)
-        # One instance per pool: the placement policies have nothing to choose, so heartbeats can be sparse.
+        # One instance per pool: the placement policies have nothing to choose, so heartbeats can be sparse. TTFT
+        # as DistServe defines it: the first token leaves the prefill instance.
         return SimSetup(model=self.request.model, gpu=self.request.gpu, cluster=placement.cluster_spec,
                         policy="round_robin", cost_model=self.request.cost_model, seed=self.request.seed,
                         max_num_batched_tokens=budget, max_model_len=self.max_model_len,
-                        enable_prefix_cache=False, heartbeat_s=1.0)
+                        enable_prefix_cache=False, heartbeat_s=1.0, first_token_at="prefill")
 
     def run(self) -> Plan:
         started = time.perf_counter()

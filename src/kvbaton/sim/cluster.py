@@ -29,7 +29,7 @@ from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.core.config import CacheConfig, SchedulerConfig
-from kvbaton.core.errors import KvbatonError
+from kvbaton.core.errors import InvalidRequestError, KvbatonError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import StepPlan
@@ -60,6 +60,14 @@ class SimConfig:
     handoff_retry_s: float = 0.02  # wait after a refused reservation before asking again
     max_handoff_attempts: int = 500  # refusals after which the request fails
     cache_key: CacheKey = CacheKey("sim-model", "sim-layout")
+    # When a handed-off request's first token reaches the client: "decode" — the decode worker streams it once it
+    # adopts the KV, between its steps (kvbaton's live path); "prefill" — as the prefill worker samples it
+    # (DistServe's metric, which the planner reproduces).
+    first_token_at: str = "decode"
+
+    def __post_init__(self) -> None:
+        if self.first_token_at not in ("decode", "prefill"):
+            raise InvalidRequestError(f"first_token_at must be 'decode' or 'prefill', got {self.first_token_at!r}")
 
 
 @dataclass(slots=True)
@@ -316,7 +324,7 @@ class ClusterSim:
         flight.at_decode = True
         # The client sees the first token when the decode worker adopts the KV and streams it, as live: between
         # its steps, so after the one in flight (the prefill worker sampled it earlier; the router hears it here).
-        if flight.token_times_s:
+        if flight.token_times_s and self.config.first_token_at == "decode":
             flight.token_times_s[0] = decode.step_end_at if decode.plan is not None else now
         decode.offer_handoff(request, adopted.num_tokens, adopted.block_ids, now)
         self._kick(decode, now)

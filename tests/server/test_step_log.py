@@ -17,6 +17,7 @@ from kvbaton.server.cluster import ClusterManager
 from kvbaton.server.step_log import StepLog
 from kvbaton.sim.costs.base import BatchShape
 from kvbaton.sim.costs.fit import StepSample, read_step_samples
+from kvbaton.sim.costs.linear import load_linear_model
 from tests.server.pd_helpers import collect, greedy, run_pd
 from tests.server.test_worker_cluster import WorkerThread
 
@@ -62,6 +63,8 @@ def test_profile_fits_step_logs_and_rejects_a_malformed_one(tmp_path: Path) -> N
     assert coefficients["prefill"][:2] == pytest.approx([0.01, 1e-4], rel=1e-3, abs=1e-7)
     assert coefficients["decode_small"][0] == pytest.approx(0.02, rel=1e-2)
     assert fitted["num_samples"] == 16 and "step-log" in fitted["source"]
+    assert fitted["step_noise_sigma"] < 0.01  # exact synthetic steps: no spread for the simulator to draw
+    assert load_linear_model(out).step_noise_sigma == fitted["step_noise_sigma"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"num_decodes": 1}\n')
     with pytest.raises(InvalidRequestError, match="bad.jsonl:1: not a step sample"):

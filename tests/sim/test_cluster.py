@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvbaton.bench.metrics import summarize
+from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.tokens import as_token_array
 from kvbaton.bench.workloads import create_workload
 from kvbaton.bench.workloads.base import WorkloadRequest
@@ -13,6 +14,7 @@ from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.sim.cluster import ClusterSim, SimConfig
 from kvbaton.sim.costs import ConstantCostModel, create_cost_model
+from kvbaton.sim.costs.linear import LinearCoefficients, LinearCostModel
 from kvbaton.sim.run import SimSetup, simulate
 from kvbaton.sim.spec import parse_cluster_spec
 
@@ -127,3 +129,19 @@ def test_first_token_leaves_the_decode_worker_unless_told_to_count_it_at_the_pre
         assert via_decode.token_times_s[1:] == via_prefill.token_times_s[1:]
     with pytest.raises(InvalidRequestError, match="first_token_at"):
         SimConfig(first_token_at="router")
+
+
+def test_step_noise_is_seeded_per_worker_keeps_the_mean_and_zero_means_exact() -> None:
+    def run(sigma: float, seed: int) -> tuple[list[RequestRecord], float]:
+        cost = LinearCostModel({1: LinearCoefficients((0.01, 1e-4, 0.0, 0.0), (0.005, 0.0, 1e-4),
+                                                      (0.005, 0.0, 1e-4))}, 0)
+        cost.step_noise_sigma = sigma
+        sim = ClusterSim(parse_cluster_spec("2xmixed"), cost, SimConfig(cache=CacheConfig(16, 256), seed=seed))
+        records = sim.run(small_workload(num=12, gap_s=0.05, out=20))
+        return records, sum(w.busy_s for w in sim.workers.values()) / sum(w.num_steps for w in sim.workers.values())
+
+    exact, exact_step_s = run(0.0, 0)
+    assert run(0.0, 1)[0] == exact  # without noise the seed only breaks routing ties, none here
+    noisy, noisy_step_s = run(0.3, 0)
+    assert run(0.3, 0)[0] == noisy and run(0.3, 1)[0] != noisy  # seeded: same seed, same run
+    assert noisy != exact and abs(noisy_step_s / exact_step_s - 1.0) < 0.2  # lognormal with mean 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -125,10 +126,21 @@ def write_profile(samples: list[StepSample], model: str, kv_bytes_per_token: int
         "time_unit": "s",
         "models": {model: {"kv_bytes_per_token": kv_bytes_per_token, "tp": {"1": coefficients.to_json()}}},
         "fit_quality": quality,
+        "step_noise_sigma": step_noise_sigma(fitted, samples),
         "num_samples": len(samples),
     }
     Path(out).write_text(json.dumps(payload, indent=2) + "\n")
     return payload
+
+
+def step_noise_sigma(model: LinearCostModel, samples: list[StepSample]) -> float:
+    """The spread the simulator draws step times with: std of log(measured / predicted) over the samples."""
+    logs = [math.log(s.duration_s / predicted) for s in samples
+            if s.duration_s > 0 and (predicted := model.step_s(s.shape)) > 0]
+    if len(logs) < 2:
+        return 0.0
+    mean = sum(logs) / len(logs)
+    return round(math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)), 4)
 
 
 def _kind(shape: BatchShape) -> str:

@@ -133,7 +133,8 @@ class ClusterSim:
         # reservation cannot evict cached blocks (HandoffDestination allocates from free blocks only).
         decode_cache = replace(config.cache, enable_prefix_cache=False)
         self.workers = {w.worker_id: SimWorker(w, sched, decode_cache if w.role == "decode" else config.cache,
-                                               config.cache_key, cost_model, token_for)
+                                               config.cache_key, cost_model, token_for,
+                                               random.Random(f"{config.seed}:{w.worker_id}"))
                         for w in spec.workers}
         self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
         self.decode_ids = [w.worker_id for w in spec.workers if w.role == "decode"]

@@ -9,6 +9,8 @@ which run with ignore_eos and an exact output length).
 
 from __future__ import annotations
 
+import math
+import random
 from collections import deque
 from collections.abc import Callable
 
@@ -34,7 +36,8 @@ def default_token(request_id: str, output_index: int) -> int:
 
 class SimWorker:
     def __init__(self, spec: WorkerSpec, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 cache_key: CacheKey, cost_model: CostModel, token_for: TokenFn | None = None) -> None:
+                 cache_key: CacheKey, cost_model: CostModel, token_for: TokenFn | None = None,
+                 rng: random.Random | None = None) -> None:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.pool = BlockPool(cache_config.num_blocks)
@@ -43,6 +46,9 @@ class SimWorker:
         self.block_size = cache_config.block_size
         self.cost_model = cost_model
         self.token_for = token_for
+        # Step-time noise (cost_model.step_noise_sigma): lognormal with mean 1, from this worker's own stream.
+        sigma = cost_model.step_noise_sigma
+        self._noise = (lambda: math.exp(rng.gauss(-sigma * sigma / 2, sigma))) if sigma > 0 and rng else None
         self.plan: StepPlan | None = None  # the step in flight, None when idle
         self.step_s = 0.0
         self.step_end_at = 0.0  # when the step in flight ends
@@ -70,6 +76,8 @@ class SimWorker:
             return None
         self.plan = plan
         self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
+        if self._noise is not None:
+            self.step_s *= self._noise()
         self.step_end_at = now + self.step_s
         return self.step_end_at
 

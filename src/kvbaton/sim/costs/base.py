@@ -69,6 +69,9 @@ class CostModel(ABC):
 
     name: str = "cost-model"
     kv_bytes_per_token: int = 0  # bytes of K and V for one token over all layers (0: transfers are free)
+    # Spread of measured step times around the model (std of log(measured / predicted)); the simulator draws
+    # each step's time around the prediction with it, from a seeded generator. 0: exact, deterministic steps.
+    step_noise_sigma: float = 0.0
 
     @abstractmethod
     def step_s(self, shape: BatchShape, parallel: Parallelism = Parallelism()) -> float:

@@ -108,7 +108,9 @@ def load_linear_model(path: str | Path, model: str | None = None) -> LinearCostM
     if entry is None:
         raise InvalidRequestError(f"{path} has no coefficients for {model!r}; it has {sorted(models)}")
     by_tp = {int(tp): LinearCoefficients.from_json(raw, unit) for tp, raw in entry["tp"].items()}
-    return LinearCostModel(by_tp, int(entry.get("kv_bytes_per_token", 0)), name=f"{Path(path).stem}:{model}")
+    fitted = LinearCostModel(by_tp, int(entry.get("kv_bytes_per_token", 0)), name=f"{Path(path).stem}:{model}")
+    fitted.step_noise_sigma = float(data.get("step_noise_sigma", 0.0))
+    return fitted
 
 
 def save_linear_model(path: str | Path, model: str, coefficients: LinearCoefficients, kv_bytes_per_token: int,

@@ -244,11 +244,7 @@ class GlobalPrefixIndex:
         parent = start
         depth = 0
         for segment in walked or ():
-            if worker not in segment.workers:
-                segment.workers.add(worker)
-                worker_lru[segment.hashes[0]] = None
-            if count_routed:
-                segment.num_routed += 1
+            self._visit(segment, worker, worker_lru, count_routed)
             path.append(segment)
             parent = segment
             depth += len(segment.hashes)
@@ -296,14 +292,19 @@ class GlobalPrefixIndex:
                         common += 1
                     self._split(segment, common)
                 depth += common
-            if worker not in segment.workers:
-                segment.workers.add(worker)
-                worker_lru[segment.hashes[0]] = None
-            if count_routed:
-                segment.num_routed += 1
+            self._visit(segment, worker, worker_lru, count_routed)
             path.append(segment)
             parent = segment
         return path
+
+    @staticmethod
+    def _visit(segment: _Segment, worker: WorkerId, worker_lru: OrderedDict[int, None], count_routed: bool) -> None:
+        """`worker` holds `segment` (newly: it enters the worker's LRU); a routed insert counts a reuse."""
+        if worker not in segment.workers:
+            segment.workers.add(worker)
+            worker_lru[segment.hashes[0]] = None
+        if count_routed:
+            segment.num_routed += 1
 
     def _create(self, hashes: list[int], parent: _Segment | None, worker: WorkerId) -> _Segment:
         segment = _Segment(hashes, parent, set(), 0)

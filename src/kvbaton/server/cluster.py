@@ -297,8 +297,8 @@ class ClusterManager:
         if self.tally is not None:
             prefiller = entry.prefill_worker or entry.worker_id
             self.tally.on_routed(call.request_id, prefiller, entry.worker_id, len(call.prompt_token_ids),
-                                     self.state.matched_tokens(request, matched.get(prefiller, 0)),
-                                     call.sampling.max_tokens, now)
+                                 self.state.matched_tokens(request, matched.get(prefiller, 0)),
+                                 call.sampling.max_tokens, now)
         self._calls[call.request_id] = entry
         self._num_waiting += 1
         self.workers[entry.worker_id].in_flight.add(call.request_id)
@@ -321,7 +321,7 @@ class ClusterManager:
         pairs = ([(p, d) for p in prefill for d in decode] + [(d, d) for d in decode if not prefill]
                  + [(w, w) for w in mixed])
         decision = self.tally.check(call.request_id, len(call.prompt_token_ids), call.sampling.max_tokens,
-                                        matched, pairs, now)
+                                    matched, pairs, now)
         if not decision.admitted:
             self.num_rejected += 1
             stage = "prefill" if decision.reason.startswith("prefill") else "decode"

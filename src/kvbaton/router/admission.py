@@ -26,7 +26,7 @@ the same inputs always give the same decision.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvbaton.core.errors import InvalidRequestError
@@ -110,6 +110,11 @@ class AdmissionRequest:
     num_output_tokens: int  # expected (max_tokens): prices its decode work and KV reservation
     num_cached_tokens: int = 0  # prompt tokens the chosen prefill worker already holds
 
+    def with_cached(self, cached_tokens: int) -> AdmissionRequest:
+        """This request on a worker caching `cached_tokens` of its prompt; the last prompt token is always
+        computed (it yields the first output token)."""
+        return replace(self, num_cached_tokens=max(0, min(cached_tokens, self.num_prompt_tokens - 1)))
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeSlot:
@@ -147,8 +152,14 @@ class AdmissionDecision:
     decode_load: float  # max(step time / TPOT SLO, KV reserved / capacity); 0.0 when not looked at
 
 
-def _decode_load(slots: Sequence[DecodeSlot], request: AdmissionRequest, capacity_tokens: int,
-                 time_model: StageTimeModel, slo: AdmissionSLO) -> tuple[float, float]:
+def predict_ttft_s(time_model: StageTimeModel, request: AdmissionRequest, prefill: PrefillLoad) -> float:
+    """Queue drain plus this prefill, as one batch: the worker computes everything ahead of it first (FCFS)."""
+    new_tokens = max(request.num_prompt_tokens - request.num_cached_tokens, 1)
+    return time_model.prefill_s(prefill.num_queued_tokens + new_tokens, request.num_cached_tokens)
+
+
+def predict_decode(slots: Sequence[DecodeSlot], request: AdmissionRequest, capacity_tokens: int,
+                   time_model: StageTimeModel, slo: AdmissionSLO) -> tuple[float, float]:
     """(predicted TPOT, load) with `request` joining `slots` on one decode worker."""
     num_seqs = len(slots) + 1
     context_tokens = sum(s.num_context_tokens for s in slots) + request.num_prompt_tokens
@@ -189,10 +200,7 @@ class AdmissionPolicy:
         return model
 
     def predict_ttft_s(self, request: AdmissionRequest, prefill: PrefillLoad) -> float:
-        """Queue drain plus this prefill, as one batch: the worker computes everything ahead of it first (FCFS)."""
-        new_tokens = max(request.num_prompt_tokens - request.num_cached_tokens, 1)
-        return self._model(prefill.worker_id).prefill_s(prefill.num_queued_tokens + new_tokens,
-                                                        request.num_cached_tokens)
+        return predict_ttft_s(self._model(prefill.worker_id), request, prefill)
 
     def check_arrival(self, request: AdmissionRequest, prefill: PrefillLoad, decode: DecodeLoad | None,
                       now: float) -> AdmissionDecision:
@@ -210,7 +218,7 @@ class AdmissionPolicy:
             # gone by the time it arrives; everything admitted before it (still prefilling) is there.
             now_step_s = model.decode_s(len(future), sum(s.num_context_tokens for s in future))
             future = _surviving(future, now_step_s, ttft_s) + list(decode.incoming)
-        tpot_s, decode_load = _decode_load(future, request, decode.kv_capacity_tokens, model, self.slo)
+        tpot_s, decode_load = predict_decode(future, request, decode.kv_capacity_tokens, model, self.slo)
         return self._decide(prefill_load, ttft_s, decode_load, tpot_s)
 
     def check_options(self, options: Sequence[tuple[AdmissionRequest, PrefillLoad, DecodeLoad | None]],
@@ -232,8 +240,8 @@ class AdmissionPolicy:
         if self.name == "none":
             return AdmissionDecision(True, "", 0.0, 0.0, 0.0, 0.0)
         # What the decode worker itself sees: the requests decoding there, plus this one.
-        tpot_s, decode_load = _decode_load(decode.decoding, request, decode.kv_capacity_tokens,
-                                           self._model(decode.worker_id), self.slo)
+        tpot_s, decode_load = predict_decode(decode.decoding, request, decode.kv_capacity_tokens,
+                                             self._model(decode.worker_id), self.slo)
         return self._decide(0.0, 0.0, decode_load, tpot_s)
 
     def _decide(self, prefill_load: float, ttft_s: float, decode_load: float, tpot_s: float) -> AdmissionDecision:

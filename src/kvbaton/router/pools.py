@@ -173,7 +173,7 @@ class PoolBalancer:
         decodes = {w: decode_load(w) for w in decode_workers}
 
         def with_cache(worker: str) -> AdmissionRequest:
-            return replace(request, num_cached_tokens=min(cached_tokens.get(worker, 0), request.num_prompt_tokens - 1))
+            return request.with_cached(cached_tokens.get(worker, 0))
 
         ttft_s = {w: self.admission.predict_ttft_s(with_cache(w), load) for w, load in prefills.items()}
         decode_loads = {w: self.decode_pressure(request, [load]) for w, load in decodes.items()}

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvbaton.router.admission import (AdmissionDecision, AdmissionPolicy, AdmissionRequest, CalibratedTimeModel,
-                                      DecodeLoad, DecodeSlot, PrefillLoad)
+                                      DecodeLoad, DecodeSlot, PrefillLoad, predict_decode, predict_ttft_s)
 
 
 @dataclass(slots=True)
@@ -60,12 +60,11 @@ class AdmissionGate:
         tracked = _Tracked(prefill_worker, decode_worker, num_prompt_tokens, uncached, max_tokens, now)
         if self.calibration is not None:  # priced before the call joins the queues it is priced on
             base = self.calibration.base
-            tracked.base_ttft_s = base.prefill_s(self.prefill_load(prefill_worker).num_queued_tokens + uncached,
-                                                 num_prompt_tokens - uncached)
+            request = AdmissionRequest(request_id, num_prompt_tokens, max_tokens, num_prompt_tokens - uncached)
+            tracked.base_ttft_s = predict_ttft_s(base, request, self.prefill_load(prefill_worker))
             decode = self.decode_load(decode_worker)
-            slots = decode.decoding + decode.incoming
-            tracked.base_tpot_s = base.decode_s(len(slots) + 1, sum(s.num_context_tokens for s in slots)
-                                                + num_prompt_tokens)
+            tracked.base_tpot_s, _ = predict_decode(decode.decoding + decode.incoming, request,
+                                                    decode.kv_capacity_tokens, base, self.policy.slo)
         self._calls[request_id] = tracked
         for worker in {prefill_worker, decode_worker}:
             self._by_worker.setdefault(worker, set()).add(request_id)
@@ -119,19 +118,15 @@ class AdmissionGate:
 
     # -- the decision -----------------------------------------------------------------------------
 
-    def _request(self, request_id: str, num_prompt_tokens: int, max_tokens: int, matched_blocks: Mapping[str, int],
-                 worker: str) -> AdmissionRequest:
-        cached = min(matched_blocks.get(worker, 0) * self.block_size, num_prompt_tokens - 1)
-        return AdmissionRequest(request_id, num_prompt_tokens, max_tokens, max(cached, 0))
-
     def check(self, request_id: str, num_prompt_tokens: int, max_tokens: int, matched_blocks: Mapping[str, int],
               pairs: Sequence[tuple[str, str]], now: float) -> AdmissionDecision:
         """`pairs`: every (prefill worker, decode worker) that could serve the call; equal ids: one worker
         serves it whole. `matched_blocks`: the prompt blocks each worker holds, per the router's index."""
         options = []
         decode_loads: dict[str, DecodeLoad] = {}
+        uncached = AdmissionRequest(request_id, num_prompt_tokens, max_tokens)
         for prefill_worker, decode_worker in pairs:
-            request = self._request(request_id, num_prompt_tokens, max_tokens, matched_blocks, prefill_worker)
+            request = uncached.with_cached(matched_blocks.get(prefill_worker, 0) * self.block_size)
             if decode_worker not in decode_loads:
                 decode_loads[decode_worker] = self.decode_load(decode_worker)
             options.append((request, self.prefill_load(prefill_worker), decode_loads[decode_worker]))

@@ -91,7 +91,8 @@ def main() -> None:
               f"phase2 TPOT p50 {row['phase2_tpot_p50_s']:.3f} s  whole on lent worker {row['calls_on_lent_worker']}")
     fixed, adaptive = results["fixed"]["phase2"], results["adaptive"]["phase2"]
     print(json.dumps({"benchmark": "adaptive_pools_live", "rate_rps": args.rate, "num_requests": args.num_requests,
-                      "phase2_attainment_fixed": fixed, "phase2_attainment_adaptive": adaptive, "runs": results}))
+                      "phase2_attainment_fixed": fixed, "phase2_attainment_adaptive": adaptive,
+                      "phase2_attainment_ratio": round(adaptive / fixed, 2) if fixed else None, "runs": results}))
 
 
 if __name__ == "__main__":

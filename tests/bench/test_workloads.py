@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvbaton.bench.sharing import PrefixSharingIndex, describe_workload, measure_sharing
 from kvbaton.bench.tokens import FIRST_NORMAL_TOKEN
 from kvbaton.bench.workloads import PREBLE_WORKLOADS, WORKLOADS, WorkloadRequest, create_workload
+from kvbaton.bench.workloads.distserve import MAX_TOTAL_TOKENS, distserve_lengths
 from kvbaton.core.errors import InvalidRequestError
 
 SYNTHETIC = [name for name in WORKLOADS if name != "mooncake"]
@@ -207,3 +208,17 @@ def test_shifting_mix_turns_long_prompts_into_long_outputs_at_the_shift() -> Non
     assert max(r.arrival_s for r in first) < min(r.arrival_s for r in second)
     with pytest.raises(InvalidRequestError, match="shift_fraction"):
         create_workload("shifting-mix", num_requests=10, shift_fraction=1.0)
+
+
+def test_distserve_sharegpt_follows_distserves_opt13b_mix_under_its_cut() -> None:
+    pairs = distserve_lengths(np.random.default_rng(0), 20_000)
+    prompts = np.array([p for p, _ in pairs])
+    outputs = np.array([o for _, o in pairs])
+    assert all(p + o < MAX_TOTAL_TOKENS and p >= 9 and o >= 1 for p, o in pairs)
+    # The trace it stands for: prompt mean 780, P90 1,512; output mean 176, median 67 (module docstring).
+    assert 750 < prompts.mean() < 810 and 1450 < np.percentile(prompts, 90) < 1560
+    assert 150 < outputs.mean() < 190 and 50 < np.median(outputs) < 80
+    requests = create_workload("distserve-sharegpt", num_requests=50, seed=3, rate=2.0)
+    again = create_workload("distserve-sharegpt", num_requests=50, seed=3, rate=2.0)
+    assert [(r.num_prompt_tokens, r.output_tokens, r.arrival_s) for r in requests] == \
+        [(r.num_prompt_tokens, r.output_tokens, r.arrival_s) for r in again]

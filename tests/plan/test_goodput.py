@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbaton.bench.metrics import SLO
-from kvbaton.plan.goodput import STOPPED_REASON, SearchSettings, largest_passing, probe, scaled, search_goodput
+from kvbaton.plan.goodput import (STOPPED_REASON, SearchSettings, distserve_bisection, largest_passing, probe, scaled,
+                                  search_goodput)
 from kvbaton.plan.planner import PlanRequest, plan_requests
 from kvbaton.sim.run import SimSetup
 
@@ -60,6 +61,21 @@ def test_largest_passing_examples() -> None:
     assert largest_passing(lambda k: True, 0, 5, 20) == (20, False, True)
     assert largest_passing(lambda k: k <= 30, 25, 5, 80) == (30, False, False)
     assert largest_passing(lambda k: False, 0, 20) == (0, False, False)
+
+
+def test_distserve_bisection_reports_the_last_passing_midpoint() -> None:
+    # DistServe's README case: the true threshold anywhere in [1.5625, 1.71875) prints as 1.56.
+    probed: list[float] = []
+
+    def met(rate: float) -> bool:
+        probed.append(rate)
+        return rate <= 1.6
+
+    assert distserve_bisection(met) == 1.5625
+    assert probed == [2.5, 1.25, 1.875, 1.5625, 1.71875]
+    assert distserve_bisection(lambda r: r <= 2.4) == 2.34375
+    assert distserve_bisection(lambda r: False) == 0.0
+    assert distserve_bisection(lambda r: True) == 4.84375  # never reaches the top: hi - lo < esp first
 
 
 def _requests(n: int = 60) -> list:

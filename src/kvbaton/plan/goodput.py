@@ -150,6 +150,22 @@ def largest_passing(met: Callable[[int], bool], floor: int, ceiling: int, limit:
     return low, False, False
 
 
+def distserve_bisection(met: Callable[[float], bool], high_rps: float = 5.0, esp_rps: float = 0.25) -> float:
+    """The per-GPU rate DistServe's simulator reports (`simdistserve/simulate.py --max-per-gpu-rate 5 --esp
+    0.25`, `benchmarks/search_binary.py`): plain bisection of [0, high] on the midpoints, stopping once
+    high - low < esp, and the last midpoint that passed (0.0 if none). Its answer is a lower bound up to one
+    bracket below the true threshold: README's "1.56" is the midpoint 1.5625 (pass at 1.25, fail at 1.875).
+    """
+    low, best = 0.0, 0.0
+    while high_rps - low >= esp_rps:
+        mid = (low + high_rps) / 2
+        if met(mid):
+            low = best = mid
+        else:
+            high_rps = mid
+    return best
+
+
 def search_goodput(requests: Sequence[WorkloadRequest], setup: SimSetup, num_gpus: int, settings: SearchSettings,
                    floor_rps: float = 0.0, best_rps: Callable[[], float] | None = None,
                    on_pass: Callable[[float], None] | None = None) -> GoodputResult:

@@ -18,6 +18,7 @@ from kvbaton.bench.tokens import DEFAULT_VOCAB_SIZE, check_vocab_size
 from kvbaton.bench.workloads.agent import generate_agent
 from kvbaton.bench.workloads.base import Draft, WorkloadFamily, WorkloadRequest
 from kvbaton.bench.workloads.context_qa import generate_long_doc_qa, generate_video_qa
+from kvbaton.bench.workloads.distserve import generate_distserve_sharegpt
 from kvbaton.bench.workloads.hot_prefix import generate_hot_prefix_burst
 from kvbaton.bench.workloads.mooncake import generate_mooncake
 from kvbaton.bench.workloads.prefix_library import generate_programming, generate_tool_use
@@ -46,6 +47,8 @@ WORKLOADS: dict[str, WorkloadFamily] = {f.name: f for f in (
                    "Mooncake JSONL trace replay: 512-token hash blocks, timestamp arrivals"),
     WorkloadFamily("sharegpt-like", generate_sharegpt_like, 8.0, 1000,
                    "ShareGPT-shaped chat lengths (or a ShareGPT JSON file), no deliberate sharing"),
+    WorkloadFamily("distserve-sharegpt", generate_distserve_sharegpt, 4.0, 300,
+                   "DistServe's OPT-13B ShareGPT length mix (multi-turn prompts, prompt + output < 2,048)"),
     WorkloadFamily("shifting-mix", generate_shifting_mix, 4.0, 1000,
                    "issue 7: long prompts/short outputs, then halfway short prompts/long outputs"),
 )}

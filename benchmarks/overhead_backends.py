@@ -6,6 +6,7 @@
 - `run_fake_http_workers`: N OpenAI-style HTTP servers (raw asyncio, keep-alive) for sglang-router:
   `POST /v1/completions` gets a fixed completion at once; any GET (`/health`, `/get_model_info`,
   `/get_server_info`, `/v1/models`, ...) gets 200 with a small JSON body.
+- `serve_fastapi_floor`: the router's HTTP stack (FastAPI + uvicorn) with an endpoint that does nothing.
 - `run_load`: a closed-loop HTTP/1.1 keep-alive client (`concurrency` connections, raw asyncio, so
   the client costs as little CPU as possible) that sends a fixed list of prompts round-robin.
 Each runs in its own process, started by `router_overhead.py`.
@@ -156,6 +157,34 @@ def run_fake_http_workers(ports: list[int], model: str) -> None:
     asyncio.run(main())
 
 
+# -- the HTTP stack alone -------------------------------------------------------------------------
+
+
+def serve_fastapi_floor(port: int) -> None:
+    """FastAPI + uvicorn exactly as kvbaton's router runs them (uvloop, httptools), answering
+    `POST /v1/completions` with a fixed completion after parsing the JSON body: no tokenizing, no
+    routing, no worker. The CPU per request of any router built on this stack is at least this."""
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    from kvbaton.server.launcher import run_router_loop
+
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        body = json.loads(await request.body())
+        return JSONResponse({"id": "cmpl-floor", "object": "text_completion", "created": int(time.time()),
+                             "model": body.get("model"), "choices": [{"index": 0, "text": REPLY_TEXT,
+                                                                      "logprobs": None, "finish_reason": "length"}],
+                             "usage": {"prompt_tokens": 0, "completion_tokens": len(REPLY_TOKEN_IDS),
+                                       "total_tokens": len(REPLY_TOKEN_IDS)}})
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=1024)
+    run_router_loop(uvicorn.Server(config).serve())
+
+
 # -- closed-loop client --------------------------------------------------------------------------
 
 
@@ -184,8 +213,8 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
 
 
 async def _load(host: str, port: int, path: str, bodies: list[bytes], num_requests: int, concurrency: int,
-                timeout_s: float) -> dict[str, object]:
-    counter = iter(range(num_requests))
+                timeout_s: float, first_body: int) -> dict[str, object]:
+    counter = iter(range(first_body, first_body + num_requests))
     statuses: dict[int, int] = {}
     errors: list[str] = []
 
@@ -210,9 +239,11 @@ async def _load(host: str, port: int, path: str, bodies: list[bytes], num_reques
             "num_ok": statuses.get(200, 0), "errors": errors[:5]}
 
 
-def run_load(url: str, bodies: list[bytes], num_requests: int, concurrency: int, timeout_s: float) -> dict[str, object]:
-    """Send `num_requests` POSTs to `url` (http://host:port/path) over `concurrency` keep-alive connections."""
+def run_load(url: str, bodies: list[bytes], num_requests: int, concurrency: int, timeout_s: float,
+             first_body: int = 0) -> dict[str, object]:
+    """Send `num_requests` POSTs to `url` (http://host:port/path) over `concurrency` keep-alive connections,
+    bodies `first_body`, `first_body + 1`, ... (wrapping around the list)."""
     rest = url.removeprefix("http://")
     hostport, _, path = rest.partition("/")
     host, _, port = hostport.partition(":")
-    return asyncio.run(_load(host, int(port), "/" + path, bodies, num_requests, concurrency, timeout_s))
+    return asyncio.run(_load(host, int(port), "/" + path, bodies, num_requests, concurrency, timeout_s, first_body))

@@ -9,8 +9,12 @@ own process keeping `--concurrency` (64) requests in flight over keep-alive conn
   `kvbaton.server.api` over the `ClusterManager` — started in a subprocess; it tokenizes each
   prompt with SmolLM2's tokenizer, hashes its blocks, routes, and talks to N in-process fake
   workers (one process) over the real zmq + msgpack worker RPC.
+  Every request carries a prompt the router has not seen whole (so its tokenization cache helps
+  only through shared prefixes); `:ids` sends pre-tokenized prompts instead.
+- fastapi:floor: FastAPI + uvicorn as the router runs them, with an endpoint that parses the body
+  and answers a fixed completion: the least CPU per request of any router on that stack.
 - sglang-router (`cache_aware`, `pip install sglang-router`, Rust): `python -m
-  sglang_router.launch_router` in front of N fake HTTP workers (one process).
+  sglang_router.launch_router` in front of N fake HTTP workers (one process). It does not tokenize.
 
 Router CPU is utime+stime from /proc/<pid>/stat of the router process (and any children) across
 the measured requests, divided by the requests completed. Each system gets a warm-up, then
@@ -38,12 +42,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from overhead_backends import run_fake_http_workers, run_fake_rpc_workers, run_load
+from overhead_backends import run_fake_http_workers, run_fake_rpc_workers, run_load, serve_fastapi_floor
 
 MODEL = "smollm2-135m"
 # "kvbaton:<policy>:ids" sends the same prompts pre-tokenized (token-id lists, as `kvbaton bench` does), which
 # separates the router's own overhead from tokenizing 2,000 characters at ingress.
-SYSTEMS = ("kvbaton:round_robin", "kvbaton:preble", "kvbaton:preble:ids", "sglang:cache_aware")
+# "fastapi:floor" is the HTTP stack alone (`serve_fastapi_floor`): what any router on FastAPI + uvicorn pays.
+SYSTEMS = ("kvbaton:round_robin", "kvbaton:preble", "kvbaton:preble:ids", "fastapi:floor", "sglang:cache_aware")
 SGLANG_REFERENCE = {"cache_aware_rps": 2300.0, "cache_aware_cpu_us_per_request": 170.0}  # this machine class
 _CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _WORDS = ("the", "router", "prefix", "cache", "worker", "token", "block", "queue", "load", "model", "serve",
@@ -167,7 +172,10 @@ def start_system(system: str, args: argparse.Namespace, script: str, bodies_path
     """Start the router and its fake workers; returns (url, router process, all processes)."""
     kind, policy = system.split(":")[:2]
     http_port = free_port()
-    if kind == "kvbaton":
+    if kind == "fastapi":
+        router = _spawn([script, "--role", "fastapi-floor", "--http-port", str(http_port)])
+        workers = None
+    elif kind == "kvbaton":
         rpc_port = free_port()
         router = _spawn([script, "--role", "kvbaton-router", "--policy", policy, "--http-port", str(http_port),
                          "--rpc-port", str(rpc_port), "--num-workers", str(args.num_workers)])
@@ -180,7 +188,7 @@ def start_system(system: str, args: argparse.Namespace, script: str, bodies_path
         router = _spawn(["-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(http_port),
                          "--policy", policy, "--log-level", "warn", "--worker-urls",
                          *(f"http://127.0.0.1:{p}" for p in ports)])
-    processes = [router, workers]
+    processes = [router, workers] if workers is not None else [router]
     url = f"http://127.0.0.1:{http_port}"
     try:
         _wait_ready(url, json.loads(Path(bodies_path).read_text())[0].encode(), processes, args.startup_timeout_s)
@@ -190,9 +198,11 @@ def start_system(system: str, args: argparse.Namespace, script: str, bodies_path
     return url, router, processes
 
 
-def load_once(script: str, url: str, bodies_path: str, num_requests: int, args: argparse.Namespace) -> dict[str, object]:
+def load_once(script: str, url: str, bodies_path: str, num_requests: int, args: argparse.Namespace,
+              first_body: int) -> dict[str, object]:
     output = subprocess.run([sys.executable, script, "--role", "load", "--url", f"{url}/v1/completions",
                              "--bodies", bodies_path, "--num-requests", str(num_requests),
+                             "--first-body", str(first_body),
                              "--concurrency", str(args.concurrency)],
                             capture_output=True, text=True, timeout=args.load_timeout_s + 30.0, check=True)
     return json.loads(output.stdout.strip().splitlines()[-1])
@@ -201,11 +211,14 @@ def load_once(script: str, url: str, bodies_path: str, num_requests: int, args: 
 def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str) -> dict[str, object]:
     url, router, processes = start_system(system, args, script, bodies_path)
     try:
-        load_once(script, url, bodies_path, args.num_warmup, args)
+        # Every request of a system carries a prompt it has not seen before (bodies are consumed in
+        # order), so no run is helped by exact repeats; shared prefixes are the workload's own.
+        load_once(script, url, bodies_path, args.num_warmup, args, first_body=0)
         runs = []
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             cpu_before_s = process_tree_cpu_s(router.pid)
-            result = load_once(script, url, bodies_path, args.num_requests, args)
+            result = load_once(script, url, bodies_path, args.num_requests, args,
+                               first_body=args.num_warmup + repeat * args.num_requests)
             cpu_s = process_tree_cpu_s(router.pid) - cpu_before_s
             num_ok = int(result["num_ok"])  # type: ignore[arg-type]
             runs.append({"rps": num_ok / float(result["elapsed_s"]),  # type: ignore[arg-type]
@@ -222,13 +235,12 @@ def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str
 
 def serve_kvbaton_router(args: argparse.Namespace) -> None:
     """The real router process: ClusterManager + the OpenAI app under uvicorn, until SIGTERM."""
-    import asyncio
-
     import uvicorn
 
     from kvbaton.model.registry import read_model_source, resolve_model_source
     from kvbaton.server.api import create_app
     from kvbaton.server.cluster import ClusterConfig, ClusterManager
+    from kvbaton.server.launcher import run_router_loop
 
     model_config, _, tokenizer = read_model_source(resolve_model_source(MODEL))
 
@@ -245,20 +257,22 @@ def serve_kvbaton_router(args: argparse.Namespace) -> None:
         finally:
             await cluster.shutdown(timeout_s=2.0)
 
-    asyncio.run(main())
+    run_router_loop(main())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", default="main",
-                        choices=("main", "kvbaton-router", "fake-rpc-workers", "fake-http-workers", "load"))
+                        choices=("main", "kvbaton-router", "fake-rpc-workers", "fake-http-workers", "fastapi-floor",
+                                 "load"))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="kvbaton:<policy> | sglang:<policy>, comma-separated")
     parser.add_argument("--num-workers", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=3000, help="per measured run")
     parser.add_argument("--num-warmup", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="distinct prompts (default: one per request sent, warm-up included)")
     parser.add_argument("--prompt-chars", type=int, default=2000)
     parser.add_argument("--shared-fraction", type=float, default=0.8)
     parser.add_argument("--num-groups", type=int, default=8)
@@ -272,6 +286,7 @@ def main() -> None:
     parser.add_argument("--ports", default="")
     parser.add_argument("--url", default="")
     parser.add_argument("--bodies", default="")
+    parser.add_argument("--first-body", type=int, default=0)
     args = parser.parse_args()
     script = os.path.abspath(__file__)
 
@@ -280,13 +295,17 @@ def main() -> None:
     elif args.role == "fake-rpc-workers":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         run_fake_rpc_workers(f"tcp://127.0.0.1:{args.rpc_port}", args.num_workers, MODEL)
+    elif args.role == "fastapi-floor":
+        serve_fastapi_floor(args.http_port)
     elif args.role == "fake-http-workers":
         run_fake_http_workers([int(p) for p in args.ports.split(",")], MODEL)
     elif args.role == "load":
         bodies = [b.encode() for b in json.loads(Path(args.bodies).read_text())]
-        print(json.dumps(run_load(args.url, bodies, args.num_requests, args.concurrency, args.load_timeout_s)))
+        print(json.dumps(run_load(args.url, bodies, args.num_requests, args.concurrency, args.load_timeout_s,
+                                  args.first_body)))
     else:
-        prompts = make_prompts(args.num_prompts, args.prompt_chars, args.shared_fraction, args.num_groups, args.seed)
+        num_prompts = args.num_prompts or args.num_warmup + args.repeats * args.num_requests
+        prompts = make_prompts(num_prompts, args.prompt_chars, args.shared_fraction, args.num_groups, args.seed)
         systems = [s for s in args.systems.split(",") if s]
         results: dict[str, object] = {}
         with tempfile.TemporaryDirectory() as tmp:
@@ -300,15 +319,22 @@ def main() -> None:
             "setup": {"num_workers": args.num_workers, "concurrency": args.concurrency,
                       "num_requests_per_run": args.num_requests, "repeats": args.repeats,
                       "prompt_chars": args.prompt_chars, "shared_fraction": args.shared_fraction,
-                      "num_groups": args.num_groups, "max_tokens": 4},
+                      "num_groups": args.num_groups, "num_prompts": num_prompts, "max_tokens": 4},
             "systems": results, "sglang_reference_this_machine_class": SGLANG_REFERENCE}
         reference = results.get("sglang:cache_aware")
-        if isinstance(reference, dict):
-            for system, figures in results.items():
-                if system.startswith("kvbaton:") and isinstance(figures, dict):
-                    figures["rps_over_sglang"] = round(figures["rps"] / reference["rps"], 3)
-                    figures["cpu_per_request_over_sglang"] = round(
-                        figures["cpu_us_per_request"] / reference["cpu_us_per_request"], 3)
+        floor = results.get("fastapi:floor")
+        for system, figures in results.items():
+            if not system.startswith("kvbaton:") or not isinstance(figures, dict):
+                continue
+            if isinstance(reference, dict):
+                figures["rps_over_sglang"] = round(figures["rps"] / reference["rps"], 3)
+                figures["cpu_per_request_over_sglang"] = round(
+                    figures["cpu_us_per_request"] / reference["cpu_us_per_request"], 3)
+            if isinstance(floor, dict):  # what kvbaton adds on top of the HTTP stack it must run on
+                figures["cpu_us_above_fastapi_floor"] = round(
+                    figures["cpu_us_per_request"] - floor["cpu_us_per_request"], 1)
+                figures["cpu_per_request_over_fastapi_floor"] = round(
+                    figures["cpu_us_per_request"] / floor["cpu_us_per_request"], 3)
         print(json.dumps(out))
 
 

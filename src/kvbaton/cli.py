@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from kvbaton.core.errors import KvbatonError
 from kvbaton.router.admission import ADMISSION_POLICIES
+from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -96,6 +97,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-log-dir", default="", metavar="DIR",
                    help="each worker writes DIR/<worker id>.steps.jsonl at exit (kvbaton profile --from-step-log)")
+    p.add_argument("--tokenizer-cache-chars", type=int, default=DEFAULT_MAX_CACHED_CHARS, metavar="N",
+                   help="reuse ingress token ids of texts and prefixes seen before, up to N characters (0: off)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -120,7 +123,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
         admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
-        adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir))
+        adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
+        tokenizer_cache_chars=args.tokenizer_cache_chars))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:

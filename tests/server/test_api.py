@@ -226,6 +226,8 @@ def test_metrics(client: TestClient) -> None:
     assert float(lines["kvbaton:kv_cache_usage_perc"]) == 0.25
     assert float(lines['kvbaton:router_decisions_total{reason="exploit"}']) == 2
     assert "kvbaton:num_requests_running" in lines
+    cache = client.app.state.server.tokenizer.cache  # shared by this module's apps: compare with its own count
+    assert float(lines["kvbaton:tokenizer_cache_queries_total"]) == cache.stats().num_queries >= 2
 
 
 def test_each_app_has_its_own_registry(client: TestClient, tokenizer: Tokenizer) -> None:

@@ -16,6 +16,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvbaton.core.errors import InvalidRequestError, UnsupportedModelError
+from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS, TokenizationCache
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 _GGUF_TOKEN_CONTROL = 3
@@ -134,14 +135,19 @@ class Tokenizer:
         eos_token_id: int | None,
         add_bos_token: bool,
         chat_template: str | None,
+        byte_level_words: bool = False,
     ) -> None:
+        """`byte_level_words`: the pre-tokenizer is one of the byte-level BPE patterns (GPT-2, Llama-3,
+        Qwen2), which always cut before " word" after a letter (see `TokenizationCache`)."""
         self._backend = backend
+        self._byte_level_words = byte_level_words
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
         added = backend.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(i for i, token in added.items() if token.special)
+        self._cache: TokenizationCache | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -155,10 +161,33 @@ class Tokenizer:
 
         Special tokens written in the text (`<|im_start|>`) are recognised, as chat templates rely on it.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = self._cache.encode(text) if self._cache is not None else self._backend.encode(
+            text, add_special_tokens=False).ids
         if self.add_bos_token and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return list(ids)
+
+    def enable_cache(self, max_cached_chars: int = DEFAULT_MAX_CACHED_CHARS) -> TokenizationCache:
+        """From now on `encode` reuses earlier results (`TokenizationCache`): whole texts, and prefixes cut
+        after an added token that leaves its neighbours alone or, for byte-level BPE, between words."""
+        added = self._backend.get_added_tokens_decoder()
+        splits = {token.content: token_id for token_id, token in added.items()
+                  if not (token.lstrip or token.rstrip or token.single_word or token.normalized)}
+
+        def encode_with_offsets(text: str) -> tuple[list[int], list[tuple[int, int]]]:
+            encoding = self._backend.encode(text, add_special_tokens=False)
+            return encoding.ids, encoding.offsets
+
+        # An added token holding or stripping whitespace could swallow the space a word split cuts at.
+        words = self._byte_level_words and not any(
+            token.lstrip or token.rstrip or any(c.isspace() for c in token.content) for token in added.values())
+        self._cache = TokenizationCache(encode_with_offsets, splits, split_at_words=words,
+                                        max_cached_chars=max_cached_chars)
+        return self._cache
+
+    @property
+    def cache(self) -> TokenizationCache | None:
+        return self._cache
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -236,6 +265,7 @@ class Tokenizer:
             eos_token_id=int(eos) if eos is not None else None,  # type: ignore[call-overload]
             add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
             chat_template=metadata.get("tokenizer.chat_template"),  # type: ignore[arg-type]
+            byte_level_words=True,  # every pattern _pre_tokenizer_for builds
         )
 
     @classmethod
@@ -283,7 +313,8 @@ class Tokenizer:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials + reserved])
-        return cls(backend, bos_token_id=1, eos_token_id=2, add_bos_token=False, chat_template=TINY_CHAT_TEMPLATE)
+        return cls(backend, bos_token_id=1, eos_token_id=2, add_bos_token=False, chat_template=TINY_CHAT_TEMPLATE,
+                   byte_level_words=True)
 
 
 def _token_id(backend: BackendTokenizer, token: object) -> int | None:

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.model.tokenizer import Tokenizer
+from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api_run import SampleRun, abort_on_disconnect
 from kvbaton.server.base import ClusterClient, GenerateCall, TokenDelta
 from kvbaton.server.metrics import ApiMetrics
@@ -306,10 +307,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *, max_model_len: int,
-               metrics: ApiMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> FastAPI:
-    """The router's FastAPI app; the tokenizer is the model's (the cluster only ever sees token ids)."""
+               metrics: ApiMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+               tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS) -> FastAPI:
+    """The router's FastAPI app; the tokenizer is the model's (the cluster only ever sees token ids).
+
+    `tokenizer_cache_chars` > 0 turns on the tokenizer's ingress cache (`TokenizationCache`), bounded
+    by that many characters; 0 tokenizes every prompt from scratch."""
     metrics = metrics if metrics is not None else ApiMetrics()
     metrics.attach_cluster(cluster.cluster_info)
+    if tokenizer_cache_chars > 0:
+        cache = tokenizer.cache or tokenizer.enable_cache(tokenizer_cache_chars)
+        metrics.attach_token_cache(cache.stats)
     server = OpenAIServer(cluster, tokenizer, model_name, max_model_len, metrics, clock)
     app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server

@@ -17,14 +17,17 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import uvicorn
+import uvloop
 
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.registry import read_model_source, resolve_model_source
+from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api import create_app
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
@@ -32,6 +35,8 @@ from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 from kvbaton.router.admission import AdmissionPolicy, AdmissionSLO, CalibratedTimeModel, create_admission
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.sim.costs.linear import load_linear_model
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +78,7 @@ class ServeConfig:
     cost_profile: str = ""
     adaptive_pools: bool = False  # lend a worker of the idle pool to mixed duty (kvbaton.router.pools)
     step_log_dir: str = ""  # each worker logs its step shapes and periods to <dir>/<worker id>.steps.jsonl
+    tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS  # ingress tokenization cache bound (0: off)
 
 
 def _slo_and_profile(config: ServeConfig, flag: str,
@@ -172,7 +178,8 @@ class Launcher:
                 cluster.watch_process(worker_id, process)
             if not await self._wait_for_workers(cluster):
                 return 0  # stopped during startup
-            app = create_app(cluster, tokenizer, config.model, max_model_len=model_config.max_position_embeddings)
+            app = create_app(cluster, tokenizer, config.model, max_model_len=model_config.max_position_embeddings,
+                             tokenizer_cache_chars=config.tokenizer_cache_chars)
             self._server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                   timeout_graceful_shutdown=int(config.drain_timeout_s)))
             serving = asyncio.create_task(self._server.serve(sockets=[http_socket]))
@@ -246,5 +253,12 @@ def _bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
+def run_router_loop(main: Coroutine[object, object, T]) -> T:
+    """Run the router's event loop on uvloop: per request it costs the HTTP server and the zmq sockets a
+    fraction of asyncio's default selector loop (measured in benchmarks/router_overhead.py)."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def serve(config: ServeConfig) -> int:
-    return asyncio.run(Launcher(config).run())
+    return run_router_loop(Launcher(config).run())

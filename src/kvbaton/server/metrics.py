@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvbaton.model.token_cache import TokenCacheStats
+
 PREFIX = "kvbaton:"
 # vLLM's buckets (seconds), so dashboards built for vLLM read these unchanged.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -67,6 +69,26 @@ class ClusterCollector(Collector):
                                     value=_number(value))
 
 
+class TokenCacheCollector(Collector):
+    """The ingress tokenization cache's counters (`TokenizationCache.stats()`), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], TokenCacheStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        yield CounterMetricFamily(f"{PREFIX}tokenizer_cache_queries", "Texts tokenized at ingress.",
+                                  value=stats.num_queries)
+        yield CounterMetricFamily(f"{PREFIX}tokenizer_cache_exact_hits", "Texts whose ids were cached whole.",
+                                  value=stats.num_exact_hits)
+        yield CounterMetricFamily(f"{PREFIX}tokenizer_cache_prefix_hits",
+                                  "Texts that reused the cached ids of a leading part.", value=stats.num_prefix_hits)
+        yield CounterMetricFamily(f"{PREFIX}tokenizer_cache_prefix_tokens_reused",
+                                  "Token ids taken from cached leading parts.", value=stats.num_prefix_tokens_reused)
+        yield GaugeMetricFamily(f"{PREFIX}tokenizer_cache_chars", "Characters the cache's entries stand for.",
+                                value=stats.num_cached_chars)
+
+
 class ApiMetrics:
     """The metrics one app exposes at /metrics; `observe_*` are called by the API layer."""
 
@@ -90,12 +112,19 @@ class ApiMetrics:
         self.prefix_cache_hits = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                          registry=r)
         self._cluster_collector: ClusterCollector | None = None
+        self._token_cache_collector: TokenCacheCollector | None = None
 
     def attach_cluster(self, cluster_info: Callable[[], Mapping[str, object]]) -> None:
         """Registers the scrape-time cluster gauges (once per app)."""
         if self._cluster_collector is None:
             self._cluster_collector = ClusterCollector(cluster_info)
             self.registry.register(self._cluster_collector)
+
+    def attach_token_cache(self, stats: Callable[[], TokenCacheStats]) -> None:
+        """Registers the tokenization cache's counters (once per app)."""
+        if self._token_cache_collector is None:
+            self._token_cache_collector = TokenCacheCollector(stats)
+            self.registry.register(self._token_cache_collector)
 
     def observe_first_token(self, num_tokens: int, ttft_s: float) -> None:
         self.generation_tokens.inc(num_tokens)

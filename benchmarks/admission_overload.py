@@ -1,17 +1,22 @@
 """Must-show 2 (issue 7): Mooncake's admission variants under 2x overload in the simulator.
 
-A disaggregated unit serves a long-prompt mix (Mooncake-like: long prefills, so a request reaches
-decode well after it arrives) at `--overload` times the rate it holds with no admission control
-(`--base-rate`, or found by bisection on both SLOs at `--attainment`). Each variant — none,
-baseline, early, predicted (`kvbaton.router.admission`) — replays the same requests; every
-variant but none keeps the decode stage's own gate. The table: rejected requests, of which
-refused by the decode gate after their prefill ran, goodput (requests meeting both SLOs per
-second), SLO attainment over all requests and over admitted ones, and the prefill tokens thrown
-away by decode-gate refusals.
-Defaults: a decode-bound unit (one TP2 prefill worker feeding one decode worker, Llama-3-8B on
-A100s, roofline), prompts ~1,500 and outputs ~1,000 tokens, TTFT 2 s / TPOT 40 ms. The no-admission
-goodput bisection takes minutes here; `--base-rate 6.95` (its result over 400 requests) skips it.
-Usage: python benchmarks/admission_overload.py [--base-rate 6.95] [--overload 2.0]
+Mooncake's setting (FAST'25, overload-oriented scheduling): its own trace (long prompts, short outputs:
+the bundled synthetic trace has mean input 15,325 and output 149 tokens) on a cluster of several prefill
+and decode instances with *both* stages near capacity. Then wasted prefills (baseline: refused by the
+decode stage after the prefill ran) cost other requests their prefill, and a request reaches decode a
+prefill-queue later than it arrives, so today's decode load (early) is not the one it meets there
+(predicted). Defaults: the trace's first 1,200 rows that fit Mistral-7B's 32k context, four prefill
+workers and one decode worker on A100s (roofline; about 6 req/s through each stage), no prefix cache
+(admission prices uncached prefills), TTFT 30 s as Mooncake's, TPOT 30 ms (the step-time limit binds
+before the decode worker's KV fills, so decode load is Mooncake's TBT measure).
+The rate is `--overload` times the goodput with no admission control (`--base-rate`, or found by
+bisection on both SLOs at `--attainment`). Each variant — none, baseline, early, predicted
+(`kvbaton.router.admission`), all with the same SLOs and max_load — replays the same requests; every
+variant but none keeps the decode stage's own gate. The table: rejected requests, of which refused by
+the decode gate after their prefill ran, goodput (requests meeting both SLOs per second), SLO attainment
+over all requests and over admitted ones, and the prefill tokens thrown away by decode-gate refusals.
+`--workload sharegpt-like` runs the earlier decode-bound 1P1D chat setting instead (give its options).
+Usage: python benchmarks/admission_overload.py [--base-rate R] [--overload 2.0]
 """
 
 from __future__ import annotations
@@ -29,26 +34,34 @@ from kvbaton.sim.run import SimSetup, simulate
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=1500)
+    parser.add_argument("--workload", choices=("mooncake", "sharegpt-like"), default="mooncake")
+    parser.add_argument("--num-requests", type=int, default=1200, help="trace rows read / requests generated")
     parser.add_argument("--overload", type=float, default=2.0)
-    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--model", default="mistral-7b")
+    parser.add_argument("--max-model-len", type=int, default=32768, help="longer trace requests are left out")
     parser.add_argument("--gpu", default="a100")
-    parser.add_argument("--cluster", default="1P1D:tp_p=2,link=nvlink-a100")
-    parser.add_argument("--prompt-mean", type=float, default=1500)
-    parser.add_argument("--output-mean", type=float, default=1000)
-    parser.add_argument("--ttft-slo", type=float, default=2.0)
-    parser.add_argument("--tpot-slo", type=float, default=0.04)
+    parser.add_argument("--cluster", default="4P1D:link=nvlink-a100")
+    parser.add_argument("--prompt-mean", type=float, default=1500, help="sharegpt-like only")
+    parser.add_argument("--output-mean", type=float, default=1000, help="sharegpt-like only")
+    parser.add_argument("--ttft-slo", type=float, default=30.0)
+    parser.add_argument("--tpot-slo", type=float, default=0.03)
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--base-rate", type=float, default=None,
                         help="the no-admission goodput to overload (default: find it by bisection first)")
     args = parser.parse_args()
     slo = SLO(args.ttft_slo, args.tpot_slo)
-    base = create_workload("sharegpt-like", num_requests=args.num_requests, seed=args.seed, rate=1.0,
-                           prompt_mean_tokens=args.prompt_mean, prompt_std_tokens=args.prompt_mean / 3,
-                           output_mean_tokens=args.output_mean, output_std_tokens=args.output_mean)
+    if args.workload == "mooncake":  # the trace's own order and relative timing, its mean rate scaled to 1 req/s
+        rows = create_workload("mooncake", num_requests=args.num_requests, rate=1.0)
+        fits = [r for r in rows if r.num_prompt_tokens + r.output_tokens <= args.max_model_len]
+        base = [replace(r, arrival_s=r.arrival_s - fits[0].arrival_s) for r in fits]
+    else:
+        base = create_workload("sharegpt-like", num_requests=args.num_requests, seed=args.seed, rate=1.0,
+                               prompt_mean_tokens=args.prompt_mean, prompt_std_tokens=args.prompt_mean / 3,
+                               output_mean_tokens=args.output_mean, output_std_tokens=args.output_mean)
     setup = SimSetup(model=args.model, gpu=args.gpu, cluster=args.cluster, cost_model="roofline",
-                     enable_prefix_cache=False, seed=args.seed, admission_slo=(slo.ttft_s, slo.tpot_s))
+                     max_model_len=args.max_model_len, enable_prefix_cache=False, seed=args.seed,
+                     admission_slo=(slo.ttft_s, slo.tpot_s))
 
     def at_rate(rate: float) -> list[WorkloadRequest]:
         return [replace(r, arrival_s=r.arrival_s / rate) for r in base]
@@ -61,7 +74,7 @@ def main() -> None:
     else:
         base_rate, how = args.base_rate, "given"
     rate = args.overload * base_rate
-    print(f"{args.model} on {args.gpu}, {args.cluster}; mean prompt "
+    print(f"{args.workload}: {args.model} on {args.gpu}, {args.cluster}; mean prompt "
           f"{sum(r.num_prompt_tokens for r in base) / len(base):.0f}, output "
           f"{sum(r.output_tokens for r in base) / len(base):.0f} tokens; SLO TTFT {slo.ttft_s:g} s TPOT "
           f"{slo.tpot_s:g} s; goodput without admission {base_rate:.2f} req/s "

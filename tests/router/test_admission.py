@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.router.admission import (ADMISSION_POLICIES, AdmissionPolicy, AdmissionRequest, AdmissionSLO, DecodeLoad,
-                                      DecodeSlot, PrefillLoad, create_admission)
+                                      DecodeSlot, PrefillLoad, create_admission, present_at)
 
 
 class LinearTimes:
@@ -60,22 +60,22 @@ def test_none_admits_everything() -> None:
     assert isinstance(create_admission("early", SLO, TIMES), AdmissionPolicy)
 
 
-def test_decode_kv_full_now_but_draining_before_arrival() -> None:
+def test_decode_kv_full_now_is_full_for_every_variant_but_the_batch_drains() -> None:
     # 9 decodes of 1,000 context + 100 remaining on a 11,000-token worker: with this request's 1,100 the
     # reservation is 11,000 / 11,000 = 1.0 (admitted); one more decoding request makes it 1.1.
-    decoding = tuple(DecodeSlot(1000, 100) for _ in range(9)) + (DecodeSlot(1090, 10),)
+    decoding = tuple(DecodeSlot(1000, 100) for _ in range(9)) + (DecodeSlot(1095, 5),)
     decode = DecodeLoad("d0", decoding, (), 11_000)
     prefill = PrefillLoad("p0", 0)
     early = policy("early").check_arrival(REQUEST, prefill, decode, now=0.0)
     assert not early.admitted and early.reason.startswith("decode over capacity")
     assert early.decode_load == pytest.approx(12_100 / 11_000)
-    # The request reaches decode after its TTFT (0.11 s); the decode step now is 20 ms, so the request
-    # with 10 tokens left (0.2 s) is still there... but with 5 left it is gone by then.
-    almost_done = DecodeLoad("d0", decoding[:-1] + (DecodeSlot(1095, 5),), (), 11_000)
-    predicted = policy("predicted").check_arrival(REQUEST, prefill, almost_done, now=0.0)
-    assert predicted.admitted and predicted.decode_load == pytest.approx(1.0)
-    assert not policy("early").check_arrival(REQUEST, prefill, almost_done, now=0.0).admitted
-    assert not policy("predicted").check_arrival(REQUEST, prefill, decode, now=0.0).admitted
+    assert early.predicted_tpot_s == pytest.approx(0.021)  # 11 sequences
+    # The request reaches decode after its TTFT (0.11 s); at 20 ms a step (10 sequences) the one with 5 tokens
+    # left is gone by then, so the batch it joins is 10: 20 ms. But the handoff reserves its KV now, while that
+    # decode still holds its blocks: predicted refuses on KV as early does.
+    predicted = policy("predicted").check_arrival(REQUEST, prefill, decode, now=0.0)
+    assert predicted.predicted_tpot_s == pytest.approx(0.020)
+    assert not predicted.admitted and predicted.decode_load == pytest.approx(12_100 / 11_000)
     # Baseline does not look at decode on arrival; its decode gate comes at handoff.
     assert policy("baseline").check_arrival(REQUEST, prefill, decode, now=0.0).admitted
     for name in ("baseline", "early", "predicted"):  # every variant keeps the decode stage's own gate
@@ -85,15 +85,55 @@ def test_decode_kv_full_now_but_draining_before_arrival() -> None:
     assert policy("early").check_decode(REQUEST, DecodeLoad("d0", decoding[:-1], (), 11_000), now=1.0).admitted
 
 
-def test_only_predicted_sees_requests_still_prefilling() -> None:
+def test_predicted_prices_the_batch_the_request_meets_at_decode() -> None:
+    # TPOT SLO 100 ms; a step is 10 ms + 1 ms per sequence: 91 sequences make 101 ms. 95 requests bound for the
+    # decode worker with 1 token left to generate (context 10, KV is no constraint here).
+    fast = DecodeSlot(10, 1, arrives_in_s=0.0)
+    prefill = PrefillLoad("p0", 0)  # TTFT 0.11 s
+    wide = 10**9
+
+    def predicted(incoming: tuple[DecodeSlot, ...]) -> float:
+        decision = policy("predicted").check_arrival(REQUEST, prefill, DecodeLoad("d0", (), incoming, wide), 0.0)
+        assert decision.admitted == (decision.predicted_tpot_s <= 0.1)
+        return decision.predicted_tpot_s
+
+    # They reach decode now and, at 100 ms a step (96 sequences, capped by the SLO), are done after one step
+    # (0.1 s), before this request arrives (0.11 s): it decodes alone.
+    assert predicted((fast,) * 95) == pytest.approx(0.011)
+    # Reaching decode at 0.05 s they are still decoding at 0.11 s: 96 sequences, 106 ms, refused.
+    assert predicted((DecodeSlot(10, 1, arrives_in_s=0.05),) * 95) == pytest.approx(0.106)
+    # Reaching decode after this request (their prefill queue is longer) they are not in its first batch.
+    assert predicted((DecodeSlot(10, 1, arrives_in_s=0.2),) * 95) == pytest.approx(0.011)
+    # Arrival unknown: counted there (the conservative reading).
+    assert predicted((DecodeSlot(10, 1),) * 95) == pytest.approx(0.106)
+    # Early reads the decode worker's batch now: empty, so it admits (only held prompt blocks count for its KV).
+    early = policy("early").check_arrival(REQUEST, prefill, DecodeLoad("d0", (), (fast,) * 95, wide), 0.0)
+    assert early.admitted and early.predicted_tpot_s == pytest.approx(0.011)
+
+
+def test_present_at_advances_and_drops_slots() -> None:
+    slots = [DecodeSlot(100, 10, 0.0), DecodeSlot(200, 3, 0.0), DecodeSlot(50, 10, 0.5), DecodeSlot(70, 10, 2.0),
+             DecodeSlot(80, 10)]
+    # 1 s at 0.1 s a step: the first made 10 steps (gone: 10 left), the second is gone, the third arrived at
+    # 0.5 s and made 5 steps, the fourth has not arrived, the fifth (unknown arrival) is kept unadvanced.
+    assert present_at(slots, 0.1, 0.95) == [DecodeSlot(109, 1, 0.0), DecodeSlot(54, 6, 0.0), DecodeSlot(80, 10)]
+    assert present_at(slots, 0.1, 1.0) == [DecodeSlot(55, 5, 0.0), DecodeSlot(80, 10)]
+
+
+def test_requests_on_their_way_hold_prompt_blocks_for_early_and_the_gate() -> None:
     incoming = tuple(DecodeSlot(1000, 100) for _ in range(10))
-    decode = DecodeLoad("d0", (), incoming, 11_000)
-    assert not policy("predicted").check_arrival(REQUEST, PrefillLoad("p0", 0), decode, now=0.0).admitted
-    assert policy("predicted").check_arrival(REQUEST, PrefillLoad("p0", 0), DecodeLoad("d0", (), incoming[:9], 11_000),
-                                             now=0.0).admitted
-    # Early, and the decode gate, read the decode worker's own state: empty, so both admit.
-    assert policy("early").check_arrival(REQUEST, PrefillLoad("p0", 0), decode, now=0.0).admitted
-    assert policy("early").check_decode(REQUEST, decode, now=1.0).admitted
+    prefill = PrefillLoad("p0", 0)
+    # Predicted counts their full reservations: 1,100 + 10 x 1,100 > 11,000; with 9 exactly 1.0.
+    assert not policy("predicted").check_arrival(REQUEST, prefill, DecodeLoad("d0", (), incoming, 11_000), 0.0).admitted
+    nine = policy("predicted").check_arrival(REQUEST, prefill, DecodeLoad("d0", (), incoming[:9], 11_000), 0.0)
+    assert nine.admitted and nine.decode_load == pytest.approx(1.0)
+    # Early and the decode gate see the decode worker as it stands: the prompt blocks it reserved for them
+    # (10 x 1,000) plus this request's 1,100 = 11,100 > 11,000; with 9 of them 10,100.
+    for decide in (lambda d: policy("early").check_arrival(REQUEST, prefill, d, now=0.0),
+                   lambda d: policy("early").check_decode(REQUEST, d, now=1.0)):
+        refused = decide(DecodeLoad("d0", (), incoming, 11_000))
+        assert not refused.admitted and refused.decode_load == pytest.approx(11_100 / 11_000)
+        assert decide(DecodeLoad("d0", (), incoming[:9], 11_000)).decode_load == pytest.approx(10_100 / 11_000)
 
 
 def test_tpot_over_slo_is_a_decode_overload() -> None:

@@ -122,6 +122,9 @@ class DecodeSlot:
 
     num_context_tokens: int  # prompt + tokens generated so far
     num_remaining_tokens: int  # tokens still to generate
+    # Incoming only: predicted seconds until its KV reaches the decode worker (its prefill queue drained);
+    # None when unknown, and then `predicted` counts it there from now to the end of the horizon.
+    arrives_in_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,24 +161,42 @@ def predict_ttft_s(time_model: StageTimeModel, request: AdmissionRequest, prefil
     return time_model.prefill_s(prefill.num_queued_tokens + new_tokens, request.num_cached_tokens)
 
 
+def predict_tpot_s(slots: Sequence[DecodeSlot], request: AdmissionRequest, time_model: StageTimeModel) -> float:
+    """The decode step time with `request` joining the batch `slots`."""
+    context_tokens = sum(s.num_context_tokens for s in slots) + request.num_prompt_tokens
+    return time_model.decode_s(len(slots) + 1, context_tokens)
+
+
+def kv_share(slots: Sequence[DecodeSlot], request: AdmissionRequest, capacity_tokens: int) -> float:
+    """KV reserved (prompt + full output of each of `slots` and of `request`) over the worker's capacity."""
+    reserved_tokens = (sum(s.num_context_tokens + s.num_remaining_tokens for s in slots)
+                       + request.num_prompt_tokens + request.num_output_tokens)
+    return reserved_tokens / max(capacity_tokens, 1)
+
+
 def predict_decode(slots: Sequence[DecodeSlot], request: AdmissionRequest, capacity_tokens: int,
                    time_model: StageTimeModel, slo: AdmissionSLO) -> tuple[float, float]:
     """(predicted TPOT, load) with `request` joining `slots` on one decode worker."""
-    num_seqs = len(slots) + 1
-    context_tokens = sum(s.num_context_tokens for s in slots) + request.num_prompt_tokens
-    tpot_s = time_model.decode_s(num_seqs, context_tokens)
-    reserved_tokens = (sum(s.num_context_tokens + s.num_remaining_tokens for s in slots)
-                       + request.num_prompt_tokens + request.num_output_tokens)
-    return tpot_s, max(tpot_s / slo.tpot_s, reserved_tokens / max(capacity_tokens, 1))
+    tpot_s = predict_tpot_s(slots, request, time_model)
+    return tpot_s, max(tpot_s / slo.tpot_s, kv_share(slots, request, capacity_tokens))
 
 
-def _surviving(slots: Sequence[DecodeSlot], step_s: float, after_s: float) -> list[DecodeSlot]:
-    """The decode slots still running `after_s` from now, advanced by the tokens they generate meanwhile."""
-    if step_s <= 0:
-        return list(slots)
-    num_steps = int(after_s / step_s)
-    return [DecodeSlot(s.num_context_tokens + num_steps, s.num_remaining_tokens - num_steps)
-            for s in slots if s.num_remaining_tokens > num_steps]
+def present_at(slots: Sequence[DecodeSlot], step_s: float, at_s: float) -> list[DecodeSlot]:
+    """The slots decoding on the worker `at_s` from now, advanced by the tokens they generate by then: a slot
+    decodes from its `arrives_in_s` (0 for one decoding now) for `num_remaining_tokens` steps of `step_s`;
+    one whose arrival is unknown is there, not advanced, whatever `at_s`."""
+    present = []
+    for slot in slots:
+        if slot.arrives_in_s is None:
+            present.append(slot)
+            continue
+        if slot.arrives_in_s > at_s:
+            continue  # reaches the worker after the request being priced
+        num_steps = int((at_s - slot.arrives_in_s) / step_s) if step_s > 0 else 0
+        if slot.num_remaining_tokens > num_steps:
+            present.append(DecodeSlot(slot.num_context_tokens + num_steps, slot.num_remaining_tokens - num_steps,
+                                      0.0))
+    return present
 
 
 class AdmissionPolicy:
@@ -212,14 +233,23 @@ class AdmissionPolicy:
         if self.name == "baseline" or decode is None:
             return self._decide(prefill_load, ttft_s, 0.0, 0.0)
         model = self._model(decode.worker_id)
-        future = list(decode.decoding)
-        if self.name == "predicted":
-            # Decodes whose remaining tokens take less than this request's TTFT at today's step time are
-            # gone by the time it arrives; everything admitted before it (still prefilling) is there.
-            now_step_s = model.decode_s(len(future), sum(s.num_context_tokens for s in future))
-            future = _surviving(future, now_step_s, ttft_s) + list(decode.incoming)
-        tpot_s, decode_load = predict_decode(future, request, decode.kv_capacity_tokens, model, self.slo)
-        return self._decide(prefill_load, ttft_s, decode_load, tpot_s)
+        if self.name == "early":  # the decode gate's own check, applied at arrival to today's decode load
+            tpot_s, decode_load = self._decode_now(request, decode)
+            return self._decide(prefill_load, ttft_s, decode_load, tpot_s)
+        # Predicted. The batch it joins is the one there when it arrives, a TTFT from now: decodes that end
+        # before then are gone, and the requests admitted before it are there if their prefill ends first and
+        # their decode has not ended by then. Its KV is different: the handoff reserves the
+        # prompt's blocks on the decode worker before the prefill runs, and a decode running now holds its
+        # blocks until it ends, so the reservations of all of them count, not only of those left by then
+        # (counting only the survivors over-commits the worker's KV, and decodes get preempted).
+        decoding = [replace(s, arrives_in_s=0.0) for s in decode.decoding]
+        everyone = decoding + list(decode.incoming)
+        # Their progress until then, at the step time of all of them decoding at once (the largest batch before
+        # later admissions), capped by the TPOT SLO admission holds every step to.
+        step_s = min(model.decode_s(len(everyone), sum(s.num_context_tokens for s in everyone)), self.slo.tpot_s)
+        tpot_s = predict_tpot_s(present_at(everyone, step_s, ttft_s), request, model)
+        reserved = kv_share(everyone, request, decode.kv_capacity_tokens)
+        return self._decide(prefill_load, ttft_s, max(tpot_s / self.slo.tpot_s, reserved), tpot_s)
 
     def check_options(self, options: Sequence[tuple[AdmissionRequest, PrefillLoad, DecodeLoad | None]],
                       now: float) -> AdmissionDecision:
@@ -239,10 +269,18 @@ class AdmissionPolicy:
         """The decode stage's gate, when the prefilled request reaches its decode worker (every variant)."""
         if self.name == "none":
             return AdmissionDecision(True, "", 0.0, 0.0, 0.0, 0.0)
-        # What the decode worker itself sees: the requests decoding there, plus this one.
-        tpot_s, decode_load = predict_decode(decode.decoding, request, decode.kv_capacity_tokens,
-                                             self._model(decode.worker_id), self.slo)
+        tpot_s, decode_load = self._decode_now(request, decode)
         return self._decide(0.0, 0.0, decode_load, tpot_s)
+
+    def _decode_now(self, request: AdmissionRequest, decode: DecodeLoad) -> tuple[float, float]:
+        """(TPOT, load) of `request` joining the decode worker as it stands now: the batch decoding there, and
+        KV reserved by those requests (in full) plus the prompt blocks held for the handoffs on their way
+        (granted before their prefill; each checks its own growth at the gate when it arrives). Leaving the
+        held blocks out lets admitted decodes outgrow the worker's KV: preemptions."""
+        tpot_s = predict_tpot_s(decode.decoding, request, self._model(decode.worker_id))
+        held_tokens = sum(s.num_context_tokens for s in decode.incoming)
+        reserved = kv_share(decode.decoding, request, decode.kv_capacity_tokens)
+        return tpot_s, max(tpot_s / self.slo.tpot_s, reserved + held_tokens / max(decode.kv_capacity_tokens, 1))
 
     def _decide(self, prefill_load: float, ttft_s: float, decode_load: float, tpot_s: float) -> AdmissionDecision:
         if prefill_load > self.max_load and prefill_load >= decode_load:

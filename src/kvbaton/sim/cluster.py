@@ -346,9 +346,9 @@ class ClusterSim:
             self._on_request_finished(worker, request, now)
         if now - worker.last_heartbeat_at >= self.config.heartbeat_s:  # _heartbeat's own test, without the call
             self._heartbeat(worker, now, force=False)
-        inbox = self._inbox.pop(worker.worker_id, None)
-        for delivery in inbox or ():
-            self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
+        if self._inbox:
+            for delivery in self._inbox.pop(worker.worker_id, ()):
+                self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
         self._kick(worker, now)
 
     def _on_delivery(self, delivery: Delivery, now: float) -> None:
@@ -423,17 +423,32 @@ class ClusterSim:
             transfer_bytes=flight.transfer_bytes))
 
     def _decode_load(self, decode_id: str, exclude: str = "") -> DecodeLoad:
-        """What the router knows of a decode worker: the requests it streams and those it routed there."""
+        """What the router knows of a decode worker: the requests it streams and those it routed there, the latter
+        with when their KV should arrive: their prefill worker drains, first come first served, the prompt tokens
+        still to compute of everything routed to it before them, and theirs."""
         decoding: list[DecodeSlot] = []
         incoming: list[DecodeSlot] = []
-        for flight in self._flights.values():
-            if (flight.decode != decode_id and not (flight.whole and flight.front == decode_id)
-                    or flight.workload.request_id == exclude):
-                continue
+        queued_tokens: dict[str, int] = {}  # per prefill worker, uncomputed prompt tokens up to this flight
+        for flight in self._flights.values():  # in arrival order (inserted at arrival)
             wr = flight.workload
+            if not flight.at_decode and not flight.whole:
+                if flight.prefill_request is not None:  # waiting for its reservation: nothing computed yet
+                    left_tokens = wr.num_prompt_tokens
+                else:
+                    request = self.workers[flight.front].scheduler.get_request(wr.request_id)
+                    left_tokens = 0 if request is None else max(wr.num_prompt_tokens - request.num_computed_tokens, 0)
+                queued_tokens[flight.front] = queued_tokens.get(flight.front, 0) + left_tokens
+            if (flight.decode != decode_id and not (flight.whole and flight.front == decode_id)
+                    or wr.request_id == exclude):
+                continue
             num_done = len(flight.token_times_s)
-            slot = DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done)
-            (decoding if flight.at_decode else incoming).append(slot)
+            if flight.at_decode:
+                decoding.append(DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done))
+            else:
+                front = self.workers[flight.front]
+                ahead_tokens = queued_tokens[flight.front]
+                arrives_in_s = self.cost_model.prefill_s(ahead_tokens, 0, front.spec.parallel) if ahead_tokens else 0.0
+                incoming.append(DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done, arrives_in_s))
         worker = self.workers[decode_id]
         return DecodeLoad(decode_id, tuple(decoding), tuple(incoming), worker.pool.num_blocks * worker.block_size)
 

@@ -12,6 +12,10 @@ log-normal stand-in. Prints our grid goodput (0.05 req/s steps) and, for the win
 disaggregated unit, what DistServe's coarse search would print on our simulator (bisection of
 [0, 5] to esp 0.25, the last passing midpoint: `kvbaton.plan.goodput.distserve_bisection`), the
 search's wall time against the 25 s budget, and the candidates table.
+For a side-by-side reference, `benchmarks/distserve_reference.py` restates DistServe's own simulator
+rules (simdistserve: batching, KV caps, latency definitions, P90 containment, bisection) and runs them
+on the very requests this planner probes, next to kvbaton's probe of prefill TP2 + decode TP1: per-GPU
+goodput on the 0.05 grid and by DistServe's bisection, and P90 TTFT/TPOT of both at one common rate.
 Usage: python benchmarks/plan_distserve.py [--workload distserve-sharegpt|sharegpt-like] [--out DIR]
 """
 

@@ -119,4 +119,24 @@ def test_search_goodput_is_the_same_from_any_floor_that_passes() -> None:
     from_floor = search_goodput(requests, SETUP, 1, target, floor_rps=from_zero.per_gpu_rps - 3.0)
     assert from_floor.per_gpu_rps == from_zero.per_gpu_rps
     above = search_goodput(requests, SETUP, 1, target, floor_rps=from_zero.per_gpu_rps + 1.0)
-    assert above.pruned and above.per_gpu_rps == 0.0 and len(above.probes) == 1
+    assert above.pruned and above.per_gpu_rps == 0.0
+    assert [p.per_gpu_rps for p in above.probes] == [p.per_gpu_rps for p in from_zero.probes][:len(above.probes)]
+
+
+def test_floors_prune_but_never_move_the_probes_of_a_non_monotone_search() -> None:
+    # Passes at 1..9 and at the island 12, fails elsewhere. A floor that moved the bisection (started it at
+    # the floor) would probe other midpoints and could land on 9 instead.
+    def run(floor: int) -> tuple[tuple[int, bool, bool], list[int]]:
+        probed: list[int] = []
+
+        def met(k: int) -> bool:
+            probed.append(k)
+            return k <= 9 or k == 12
+
+        return largest_passing(met, 0, 16, floor_now=lambda: floor), probed
+
+    (answer, pruned, _), probed = run(0)
+    assert (answer, pruned) == (12, False) and probed == [16, 8, 12, 14, 13]  # the largest rate it passed
+    for floor in (3, 8, 11, 13):  # any floor under the answer: the same probes, the same answer
+        assert run(floor) == run(0)
+    assert run(14)[0] == (0, True, False)  # a floor over it: given up, as it cannot win

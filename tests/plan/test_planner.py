@@ -30,9 +30,10 @@ def test_small_plan_searches_every_placement_and_picks_the_highest(plan_one_proc
     assert plan.best.result.per_gpu_rps == max(c.result.per_gpu_rps for c in plan.candidates) > 0
     assert plan.best_disaggregated is plan.candidates[0]
     assert plan.best_colocated in plan.candidates[1:]
-    for c in plan.candidates:  # a pruned candidate failed once, at or below the winner's rate
+    for c in plan.candidates:  # a pruned candidate saw a failure at or below the winner's rate
         if c.result.pruned:
-            assert len(c.result.probes) == 1 and c.result.probes[0].per_gpu_rps <= plan.best.result.per_gpu_rps
+            failed = [p.per_gpu_rps for p in c.result.probes if not p.met]
+            assert failed and min(failed) <= plan.best.result.per_gpu_rps
     assert plan.units_for(10.0) * plan.best.result.per_gpu_rps * plan.best.placement.num_gpus >= 10.0
 
 

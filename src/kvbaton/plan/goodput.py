@@ -116,8 +116,8 @@ def largest_passing(met: Callable[[int], bool], floor: int, ceiling: int, limit:
     The bracket's top starts at `ceiling` and doubles while it passes (up to `limit`, default
     `ceiling`); then bisection. Starts from `floor` (0: nothing assumed). Returns (k, pruned,
     capped). Pruned (k = 0): the answer is known to lie below a rate another search already
-    passed — met(floor) failed, or `floor_now()` (re-read before each probe) reached an index this
-    search saw fail. Capped: met(limit) holds. The answer of an unpruned search is the same
+    passed — met(floor) failed, or `floor_now()` (re-read before each bisection probe) reached an
+    index this search saw fail. Capped: met(limit) holds. The answer of an unpruned search is the same
     whatever the floors (the bracket tops are ceiling x 2^i either way), and the overall winner is
     never pruned (nothing passes above it).
     """
@@ -132,9 +132,7 @@ def largest_passing(met: Callable[[int], bool], floor: int, ceiling: int, limit:
                 return limit, False, True
             high = min(high * 2, limit)
             continue
-        if floor_now is not None and floor_now() >= high:
-            return 0, True, False
-        if not met(high):
+        if not met(high):  # (no pruning before: a bracket top not yet probed bounds nothing)
             break
         if high == limit:
             return limit, False, True
@@ -169,10 +167,15 @@ def distserve_bisection(met: Callable[[float], bool], high_rps: float = 5.0, esp
 def search_goodput(requests: Sequence[WorkloadRequest], setup: SimSetup, num_gpus: int, settings: SearchSettings,
                    floor_rps: float = 0.0, best_rps: Callable[[], float] | None = None,
                    on_pass: Callable[[float], None] | None = None) -> GoodputResult:
-    """Largest per-GPU grid rate meeting the target, bisecting between `floor_rps` and the ceiling.
+    """Largest per-GPU grid rate meeting the target, by doubling brackets from the ceiling, then bisection.
 
-    `best_rps()` is the best rate any search has passed so far (read between probes, to give up on
-    a candidate that can no longer win); `on_pass(rate)` hears every rate this search passes.
+    `floor_rps` and `best_rps()` (the best rate any search has passed so far, read between probes) only
+    prune: the search gives up once its bracket top is at or under them, as it can no longer win. They
+    never move the probes: near its limit a simulated placement's pass/fail need not be monotone in the
+    rate, so a bisection started from another search's floor could land elsewhere, and the plan would
+    depend on which process finished first. With a fixed probe sequence the answer of every unpruned
+    search, the winner's included (its answer is the largest rate any search passes), is the same run
+    to run. `on_pass(rate)` hears every rate this search passes.
     """
     step = settings.step_rps
     probes: list[Probe] = []
@@ -187,7 +190,7 @@ def search_goodput(requests: Sequence[WorkloadRequest], setup: SimSetup, num_gpu
             on_pass(result.per_gpu_rps)
         return result.met
 
-    floor_now = (lambda: to_index(best_rps())) if best_rps is not None else None
-    k, pruned, capped = largest_passing(met, to_index(floor_rps), to_index(settings.ceiling_rps),
-                                        settings.max_steps, floor_now)
+    floor = to_index(floor_rps)
+    floor_now = (lambda: max(floor, to_index(best_rps()))) if best_rps is not None else (lambda: floor)
+    k, pruned, capped = largest_passing(met, 0, to_index(settings.ceiling_rps), settings.max_steps, floor_now)
     return GoodputResult(round(k * step, 9), pruned, capped, tuple(probes))

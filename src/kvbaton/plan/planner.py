@@ -3,8 +3,9 @@
 The request mix is built once (the named workload, requests longer than the model's context
 dropped as DistServe does, arrivals at rate 1); each candidate's search (`search_goodput`) runs
 in a worker process. Candidates go out best-guess first — a roofline-style bound from the cost
-model — and every search starts at the best per-GPU goodput published so far by the others, so
-weak candidates are pruned after one probe. The winner is the highest per-GPU goodput; ties go
+model — and every search gives up once it knows it falls under the best per-GPU goodput published
+so far by the others, so weak candidates are pruned after a few probes (the published rate only
+prunes, never moves a search's probes). The winner is the highest per-GPU goodput; ties go
 to fewer GPUs, then to enumeration order, so the plan does not depend on which process finished
 first (see goodput.py).
 """

@@ -113,8 +113,14 @@ class LocalScheduler:
         self._waiting: deque[Request] = deque()  # FCFS: preempted at the front, then arrival order
         self._running: list[Request] = []  # admission order; the tail is the preemption victim
         self._finished: list[Request] = []  # finished since the last take_finished()
+        # Per running request: (its block_ids list, that list as a tuple). Tables only grow in place by
+        # `extend` or are replaced by a new list (BlockManager, admit_prefilled), never edited in place, so
+        # the tuple is current while the list is the same object of the same length; a decode then reuses
+        # it instead of copying a ~100-block table every step.
+        self._tables: dict[str, tuple[list[int], tuple[int, ...]]] = {}
         self._step_id = 0
         self._num_steps = 0
+        self.steady_fast_path = True  # False forces the general path (tests compare the two)
         self._num_preemptions = 0
         self._queries_tokens = 0
         self._hits_tokens = 0
@@ -224,6 +230,11 @@ class LocalScheduler:
 
     def schedule(self, now: float) -> StepPlan:
         self._step_id += 1
+        if self.steady_fast_path and not self._waiting and self._running:
+            plan = self._plan_steady_decodes()
+            if plan is not None:
+                self._num_steps += 1
+                return plan
         step = _StepBuilder(self.config.max_num_batched_tokens)
         if self._running:
             self._schedule_running_requests(step, now)
@@ -247,11 +258,53 @@ class LocalScheduler:
             request_id=request.request_id,
             start_pos=start,
             token_ids=_token_slice(request, start, end),
-            block_ids=tuple(request.block_ids),
+            block_ids=self._block_table(request),
             samples=end == request.num_tokens,
         )
 
+    def _block_table(self, request: Request) -> tuple[int, ...]:
+        """tuple(request.block_ids), reused from the previous step while the table is unchanged."""
+        block_ids = request.block_ids
+        entry = self._tables.get(request.request_id)
+        if entry is not None and entry[0] is block_ids and len(entry[1]) == len(block_ids):
+            return entry[1]
+        table = tuple(block_ids)
+        self._tables[request.request_id] = (block_ids, table)
+        return table
+
     # ---- hot-path helpers (the simulator runs these for every step of every worker) ------------
+
+    def _plan_steady_decodes(self) -> StepPlan | None:
+        """The plan of the steady state, or None (changing nothing) when the state is not steady.
+
+        Steady: nothing waiting (the caller checks), every running request decodes (one uncomputed
+        token) inside its block table, and they all fit the token budget. The general path then
+        gives every running request its 1-token chunk in running order, preempts nothing and admits
+        nothing: this builds that same plan without the step builder. `test_local_scheduler_fast_path`
+        compares the two paths.
+        """
+        running = self._running
+        if len(running) > self.config.max_num_batched_tokens:
+            return None
+        block_size = self.block_size
+        tables = self._tables
+        chunks = []
+        for request in running:
+            output = request.output_token_ids
+            start = request.num_computed_tokens
+            block_ids = request.block_ids
+            if len(request.prompt_token_ids) + len(output) - start != 1 or len(block_ids) * block_size <= start:
+                return None
+            request_id = request.request_id
+            entry = tables.get(request_id)  # _block_table, inline
+            if entry is not None and entry[0] is block_ids and len(entry[1]) == len(block_ids):
+                table = entry[1]
+            else:
+                table = tuple(block_ids)
+                tables[request_id] = (block_ids, table)
+            last_token = output[-1] if output else request.prompt_token_ids[-1]
+            chunks.append(ScheduledChunk(request_id, start, (last_token,), table, True))
+        return StepPlan(self._step_id, tuple(chunks), len(chunks))
 
     def _schedule_running_requests(self, step: _StepBuilder, now: float) -> None:
         """Running decodes (exactly one uncomputed token), then running prefills, each in running order.
@@ -268,6 +321,7 @@ class LocalScheduler:
         block_size = self.block_size
         chunks = step.chunks
         running = RequestStatus.RUNNING
+        tables = self._tables
         for request in list(self._running):
             # num_uncomputed_tokens, without two property calls per request per step
             output = request.output_token_ids
@@ -286,7 +340,14 @@ class LocalScheduler:
                 self._schedule_running(request, step, now)  # needs a new block
                 continue
             last_token = output[-1] if output else request.prompt_token_ids[-1]
-            chunks[request.request_id] = ScheduledChunk(request.request_id, start, (last_token,), tuple(block_ids), True)
+            request_id = request.request_id
+            entry = tables.get(request_id)  # _block_table, inline
+            if entry is not None and entry[0] is block_ids and len(entry[1]) == len(block_ids):
+                table = entry[1]
+            else:
+                table = tuple(block_ids)
+                tables[request_id] = (block_ids, table)
+            chunks[request_id] = ScheduledChunk(request_id, start, (last_token,), table, True)
             step.num_tokens += 1
         for request in prefilling:
             if step.num_tokens == budget_tokens:
@@ -318,7 +379,11 @@ class LocalScheduler:
         if not self._waiting or step.budget_left_tokens == 0 or len(self._running) >= self.config.max_num_seqs:
             return  # skip the policy's cache probes when nobody could be admitted anyway
         admitted: set[str] = set()
-        for request in self.policy.order(list(self._waiting), self.blocks.peek_cached_tokens):
+        # Every queue policy orders a single request as itself; skipping it saves a cache probe
+        # (peek_cached_tokens has no effect on the cache) per admission in a lightly loaded worker.
+        waiting = list(self._waiting)
+        ordered = waiting if len(waiting) == 1 else self.policy.order(waiting, self.blocks.peek_cached_tokens)
+        for request in ordered:
             if step.budget_left_tokens == 0 or len(self._running) >= self.config.max_num_seqs:
                 break
             hit_tokens = self.blocks.attach_prefix(request)
@@ -361,6 +426,7 @@ class LocalScheduler:
     def _preempt(self, request: Request) -> None:
         self._running.remove(request)
         self.blocks.free(request)
+        self._tables.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self._num_preemptions += 1
@@ -369,6 +435,7 @@ class LocalScheduler:
     def _finish(self, request: Request, reason: FinishReason, now: float, message: str = "") -> None:
         """Terminal transition; the caller has already taken `request` out of waiting/running."""
         self.blocks.free(request)
+        self._tables.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_message = message
@@ -384,8 +451,12 @@ class LocalScheduler:
         requests = self._requests
         sampled = result.sampled
         running = RequestStatus.RUNNING
-        # With no prefix cache, cache_computed_blocks does nothing: skip the call per chunk.
+        # With no prefix cache, cache_computed_blocks does nothing: skip the call per chunk. With one, it
+        # does nothing either unless the request's full blocks outnumber those its cache hold covers
+        # (its own early-return test, read here from the manager's table to save the call per decode).
         cache_computed_blocks = self.blocks.cache_computed_blocks if self.blocks.cache is not None else None
+        holds = self.blocks._holds
+        block_size = self.block_size
         stop_reason = self._stop_reason
         for chunk in plan.chunks:
             request_id = chunk.request_id
@@ -393,9 +464,11 @@ class LocalScheduler:
             start_pos = chunk.start_pos
             if request is None or request.status is not running or request.num_computed_tokens != start_pos:
                 continue
-            request.num_computed_tokens = start_pos + len(chunk.token_ids)
+            num_computed = request.num_computed_tokens = start_pos + len(chunk.token_ids)
             if cache_computed_blocks is not None:
-                cache_computed_blocks(request)
+                hold = holds.get(request_id)
+                if num_computed // block_size > (hold.num_blocks if hold is not None else 0):
+                    cache_computed_blocks(request)
             if not chunk.samples:
                 continue
             token = sampled.get(request_id)

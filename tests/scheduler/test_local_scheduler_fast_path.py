@@ -1,0 +1,104 @@
+"""The steady-decode fast path of `LocalScheduler.schedule` plans exactly what the general path plans.
+
+Two schedulers over identical pools and caches run the same random sequence of additions, steps
+(with random sampled tokens, so some requests stop early on EOS) and aborts; one has the fast path
+on, the other off. Every plan, every output and every request's state must be identical, and the
+fast path must actually have been taken.
+"""
+
+from __future__ import annotations
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from kvbaton.core.request import Request
+from kvbaton.core.step import SampledToken, StepPlan, StepResult
+from kvbaton.scheduler.local_scheduler import LocalScheduler
+from tests.scheduler.helpers import make_request, make_scheduler
+
+EOS = 2
+
+add_op = st.tuples(st.just("add"), st.integers(1, 10), st.integers(4, 16), st.sampled_from([0, 1]))
+step_op = st.tuples(st.just("step"), st.integers(0, 9))
+abort_op = st.tuples(st.just("abort"), st.integers(0, 20))
+
+
+def _state(sched: LocalScheduler, request_ids: list[str]) -> list[tuple]:
+    rows = []
+    for rid in request_ids:
+        r = sched.get_request(rid)
+        if r is not None:
+            rows.append((rid, r.status, r.num_computed_tokens, tuple(r.output_token_ids), tuple(r.block_ids)))
+    return rows + [("pool", tuple(sched.blocks.pool.free_block_ids()))]
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(
+    ops=st.lists(st.one_of(add_op, step_op, step_op, step_op, step_op, step_op, step_op, abort_op),
+                 min_size=20, max_size=80),
+    num_blocks=st.integers(4, 24),
+    prefix_cache=st.booleans(),
+    budget=st.sampled_from([2, 16, 64]),
+    max_num_seqs=st.integers(1, 4),
+)
+def test_fast_path_plans_as_the_general_path(ops: list[tuple], num_blocks: int, prefix_cache: bool, budget: int,
+                                             max_num_seqs: int) -> None:
+    fast, general = (make_scheduler(num_blocks, prefix_cache=prefix_cache, max_num_batched_tokens=budget,
+                                    max_num_seqs=max_num_seqs) for _ in range(2))
+    general.steady_fast_path = False
+    ids: list[str] = []
+    num_fast_steps = 0
+    now = 0.0
+    for op in ops:
+        plans: list[StepPlan] = []
+        for sched in (fast, general):
+            if op[0] == "add":
+                prompt = [10 + (i % 3) for i in range(op[1])] if op[3] else [20 + i for i in range(op[1])]
+                request: Request = make_request(f"r{len(ids)}", prompt, max_tokens=op[2], eos_token_id=EOS)
+                try:
+                    sched.add_request(request)
+                except ValueError:
+                    pass
+            elif op[0] == "abort" and ids:
+                sched.abort_request(ids[op[1] % len(ids)], now)
+            elif op[0] == "step":
+                steady = (sched is fast and not sched.num_waiting and sched.num_running > 0
+                          and sched._plan_steady_decodes() is not None)
+                plan = sched.schedule(now)
+                plans.append(plan)
+                # token 2 (EOS) for some requests at some steps: requests end at varying points
+                sampled = {c.request_id: SampledToken(EOS if (op[1] + c.end_pos) % 11 == 0 else 5)
+                           for c in plan.chunks if c.samples}
+                outputs = sched.update(plan, StepResult(plan.step_id, sampled), now)
+                plans.append(outputs)  # type: ignore[arg-type]
+                num_fast_steps += steady
+            sched.take_finished()
+            sched.check_invariants()
+        if op[0] == "add":
+            ids.append(f"r{len(ids)}")
+        now += 1.0
+        if plans:
+            assert plans[0] == plans[2] and plans[1] == plans[3]
+        assert _state(fast, ids) == _state(general, ids)
+    event(f"fast steps>0={num_fast_steps > 0}")
+
+
+def test_fast_path_is_taken_for_steady_decodes() -> None:
+    fast, general = make_scheduler(16, max_num_batched_tokens=16), make_scheduler(16, max_num_batched_tokens=16)
+    general.steady_fast_path = False
+    for sched in (fast, general):
+        sched.add_request(make_request("a", 5, max_tokens=9))
+        sched.add_request(make_request("b", 3, max_tokens=9))
+    num_fast_steps = 0
+    for n in range(12):
+        num_fast_steps += fast._plan_steady_decodes() is not None
+        plans = []
+        for sched in (fast, general):
+            plan = sched.schedule(float(n))
+            plans.append(plan)
+            sched.update(plan, StepResult(plan.step_id, {c.request_id: SampledToken(5) for c in plan.chunks}), n)
+        assert plans[0] == plans[1]
+    # Step 0 prefills both; from then on both decode, and a step is steady unless a request's next
+    # position opens a new block: positions 8 (a) and 4, 8 (b) do, so 11 - 3 steady steps.
+    assert num_fast_steps == 8
+    assert fast.stats() == general.stats()

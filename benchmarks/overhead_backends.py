@@ -20,6 +20,8 @@ import os
 import time
 
 import zmq
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
+from fastapi.responses import JSONResponse
 
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
@@ -165,8 +167,6 @@ def serve_fastapi_floor(port: int) -> None:
     `POST /v1/completions` with a fixed completion after parsing the JSON body: no tokenizing, no
     routing, no worker. The CPU per request of any router built on this stack is at least this."""
     import uvicorn
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
 
     from kvbaton.server.launcher import run_router_loop
 

@@ -163,14 +163,15 @@ def run_fake_http_workers(ports: list[int], model: str) -> None:
 
 
 def serve_fastapi_floor(port: int) -> None:
-    """FastAPI + uvicorn exactly as kvbaton's router runs them (uvloop, httptools), answering
+    """FastAPI + uvicorn exactly as kvbaton's router runs them (uvloop, httptools, telemetry), answering
     `POST /v1/completions` with a fixed completion after parsing the JSON body: no tokenizing, no
     routing, no worker. The CPU per request of any router built on this stack is at least this."""
     import uvicorn
 
+    from kvbaton.server.api import fastapi_telemetry
     from kvbaton.server.launcher import run_router_loop
 
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, telemetry=fastapi_telemetry())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,6 +47,34 @@ from kvbaton.server.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+# OpenTelemetry's placeholders until something installs a real provider (FastAPI's own test, in
+# fastapi.telemetry; the API offers no public "is configured" query).
+_OTEL_PLACEHOLDERS = frozenset({("opentelemetry.trace", "ProxyTracerProvider"),
+                                ("opentelemetry.metrics._internal", "_ProxyMeterProvider"),
+                                ("opentelemetry._logs._internal", "ProxyLoggerProvider")})
+
+
+def fastapi_telemetry() -> dict[str, bool]:
+    """FastAPI's OpenTelemetry settings for a new app: on when the process has an OpenTelemetry provider
+    (e.g. under `opentelemetry-instrument`), else off. Left at its default, FastAPI looks the three
+    providers up through the environment on every request to find out, which costs the router about
+    a third of the HTTP stack's own CPU per request (benchmarks/router_overhead.py); here that is
+    decided once."""
+    from opentelemetry import _logs, metrics, trace
+
+    providers = (trace.get_tracer_provider(), metrics.get_meter_provider(), _logs.get_logger_provider())
+    if any((type(p).__module__, type(p).__name__) not in _OTEL_PLACEHOLDERS for p in providers):
+        return {}
+    return {"tracing": False, "metrics": False, "logs": False}
+
+
+class FastJSONResponse(JSONResponse):
+    """JSONResponse rendered by orjson (several times faster than json.dumps for a completion body)."""
+
+    def render(self, content: object) -> bytes:
+        return orjson.dumps(content)
 
 
 def _sse(payload: dict[str, object]) -> str:
@@ -168,7 +197,7 @@ class OpenAIServer:
         ]
         body = {"id": api_id, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "system_fingerprint": None, "usage": run.usage(len(prompt_ids))}
-        return JSONResponse(body, headers=self._headers(request))
+        return FastJSONResponse(body, headers=self._headers(request))
 
     async def _completion_stream(self, run: SampleRun, req: CompletionRequest, api_id: str, created: int,
                                  num_prompt_tokens: int, echo_text: str) -> AsyncIterator[str]:
@@ -231,7 +260,7 @@ class OpenAIServer:
         ]
         body = {"id": api_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "system_fingerprint": None, "usage": run.usage(len(prompt_ids))}
-        return JSONResponse(body, headers=self._headers(request))
+        return FastJSONResponse(body, headers=self._headers(request))
 
     async def _chat_stream(self, run: SampleRun, req: ChatRequest, api_id: str, created: int,
                            num_prompt_tokens: int) -> AsyncIterator[str]:
@@ -319,7 +348,7 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
         cache = tokenizer.cache or tokenizer.enable_cache(tokenizer_cache_chars)
         metrics.attach_token_cache(cache.stats)
     server = OpenAIServer(cluster, tokenizer, model_name, max_model_len, metrics, clock)
-    app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, openapi_url=None, telemetry=fastapi_telemetry())
     app.state.server = server
     _install_error_handlers(app)
 

@@ -12,6 +12,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import orjson
+
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import MAX_LOGPROBS, SamplingParams
 from kvbaton.model.tokenizer import Tokenizer, bytes_to_unicode
@@ -69,8 +71,8 @@ class ChatRequest:
 
 def parse_json_body(raw: bytes) -> dict[str, object]:
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:  # invalid UTF-8 included
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")

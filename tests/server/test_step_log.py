@@ -83,3 +83,25 @@ def test_a_serving_worker_writes_its_step_log_when_it_stops(tmp_path: Path) -> N
     # 80 prompt tokens in 64-token chunks, then decodes: two prefill steps and five decode steps at least.
     assert sum(s.shape.num_prefill_tokens for s in samples) == 80
     assert sum(s.shape.num_decodes for s in samples) >= 5 and all(s.duration_s > 0 for s in samples)
+
+
+def test_noise_correlation_between_consecutive_steps_is_fitted_per_worker_run() -> None:
+    import math
+    import random
+
+    from kvbaton.engine.profiler import step_noise_rho
+    from kvbaton.sim.costs.linear import LinearCoefficients, LinearCostModel
+
+    model = LinearCostModel({1: LinearCoefficients((0.01, 0.0, 0.0, 0.0), (0.02, 0.0, 0.0), (0.02, 0.0, 0.0))}, 0)
+    shape = BatchShape((), (), 2, 100)
+
+    def run(rho: float, seed: int, n: int = 4000) -> list[StepSample]:
+        rng, z, out = random.Random(seed), 0.0, []
+        for _ in range(n):
+            z = rho * z + math.sqrt(1 - rho * rho) * rng.gauss(0.0, 1.0)
+            out.append(StepSample(shape, 0.02 * math.exp(0.2 * z)))
+        return out
+
+    assert step_noise_rho(model, [run(0.8, 1), run(0.8, 2)]) == pytest.approx(0.8, abs=0.03)
+    assert step_noise_rho(model, [run(0.0, 3)]) == pytest.approx(0.0, abs=0.05)
+    assert step_noise_rho(model, [run(0.8, 4, n=5)]) == 0.0  # too few consecutive pairs to tell

@@ -145,3 +145,26 @@ def test_step_noise_is_seeded_per_worker_keeps_the_mean_and_zero_means_exact() -
     noisy, noisy_step_s = run(0.3, 0)
     assert run(0.3, 0)[0] == noisy and run(0.3, 1)[0] != noisy  # seeded: same seed, same run
     assert noisy != exact and abs(noisy_step_s / exact_step_s - 1.0) < 0.2  # lognormal with mean 1
+
+
+def test_step_noise_follows_an_ar1_whose_rho_zero_case_is_independent_lognormal_draws() -> None:
+    import math
+    import random
+
+    from kvbaton.cache.hashing import CacheKey
+    from kvbaton.sim.spec import parse_cluster_spec as parse
+    from kvbaton.sim.worker import SimWorker
+
+    def factors(sigma: float, rho: float, n: int) -> list[float]:
+        cost = LinearCostModel({1: LinearCoefficients((0.01, 0.0, 0.0, 0.0), (0.005, 0.0, 0.0),
+                                                      (0.005, 0.0, 0.0))}, 0)
+        cost.step_noise_sigma, cost.step_noise_rho = sigma, rho
+        worker = SimWorker(parse("1xmixed").workers[0], SchedulerConfig(), CacheConfig(16, 64),
+                           CacheKey("r", "l"), cost, rng=random.Random(7))
+        return [worker._noise() for _ in range(n)]
+
+    reference = random.Random(7)  # independent steps: exactly exp(N(-sigma^2/2, sigma)) from the same stream
+    assert factors(0.3, 0.0, 50) == [math.exp(reference.gauss(-0.3 * 0.3 / 2, 0.3)) for _ in range(50)]
+    logs = np.log(factors(0.3, 0.9, 20_000))
+    assert np.corrcoef(logs[:-1], logs[1:])[0, 1] == pytest.approx(0.9, abs=0.02)
+    assert np.std(logs) == pytest.approx(0.3, rel=0.1) and np.mean(np.exp(logs)) == pytest.approx(1.0, abs=0.03)

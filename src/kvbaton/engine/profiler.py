@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -115,8 +116,11 @@ def profile_engine(model: str, out: str | Path, grid: ProfileGrid = ProfileGrid(
 
 
 def write_profile(samples: list[StepSample], model: str, kv_bytes_per_token: int, source: str,
-                  out: str | Path) -> dict:
-    """Fit DistServe's form to `samples` and write the coefficient file `kvbaton sim --cost-model` reads."""
+                  out: str | Path, runs: Sequence[Sequence[StepSample]] = ()) -> dict:
+    """Fit DistServe's form to `samples` and write the coefficient file `kvbaton sim --cost-model` reads.
+
+    `runs`: the same samples as each serving worker logged them, in order (for the noise's correlation
+    between consecutive steps; none for a profile over a grid of shapes, whose order means nothing)."""
     coefficients = fit_linear(samples)
     fitted = LinearCostModel({1: coefficients}, kv_bytes_per_token, name=f"profile:{model}")
     quality = {kind: asdict(fit_quality(fitted, [s for s in samples if _kind(s.shape) == kind]))
@@ -127,6 +131,7 @@ def write_profile(samples: list[StepSample], model: str, kv_bytes_per_token: int
         "models": {model: {"kv_bytes_per_token": kv_bytes_per_token, "tp": {"1": coefficients.to_json()}}},
         "fit_quality": quality,
         "step_noise_sigma": step_noise_sigma(fitted, samples),
+        "step_noise_rho": step_noise_rho(fitted, runs),
         "num_samples": len(samples),
     }
     Path(out).write_text(json.dumps(payload, indent=2) + "\n")
@@ -143,6 +148,25 @@ def step_noise_sigma(model: LinearCostModel, samples: list[StepSample]) -> float
     return round(math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)), 4)
 
 
+def step_noise_rho(model: LinearCostModel, runs: Sequence[Sequence[StepSample]]) -> float:
+    """Lag-1 correlation of log(measured / predicted) between consecutive steps of one worker, over all runs
+    (each centred on its own mean); 0 without at least 10 consecutive pairs, never below 0."""
+    pairs: list[tuple[float, float]] = []
+    for run in runs:
+        logs = [math.log(s.duration_s / predicted) for s in run
+                if s.duration_s > 0 and (predicted := model.step_s(s.shape)) > 0]
+        if len(logs) < 2:
+            continue
+        mean = sum(logs) / len(logs)
+        centred = [x - mean for x in logs]
+        pairs.extend(zip(centred, centred[1:]))
+    if len(pairs) < 10:
+        return 0.0
+    covariance = sum(a * b for a, b in pairs)
+    variance = math.sqrt(sum(a * a for a, _ in pairs) * sum(b * b for _, b in pairs))
+    return round(max(covariance / variance, 0.0), 4) if variance > 0 else 0.0
+
+
 def _kind(shape: BatchShape) -> str:
     if shape.prefill_new_tokens and shape.num_decodes:
         return "mixed"
@@ -151,12 +175,13 @@ def _kind(shape: BatchShape) -> str:
 
 def run_profile(args: argparse.Namespace) -> int:
     if args.from_step_log:
-        samples = read_step_samples(args.from_step_log)
+        runs = [read_step_samples([path]) for path in args.from_step_log]
+        samples = [sample for run in runs for sample in run]
         model_config, _, _ = read_model_source(resolve_model_source(args.model))
         itemsize = 4 if args.dtype == "float32" else 2  # the serving default is bf16
         payload = write_profile(samples, args.model, model_config.kv_bytes_per_token(itemsize),
                                 f"kvbaton profile --from-step-log ({len(args.from_step_log)} serving workers' logs)",
-                                args.out)
+                                args.out, runs)
     else:
         if args.threads > 0:  # profile with the threads a serving worker gets, or its step times are not its own
             torch.set_num_threads(args.threads)

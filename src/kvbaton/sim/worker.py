@@ -46,9 +46,13 @@ class SimWorker:
         self.block_size = cache_config.block_size
         self.cost_model = cost_model
         self.token_for = token_for
-        # Step-time noise (cost_model.step_noise_sigma): lognormal with mean 1, from this worker's own stream.
-        sigma = cost_model.step_noise_sigma
-        self._noise = (lambda: math.exp(rng.gauss(-sigma * sigma / 2, sigma))) if sigma > 0 and rng else None
+        # Step-time noise (cost_model.step_noise_sigma, _rho): lognormal with mean 1, from this worker's own
+        # stream; its log follows a stationary AR(1) with lag-1 correlation rho (independent steps at rho 0).
+        self._noise_sigma = cost_model.step_noise_sigma
+        self._noise_rho = min(max(cost_model.step_noise_rho, 0.0), 0.999)
+        self._noise_innovation = math.sqrt(1.0 - self._noise_rho * self._noise_rho)
+        self._noise_z: float | None = None  # the standard-normal state; drawn from its stationary law at first
+        self._rng = rng if self._noise_sigma > 0 else None
         self.plan: StepPlan | None = None  # the step in flight, None when idle
         self.step_s = 0.0
         self.step_end_at = 0.0  # when the step in flight ends
@@ -58,6 +62,16 @@ class SimWorker:
         self.busy_s = 0.0
         self.num_steps = 0
         self.last_heartbeat_at = float("-inf")
+
+    def _noise(self) -> float:
+        """This step's time factor: exp(sigma * z - sigma^2 / 2), z the worker's AR(1) standard-normal state."""
+        rng = self._rng
+        assert rng is not None
+        z = self._noise_z
+        z = rng.gauss(0.0, 1.0) if z is None else self._noise_rho * z + self._noise_innovation * rng.gauss(0.0, 1.0)
+        self._noise_z = z
+        sigma = self._noise_sigma
+        return math.exp(sigma * z - sigma * sigma / 2)
 
     @property
     def busy(self) -> bool:
@@ -76,7 +90,7 @@ class SimWorker:
             return None
         self.plan = plan
         self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
-        if self._noise is not None:
+        if self._rng is not None:
             self.step_s *= self._noise()
         self.step_end_at = now + self.step_s
         return self.step_end_at

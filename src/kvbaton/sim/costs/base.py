@@ -72,6 +72,9 @@ class CostModel(ABC):
     # Spread of measured step times around the model (std of log(measured / predicted)); the simulator draws
     # each step's time around the prediction with it, from a seeded generator. 0: exact, deterministic steps.
     step_noise_sigma: float = 0.0
+    # Lag-1 correlation of consecutive steps' log(measured / predicted) on one worker: a slow step is followed
+    # by slow steps (host contention lasts longer than a step). The simulator's draws follow it (AR(1)).
+    step_noise_rho: float = 0.0
 
     @abstractmethod
     def step_s(self, shape: BatchShape, parallel: Parallelism = Parallelism()) -> float:

@@ -110,6 +110,7 @@ def load_linear_model(path: str | Path, model: str | None = None) -> LinearCostM
     by_tp = {int(tp): LinearCoefficients.from_json(raw, unit) for tp, raw in entry["tp"].items()}
     fitted = LinearCostModel(by_tp, int(entry.get("kv_bytes_per_token", 0)), name=f"{Path(path).stem}:{model}")
     fitted.step_noise_sigma = float(data.get("step_noise_sigma", 0.0))
+    fitted.step_noise_rho = float(data.get("step_noise_rho", 0.0))
     return fitted
 
 

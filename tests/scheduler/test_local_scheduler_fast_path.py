@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from kvbaton.core.request import Request
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.scheduler.local_scheduler import LocalScheduler
+from kvbaton.sim.catalog import get_gpu, get_model
+from kvbaton.sim.costs import BatchShape, RooflineCostModel
 from tests.scheduler.helpers import make_request, make_scheduler
 
 EOS = 2
@@ -21,6 +23,7 @@ EOS = 2
 add_op = st.tuples(st.just("add"), st.integers(1, 10), st.integers(4, 16), st.sampled_from([0, 1]))
 step_op = st.tuples(st.just("step"), st.integers(0, 9))
 abort_op = st.tuples(st.just("abort"), st.integers(0, 20))
+_COSTS = RooflineCostModel(get_model("llama-3-8b"), get_gpu("h100"))
 
 
 def _state(sched: LocalScheduler, request_ids: list[str]) -> list[tuple]:
@@ -30,6 +33,19 @@ def _state(sched: LocalScheduler, request_ids: list[str]) -> list[tuple]:
         if r is not None:
             rows.append((rid, r.status, r.num_computed_tokens, tuple(r.output_token_ids), tuple(r.block_ids)))
     return rows + [("pool", tuple(sched.blocks.pool.free_block_ids()))]
+
+
+def _check_steady_context(sched: LocalScheduler, plan: StepPlan, steady: bool) -> None:
+    """`steady_plan_context_tokens` is the decodes' context sum exactly when the plan is all decodes from the
+    fast path (BatchShape.of_plan's decode rule), and prices the plan as plan_s does."""
+    context_tokens = sched.steady_plan_context_tokens
+    if context_tokens < 0:
+        return
+    assert steady and plan.chunks
+    shape = BatchShape.of_plan(plan)
+    assert shape.prefill_new_tokens == () and shape.num_decodes == len(plan.chunks)
+    assert context_tokens == shape.decode_context_tokens == sum(c.start_pos + 1 for c in plan.chunks)
+    assert _COSTS.decode_s(len(plan.chunks), context_tokens) == _COSTS.plan_s(plan)
 
 
 @settings(max_examples=120, deadline=None, derandomize=True)
@@ -66,6 +82,8 @@ def test_fast_path_plans_as_the_general_path(ops: list[tuple], num_blocks: int, 
                           and sched._plan_steady_decodes() is not None)
                 plan = sched.schedule(now)
                 plans.append(plan)
+                if sched is fast:
+                    _check_steady_context(sched, plan, steady)
                 # token 2 (EOS) for some requests at some steps: requests end at varying points
                 sampled = {c.request_id: SampledToken(EOS if (op[1] + c.end_pos) % 11 == 0 else 5)
                            for c in plan.chunks if c.samples}
@@ -89,16 +107,22 @@ def test_fast_path_is_taken_for_steady_decodes() -> None:
     for sched in (fast, general):
         sched.add_request(make_request("a", 5, max_tokens=9))
         sched.add_request(make_request("b", 3, max_tokens=9))
-    num_fast_steps = 0
+    num_fast_steps = num_priced_steps = 0
     for n in range(12):
         num_fast_steps += fast._plan_steady_decodes() is not None
         plans = []
         for sched in (fast, general):
             plan = sched.schedule(float(n))
             plans.append(plan)
+            if sched.steady_plan_context_tokens >= 0:
+                num_priced_steps += 1
+                assert sched.steady_plan_context_tokens == sum(c.start_pos + 1 for c in plan.chunks)
             sched.update(plan, StepResult(plan.step_id, {c.request_id: SampledToken(5) for c in plan.chunks}), n)
         assert plans[0] == plans[1]
     # Step 0 prefills both; from then on both decode, and a step is steady unless a request's next
     # position opens a new block: positions 8 (a) and 4, 8 (b) do, so 11 - 3 steady steps.
     assert num_fast_steps == 8
+    # Priced as steady decodes: steps 1, 3, 5, 7. Step 0 prefills, even steps open a block for a or b, and
+    # both finish (max_tokens 9) at step 8, after which plans are empty.
+    assert num_priced_steps == 4 and general.steady_plan_context_tokens == -1
     assert fast.stats() == general.stats()

@@ -3,7 +3,12 @@
 `hash(parent, block tokens)` chains from a root derived from the cache key, so equal hashes mean
 equal prefixes under the same (model revision, KV layout, tenant salt). Only ints and tuples of
 ints go through Python's `hash`, which is not salted per process for those types, so a router
-and its workers compute the same hashes; the string-valued key goes through blake2b once.
+and its workers compute the same hashes; the string-valued key goes through blake2b once per
+distinct key (memoised: the router and the simulator ask for it on every request).
+
+`hash_prompt` splits a prompt into block tuples and hashes them once, so a caller that both routes
+a request and hands it to a local scheduler (the simulator) can pass the same `HashedBlocks` on
+instead of splitting and hashing the prompt again on the worker.
 """
 
 from __future__ import annotations
@@ -11,8 +16,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 _HASH_SEED = b"kvbaton-block-hash-v1"
+
+
+@lru_cache(maxsize=4096)
+def _root_hash(model_revision: str, kv_layout: str, tenant_salt: str) -> int:
+    material = "\x1f".join((model_revision, kv_layout, tenant_salt)).encode()
+    digest = hashlib.blake2b(material, digest_size=8, key=_HASH_SEED).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +41,7 @@ class CacheKey:
 
     @property
     def root_hash(self) -> int:
-        material = "\x1f".join((self.model_revision, self.kv_layout, self.tenant_salt)).encode()
-        digest = hashlib.blake2b(material, digest_size=8, key=_HASH_SEED).digest()
-        return int.from_bytes(digest, "little", signed=True)
+        return _root_hash(self.model_revision, self.kv_layout, self.tenant_salt)
 
 
 def hash_block(parent_hash: int, block_token_ids: Sequence[int]) -> int:
@@ -38,11 +49,37 @@ def hash_block(parent_hash: int, block_token_ids: Sequence[int]) -> int:
     return hash((parent_hash, tuple(block_token_ids)))
 
 
+def split_blocks(token_ids: Sequence[int], block_size: int) -> list[tuple[int, ...]]:
+    """The token tuples of every full block of `token_ids` (a trailing partial block is skipped)."""
+    return list(zip(*[iter(token_ids)] * block_size))  # consecutive block_size-tuples, built in C
+
+
+def chain_hashes(parent_hash: int, token_blocks: Sequence[tuple[int, ...]]) -> list[int]:
+    """Chained hashes of consecutive full blocks (token tuples) following the block hashed `parent_hash`."""
+    hashes: list[int] = []
+    append = hashes.append
+    for block in token_blocks:
+        parent_hash = hash((parent_hash, block))
+        append(parent_hash)
+    return hashes
+
+
 def hash_block_tokens(key: CacheKey, token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of every full block of `token_ids` (a trailing partial block is skipped)."""
-    hashes: list[int] = []
-    parent = key.root_hash
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
-        hashes.append(parent)
-    return hashes
+    return chain_hashes(key.root_hash, split_blocks(token_ids, block_size))
+
+
+@dataclass(frozen=True, slots=True)
+class HashedBlocks:
+    """A prompt's full blocks, split and hashed once under `key` (tenant salt included)."""
+
+    key: CacheKey
+    block_size: int
+    token_blocks: tuple[tuple[int, ...], ...]  # token tuple of each full block, in order
+    block_hashes: tuple[int, ...]  # chain_hashes(key.root_hash, token_blocks)
+
+
+def hash_prompt(key: CacheKey, token_ids: Sequence[int], block_size: int) -> HashedBlocks:
+    """Split `token_ids` into full blocks and hash them: `hash_block_tokens` keeping the block tuples."""
+    token_blocks = split_blocks(token_ids, block_size)
+    return HashedBlocks(key, block_size, tuple(token_blocks), tuple(chain_hashes(key.root_hash, token_blocks)))

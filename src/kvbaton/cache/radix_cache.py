@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.events import KVEvent, KVEventKind
-from kvbaton.cache.hashing import CacheKey, hash_block
+from kvbaton.cache.hashing import CacheKey, chain_hashes, hash_block
 
 BlockTokens = tuple[int, ...]
 
@@ -184,10 +184,17 @@ class RadixCache:
             )
         return self._insert_below(self._root(key), self._token_blocks(token_ids), block_ids)
 
-    def insert_blocks(self, key: CacheKey, token_blocks: list[BlockTokens], block_ids: Sequence[int]) -> PrefixMatch:
-        """`insert` of a sequence already split into full blocks: one token tuple per block id."""
+    def insert_blocks(self, key: CacheKey, token_blocks: list[BlockTokens], block_ids: Sequence[int],
+                      block_hashes: Sequence[int] = ()) -> PrefixMatch:
+        """`insert` of a sequence already split into full blocks: one token tuple per block id.
+
+        `block_hashes`: the chained hashes (`kvbaton.cache.hashing.chain_hashes` under `key`) of
+        the leading blocks of `token_blocks`, as many as the caller has (none, some or all);
+        blocks the cache adopts take them instead of being hashed again. The first adopted block's
+        hash is checked (a wrong key or offset raises ValueError, changing nothing).
+        """
         self._check_blocks(token_blocks, block_ids)
-        return self._insert_below(self._root(key), token_blocks, block_ids)
+        return self._insert_below(self._root(key), token_blocks, block_ids, block_hashes)
 
     def insert_from(self, node: object, token_ids: Sequence[int], block_ids: Sequence[int]) -> PrefixMatch:
         """`insert` of a path that continues below `node`, given only the blocks after it.
@@ -207,13 +214,16 @@ class RadixCache:
         return self._insert_below(start, self._token_blocks(token_ids), block_ids)
 
     def insert_from_blocks(self, node: object, token_blocks: list[BlockTokens],
-                           block_ids: Sequence[int]) -> PrefixMatch:
-        """`insert_from` of blocks already split into token tuples: one tuple per block id."""
+                           block_ids: Sequence[int], block_hashes: Sequence[int] = ()) -> PrefixMatch:
+        """`insert_from` of blocks already split into token tuples: one tuple per block id.
+
+        `block_hashes`: known chained hashes of the leading blocks of `token_blocks`, as in `insert_blocks`.
+        """
         start = self._check_node(node)
         if start.lock_ref == 0:
             raise ValueError("insert_from needs a locked node: an unlocked one may be trimmed or split")
         self._check_blocks(token_blocks, block_ids)
-        return self._insert_below(start, token_blocks, block_ids)
+        return self._insert_below(start, token_blocks, block_ids, block_hashes)
 
     def _check_blocks(self, token_blocks: list[BlockTokens], block_ids: Sequence[int]) -> None:
         if len(token_blocks) != len(block_ids) or any(len(t) != self.block_size for t in token_blocks):
@@ -221,21 +231,28 @@ class RadixCache:
                              f"must hold {self.block_size} tokens")
 
     def _insert_below(self, start: RadixNode, token_blocks: list[BlockTokens],
-                      block_ids: Sequence[int]) -> PrefixMatch:
+                      block_ids: Sequence[int], block_hashes: Sequence[int] = ()) -> PrefixMatch:
         """Shared body of `insert`/`insert_from`: walk down from `start`, adopt the blocks past the
-        cached path, touch the end node."""
+        cached path, touch the end node. `block_hashes`: known hashes of leading `token_blocks`."""
         node, num_in_node, path_ids, path_hashes = self._walk(start, token_blocks)
-        new_ids = list(block_ids[len(path_ids) :])
+        num_path = len(path_ids)
+        new_ids = list(block_ids[num_path:])
+        known_hashes = block_hashes[num_path : len(block_ids)]
         # Validate everything before changing anything, so a bad call leaves the cache untouched.
         reused = self._cached_block_ids.intersection(new_ids)
         if reused or len(set(new_ids)) != len(new_ids):
             raise ValueError(f"blocks {sorted(reused) or new_ids} are already cached or listed twice")
+        if known_hashes:
+            # The path ends inside `node` after num_in_node blocks: the hash before the first new block.
+            before = node.block_hashes[num_in_node - 1] if num_in_node else node.parent_hash
+            if known_hashes[0] != hash_block(before, token_blocks[num_path]):
+                raise ValueError("block_hashes do not chain from the cached path (wrong key or offset)")
         self.pool.ref(new_ids)  # raises (changing nothing) if the caller does not hold them
         if num_in_node < len(node.block_ids):
             node = self._split(node, num_in_node)
         if new_ids:
             parent_hash = node.tail_hash
-            node = self._add_child(node, token_blocks[len(path_ids) :], new_ids)
+            node = self._add_child(node, token_blocks[num_path:], new_ids, known_hashes)
             path_ids.extend(new_ids)
             path_hashes.extend(node.block_hashes)
             self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
@@ -379,15 +396,17 @@ class RadixCache:
         self._num_nodes += 1
         return head
 
-    def _add_child(self, parent: RadixNode, token_blocks: list[BlockTokens], block_ids: list[int]) -> RadixNode:
+    def _add_child(self, parent: RadixNode, token_blocks: list[BlockTokens], block_ids: list[int],
+                   known_hashes: Sequence[int] = ()) -> RadixNode:
         child = RadixNode(parent, parent.tail_hash, next(self._serials), self._tick)
         child.key = token_blocks[0]
         child.token_blocks = token_blocks
         child.block_ids = block_ids
-        chained = parent.tail_hash
-        for tokens in token_blocks:
-            chained = hash_block(chained, tokens)
-            child.block_hashes.append(chained)
+        # Hashes the caller already has (checked to chain from `parent` by `_insert_below`), then the rest.
+        hashes = list(known_hashes)
+        if len(hashes) < len(token_blocks):
+            hashes.extend(chain_hashes(hashes[-1] if hashes else parent.tail_hash, token_blocks[len(hashes):]))
+        child.block_hashes = hashes
         parent.children[child.key] = child
         self._cached_block_ids.update(block_ids)
         self._num_cached_blocks += len(block_ids)

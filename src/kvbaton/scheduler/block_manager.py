@@ -12,11 +12,11 @@ A waiting (or preempted) request holds no blocks, no refs and no lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from kvbaton.cache.block_pool import BlockPool
-from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.hashing import CacheKey, HashedBlocks
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.request import Request
-
 
 
 def _tokens_between(request: Request, start: int, end: int) -> list[int]:
@@ -49,6 +49,24 @@ class BlockManager:
         # it grows, so cache probes, matches and inserts do not re-tuple the prompt. Tokens are
         # append-only, so the tuples stay valid; the entry goes with `free`.
         self._token_blocks: dict[str, list[tuple[int, ...]]] = {}
+        # Per request seeded by its caller (`seed`): the chained hashes of its prompt's full blocks, passed
+        # to the cache's inserts so the blocks it adopts are not hashed again. Goes with `free` too.
+        self._prompt_hashes: dict[str, tuple[int, ...]] = {}
+
+    def seed(self, request: Request, blocks: HashedBlocks) -> None:
+        """Take the request's prompt already split and hashed (by the router's caller) instead of doing it again.
+
+        Ignored without a cache, or when `blocks` was hashed under another key, tenant or block
+        size; `blocks` must be `hash_prompt` of this request's prompt (its block count is checked).
+        """
+        if (self.cache is None or blocks.block_size != self.block_size
+                or len(blocks.token_blocks) != request.num_prompt_tokens // self.block_size
+                or blocks.key != self.cache_key.with_tenant(request.tenant)):
+            return
+        request_id = request.request_id
+        if request_id not in self._token_blocks:
+            self._token_blocks[request_id] = list(blocks.token_blocks)
+        self._prompt_hashes[request_id] = blocks.block_hashes
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -114,15 +132,18 @@ class BlockManager:
         if num_full <= (hold.num_blocks if hold else 0):
             return
         # Positions already cached keep the cache's block; our duplicate stays in our table.
+        hashes = self._prompt_hashes.get(request.request_id, ())
         if hold is None:
             key = self.cache_key.with_tenant(request.tenant)
-            match = self.cache.insert_blocks(key, self._blocks_of(request, num_full), request.block_ids[:num_full])
+            match = self.cache.insert_blocks(key, self._blocks_of(request, num_full), request.block_ids[:num_full],
+                                             hashes)
         else:
             # Root..hold.node is exactly our first hold.num_blocks blocks and stays so while it is
             # locked (splits keep the handle at the tail; locked blocks are never trimmed), so only
             # the blocks after it need walking: same result as re-inserting the whole prefix.
             token_blocks = self._blocks_of(request, num_full)[hold.num_blocks :]
-            match = self.cache.insert_from_blocks(hold.node, token_blocks, request.block_ids[hold.num_blocks : num_full])
+            match = self.cache.insert_from_blocks(hold.node, token_blocks, request.block_ids[hold.num_blocks : num_full],
+                                                  hashes[hold.num_blocks :])
         self.cache.lock(match.node)  # lock the new node before unlocking the old: no evictable gap
         if hold is not None:
             self.cache.unlock(hold.node)
@@ -137,6 +158,7 @@ class BlockManager:
         if hold is not None and self.cache is not None:
             self.cache.unlock(hold.node)
         self._token_blocks.pop(request.request_id, None)
+        self._prompt_hashes.pop(request.request_id, None)
         request.block_ids = []
         request.num_computed_tokens = 0
 

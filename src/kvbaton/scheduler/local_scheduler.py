@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvbaton.cache.block_pool import BlockPool
-from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.hashing import CacheKey, HashedBlocks
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.config import SchedulerConfig
 from kvbaton.core.errors import CapacityError, InvalidRequestError
 from kvbaton.core.request import FinishReason, Request, RequestStatus
 from kvbaton.core.step import SampledToken, ScheduledChunk, StepPlan, StepResult
 from kvbaton.scheduler.block_manager import BlockManager
+from kvbaton.scheduler.fast_values import make_chunk, make_plan
 from kvbaton.scheduler.queue_policies import create_queue_policy
 
 
@@ -121,13 +122,19 @@ class LocalScheduler:
         self._step_id = 0
         self._num_steps = 0
         self.steady_fast_path = True  # False forces the general path (tests compare the two)
+        # Σ (start_pos + 1) over the last plan's chunks when it came from the steady-decode path (every
+        # chunk a one-token decode past position 0, i.e. a decode by `BatchShape.of_plan`'s rule), else -1:
+        # lets an executor price the batch (`CostModel.decode_s`) without reading the plan again.
+        self.steady_plan_context_tokens = -1
         self._num_preemptions = 0
         self._queries_tokens = 0
         self._hits_tokens = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, prompt_blocks: HashedBlocks | None = None) -> None:
+        """Queue a new request. `prompt_blocks`: its prompt already split and hashed under this worker's
+        cache key (`hash_prompt`, e.g. by the simulator, which hashed it to route it); saves doing it again."""
         if request.request_id in self._requests:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if request.num_prompt_tokens == 0:
@@ -145,6 +152,8 @@ class LocalScheduler:
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self._waiting.append(request)
+        if prompt_blocks is not None:
+            self.blocks.seed(request, prompt_blocks)
 
     def admit_prefilled(self, request: Request, num_computed_tokens: int, now: float,
                         block_ids: Sequence[int] | None = None) -> bool:
@@ -230,6 +239,7 @@ class LocalScheduler:
 
     def schedule(self, now: float) -> StepPlan:
         self._step_id += 1
+        self.steady_plan_context_tokens = -1
         if self.steady_fast_path and not self._waiting and self._running:
             plan = self._plan_steady_decodes()
             if plan is not None:
@@ -289,12 +299,17 @@ class LocalScheduler:
         block_size = self.block_size
         tables = self._tables
         chunks = []
+        context_tokens = 0
         for request in running:
             output = request.output_token_ids
             start = request.num_computed_tokens
             block_ids = request.block_ids
-            if len(request.prompt_token_ids) + len(output) - start != 1 or len(block_ids) * block_size <= start:
+            # start == 0 (a one-token prompt) is left to the general path: the same plan, but not a decode
+            # for pricing, so `steady_plan_context_tokens` always describes an all-decode batch.
+            if (len(request.prompt_token_ids) + len(output) - start != 1 or len(block_ids) * block_size <= start
+                    or not start):
                 return None
+            context_tokens += start
             request_id = request.request_id
             entry = tables.get(request_id)  # _block_table, inline
             if entry is not None and entry[0] is block_ids and len(entry[1]) == len(block_ids):
@@ -303,8 +318,9 @@ class LocalScheduler:
                 table = tuple(block_ids)
                 tables[request_id] = (block_ids, table)
             last_token = output[-1] if output else request.prompt_token_ids[-1]
-            chunks.append(ScheduledChunk(request_id, start, (last_token,), table, True))
-        return StepPlan(self._step_id, tuple(chunks), len(chunks))
+            chunks.append(make_chunk(request_id, start, (last_token,), table, True))
+        self.steady_plan_context_tokens = context_tokens + len(chunks)
+        return make_plan(self._step_id, tuple(chunks), len(chunks))
 
     def _schedule_running_requests(self, step: _StepBuilder, now: float) -> None:
         """Running decodes (exactly one uncomputed token), then running prefills, each in running order.
@@ -347,7 +363,7 @@ class LocalScheduler:
             else:
                 table = tuple(block_ids)
                 tables[request_id] = (block_ids, table)
-            chunks[request_id] = ScheduledChunk(request_id, start, (last_token,), table, True)
+            chunks[request_id] = make_chunk(request_id, start, (last_token,), table, True)
             step.num_tokens += 1
         for request in prefilling:
             if step.num_tokens == budget_tokens:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
-from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.hashing import CacheKey, HashedBlocks, hash_prompt
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError, KvbatonError
 from kvbaton.core.request import FinishReason, Request
@@ -75,6 +75,7 @@ class _Flight:
     workload: WorkloadRequest
     front: str  # worker id of the mixed or prefill worker
     prompt: list[int]  # wr.prompt_array as a list, converted once (the decode side copies it)
+    prompt_blocks: HashedBlocks | None = None  # its blocks as hashed to route it, handed to the front scheduler
     decode: str = ""  # decode worker id when disaggregated
     whole: bool = False  # adaptive pools: `front`, lent to mixed duty, serves it start to end (no handoff)
     prefill_request: Request | None = None  # waiting for its reservation to be granted
@@ -208,8 +209,10 @@ class ClusterSim:
     def _on_arrival(self, wr: WorkloadRequest, now: float) -> None:
         rid = wr.request_id
         prompt = wr.prompt_array.tolist()
-        route = RouteRequest.from_tokens(rid, prompt, self.config.cache_key, self.config.cache.block_size,
-                                         num_output_tokens=wr.output_tokens, tenant=wr.tenant)
+        # RouteRequest.from_tokens, keeping the block tuples: the front worker's cache reuses them and the hashes.
+        prompt_blocks = hash_prompt(self.config.cache_key.with_tenant(wr.tenant), prompt,
+                                    self.config.cache.block_size)
+        route = RouteRequest(rid, prompt_blocks.block_hashes, len(prompt), wr.output_tokens)
         decode_route = RouteRequest(rid, (), route.num_prompt_tokens, wr.output_tokens)
         lent = self._lent_worker(wr, route, now) if self.pools is not None and self.decode_ids else None
         if lent is None:
@@ -218,7 +221,7 @@ class ClusterSim:
             front = self.workers[self.decode_policy.choose(decode_route, [lent], now).worker_id]
         else:
             front = self.workers[self.policy.choose(route, [lent], now).worker_id]
-        flight = _Flight(wr, front.worker_id, prompt, whole=lent is not None, at_decode=lent is not None)
+        flight = _Flight(wr, front.worker_id, prompt, prompt_blocks, whole=lent is not None, at_decode=lent is not None)
         self._flights[rid] = flight
         if lent is not None:
             flight.decode = lent if front.spec.role == "decode" else ""
@@ -264,7 +267,7 @@ class ClusterSim:
 
     def _admit(self, worker: SimWorker, flight: _Flight, request: Request, now: float) -> None:
         try:
-            worker.scheduler.add_request(request)
+            worker.scheduler.add_request(request, flight.prompt_blocks)
         except KvbatonError as exc:
             self._fail(flight, str(exc), now)
             return

@@ -16,7 +16,7 @@ the cost model): the simulator prices bytes, not per-layer overlap with compute.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvbaton.core.step import StepPlan
 from kvbaton.sim.links import Link, LinkSpec
@@ -25,17 +25,17 @@ from kvbaton.transfer import (Ack, AdoptedKV, FirstToken, HandoffDestination, Ha
                               Outgoing, ReserveGranted, ReserveRefused, SourceState, TransferId)
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """A protocol message arriving at `to_worker` from `from_worker`."""
+class Delivery(NamedTuple):
+    """A protocol message arriving at `to_worker` from `from_worker`. A NamedTuple, not a frozen dataclass:
+    the simulator builds one per protocol message (five or more per handed-off request), and a NamedTuple
+    is built in C."""
 
     from_worker: str
     to_worker: str
     message: Message
 
 
-@dataclass(frozen=True, slots=True)
-class HandoffEvent:
+class HandoffEvent(NamedTuple):
     """What the cluster must act on: granted (start the prefill), refused, complete (adopt), ended (failed)."""
 
     kind: str  # "granted" | "refused" | "complete" | "ended"
@@ -102,19 +102,24 @@ class SimHandoffs:
 
     def deliver(self, delivery: Delivery, now: float) -> list[HandoffEvent]:
         """Apply an arriving message to the receiving leg; returns what the cluster must do."""
-        message = delivery.message
-        request_id = self._request_of(message.transfer_id)
-        if delivery.to_worker in self.destinations:
-            destination = self.destinations[delivery.to_worker]
-            replies = destination.on_message(delivery.from_worker, message, now)
+        from_worker, to_worker, message = delivery
+        destination = self.destinations.get(to_worker)
+        if destination is not None:
+            replies = destination.on_message(from_worker, message, now)
+            if not replies:
+                return []
+            reply_at = now + self.links[from_worker].spec.latency_s
+            acked = False
             for out in replies:
-                self._push(now + self.links[delivery.from_worker].spec.latency_s,
-                           Delivery(delivery.to_worker, out.peer, out.message))
+                self._push(reply_at, Delivery(to_worker, out.peer, out.message))
+                acked = acked or isinstance(out.message, Ack)
             # A destination-side failure reaches the cluster when its Abort reaches the source.
-            if any(isinstance(o.message, Ack) for o in replies):
-                return [HandoffEvent("complete", request_id, adopted=destination.adopt(message.transfer_id, now))]
+            if acked:
+                return [HandoffEvent("complete", self._request_of(message.transfer_id),
+                                     adopted=destination.adopt(message.transfer_id, now))]
             return []
-        source = self.sources[delivery.to_worker]
+        request_id = self._request_of(message.transfer_id)
+        source = self.sources[to_worker]
         source.on_message(message, now)
         if self._legs.get(request_id, (None,))[0] != message.transfer_id:
             return []  # a late message of an earlier attempt

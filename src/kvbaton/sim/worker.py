@@ -21,6 +21,7 @@ from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.request import Request
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.router.load import WorkerStats
+from kvbaton.scheduler.fast_values import make_result
 from kvbaton.scheduler.local_scheduler import LocalScheduler, TokenOutput
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.spec import WorkerSpec
@@ -89,7 +90,11 @@ class SimWorker:
         if not plan.chunks:
             return None
         self.plan = plan
-        self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
+        context_tokens = self.scheduler.steady_plan_context_tokens
+        if context_tokens >= 0:  # all decodes: the same price as plan_s, without reading the chunks again
+            self.step_s = self.cost_model.decode_s(len(plan.chunks), context_tokens, self.spec.parallel)
+        else:
+            self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
         if self._rng is not None:
             self.step_s *= self._noise()
         self.step_end_at = now + self.step_s
@@ -128,7 +133,7 @@ class SimWorker:
                 sampled[request_id] = _TOKENS[index % 1000]
             else:
                 sampled[request_id] = SampledToken(token_for(request_id, index))
-        return StepResult(plan.step_id, sampled, self.step_s)
+        return make_result(plan.step_id, sampled, self.step_s)
 
     # ---- disaggregation: the decode side of a handoff ----------------------------------------------
 

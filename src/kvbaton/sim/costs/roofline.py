@@ -84,6 +84,12 @@ class RooflineCostModel(CostModel):
             attention_pairs += pairs
         return self._price(num_tokens, num_chunks, attention_pairs, decode_ctx + prefill_ctx, parallel)
 
+    def decode_s(self, num_seqs: int, context_tokens: int, parallel: Parallelism = Parallelism()) -> float:
+        """The base class's decode_s (step_s of an all-decode shape) without building the shape."""
+        if num_seqs <= 0:
+            return 0.0
+        return self._price(num_seqs, num_seqs, context_tokens, context_tokens, parallel)
+
     def _price(self, num_tokens: int, num_sampled: int, attention_pairs: float, context_read: int,
                parallel: Parallelism) -> float:
         flops = (self._flops_per_token * num_tokens + self._flops_per_sampled_row * num_sampled

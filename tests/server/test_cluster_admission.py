@@ -44,10 +44,14 @@ def test_tally_prices_waiting_prompts_on_their_prefill_worker_and_decodes_on_the
     g.on_routed("b", "p0", "d0", 50, 0, 5)
     g.on_routed("c", "w0", "w0", 40, 0, 8)  # served whole by one worker
     assert g.prefill_load("p0").num_queued_tokens == 68 + 50
-    assert g.decode_load("d0").incoming == (DecodeSlot(100, 10), DecodeSlot(50, 5)) and not g.decode_load("d0").decoding
+    # Each reaches decode once p0 has computed the uncached prompts routed before it and its own (1 ms/token).
+    assert g.decode_load("d0").incoming == (DecodeSlot(100, 10, pytest.approx(0.068)),
+                                            DecodeSlot(50, 5, pytest.approx(0.118)))
+    assert not g.decode_load("d0").decoding
     g.on_tokens("a", 3)  # first tokens streamed: a left the prefill queue and decodes now
     assert g.prefill_load("p0").num_queued_tokens == 50
     assert g.decode_load("d0").decoding == (DecodeSlot(103, 7),)
+    assert g.decode_load("d0").incoming == (DecodeSlot(50, 5, pytest.approx(0.050)),)  # a is out of p0's queue
     assert g.prefill_load("w0").num_queued_tokens == 40 and len(g.decode_load("w0").incoming) == 1
     for request_id in ("a", "b", "c", "never-routed"):
         g.on_ended(request_id)

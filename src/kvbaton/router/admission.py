@@ -214,6 +214,10 @@ class AdmissionPolicy:
         self.max_load = max_load
         self.default_model = default_model  # for workers not in `time_models` (a live pool of identical workers)
 
+    def time_model(self, worker_id: str) -> StageTimeModel:
+        """The step-time model admission prices `worker_id` with."""
+        return self._model(worker_id)
+
     def _model(self, worker_id: str) -> StageTimeModel:
         model = self.time_models.get(worker_id, self.default_model)
         if model is None:

@@ -38,6 +38,7 @@ class _Tracked:
     first_token_at: float = -1.0
     last_token_at: float = -1.0
     num_tokens_seen: int = 0
+    seq: int = 0  # routing order: a prefill worker computes its queue first come, first served
 
 
 class AdmissionGate:
@@ -49,6 +50,7 @@ class AdmissionGate:
         self._capacity_tokens = capacity_tokens  # worker -> KV tokens it can hold (from its heartbeat)
         self._calls: dict[str, _Tracked] = {}
         self._by_worker: dict[str, set[str]] = {}
+        self._num_routed = 0
         self.num_rejected_by_stage: dict[str, int] = {"prefill": 0, "decode": 0}
 
     # -- the tally --------------------------------------------------------------------------------
@@ -57,7 +59,9 @@ class AdmissionGate:
                   num_cached_tokens: int, max_tokens: int, now: float = 0.0) -> None:
         """A call placed: `prefill_worker` == `decode_worker` when one worker serves it whole."""
         uncached = max(num_prompt_tokens - num_cached_tokens, 1)
-        tracked = _Tracked(prefill_worker, decode_worker, num_prompt_tokens, uncached, max_tokens, now)
+        self._num_routed += 1
+        tracked = _Tracked(prefill_worker, decode_worker, num_prompt_tokens, uncached, max_tokens, now,
+                           seq=self._num_routed)
         if self.calibration is not None:  # priced before the call joins the queues it is priced on
             base = self.calibration.base
             request = AdmissionRequest(request_id, num_prompt_tokens, max_tokens, num_prompt_tokens - uncached)
@@ -112,9 +116,21 @@ class AdmissionGate:
             t = self._calls[request_id]
             if t.decode_worker != worker:
                 continue
-            slot = DecodeSlot(t.num_prompt_tokens + t.num_tokens_seen, max(t.max_tokens - t.num_tokens_seen, 0))
-            (decoding if t.num_tokens_seen else incoming).append(slot)
+            remaining = max(t.max_tokens - t.num_tokens_seen, 0)
+            if t.num_tokens_seen:
+                decoding.append(DecodeSlot(t.num_prompt_tokens + t.num_tokens_seen, remaining))
+            else:
+                incoming.append(DecodeSlot(t.num_prompt_tokens, remaining, self._prefilled_in_s(t)))
         return DecodeLoad(worker, tuple(decoding), tuple(incoming), self._capacity_tokens(worker))
+
+    def _prefilled_in_s(self, tracked: _Tracked) -> float:
+        """When a call still waiting for its first token should reach decode: its prefill worker computes the
+        uncached prompts routed to it before this one, then this one's (the `predicted` variant's input)."""
+        worker = tracked.prefill_worker
+        ahead_tokens = sum(t.num_uncached_tokens for r in self._by_worker.get(worker, ())
+                           if (t := self._calls[r]).prefill_worker == worker and t.num_tokens_seen == 0
+                           and t.seq <= tracked.seq)
+        return self.policy.time_model(worker).prefill_s(ahead_tokens, 0)
 
     # -- the decision -----------------------------------------------------------------------------
 

@@ -69,3 +69,14 @@ def step(scheduler: LocalScheduler, now: float = 0.0,
 def chunk_spans(plan: StepPlan) -> list[tuple[str, int, int, bool]]:
     """(request id, start, end, samples) per chunk, in plan order."""
     return [(c.request_id, c.start_pos, c.end_pos, c.samples) for c in plan.chunks]
+
+
+def scheduler_state(sched: LocalScheduler, request_ids: list[str]) -> list[tuple]:
+    """What two schedulers fed the same operations must agree on: each live request's status, progress,
+    outputs and blocks, and the pool's free queue in order."""
+    rows = []
+    for rid in request_ids:
+        r = sched.get_request(rid)
+        if r is not None:
+            rows.append((rid, r.status, r.num_computed_tokens, tuple(r.output_token_ids), tuple(r.block_ids)))
+    return rows + [("pool", tuple(sched.blocks.pool.free_block_ids()))]

@@ -16,7 +16,7 @@ from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.scheduler.local_scheduler import LocalScheduler
 from kvbaton.sim.catalog import get_gpu, get_model
 from kvbaton.sim.costs import BatchShape, RooflineCostModel
-from tests.scheduler.helpers import make_request, make_scheduler
+from tests.scheduler.helpers import make_request, make_scheduler, scheduler_state
 
 EOS = 2
 
@@ -24,15 +24,6 @@ add_op = st.tuples(st.just("add"), st.integers(1, 10), st.integers(4, 16), st.sa
 step_op = st.tuples(st.just("step"), st.integers(0, 9))
 abort_op = st.tuples(st.just("abort"), st.integers(0, 20))
 _COSTS = RooflineCostModel(get_model("llama-3-8b"), get_gpu("h100"))
-
-
-def _state(sched: LocalScheduler, request_ids: list[str]) -> list[tuple]:
-    rows = []
-    for rid in request_ids:
-        r = sched.get_request(rid)
-        if r is not None:
-            rows.append((rid, r.status, r.num_computed_tokens, tuple(r.output_token_ids), tuple(r.block_ids)))
-    return rows + [("pool", tuple(sched.blocks.pool.free_block_ids()))]
 
 
 def _check_steady_context(sched: LocalScheduler, plan: StepPlan, steady: bool) -> None:
@@ -97,7 +88,7 @@ def test_fast_path_plans_as_the_general_path(ops: list[tuple], num_blocks: int, 
         now += 1.0
         if plans:
             assert plans[0] == plans[2] and plans[1] == plans[3]
-        assert _state(fast, ids) == _state(general, ids)
+        assert scheduler_state(fast, ids) == scheduler_state(general, ids)
     event(f"fast steps>0={num_fast_steps > 0}")
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvbaton.cache.hashing import CacheKey, hash_prompt
 from kvbaton.core.step import SampledToken, StepResult
 from kvbaton.scheduler.local_scheduler import LocalScheduler
-from tests.scheduler.helpers import BLOCK_SIZE, CACHE_KEY, make_request, make_scheduler
+from tests.scheduler.helpers import BLOCK_SIZE, CACHE_KEY, make_request, make_scheduler, scheduler_state
 
 EOS = 2
 add_op = st.tuples(st.just("add"), st.integers(1, 14), st.integers(1, 9), st.sampled_from(["", "t"]),
@@ -25,16 +25,10 @@ abort_op = st.tuples(st.just("abort"), st.integers(0, 20))
 
 
 def _state(sched: LocalScheduler, request_ids: list[str]) -> list[tuple]:
-    rows = []
-    for rid in request_ids:
-        r = sched.get_request(rid)
-        if r is not None:
-            rows.append((rid, r.status, r.num_computed_tokens, tuple(r.output_token_ids), tuple(r.block_ids)))
     cache = sched.blocks.cache
     assert cache is not None
     events = [(e.seq, e.kind, e.block_hashes, e.parent_hash) for e in cache.take_events()]
-    return rows + [("pool", tuple(sched.blocks.pool.free_block_ids())), ("events", tuple(events)),
-                   ("snapshot", tuple(cache.snapshot()))]
+    return scheduler_state(sched, request_ids) + [("events", tuple(events)), ("snapshot", tuple(cache.snapshot()))]
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)

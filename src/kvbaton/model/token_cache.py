@@ -123,10 +123,6 @@ class TokenizationCache:
         return TokenCacheStats(self._num_queries, self._num_exact_hits, self._num_prefix_hits,
                                self._num_prefix_tokens_reused, len(self._entries), self._num_cached_chars)
 
-    def clear(self) -> None:
-        self._entries.clear()
-        self._num_cached_chars = 0
-
     def _split_points(self, text: str) -> list[tuple[int, int]]:
         """(position, the added token's id ending there or _NO_TOKEN), ascending, strictly inside the text."""
         points: dict[int, int] = {}

@@ -297,7 +297,6 @@ class LocalScheduler:
         if len(running) > self.config.max_num_batched_tokens:
             return None
         block_size = self.block_size
-        tables = self._tables
         chunks = []
         context_tokens = 0
         for request in running:
@@ -310,15 +309,8 @@ class LocalScheduler:
                     or not start):
                 return None
             context_tokens += start
-            request_id = request.request_id
-            entry = tables.get(request_id)  # _block_table, inline
-            if entry is not None and entry[0] is block_ids and len(entry[1]) == len(block_ids):
-                table = entry[1]
-            else:
-                table = tuple(block_ids)
-                tables[request_id] = (block_ids, table)
             last_token = output[-1] if output else request.prompt_token_ids[-1]
-            chunks.append(make_chunk(request_id, start, (last_token,), table, True))
+            chunks.append(make_chunk(request.request_id, start, (last_token,), self._block_table(request), True))
         self.steady_plan_context_tokens = context_tokens + len(chunks)
         return make_plan(self._step_id, tuple(chunks), len(chunks))
 
@@ -337,7 +329,6 @@ class LocalScheduler:
         block_size = self.block_size
         chunks = step.chunks
         running = RequestStatus.RUNNING
-        tables = self._tables
         for request in list(self._running):
             # num_uncomputed_tokens, without two property calls per request per step
             output = request.output_token_ids
@@ -357,13 +348,7 @@ class LocalScheduler:
                 continue
             last_token = output[-1] if output else request.prompt_token_ids[-1]
             request_id = request.request_id
-            entry = tables.get(request_id)  # _block_table, inline
-            if entry is not None and entry[0] is block_ids and len(entry[1]) == len(block_ids):
-                table = entry[1]
-            else:
-                table = tuple(block_ids)
-                tables[request_id] = (block_ids, table)
-            chunks[request_id] = make_chunk(request_id, start, (last_token,), table, True)
+            chunks[request_id] = make_chunk(request_id, start, (last_token,), self._block_table(request), True)
             step.num_tokens += 1
         for request in prefilling:
             if step.num_tokens == budget_tokens:

@@ -1,20 +1,25 @@
-"""Must-show 2 (issue 7): Mooncake's admission variants under 2x overload in the simulator.
+"""Must-show 2 (issue 7): Mooncake's admission variants under overload (2x by default) in the simulator.
 
 Mooncake's setting (FAST'25, overload-oriented scheduling): its own trace (long prompts, short outputs:
 the bundled synthetic trace has mean input 15,325 and output 149 tokens) on a cluster of several prefill
 and decode instances with *both* stages near capacity. Then wasted prefills (baseline: refused by the
 decode stage after the prefill ran) cost other requests their prefill, and a request reaches decode a
 prefill-queue later than it arrives, so today's decode load (early) is not the one it meets there
-(predicted). Defaults: the trace's first 1,200 rows that fit Mistral-7B's 32k context, four prefill
-workers and one decode worker on A100s (roofline; about 6 req/s through each stage), no prefix cache
-(admission prices uncached prefills), TTFT 30 s as Mooncake's, TPOT 30 ms (the step-time limit binds
-before the decode worker's KV fills, so decode load is Mooncake's TBT measure).
+(predicted). Defaults: the trace's first 1,200 rows that fit Mistral-7B's 32k context (mean prompt
+7,758, output 217), four prefill workers and one decode worker on A100s (roofline: a prefill worker
+serves ~1.26 of these prompts a second, the decode worker ~4.8 requests a second at 30 ms a step, so
+both stages are near capacity together), no prefix cache (admission prices uncached prefills), TTFT
+30 s as Mooncake's, TPOT 30 ms. What binds at decode is KV: the handoff holds each admitted request's
+prompt blocks on the decode worker from its arrival (DESIGN: the decode worker reserves before the
+prefill runs), so the prompts queued for prefill fill the decode worker's KV before its step time
+reaches the TPOT SLO.
 The rate is `--overload` times the goodput with no admission control (`--base-rate`, or found by
-bisection on both SLOs at `--attainment`). Each variant — none, baseline, early, predicted
-(`kvbaton.router.admission`), all with the same SLOs and max_load — replays the same requests; every
-variant but none keeps the decode stage's own gate. The table: rejected requests, of which refused by
-the decode gate after their prefill ran, goodput (requests meeting both SLOs per second), SLO attainment
-over all requests and over admitted ones, and the prefill tokens thrown away by decode-gate refusals.
+bisection on both SLOs at `--attainment`); `--overload 1.5,2,2.5,3` sweeps. Each variant — none,
+baseline, early, predicted (`kvbaton.router.admission`), all with the same SLOs and max_load — replays
+the same requests; every variant but none keeps the decode stage's own gate. The table: rejected
+requests, of which refused by the decode gate after their prefill ran, goodput (requests meeting both
+SLOs per second), SLO attainment over all requests and over admitted ones, and the prefill tokens
+thrown away by decode-gate refusals.
 `--workload sharegpt-like` runs the earlier decode-bound 1P1D chat setting instead (give its options).
 Usage: python benchmarks/admission_overload.py [--base-rate R] [--overload 2.0]
 """
@@ -36,7 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("mooncake", "sharegpt-like"), default="mooncake")
     parser.add_argument("--num-requests", type=int, default=1200, help="trace rows read / requests generated")
-    parser.add_argument("--overload", type=float, default=2.0)
+    parser.add_argument("--overload", default="2.0", help="times the base rate; a comma list sweeps")
     parser.add_argument("--model", default="mistral-7b")
     parser.add_argument("--max-model-len", type=int, default=32768, help="longer trace requests are left out")
     parser.add_argument("--gpu", default="a100")
@@ -73,25 +78,26 @@ def main() -> None:
         base_rate, how = search.rate_rps, f"bisection, {len(search.probes)} probes"
     else:
         base_rate, how = args.base_rate, "given"
-    rate = args.overload * base_rate
-    print(f"{args.workload}: {args.model} on {args.gpu}, {args.cluster}; mean prompt "
-          f"{sum(r.num_prompt_tokens for r in base) / len(base):.0f}, output "
-          f"{sum(r.output_tokens for r in base) / len(base):.0f} tokens; SLO TTFT {slo.ttft_s:g} s TPOT "
-          f"{slo.tpot_s:g} s; goodput without admission {base_rate:.2f} req/s "
-          f"({how}); offered {rate:.2f} req/s ({args.overload:g}x), {len(base)} requests")
-    print(f"{'admission':<10} {'rejected':>8} {'at decode':>9} {'goodput':>8} {'attain all':>10} "
-          f"{'attain admitted':>15} {'wasted prefill tokens':>21}")
-    requests = at_rate(rate)
-    for name in ADMISSION_POLICIES:
-        records = simulate(requests, replace(setup, admission=name)).records
-        overall = summarize(records, slo).overall
-        admitted = [r for r in records if r.status != "rejected"]
-        admitted_attainment = summarize(admitted, slo).overall.slo_attainment if admitted else 0.0
-        at_decode = [r for r in records if r.status == "rejected" and r.reason.startswith("decode")
-                     and r.first_token_s is not None]
-        wasted = sum(r.prompt_tokens for r in at_decode)
-        print(f"{name:<10} {overall.num_rejected:>8} {len(at_decode):>9} {overall.goodput_rps or 0.0:>8.2f} "
-              f"{overall.slo_attainment or 0.0:>10.3f} {admitted_attainment or 0.0:>15.3f} {wasted:>21}")
+    for overload in (float(x) for x in args.overload.split(",")):
+        rate = overload * base_rate
+        print(f"{args.workload}: {args.model} on {args.gpu}, {args.cluster}; mean prompt "
+              f"{sum(r.num_prompt_tokens for r in base) / len(base):.0f}, output "
+              f"{sum(r.output_tokens for r in base) / len(base):.0f} tokens; SLO TTFT {slo.ttft_s:g} s TPOT "
+              f"{slo.tpot_s:g} s; goodput without admission {base_rate:.2f} req/s "
+              f"({how}); offered {rate:.2f} req/s ({overload:g}x), {len(base)} requests")
+        print(f"{'admission':<10} {'rejected':>8} {'at decode':>9} {'goodput':>8} {'attain all':>10} "
+              f"{'attain admitted':>15} {'wasted prefill tokens':>21}")
+        requests = at_rate(rate)
+        for name in ADMISSION_POLICIES:
+            records = simulate(requests, replace(setup, admission=name)).records
+            overall = summarize(records, slo).overall
+            admitted = [r for r in records if r.status != "rejected"]
+            admitted_attainment = summarize(admitted, slo).overall.slo_attainment if admitted else 0.0
+            at_decode = [r for r in records if r.status == "rejected" and r.reason.startswith("decode")
+                         and r.first_token_s is not None]
+            wasted = sum(r.prompt_tokens for r in at_decode)
+            print(f"{name:<10} {overall.num_rejected:>8} {len(at_decode):>9} {overall.goodput_rps or 0.0:>8.2f} "
+                  f"{overall.slo_attainment or 0.0:>10.3f} {admitted_attainment or 0.0:>15.3f} {wasted:>21}")
     print(f"({time.perf_counter() - started:.0f} s)")
 
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.router.admission import (ADMISSION_POLICIES, AdmissionPolicy, AdmissionRequest, AdmissionSLO, DecodeLoad,
-                                      DecodeSlot, PrefillLoad, create_admission, present_at)
+                                      DecodeSlot, PrefillLoad, create_admission, predict_ttft_s,
+                                      present_at, queue_drain_s)
 
 
 class LinearTimes:
@@ -71,11 +72,11 @@ def test_decode_kv_full_now_is_full_for_every_variant_but_the_batch_drains() -> 
     assert early.decode_load == pytest.approx(12_100 / 11_000)
     assert early.predicted_tpot_s == pytest.approx(0.021)  # 11 sequences
     # The request reaches decode after its TTFT (0.11 s); at 20 ms a step (10 sequences) the one with 5 tokens
-    # left is gone by then, so the batch it joins is 10: 20 ms. But the handoff reserves its KV now, while that
-    # decode still holds its blocks: predicted refuses on KV as early does.
+    # left is gone by then, so the batch it joins is 10: 20 ms. But the handoff reserves its prompt's blocks now,
+    # while the running decodes hold theirs until they end (11,000 in full): 12,000 > 11,000, refused on KV too.
     predicted = policy("predicted").check_arrival(REQUEST, prefill, decode, now=0.0)
     assert predicted.predicted_tpot_s == pytest.approx(0.020)
-    assert not predicted.admitted and predicted.decode_load == pytest.approx(12_100 / 11_000)
+    assert not predicted.admitted and predicted.decode_load == pytest.approx(12_000 / 11_000)
     # Baseline does not look at decode on arrival; its decode gate comes at handoff.
     assert policy("baseline").check_arrival(REQUEST, prefill, decode, now=0.0).admitted
     for name in ("baseline", "early", "predicted"):  # every variant keeps the decode stage's own gate
@@ -111,13 +112,77 @@ def test_predicted_prices_the_batch_the_request_meets_at_decode() -> None:
     assert early.admitted and early.predicted_tpot_s == pytest.approx(0.011)
 
 
+class StepTimes:
+    """decode step: `per_seq_s` per sequence, or a constant `fixed_s` (context ignored); no prefill."""
+
+    def __init__(self, per_seq_s: float = 0.0, fixed_s: float = 0.0) -> None:
+        self.per_seq_s, self.fixed_s = per_seq_s, fixed_s
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return 0.0
+
+    def decode_s(self, num_seqs: int, context_tokens: int) -> float:
+        return self.fixed_s + self.per_seq_s * num_seqs
+
+
+class QuadraticPrefill(LinearTimes):
+    """prefill: 1 us per token plus 1 us per thousand (query, key) pairs: attention grows with the prompt squared."""
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return 1e-6 * new_tokens + 1e-9 * new_tokens * (new_tokens / 2 + cached_tokens)
+
+
+def test_a_prefill_queue_costs_the_sum_of_its_prompts_not_one_prompt_of_their_sum() -> None:
+    model = QuadraticPrefill()
+    request = AdmissionRequest("r", 2000, 10)
+    queue = ((4000, 0), (3000, 1000), (1000, 0))
+    expected_s = sum(model.prefill_s(new, ctx) for new, ctx in queue) + model.prefill_s(2000)
+    assert predict_ttft_s(model, request, PrefillLoad("p0", 8000, queue)) == pytest.approx(expected_s)
+    assert queue_drain_s(model, queue) == pytest.approx(expected_s - model.prefill_s(2000))
+    # Priced as one 10,000-token prompt the quadratic term is three times larger.
+    as_one_s = predict_ttft_s(model, request, PrefillLoad("p0", 8000))
+    assert as_one_s == pytest.approx(model.prefill_s(10_000)) and as_one_s > 1.5 * expected_s
+
+
+def test_predicted_needs_room_now_for_the_prompt_and_at_arrival_for_the_whole() -> None:
+    # 8 decodes of 1,000 + 100 and one of 1,000 + 5 (9,805 tokens reserved in full) on a 10,850-token worker.
+    decoding = tuple(DecodeSlot(1000, 100) for _ in range(8)) + (DecodeSlot(1000, 5),)
+    decode = DecodeLoad("d0", decoding, (), 10_850)
+    prefill = PrefillLoad("p0", 0)  # TTFT 0.11 s
+    # Early: 9,805 + this request's 1,100 = 10,905 > 10,850, refused.
+    early = policy("early").check_arrival(REQUEST, prefill, decode, now=0.0)
+    assert not early.admitted and early.decode_load == pytest.approx(10_905 / 10_850)
+    # Predicted: the handoff holds only the prompt until it arrives (now 9,805 + 1,000 = 10,805); by 0.11 s the
+    # 5-token decode is gone (5 steps of 19 ms), so on arrival 8 x 1,100 + 1,100 = 9,900 fit: admitted.
+    predicted = policy("predicted").check_arrival(REQUEST, prefill, decode, now=0.0)
+    assert predicted.admitted and predicted.decode_load == pytest.approx(10_805 / 10_850)
+    # Without room for the prompt now it is refused however much frees up later.
+    tight = DecodeLoad("d0", decoding, (), 10_800)
+    assert not policy("predicted").check_arrival(REQUEST, prefill, tight, now=0.0).admitted
+
+
 def test_present_at_advances_and_drops_slots() -> None:
     slots = [DecodeSlot(100, 10, 0.0), DecodeSlot(200, 3, 0.0), DecodeSlot(50, 10, 0.5), DecodeSlot(70, 10, 2.0),
              DecodeSlot(80, 10)]
     # 1 s at 0.1 s a step: the first made 10 steps (gone: 10 left), the second is gone, the third arrived at
     # 0.5 s and made 5 steps, the fourth has not arrived, the fifth (unknown arrival) is kept unadvanced.
-    assert present_at(slots, 0.1, 0.95) == [DecodeSlot(109, 1, 0.0), DecodeSlot(54, 6, 0.0), DecodeSlot(80, 10)]
-    assert present_at(slots, 0.1, 1.0) == [DecodeSlot(55, 5, 0.0), DecodeSlot(80, 10)]
+    fixed = StepTimes(fixed_s=0.1)
+    assert present_at(slots, fixed, 1.0, 0.95) == [DecodeSlot(109, 1, 0.0), DecodeSlot(54, 6, 0.0), DecodeSlot(80, 10)]
+    assert present_at(slots, fixed, 1.0, 1.0) == [DecodeSlot(55, 5, 0.0), DecodeSlot(80, 10)]
+    # The cap holds every step to at most 50 ms: the first two are gone by 0.5 s, the third made 9 steps since.
+    assert present_at(slots, fixed, 0.05, 0.95) == [DecodeSlot(59, 1, 0.0), DecodeSlot(80, 10)]
+
+
+def test_present_at_follows_the_batch_as_it_changes() -> None:
+    # 10 ms per sequence. A (4 left) and B (2 left) decode now, C (5 left) arrives at 50 ms; where is C at 100 ms?
+    # 2 steps of 20 ms (A, B): B leaves at 40 ms; 1 step of 10 ms (A): 50 ms, C joins; 1 step of 20 ms (A, C):
+    # A leaves at 70 ms; 3 steps of 10 ms (C alone) to 100 ms: C made 4 steps. Pricing every step at the
+    # 3-sequence batch (30 ms) would have given C one step.
+    slots = [DecodeSlot(100, 4, 0.0), DecodeSlot(100, 2, 0.0), DecodeSlot(100, 5, 0.05)]
+    assert present_at(slots, StepTimes(per_seq_s=0.01), 1.0, 0.1) == [DecodeSlot(104, 1, 0.0)]
+    # Idle gaps: nothing decodes until C arrives at 50 ms; then 5 steps of 10 ms end it by 100 ms.
+    assert present_at(slots[2:], StepTimes(per_seq_s=0.01), 1.0, 0.1) == []
+    assert present_at(slots[2:], StepTimes(per_seq_s=0.01), 1.0, 0.09) == [DecodeSlot(104, 1, 0.0)]
 
 
 def test_requests_on_their_way_hold_prompt_blocks_for_early_and_the_gate() -> None:

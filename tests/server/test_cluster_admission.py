@@ -44,6 +44,7 @@ def test_tally_prices_waiting_prompts_on_their_prefill_worker_and_decodes_on_the
     g.on_routed("b", "p0", "d0", 50, 0, 5)
     g.on_routed("c", "w0", "w0", 40, 0, 8)  # served whole by one worker
     assert g.prefill_load("p0").num_queued_tokens == 68 + 50
+    assert g.prefill_load("p0").queue == ((68, 32), (50, 0))  # prompt by prompt, in routing order
     # Each reaches decode once p0 has computed the uncached prompts routed before it and its own (1 ms/token).
     assert g.decode_load("d0").incoming == (DecodeSlot(100, 10, pytest.approx(0.068)),
                                             DecodeSlot(50, 5, pytest.approx(0.118)))

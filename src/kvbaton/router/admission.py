@@ -10,7 +10,12 @@ in what they refuse at arrival (`check_arrival`):
   now* (the requests decoding there) — blind to what is still prefilling on its way there, so it
   over-admits after a dip and the decode gate throws the surplus away later;
 - `predicted`: the decode load predicted for the moment the request would reach decode: requests
-  admitted earlier still arrive first (FCFS prefill), decodes that will have finished by then leave.
+  admitted earlier still arrive first (FCFS prefill), decodes that will have finished by then leave
+  (the worker's batch followed step by step); its KV must fit both then and now, since the handoff
+  holds the prompt's blocks from arrival.
+
+A prefill queue drains prompt by prompt (`queue_drain_s`): each prompt attends only to itself, so a
+queue of long prompts is not priced as one prompt of their summed length.
 
 A load is "predicted latency / SLO" (prefill: TTFT / ttft_s; decode: the step time with this
 request added / tpot_s) or, for decode, the share of the worker's KV capacity reserved by its
@@ -25,6 +30,8 @@ the same inputs always give the same decision.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -131,6 +138,11 @@ class DecodeSlot:
 class PrefillLoad:
     worker_id: str
     num_queued_tokens: int  # prompt tokens admitted to the worker and not yet computed
+    # The same queue prompt by prompt, first come first served: (tokens still to compute, tokens of that prompt
+    # already in KV). Each prompt attends only to itself, so draining the queue costs the sum of their prefills,
+    # not one prefill of the summed tokens (whose attention grows with the square of the sum). Empty when the
+    # caller only knows the total; the total is then priced as one prompt.
+    queue: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +167,18 @@ class AdmissionDecision:
     decode_load: float  # max(step time / TPOT SLO, KV reserved / capacity); 0.0 when not looked at
 
 
+def queue_drain_s(time_model: StageTimeModel, queue: Sequence[tuple[int, int]]) -> float:
+    """Seconds to compute the prefills of `queue` ((new tokens, tokens already in KV) per prompt), one after
+    another."""
+    return sum(time_model.prefill_s(new_tokens, context_tokens) for new_tokens, context_tokens in queue
+               if new_tokens > 0)
+
+
 def predict_ttft_s(time_model: StageTimeModel, request: AdmissionRequest, prefill: PrefillLoad) -> float:
-    """Queue drain plus this prefill, as one batch: the worker computes everything ahead of it first (FCFS)."""
+    """Queue drain plus this prefill: the worker computes everything ahead of it first (FCFS)."""
     new_tokens = max(request.num_prompt_tokens - request.num_cached_tokens, 1)
+    if prefill.queue:
+        return queue_drain_s(time_model, prefill.queue) + time_model.prefill_s(new_tokens, request.num_cached_tokens)
     return time_model.prefill_s(prefill.num_queued_tokens + new_tokens, request.num_cached_tokens)
 
 
@@ -181,21 +202,62 @@ def predict_decode(slots: Sequence[DecodeSlot], request: AdmissionRequest, capac
     return tpot_s, max(tpot_s / slo.tpot_s, kv_share(slots, request, capacity_tokens))
 
 
-def present_at(slots: Sequence[DecodeSlot], step_s: float, at_s: float) -> list[DecodeSlot]:
-    """The slots decoding on the worker `at_s` from now, advanced by the tokens they generate by then: a slot
-    decodes from its `arrives_in_s` (0 for one decoding now) for `num_remaining_tokens` steps of `step_s`;
-    one whose arrival is unknown is there, not advanced, whatever `at_s`."""
+def present_at(slots: Sequence[DecodeSlot], time_model: StageTimeModel, max_step_s: float,
+               at_s: float) -> list[DecodeSlot]:
+    """The slots decoding on the worker `at_s` from now, advanced by the tokens they generate by then.
+
+    The worker's batch is followed step by step as it changes: a slot joins at the first step boundary at or
+    after its `arrives_in_s` (0 for one decoding now) and leaves after `num_remaining_tokens` steps; every step
+    takes the time model's decode time of the batch then, at most `max_step_s` (the TPOT admission holds it
+    to). A slot whose arrival is unknown is counted in every batch but not advanced, whatever `at_s`. Runs in
+    O(n log n): all present slots advance together, so a slot's end is a count of the worker's steps."""
+    eps = 1e-9  # float slack on step-boundary arithmetic
+    unknown = [s for s in slots if s.arrives_in_s is None]
+    static_seqs = len(unknown)
+    static_context = sum(s.num_context_tokens for s in unknown)
+    timed = sorted((s.arrives_in_s, i) for i, s in enumerate(slots) if s.arrives_in_s is not None)
+    joined_at: dict[int, int] = {}  # slot index -> the worker's step count when it joined
+    ends: list[tuple[int, int]] = []  # heap of (step count at which it leaves, slot index)
+    context_base = 0  # sum over active slots of (context - step count at join): context now = base + n x steps
+    steps = 0
+    t = 0.0
+    next_arrival = 0
+    while True:
+        while next_arrival < len(timed) and timed[next_arrival][0] <= t + eps:
+            index = timed[next_arrival][1]
+            next_arrival += 1
+            slot = slots[index]
+            if slot.num_remaining_tokens > 0:
+                joined_at[index] = steps
+                heapq.heappush(ends, (steps + slot.num_remaining_tokens, index))
+                context_base += slot.num_context_tokens - steps
+        while ends and ends[0][0] <= steps:
+            index = heapq.heappop(ends)[1]
+            context_base -= slots[index].num_context_tokens - joined_at.pop(index)
+        arrival_s = timed[next_arrival][0] if next_arrival < len(timed) else None
+        if not ends:  # idle until the next arrival
+            if arrival_s is None or arrival_s > at_s:
+                break
+            t = arrival_s
+            continue
+        num_active = len(ends)
+        step_s = min(time_model.decode_s(num_active + static_seqs,
+                                         context_base + num_active * steps + static_context), max_step_s)
+        step_s = max(step_s, eps)
+        num_steps = min(ends[0][0] - steps, math.floor((at_s - t) / step_s + eps))
+        if arrival_s is not None:
+            num_steps = min(num_steps, max(math.ceil((arrival_s - t) / step_s - eps), 1))
+        if num_steps <= 0:
+            break
+        steps += num_steps
+        t += num_steps * step_s
     present = []
-    for slot in slots:
+    for index, slot in enumerate(slots):
         if slot.arrives_in_s is None:
             present.append(slot)
-            continue
-        if slot.arrives_in_s > at_s:
-            continue  # reaches the worker after the request being priced
-        num_steps = int((at_s - slot.arrives_in_s) / step_s) if step_s > 0 else 0
-        if slot.num_remaining_tokens > num_steps:
-            present.append(DecodeSlot(slot.num_context_tokens + num_steps, slot.num_remaining_tokens - num_steps,
-                                      0.0))
+        elif index in joined_at:
+            done = steps - joined_at[index]
+            present.append(DecodeSlot(slot.num_context_tokens + done, slot.num_remaining_tokens - done, 0.0))
     return present
 
 
@@ -242,17 +304,23 @@ class AdmissionPolicy:
             return self._decide(prefill_load, ttft_s, decode_load, tpot_s)
         # Predicted. The batch it joins is the one there when it arrives, a TTFT from now: decodes that end
         # before then are gone, and the requests admitted before it are there if their prefill ends first and
-        # their decode has not ended by then. Its KV is different: the handoff reserves the
-        # prompt's blocks on the decode worker before the prefill runs, and a decode running now holds its
-        # blocks until it ends, so the reservations of all of them count, not only of those left by then
-        # (counting only the survivors over-commits the worker's KV, and decodes get preempted).
+        # their decode has not ended by then (`present_at`).
         decoding = [replace(s, arrives_in_s=0.0) for s in decode.decoding]
         everyone = decoding + list(decode.incoming)
-        # Their progress until then, at the step time of all of them decoding at once (the largest batch before
-        # later admissions), capped by the TPOT SLO admission holds every step to.
-        step_s = min(model.decode_s(len(everyone), sum(s.num_context_tokens for s in everyone)), self.slo.tpot_s)
-        tpot_s = predict_tpot_s(present_at(everyone, step_s, ttft_s), request, model)
-        reserved = kv_share(everyone, request, decode.kv_capacity_tokens)
+        present = present_at(everyone, model, self.slo.tpot_s, ttft_s)
+        tpot_s = predict_tpot_s(present, request, model)
+        # KV, at two moments. Now: the handoff reserves the prompt's blocks before the prefill runs, next to the
+        # decodes running now (which hold theirs, growing, until they end) and the prompts held for the others on
+        # their way. On arrival: the full reservations of those present then, the prompts held for those still on
+        # their way, and its own in full (what the decode gate checks then). Decodes that end before it arrives
+        # free room for its output, not for its prompt.
+        held_tokens = sum(s.num_context_tokens for s in decode.incoming)
+        now_tokens = decode.num_reserved_tokens + held_tokens + request.num_prompt_tokens
+        later_tokens = sum(s.num_context_tokens for s in decode.incoming
+                           if s.arrives_in_s is not None and s.arrives_in_s > ttft_s)
+        then_tokens = (sum(s.num_context_tokens + s.num_remaining_tokens for s in present) + later_tokens
+                       + request.num_prompt_tokens + request.num_output_tokens)
+        reserved = max(now_tokens, then_tokens) / max(decode.kv_capacity_tokens, 1)
         return self._decide(prefill_load, ttft_s, max(tpot_s / self.slo.tpot_s, reserved), tpot_s)
 
     def check_options(self, options: Sequence[tuple[AdmissionRequest, PrefillLoad, DecodeLoad | None]],

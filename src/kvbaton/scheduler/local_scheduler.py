@@ -534,6 +534,19 @@ class LocalScheduler:
                 queued += num_uncomputed
         return queued
 
+    def queued_prefills(self) -> tuple[tuple[int, int], ...]:
+        """The same queue prompt by prompt: (uncomputed tokens, tokens already computed) of each, running ones
+        still prefilling first, then waiting ones in queue order (what admission prices a prefill queue by)."""
+        queue = []
+        for r in self._running:
+            num_uncomputed = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            if num_uncomputed > 1:
+                queue.append((num_uncomputed, r.num_computed_tokens))
+        for r in self._waiting:
+            queue.append((len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens,
+                          r.num_computed_tokens))
+        return tuple(queue)
+
     def check_invariants(self) -> None:
         waiting_ids = [r.request_id for r in self._waiting]
         running_ids = [r.request_id for r in self._running]

@@ -22,7 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvbaton.router.admission import (AdmissionDecision, AdmissionPolicy, AdmissionRequest, CalibratedTimeModel,
-                                      DecodeLoad, DecodeSlot, PrefillLoad, predict_decode, predict_ttft_s)
+                                      DecodeLoad, DecodeSlot, PrefillLoad, predict_decode, predict_ttft_s,
+                                      queue_drain_s)
 
 
 @dataclass(slots=True)
@@ -105,9 +106,16 @@ class AdmissionGate:
     # -- per-worker loads -------------------------------------------------------------------------
 
     def prefill_load(self, worker: str) -> PrefillLoad:
-        queued = sum(t.num_uncached_tokens for r in self._by_worker.get(worker, ())
-                     if (t := self._calls[r]).prefill_worker == worker and t.num_tokens_seen == 0)
-        return PrefillLoad(worker, queued)
+        queue = tuple((t.num_uncached_tokens, t.num_prompt_tokens - t.num_uncached_tokens)
+                      for t in self._prefilling(worker))
+        return PrefillLoad(worker, sum(new_tokens for new_tokens, _ in queue), queue)
+
+    def _prefilling(self, worker: str) -> list[_Tracked]:
+        """The calls `worker` still prefills (no first token yet), in routing order."""
+        calls = [t for r in self._by_worker.get(worker, ())
+                 if (t := self._calls[r]).prefill_worker == worker and t.num_tokens_seen == 0]
+        calls.sort(key=lambda t: t.seq)
+        return calls
 
     def decode_load(self, worker: str) -> DecodeLoad:
         decoding: list[DecodeSlot] = []
@@ -127,10 +135,9 @@ class AdmissionGate:
         """When a call still waiting for its first token should reach decode: its prefill worker computes the
         uncached prompts routed to it before this one, then this one's (the `predicted` variant's input)."""
         worker = tracked.prefill_worker
-        ahead_tokens = sum(t.num_uncached_tokens for r in self._by_worker.get(worker, ())
-                           if (t := self._calls[r]).prefill_worker == worker and t.num_tokens_seen == 0
-                           and t.seq <= tracked.seq)
-        return self.policy.time_model(worker).prefill_s(ahead_tokens, 0)
+        ahead = [(t.num_uncached_tokens, t.num_prompt_tokens - t.num_uncached_tokens)
+                 for t in self._prefilling(worker) if t.seq <= tracked.seq]
+        return queue_drain_s(self.policy.time_model(worker), ahead)
 
     # -- the decision -----------------------------------------------------------------------------
 

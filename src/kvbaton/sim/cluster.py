@@ -231,7 +231,7 @@ class ClusterSim:
             decode_at = front.worker_id if flight.whole else flight.decode
             decision = self.admission.check_arrival(
                 AdmissionRequest(rid, wr.num_prompt_tokens, wr.output_tokens),
-                PrefillLoad(front.worker_id, front.scheduler.num_queued_prefill_tokens()),
+                self._prefill_load(front.worker_id),
                 self._decode_load(decode_at, exclude=rid) if decode_at else None, now)
             if not decision.admitted:
                 self._reject(flight, decision.reason, now)
@@ -261,7 +261,7 @@ class ClusterSim:
         cached = {w: n * block_size for w, n in self.state.index.match(route.block_hashes).items()}
         lent, _ = self.pools.route(
             AdmissionRequest(wr.request_id, wr.num_prompt_tokens, wr.output_tokens), cached, self.front_ids,
-            self.decode_ids, lambda w: PrefillLoad(w, self.workers[w].scheduler.num_queued_prefill_tokens()),
+            self.decode_ids, self._prefill_load,
             self._decode_load, now)
         return lent
 
@@ -425,22 +425,34 @@ class ClusterSim:
             output_tokens=len(flight.token_times_s), finish_s=now, worker_ids=(flight.front,),
             transfer_bytes=flight.transfer_bytes))
 
+    def _prefill_load(self, worker_id: str) -> PrefillLoad:
+        """What the router knows of a worker's prefill queue: its uncomputed prompt tokens, prompt by prompt."""
+        scheduler = self.workers[worker_id].scheduler
+        return PrefillLoad(worker_id, scheduler.num_queued_prefill_tokens(), scheduler.queued_prefills())
+
     def _decode_load(self, decode_id: str, exclude: str = "") -> DecodeLoad:
         """What the router knows of a decode worker: the requests it streams and those it routed there, the latter
         with when their KV should arrive: their prefill worker drains, first come first served, the prompt tokens
         still to compute of everything routed to it before them, and theirs."""
         decoding: list[DecodeSlot] = []
         incoming: list[DecodeSlot] = []
-        queued_tokens: dict[str, int] = {}  # per prefill worker, uncomputed prompt tokens up to this flight
+        # Per prefill worker, the seconds of prefill up to and including this flight's: each prompt computed alone,
+        # one after another (`admission.queue_drain_s`).
+        queued_s: dict[str, float] = {}
         for flight in self._flights.values():  # in arrival order (inserted at arrival)
             wr = flight.workload
             if not flight.at_decode and not flight.whole:
-                if flight.prefill_request is not None:  # waiting for its reservation: nothing computed yet
-                    left_tokens = wr.num_prompt_tokens
-                else:
+                done_tokens = 0
+                if flight.prefill_request is None:  # else waiting for its reservation: nothing computed yet
                     request = self.workers[flight.front].scheduler.get_request(wr.request_id)
-                    left_tokens = 0 if request is None else max(wr.num_prompt_tokens - request.num_computed_tokens, 0)
-                queued_tokens[flight.front] = queued_tokens.get(flight.front, 0) + left_tokens
+                    done_tokens = wr.num_prompt_tokens if request is None else request.num_computed_tokens
+                left_tokens = wr.num_prompt_tokens - done_tokens
+                if left_tokens > 0:
+                    parallel = self.workers[flight.front].spec.parallel
+                    queued_s[flight.front] = (queued_s.get(flight.front, 0.0)
+                                              + self.cost_model.prefill_s(left_tokens, done_tokens, parallel))
+                else:
+                    queued_s.setdefault(flight.front, 0.0)
             if (flight.decode != decode_id and not (flight.whole and flight.front == decode_id)
                     or wr.request_id == exclude):
                 continue
@@ -448,10 +460,8 @@ class ClusterSim:
             if flight.at_decode:
                 decoding.append(DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done))
             else:
-                front = self.workers[flight.front]
-                ahead_tokens = queued_tokens[flight.front]
-                arrives_in_s = self.cost_model.prefill_s(ahead_tokens, 0, front.spec.parallel) if ahead_tokens else 0.0
-                incoming.append(DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done, arrives_in_s))
+                incoming.append(DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done,
+                                           queued_s[flight.front]))
         worker = self.workers[decode_id]
         return DecodeLoad(decode_id, tuple(decoding), tuple(incoming), worker.pool.num_blocks * worker.block_size)
 

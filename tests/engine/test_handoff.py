@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbaton.core.errors import KvbatonError
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.engine.engine import Engine, RequestOutput
 from kvbaton.engine.handoff import kv_layout_for, numpy_kv
@@ -49,7 +50,7 @@ class Pair:
     """A prefill engine and a decode engine linked by inproc transports (with optional faults on the prefill end)."""
 
     def __init__(self, loaded: LoadedModel, rules: list[FaultRule] | None = None, lease_s: float = 5.0,
-                 decode_blocks: int = NUM_BLOCKS) -> None:
+                 decode_blocks: int = NUM_BLOCKS, reserve_ahead_tokens: int | None = None) -> None:
         self.clock = Clock()
         self.prefill = make_engine(loaded, self.clock)
         config = EngineConfig(model="tiny-random", cache=CacheConfig(BLOCK_SIZE, decode_blocks, True),
@@ -58,7 +59,8 @@ class Pair:
         layout = kv_layout_for(loaded, BLOCK_SIZE)
         src_end, dst_end = create_inproc_pair("p0", "d0", numpy_kv(self.decode.storage.kv_cache))
         transport = FaultyTransport(src_end, rules or [], self.clock)
-        self.p = PrefillHandoffs(self.prefill, layout, transport, lambda peer, address: None, lease_s, self.clock)
+        self.p = PrefillHandoffs(self.prefill, layout, transport, lambda peer, address: None, lease_s, self.clock,
+                                 reserve_ahead_tokens)
         self.d = DecodeHandoffs(self.decode, layout, dst_end, lease_s, self.clock)
         self.outputs: dict[str, list[RequestOutput]] = {}
 
@@ -183,3 +185,62 @@ def test_cancel_while_waiting_for_the_grant(tiny: LoadedModel) -> None:
     pair.clock.now_s = 200.0  # the delayed reservation arrives after the cancel: it is cancelled at once
     pair.run()
     pair.assert_nothing_held()
+
+
+def test_late_reservation_reserves_in_turn_and_outputs_stay_equal(tiny: LoadedModel) -> None:
+    # Reserve once at most 8 prompt tokens are left to compute ahead: the three prompts (37, 9, 17 tokens)
+    # reserve one after another, each when the engine has (almost) drained the one before it.
+    pair = Pair(tiny, reserve_ahead_tokens=8)
+    params = greedy()
+    for i, prompt in enumerate(PROMPTS):
+        pair.submit(f"r{i}", prompt, params)
+    reserved_blocks = [pair.d.destination.num_reserved_blocks]
+    for _ in range(400):
+        pair.round()
+        pair.clock.now_s += 0.01
+        reserved_blocks.append(pair.d.destination.num_reserved_blocks)
+        pair.p.check_invariants()
+        if not (pair.p.num_live or pair.d.num_live or pair.prefill.has_unfinished_requests()
+                or pair.decode.has_unfinished_requests()):
+            break
+    for i, prompt in enumerate(PROMPTS):
+        assert pair.tokens(f"r{i}") == colocated_tokens(tiny, prompt, params)
+    # First only r0's 10 blocks (37 tokens); r1's 3 join once r0 has at most 8 tokens left to prefill, and the
+    # three are never held at once. Reserving at submit holds all three (10 + 3 + 5) before any prefill runs.
+    assert reserved_blocks[:2] == [0, 10] and 13 in reserved_blocks and max(reserved_blocks) < 18
+    eager = Pair(tiny)
+    for i, prompt in enumerate(PROMPTS):
+        eager.submit(f"r{i}", prompt, params)
+    eager.round()
+    assert eager.d.destination.num_reserved_blocks == 18
+    pair.assert_nothing_held()
+
+
+def test_late_reservation_cancel_and_lease_while_waiting_for_a_turn(tiny: LoadedModel) -> None:
+    # ahead 0: the second leg waits until the engine has nothing left to prefill.
+    pair = Pair(tiny, lease_s=1.0, reserve_ahead_tokens=0)
+    pair.submit("a", PROMPTS[0], greedy())
+    pair.submit("b", PROMPTS[1], greedy())
+    pair.submit("c", PROMPTS[2], greedy())
+    pair.round()
+    assert pair.p.num_live == 3 and pair.d.destination.num_reserved_blocks == 10  # only a reserved
+    pair.p.abort("b")  # cancelled before it ever reserved: nothing to tell the decode worker's transport
+    assert pair.d.abort("b").finish_reason.value == "abort"
+    pair.p.check_invariants()
+    pair.run()
+    assert pair.p.counters.num_cancelled == 1 and not pair.p.take_reports()
+    pair.assert_nothing_held()
+    # A leg whose turn does not come within the lease fails and is reported.
+    stuck = Pair(tiny, lease_s=0.05, reserve_ahead_tokens=0)
+    stuck.submit("a", PROMPTS[0], greedy())
+    stuck.submit("b", PROMPTS[1], greedy())
+    stuck.p.poll()
+    stuck.clock.now_s = 0.1
+    stuck.p.poll()
+    reports = stuck.p.take_reports()
+    assert [r.request_id for r in reports if r.outcome == "expired" and "turn" in r.reason] == ["b"]
+
+
+def test_negative_reserve_ahead_is_refused(tiny: LoadedModel) -> None:
+    with pytest.raises(KvbatonError):
+        Pair(tiny, reserve_ahead_tokens=-1)

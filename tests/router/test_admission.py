@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -156,9 +158,30 @@ def test_predicted_needs_room_now_for_the_prompt_and_at_arrival_for_the_whole() 
     # 5-token decode is gone (5 steps of 19 ms), so on arrival 8 x 1,100 + 1,100 = 9,900 fit: admitted.
     predicted = policy("predicted").check_arrival(REQUEST, prefill, decode, now=0.0)
     assert predicted.admitted and predicted.decode_load == pytest.approx(10_805 / 10_850)
-    # Without room for the prompt now it is refused however much frees up later.
+    # Without room for the prompt now it is refused however much frees up later ...
     tight = DecodeLoad("d0", decoding, (), 10_800)
     assert not policy("predicted").check_arrival(REQUEST, prefill, tight, now=0.0).admitted
+    # ... unless the handoff reserves late (shortly before its prefill): then only the arrival counts, 9,900.
+    late = DecodeLoad("d0", decoding, (), 10_800, reserves_on_arrival=False)
+    decision = policy("predicted").check_arrival(REQUEST, prefill, late, now=0.0)
+    assert decision.admitted and decision.decode_load == pytest.approx(9_900 / 10_800)
+
+
+def test_requests_that_have_not_reserved_yet_hold_no_kv() -> None:
+    # Late reservation: 10 requests on their way, none has reserved yet. Early and the gate see the worker's KV
+    # as it stands: only this request's 1,100 of 11,000 (with them holding their prompts: 11,100, refused); its
+    # load is then its step time, 11 ms of the 100 ms TPOT.
+    waiting = tuple(DecodeSlot(1000, 100, 5.0, holds_kv=False) for _ in range(10))
+    decode = DecodeLoad("d0", (), waiting, 11_000, reserves_on_arrival=False)
+    early = policy("early").check_arrival(REQUEST, PrefillLoad("p0", 0), decode, now=0.0)
+    assert early.admitted and early.decode_load == pytest.approx(0.11)
+    held = DecodeLoad("d0", (), tuple(replace(s, holds_kv=True) for s in waiting), 11_000)
+    assert not policy("early").check_arrival(REQUEST, PrefillLoad("p0", 0), held, now=0.0).admitted
+    # Predicted: they arrive at 5 s, after this request (0.11 s); not holding KV, they do not count on arrival.
+    predicted = policy("predicted").check_arrival(REQUEST, PrefillLoad("p0", 0), decode, now=0.0)
+    assert predicted.admitted and predicted.decode_load == pytest.approx(0.11)
+    held_late = replace(held, reserves_on_arrival=False)  # reserved already, arriving later: their prompts count
+    assert not policy("predicted").check_arrival(REQUEST, PrefillLoad("p0", 0), held_late, now=0.0).admitted
 
 
 def test_present_at_advances_and_drops_slots() -> None:

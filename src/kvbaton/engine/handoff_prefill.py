@@ -7,10 +7,18 @@ every layer as its own `LayerChunk`, while the engine still holds the blocks -> 
 token goes out in `SourceDone` -> the decode worker's ack ends the leg, releasing the leg's block
 references; full blocks stay in this worker's prefix cache. Every other ending (refused, failed,
 expired, cancelled) aborts the engine request and is reported, so the router can act on it.
+
+With `reserve_ahead_tokens` set, `submit` does not reserve at once: the leg waits in a FIFO here
+and asks for its blocks once the engine has at most that many prompt tokens to compute ahead of
+it (about a step's budget, so the grant lands before the engine gets to it). The decode worker's
+KV then holds the prompts about to be prefilled, not every prompt queued here: under overload a
+long prefill queue cannot fill the decode worker with reservations that sit idle. A leg that has
+not reserved within the lease fails like any other.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -50,13 +58,17 @@ class _Outgoing:
     first_chunk_at: float = -1.0
     num_streamed_tokens: int = 0  # positions [0, this) of every layer have been sent
     in_engine: bool = False
+    reserving: bool = False  # the ReserveRequest went out (the source tracks the leg from then on)
 
 
 class PrefillHandoffs:
     """Every outgoing handoff of one prefill worker (single-threaded: the worker loop calls everything)."""
 
     def __init__(self, engine: Engine, layout: KVLayout, transport: KVTransport,
-                 connect: Callable[[str, str], None], lease_s: float, clock: Callable[[], float]) -> None:
+                 connect: Callable[[str, str], None], lease_s: float, clock: Callable[[], float],
+                 reserve_ahead_tokens: int | None = None) -> None:
+        if reserve_ahead_tokens is not None and reserve_ahead_tokens < 0:
+            raise KvbatonError(f"reserve_ahead_tokens must be >= 0, got {reserve_ahead_tokens}")
         self.engine = engine
         self.layout = layout
         self.transport = transport
@@ -65,6 +77,9 @@ class PrefillHandoffs:
         self.source = HandoffSource(layout, engine.pool, lease_s)
         self.counters = TransferCounters()
         self._legs: dict[str, _Outgoing] = {}
+        self.lease_s = lease_s
+        self.reserve_ahead_tokens = reserve_ahead_tokens  # None: reserve at submit
+        self._unreserved: deque[_Outgoing] = deque()  # legs waiting for their turn to reserve, FIFO
         self._reports: list[HandoffReport] = []
         self._swallow: set[str] = set()  # aborted here: the engine's final ABORT output is not the client's
         self._source_kv = numpy_kv(engine.storage.kv_cache)
@@ -98,15 +113,22 @@ class PrefillHandoffs:
             return
         self._legs[request_id] = leg
         self.counters.num_started += 1
-        if send_all(self.transport, self.source.start(transfer_id, decode_worker, len(leg.prompt_token_ids), now)):
-            self._fail(leg, f"cannot reach {decode_worker}")
+        if self.reserve_ahead_tokens is None:
+            self._reserve(leg, now)
+        else:
+            self._unreserved.append(leg)
+            self._reserve_in_turn(now)
 
     def abort(self, request_id: str, reason: str = "cancelled by the router") -> None:
         """Cancel in any state (queued for the grant, prefilling, awaiting the ack); idempotent."""
         leg = self._legs.get(request_id)
         if leg is None:
             return
-        send_all(self.transport, self.source.cancel(transfer_id_of(request_id), self._clock(), reason))
+        if leg.reserving:
+            send_all(self.transport, self.source.cancel(transfer_id_of(request_id), self._clock(), reason))
+        else:
+            self._unreserved.remove(leg)
+            self.counters.num_cancelled += 1
         self._end(leg)
 
     # -- the loop -------------------------------------------------------------------------------
@@ -116,6 +138,8 @@ class PrefillHandoffs:
         pump_source(self.transport, self.source, self._clock(), timeout_s)
         for request_id in sorted(self._legs):
             self._advance(self._legs[request_id])
+        if self._unreserved:
+            self._reserve_in_turn(self._clock())
 
     def take_reports(self) -> list[HandoffReport]:
         reports, self._reports = self._reports, []
@@ -173,7 +197,37 @@ class PrefillHandoffs:
 
     # -- internals ------------------------------------------------------------------------------
 
+    def _reserve(self, leg: _Outgoing, now: float) -> None:
+        leg.reserving = True
+        transfer_id = transfer_id_of(leg.request_id)
+        if send_all(self.transport, self.source.start(transfer_id, leg.decode_worker, len(leg.prompt_token_ids), now)):
+            self._fail(leg, f"cannot reach {leg.decode_worker}")
+
+    def _reserve_in_turn(self, now: float) -> None:
+        """Late reservation: the FIFO's head reserves while the engine has at most `reserve_ahead_tokens` prompt
+        tokens to compute ahead of it (queued in the engine, or of legs asking for their blocks now); a leg that
+        waited a whole lease fails."""
+        assert self.reserve_ahead_tokens is not None
+        while self._unreserved and now - self._unreserved[0].started_at > self.lease_s:
+            leg = self._unreserved.popleft()
+            self.counters.num_failed += 1
+            self._reports.append(HandoffReport(leg.request_id, leg.decode_worker, "expired",
+                                               f"no turn to reserve KV on {leg.decode_worker} within the "
+                                               f"{self.lease_s:g} s lease"))
+            self._end(leg)
+        if not self._unreserved:
+            return
+        ahead_tokens = self.engine.scheduler.num_queued_prefill_tokens() + sum(
+            len(leg.prompt_token_ids) for leg in self._legs.values() if leg.reserving and not leg.in_engine
+            and self.source.state(transfer_id_of(leg.request_id)) is SourceState.RESERVING)
+        while self._unreserved and ahead_tokens <= self.reserve_ahead_tokens:
+            leg = self._unreserved.popleft()
+            ahead_tokens += len(leg.prompt_token_ids)
+            self._reserve(leg, now)
+
     def _advance(self, leg: _Outgoing) -> None:
+        if not leg.reserving:
+            return  # waiting for its turn to reserve: nothing to advance
         transfer_id = transfer_id_of(leg.request_id)
         state = self.source.state(transfer_id)
         now = self._clock()
@@ -218,6 +272,10 @@ class PrefillHandoffs:
 
     def check_invariants(self) -> None:
         self.source.check_invariants()
-        for request_id in self._legs:
-            assert self.source.outcome(transfer_id_of(request_id)) is None, f"{request_id}: ended leg still tracked"
+        for request_id, leg in self._legs.items():
+            if leg.reserving:
+                assert self.source.outcome(transfer_id_of(request_id)) is None, f"{request_id}: ended leg still tracked"
+            else:
+                assert not leg.in_engine and leg in self._unreserved, f"{request_id}: unreserved leg not queued"
+        assert all(self._legs.get(leg.request_id) is leg for leg in self._unreserved), "a queued leg has ended"
 

@@ -132,6 +132,9 @@ class DecodeSlot:
     # Incoming only: predicted seconds until its KV reaches the decode worker (its prefill queue drained);
     # None when unknown, and then `predicted` counts it there from now to the end of the horizon.
     arrives_in_s: float | None = None
+    # Incoming only: its prompt's blocks are reserved on the worker already (late reservation: not before its
+    # prefill worker gets close to it).
+    holds_kv: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,8 @@ class DecodeLoad:
     decoding: tuple[DecodeSlot, ...]  # on the worker now (running, or KV arrived and waiting for blocks)
     incoming: tuple[DecodeSlot, ...]  # admitted, still prefilling or in transfer, bound for this worker
     kv_capacity_tokens: int  # KV tokens the worker can hold
+    # True: a handoff reserves its prompt's blocks as it is admitted; False: shortly before its prefill runs.
+    reserves_on_arrival: bool = True
 
     @property
     def num_reserved_tokens(self) -> int:
@@ -309,15 +314,16 @@ class AdmissionPolicy:
         everyone = decoding + list(decode.incoming)
         present = present_at(everyone, model, self.slo.tpot_s, ttft_s)
         tpot_s = predict_tpot_s(present, request, model)
-        # KV, at two moments. Now: the handoff reserves the prompt's blocks before the prefill runs, next to the
-        # decodes running now (which hold theirs, growing, until they end) and the prompts held for the others on
-        # their way. On arrival: the full reservations of those present then, the prompts held for those still on
+        # KV, at two moments. Now, when the handoff reserves on arrival: the prompt's blocks, next to the decodes
+        # running now (which hold theirs, growing, until they end) and the prompts held for the others on their
+        # way. On arrival: the full reservations of those present then, the prompts held for those still on
         # their way, and its own in full (what the decode gate checks then). Decodes that end before it arrives
-        # free room for its output, not for its prompt.
-        held_tokens = sum(s.num_context_tokens for s in decode.incoming)
-        now_tokens = decode.num_reserved_tokens + held_tokens + request.num_prompt_tokens
+        # free room for its output and, with late reservation, for its prompt too.
+        held_tokens = sum(s.num_context_tokens for s in decode.incoming if s.holds_kv)
+        now_tokens = (decode.num_reserved_tokens + held_tokens + request.num_prompt_tokens
+                      if decode.reserves_on_arrival else 0)
         later_tokens = sum(s.num_context_tokens for s in decode.incoming
-                           if s.arrives_in_s is not None and s.arrives_in_s > ttft_s)
+                           if s.holds_kv and s.arrives_in_s is not None and s.arrives_in_s > ttft_s)
         then_tokens = (sum(s.num_context_tokens + s.num_remaining_tokens for s in present) + later_tokens
                        + request.num_prompt_tokens + request.num_output_tokens)
         reserved = max(now_tokens, then_tokens) / max(decode.kv_capacity_tokens, 1)
@@ -350,7 +356,7 @@ class AdmissionPolicy:
         (granted before their prefill; each checks its own growth at the gate when it arrives). Leaving the
         held blocks out lets admitted decodes outgrow the worker's KV: preemptions."""
         tpot_s = predict_tpot_s(decode.decoding, request, self._model(decode.worker_id))
-        held_tokens = sum(s.num_context_tokens for s in decode.incoming)
+        held_tokens = sum(s.num_context_tokens for s in decode.incoming if s.holds_kv)
         reserved = kv_share(decode.decoding, request, decode.kv_capacity_tokens)
         return tpot_s, max(tpot_s / self.slo.tpot_s, reserved + held_tokens / max(decode.kv_capacity_tokens, 1))
 

@@ -126,3 +126,17 @@ def test_fidelity_rows_compare_percentiles() -> None:
     assert rows[0].error == pytest.approx(0.05) and rows[0].within_target
     assert rows[2].error == pytest.approx(0.5) and rows[2].within_target is False
     assert "| TTFT p50 | 100.0 | 105.0 | +5.0 % | yes |" in render_fidelity(rows, "t")
+
+
+def test_roofline_decode_s_is_its_general_price_to_the_last_bit() -> None:
+    """decode_s repeats _price's arithmetic for one GPU (the simulator's steady decode steps); same floats."""
+    import random
+
+    model = RooflineCostModel(get_model("llama-3-8b"), GPUS["h100"])
+    rng = random.Random(0)
+    for _ in range(2000):
+        num_seqs, context_tokens = rng.randint(1, 512), rng.randint(1, 2_000_000)
+        for parallel in (Parallelism(), Parallelism(tp=2), Parallelism(pp=2)):
+            assert model.decode_s(num_seqs, context_tokens, parallel) == model._price(
+                num_seqs, num_seqs, context_tokens, context_tokens, parallel)
+    assert model.decode_s(0, 100) == 0.0

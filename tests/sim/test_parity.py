@@ -4,7 +4,8 @@ The real Engine runs tiny-random (torch) with a spy on its scheduler; the simula
 request stream on one mixed worker with a constant step cost, fed the tokens the engine sampled.
 The engine is driven by the simulator's event semantics: a step that starts at t ends at t + step_s,
 requests arriving up to then join the next step, and an idle worker starts a step at an arrival.
-Every StepPlan (chunks, token ids, block ids, preemptions) must match, in order.
+Every StepPlan (chunks, token ids, block ids, preemptions) must match, in order; the simulator's steps
+through `schedule_decodes` are compared as the StepPlan the general path builds for them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from kvbaton.bench.tokens import as_token_array
 from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.core.step import StepPlan
+from kvbaton.core.request import Request
+from kvbaton.core.step import ScheduledChunk, StepPlan
 from kvbaton.engine.engine import Engine
 from kvbaton.sim.cluster import ClusterSim, SimConfig
 from kvbaton.sim.costs import ConstantCostModel
@@ -61,14 +63,26 @@ def _params(r: WorkloadRequest) -> SamplingParams:
 
 
 def spy(scheduler: object, plans: list[StepPlan]) -> None:
+    """Record every step the scheduler plans: its StepPlans, and the steps the simulator takes through
+    `schedule_decodes` (every running request decoding) as the StepPlan the general path builds for them."""
     original: Callable[[float], StepPlan] = scheduler.schedule
+    original_decodes: Callable[[], list[Request] | None] = scheduler.schedule_decodes
 
     def schedule(now: float) -> StepPlan:
         plan = original(now)
         plans.append(plan)
         return plan
 
+    def schedule_decodes() -> list[Request] | None:
+        decodes = original_decodes()
+        if decodes is not None:
+            chunks = tuple(ScheduledChunk(r.request_id, r.num_computed_tokens, (r.all_token_ids[-1],),
+                                          tuple(r.block_ids), True) for r in decodes)
+            plans.append(StepPlan(scheduler._step_id, chunks, len(chunks)))
+        return decodes
+
     scheduler.schedule = schedule
+    scheduler.schedule_decodes = schedule_decodes
 
 
 @pytest.mark.parametrize("step_s", [0.0, 1.0], ids=["zero-cost", "constant-cost"])

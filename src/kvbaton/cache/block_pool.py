@@ -11,14 +11,14 @@ outgrows the live part, so the list stays O(num_blocks) and every operation is a
 block. The order is a pure function of the call sequence (no timestamps).
 
 Misuse (unknown ids, taking a reference on a free block, releasing a free block) raises ValueError
-before anything is changed: the pool is never left half-updated.
+with nothing changed (`ref` and `release` check as they update, and undo a pass that meets a bad
+id): the pool is never left half-updated.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from operator import itemgetter
 
 from kvbaton.core.errors import CapacityError
 
@@ -77,12 +77,25 @@ class BlockPool:
         if not block_ids:
             return
         ref_counts = self._ref_counts
-        if not self._all_held(block_ids):
-            for block_id in block_ids:
-                if not 0 <= block_id < self.num_blocks or ref_counts[block_id] == 0:
-                    self._raise_bad_ref(block_id)
+        # One pass that validates as it goes (the common case: all held); a bad id undoes the pass, then raises.
+        if min(block_ids) >= 0:
+            num_done = 0
+            try:
+                for block_id in block_ids:
+                    count = ref_counts[block_id]
+                    if not count:
+                        break
+                    ref_counts[block_id] = count + 1
+                    num_done += 1
+                else:
+                    return
+            except IndexError:
+                pass
+            for block_id in block_ids[:num_done]:
+                ref_counts[block_id] -= 1
         for block_id in block_ids:
-            ref_counts[block_id] += 1
+            if not 0 <= block_id < self.num_blocks or ref_counts[block_id] == 0:
+                self._raise_bad_ref(block_id)
 
     def release(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each listed block; blocks reaching 0 join the free-queue tail in order."""
@@ -90,24 +103,30 @@ class BlockPool:
         if not block_ids:
             return
         ref_counts = self._ref_counts
-        # Fast path (the common case: a request's table, no id twice): validate, then update.
-        if len(set(block_ids)) != len(block_ids) or not self._all_held(block_ids):
-            self._release_with_duplicates(block_ids)  # raises the detailed error (changing nothing) if bad
-            return
-        append = self._free.append
-        for block_id in block_ids:
-            count = ref_counts[block_id] - 1
-            ref_counts[block_id] = count
-            if not count:
-                append(block_id)
-
-    def _all_held(self, block_ids: list[int]) -> bool:
-        """Every id (a non-empty list) is in range with a reference; checked in C, not a Python loop."""
-        if min(block_ids) < 0 or max(block_ids) >= self.num_blocks:
-            return False
-        if len(block_ids) == 1:
-            return self._ref_counts[block_ids[0]] != 0
-        return 0 not in itemgetter(*block_ids)(self._ref_counts)
+        # One pass that validates as it goes (the common case: every id held); an id listed twice is released
+        # twice and queued when its count reaches 0, as `_release_with_duplicates` does. A bad id (out of
+        # range, or more releases than references) undoes the pass, then that method raises the detailed error.
+        if min(block_ids) >= 0:
+            free = self._free
+            num_free = len(free)
+            num_done = 0
+            try:
+                for block_id in block_ids:
+                    count = ref_counts[block_id] - 1
+                    if count <= 0:
+                        if count:
+                            break
+                        free.append(block_id)
+                    ref_counts[block_id] = count
+                    num_done += 1
+                else:
+                    return
+            except IndexError:
+                pass
+            for block_id in block_ids[:num_done]:
+                ref_counts[block_id] += 1
+            del free[num_free:]
+        self._release_with_duplicates(block_ids)
 
     def _raise_bad_ref(self, block_id: int) -> None:
         self._check_id(block_id)

@@ -35,11 +35,16 @@ from kvbaton.scheduler.queue_policies import create_queue_policy
 
 class TokenOutput(NamedTuple):
     """One sampled token of one request. A NamedTuple, not a frozen dataclass: `update` builds one per
-    request per step (the simulator's hot path) and a NamedTuple is built in C, twice as fast."""
+    request per step (the simulator's hot path), and a tuple subclass can be built in C (`_new_output`)."""
 
     request_id: str
     token: SampledToken
     finish_reason: FinishReason | None  # set on the request's last token
+
+
+# TokenOutput(a, b, c) runs the NamedTuple's Python-level __new__; tuple.__new__(TokenOutput, (a, b, c)) builds the
+# same instance in C (the hot loops of `update` and `update_decodes` build one per sampled token).
+_new_output = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +319,79 @@ class LocalScheduler:
         self.steady_plan_context_tokens = context_tokens + len(chunks)
         return make_plan(self._step_id, tuple(chunks), len(chunks))
 
+    def schedule_decodes(self) -> list[Request] | None:
+        """The step `schedule` would plan when every running request decodes, as the requests it advances; else None.
+
+        Taken when nothing waits, every running request decodes one token (past position 0) and they
+        all fit the token budget, and the free blocks cover every decode whose position opens a new
+        block. The general path then gives each running request its one-token chunk in running order,
+        growing a full table by one free block as it meets it (no eviction is needed, so none happens
+        and nothing is preempted) and admitting nothing: this grows the same tables in the same order
+        and advances step ids and `steady_plan_context_tokens` as `schedule` does, without building
+        chunks or a plan; an executor that needs no `StepPlan` (the simulator) applies it with
+        `update_decodes`. None changes nothing. The list is a snapshot: an abort during the step
+        leaves it unchanged.
+        """
+        running = self._running
+        if not self.steady_fast_path or self._waiting or not running:
+            return None
+        if len(running) > self.config.max_num_batched_tokens:
+            return None
+        block_size = self.block_size
+        context_tokens = 0
+        num_growing = 0
+        for request in running:
+            start = request.num_computed_tokens
+            if len(request.prompt_token_ids) + len(request.output_token_ids) - start != 1 or not start:
+                return None
+            if len(request.block_ids) * block_size <= start:
+                num_growing += 1  # a running table covers its computed tokens: one block more covers the next
+            context_tokens += start
+        if num_growing:
+            blocks = self.blocks
+            if num_growing > blocks.pool.num_free_blocks:
+                return None  # the general path evicts or preempts
+            for request in running:
+                start = request.num_computed_tokens
+                if len(request.block_ids) * block_size <= start:
+                    grown = blocks.try_grow(request, start + 1)
+                    assert grown, "a free block was counted for every growing decode"
+        self._step_id += 1
+        self._num_steps += 1
+        self.steady_plan_context_tokens = context_tokens + len(running)
+        return running[:]
+
+    def update_decodes(self, requests: list[Request], tokens: Sequence[SampledToken], now: float) -> list[TokenOutput]:
+        """`update` for a step from `schedule_decodes`: `tokens[i]` is what `requests[i]` sampled.
+
+        Requests no longer running (aborted during the step) are skipped, as `update` skips their
+        chunks; nothing else changes a running request's position between the two calls.
+        """
+        outputs: list[TokenOutput] = []
+        running = RequestStatus.RUNNING
+        cache_computed_blocks = self.blocks.cache_computed_blocks if self.blocks.cache is not None else None
+        holds = self.blocks._holds
+        block_size = self.block_size
+        stop_reason = self._stop_reason
+        for request, token in zip(requests, tokens):
+            if request.status is not running:
+                continue
+            num_computed = request.num_computed_tokens = request.num_computed_tokens + 1
+            if cache_computed_blocks is not None:
+                hold = holds.get(request.request_id)
+                if num_computed // block_size > (hold.num_blocks if hold is not None else 0):
+                    cache_computed_blocks(request)
+            token_id = token.token_id
+            request.output_token_ids.append(token_id)
+            if request.first_token_at is None:
+                request.first_token_at = now
+            reason = stop_reason(request, token_id)
+            if reason is not None:
+                self._running.remove(request)
+                self._finish(request, reason, now)
+            outputs.append(_new_output(TokenOutput, (request.request_id, token, reason)))
+        return outputs
+
     def _schedule_running_requests(self, step: _StepBuilder, now: float) -> None:
         """Running decodes (exactly one uncomputed token), then running prefills, each in running order.
 
@@ -485,7 +563,7 @@ class LocalScheduler:
             if reason is not None:
                 self._running.remove(request)
                 self._finish(request, reason, now)
-            outputs.append(TokenOutput(request_id, token, reason))
+            outputs.append(_new_output(TokenOutput, (request_id, token, reason)))
         return outputs
 
     def stop_reason(self, request: Request, token_id: int) -> FinishReason | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
-from kvbaton.cache.hashing import CacheKey, HashedBlocks, hash_prompt
+from kvbaton.cache.hashing import CacheKey, HashedBlocks, chain_hashes, hash_prompt, split_blocks
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError, KvbatonError
 from kvbaton.core.request import FinishReason, Request
@@ -160,6 +160,12 @@ class ClusterSim:
         self._inbox: dict[str, list[Delivery]] = {}
         self._records: list[RequestRecord] = []
         self._params: dict[int, SamplingParams] = {}
+        # id(part) -> (the part, its ids as Python ints once it has been seen twice): shared prompt parts are
+        # converted once. The entry holds the part, so its id cannot be reused by another array.
+        self._part_ids: dict[int, tuple[object, list[int] | None]] = {}
+        # (ids of leading prompt parts, cache key) -> (those parts, their full blocks' token tuples, chained hashes).
+        self._part_hashes: dict[tuple[tuple[int, ...], CacheKey],
+                                tuple[object, tuple[tuple[int, ...], ...], tuple[int, ...]]] = {}
         self._on_record: Callable[[RequestRecord], None] | None = None
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -168,11 +174,23 @@ class ClusterSim:
             on_record: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
         """Simulate `requests` (arrival_s relative to 0) to completion; records come back in request order."""
         self._on_record = on_record
+        # Arrivals wait in their own list, sorted by (time, seq) as the heap would order them, and merge with the
+        # heap's head: the same total order on (time, seq), from a heap ~requests-in-flight deep instead of
+        # holding every future arrival.
+        arrivals = []
         for request in requests:
-            self._push(request.arrival_s, _ARRIVAL, request)
+            self._seq += 1
+            arrivals.append((request.arrival_s, self._seq, _ARRIVAL, request))
+        arrivals.sort(key=lambda event: event[:2])
+        arrivals.reverse()  # popped from the end
         heap = self._heap
-        while heap:
-            now, _, kind, payload = heapq.heappop(heap)
+        heappop = heapq.heappop
+        handoffs = self.handoffs
+        while heap or arrivals:
+            if arrivals and (not heap or arrivals[-1] < heap[0]):  # seqs differ: payloads are never compared
+                now, _, kind, payload = arrivals.pop()
+            else:
+                now, _, kind, payload = heappop(heap)
             self.now = now
             if kind == _STEP_DONE:
                 self._on_step_done(payload, now)  # type: ignore[arg-type]
@@ -182,7 +200,7 @@ class ClusterSim:
                 self._on_delivery(payload, now)  # type: ignore[arg-type]
             else:
                 self._start_handoff(self._flights.get(payload), now)  # type: ignore[arg-type]
-            if self.handoffs is not None and now >= self._next_expiry_at:
+            if handoffs is not None and now >= self._next_expiry_at:
                 self._next_expiry_at = now + self.config.handoff_lease_s / 10
                 self._on_handoff_events(self.handoffs.expire(now), now)
         order = {r.request_id: r.index for r in requests}
@@ -194,24 +212,27 @@ class ClusterSim:
 
     def _kick(self, worker: SimWorker, now: float) -> None:
         """Start the worker's next step if it is idle and has something to run."""
-        if worker.plan is not None:  # busy
+        if worker.busy:
             return
         end = worker.start_step(now)
-        for request in worker.take_finished():
-            self._on_request_finished(worker, request, now)
+        # A steady decode step is planned without ending any request, and whatever ended before (in a step's
+        # update, in an abort) was taken right after: only a general plan can have failed requests to hand over.
+        if worker.decodes is None:
+            for request in worker.take_finished():
+                self._on_request_finished(worker, request, now)
         if end is None:
             self._heartbeat(worker, now, force=True)
-        else:
-            self._push(end, _STEP_DONE, worker)
+        else:  # _push, inline: once per step
+            self._seq += 1
+            heapq.heappush(self._heap, (end, self._seq, _STEP_DONE, worker))
 
     # ---- events ----------------------------------------------------------------------------------------
 
     def _on_arrival(self, wr: WorkloadRequest, now: float) -> None:
         rid = wr.request_id
-        prompt = wr.prompt_array.tolist()
+        prompt = self._prompt_ids(wr)
         # RouteRequest.from_tokens, keeping the block tuples: the front worker's cache reuses them and the hashes.
-        prompt_blocks = hash_prompt(self.config.cache_key.with_tenant(wr.tenant), prompt,
-                                    self.config.cache.block_size)
+        prompt_blocks = self._hash_prompt(wr, prompt)
         route = RouteRequest(rid, prompt_blocks.block_hashes, len(prompt), wr.output_tokens)
         decode_route = RouteRequest(rid, (), route.num_prompt_tokens, wr.output_tokens)
         lent = self._lent_worker(wr, route, now) if self.pools is not None and self.decode_ids else None
@@ -329,7 +350,7 @@ class ClusterSim:
         # The client sees the first token when the decode worker adopts the KV and streams it, as live: between
         # its steps, so after the one in flight (the prefill worker sampled it earlier; the router hears it here).
         if flight.token_times_s and self.config.first_token_at == "decode":
-            flight.token_times_s[0] = decode.step_end_at if decode.plan is not None else now
+            flight.token_times_s[0] = decode.step_end_at if decode.busy else now
         decode.offer_handoff(request, adopted.num_tokens, adopted.block_ids, now)
         self._kick(decode, now)
 
@@ -355,7 +376,7 @@ class ClusterSim:
         self._kick(worker, now)
 
     def _on_delivery(self, delivery: Delivery, now: float) -> None:
-        if self.workers[delivery.to_worker].plan is not None:
+        if self.workers[delivery.to_worker].busy:
             self._inbox.setdefault(delivery.to_worker, []).append(delivery)
         else:
             self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
@@ -376,6 +397,58 @@ class ClusterSim:
         self.policy.on_finished(request.request_id, now)  # the prefill worker's part is done; the KV is in flight
 
     # ---- bookkeeping ------------------------------------------------------------------------------------
+
+    def _prompt_ids(self, wr: WorkloadRequest) -> list[int]:
+        """`wr.prompt_array.tolist()`, the ids of a part that requests share (a tool schema, a document)
+        converted to Python ints once: from its second use on they are copied from the kept list."""
+        parts = wr.prompt_parts
+        if len(parts) == 1:
+            return parts[0].tolist()
+        part_ids = self._part_ids
+        prompt: list[int] = []
+        for part in parts:
+            key = id(part)
+            entry = part_ids.get(key)
+            if entry is None:
+                part_ids[key] = (part, None)
+                prompt += part.tolist()
+                continue
+            ids = entry[1]
+            if ids is None:
+                ids = part.tolist()
+                part_ids[key] = (part, ids)
+            prompt += ids
+        return prompt
+
+    def _hash_prompt(self, wr: WorkloadRequest, prompt: list[int]) -> HashedBlocks:
+        """`hash_prompt` of `prompt` under the request's key, with the full blocks of leading parts that requests
+        share (all parts but the last, else the first: a system prompt, a tool schema, a document) split and
+        hashed once per key; the rest of the chain continues from their last hash, as hash_prompt would."""
+        key = self.config.cache_key.with_tenant(wr.tenant)
+        block_size = self.config.cache.block_size
+        parts = wr.prompt_parts
+        if len(parts) == 1:
+            return hash_prompt(key, prompt, block_size)
+        heads = (parts[:-1], parts[:1]) if len(parts) > 2 else (parts[:1],)
+        memo = self._part_hashes
+        missed = []
+        for head in heads:  # longest first
+            memo_key = (tuple(map(id, head)), key)
+            entry = memo.get(memo_key)
+            if entry is not None:
+                _, token_blocks, block_hashes = entry
+                rest_blocks = split_blocks(prompt[len(token_blocks) * block_size:], block_size)
+                blocks = HashedBlocks(key, block_size, token_blocks + tuple(rest_blocks),
+                                      block_hashes + tuple(chain_hashes(block_hashes[-1], rest_blocks)))
+                break
+            missed.append((memo_key, head))
+        else:
+            blocks = hash_prompt(key, prompt, block_size)
+        for memo_key, head in missed:  # each entry keeps its parts alive, so their ids cannot be reused
+            num_blocks = sum(map(len, head)) // block_size
+            if num_blocks:
+                memo[memo_key] = (head, blocks.token_blocks[:num_blocks], blocks.block_hashes[:num_blocks])
+        return blocks
 
     def _sampling(self, max_tokens: int) -> SamplingParams:
         params = self._params.get(max_tokens)

@@ -1,10 +1,12 @@
 """One simulated worker: the real LocalScheduler, BlockPool and RadixCache, with a cost model as executor.
 
-A step is scheduled at its start time (`start_step`, which prices the plan) and applied at its
-end (`finish_step`), exactly as the live engine schedules, runs, then updates; requests that
-arrive meanwhile wait for the next step. Sampled tokens are deterministic: `token_for(request_id,
-output_index)` (by default 100 + index mod 1000, never an end-of-sequence id in the workloads,
-which run with ignore_eos and an exact output length).
+A step is scheduled at its start time (`start_step`, which prices it) and applied at its end
+(`finish_step`), exactly as the live engine schedules, runs, then updates; requests that arrive
+meanwhile wait for the next step. A step in which every running request decodes is scheduled as
+the requests it advances (`LocalScheduler.schedule_decodes`, applied by `update_decodes`), the
+same step without building its StepPlan; the others as a StepPlan. Sampled tokens are
+deterministic: `token_for(request_id, output_index)` (by default 100 + index mod 1000, never an
+end-of-sequence id in the workloads, which run with ignore_eos and an exact output length).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.config import CacheConfig, SchedulerConfig
-from kvbaton.core.request import Request
+from kvbaton.core.request import Request, RequestStatus
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.router.load import WorkerStats
 from kvbaton.scheduler.fast_values import make_result
@@ -54,7 +56,11 @@ class SimWorker:
         self._noise_innovation = math.sqrt(1.0 - self._noise_rho * self._noise_rho)
         self._noise_z: float | None = None  # the standard-normal state; drawn from its stationary law at first
         self._rng = rng if self._noise_sigma > 0 else None
-        self.plan: StepPlan | None = None  # the step in flight, None when idle
+        self.plan: StepPlan | None = None  # the step in flight when planned as a StepPlan
+        # The step in flight when it is the steady decode of these running requests (`schedule_decodes`):
+        # no StepPlan is built for it. At most one of `plan` and `decodes` is set; `busy` when either is.
+        self.decodes: list[Request] | None = None
+        self.busy = False
         self.step_s = 0.0
         self.step_end_at = 0.0  # when the step in flight ends
         # KV arrived (in adopted blocks), waiting for a running slot, FIFO: (request, computed tokens, blocks).
@@ -74,27 +80,33 @@ class SimWorker:
         sigma = self._noise_sigma
         return math.exp(sigma * z - sigma * sigma / 2)
 
-    @property
-    def busy(self) -> bool:
-        return self.plan is not None
-
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.pending_handoffs)
 
     def start_step(self, now: float) -> float | None:
         """Schedule the next step at `now`; returns when it ends, or None if there is nothing to run."""
-        assert self.plan is None, "a step is already in flight"
-        plan = self.scheduler.schedule(now)
-        if not plan.chunks and (plan.preempted_ids or plan.finished_ids) and self.scheduler.has_unfinished_requests():
-            plan = self.scheduler.schedule(now)  # the previous plan only freed memory; try again once
-        if not plan.chunks:
-            return None
-        self.plan = plan
-        context_tokens = self.scheduler.steady_plan_context_tokens
-        if context_tokens >= 0:  # all decodes: the same price as plan_s, without reading the chunks again
-            self.step_s = self.cost_model.decode_s(len(plan.chunks), context_tokens, self.spec.parallel)
+        assert not self.busy, "a step is already in flight"
+        scheduler = self.scheduler
+        # A steady decode needs no StepPlan unless a hook reads it (a prefill worker streams its plans' KV).
+        decodes = scheduler.schedule_decodes() if self.on_executed is None else None
+        if decodes is not None:
+            self.decodes = decodes
+            # All decodes: the price plan_s would give the same step's plan.
+            self.step_s = self.cost_model.decode_s(len(decodes), scheduler.steady_plan_context_tokens,
+                                                   self.spec.parallel)
         else:
-            self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
+            plan = scheduler.schedule(now)
+            if not plan.chunks and (plan.preempted_ids or plan.finished_ids) and scheduler.has_unfinished_requests():
+                plan = scheduler.schedule(now)  # the previous plan only freed memory; try again once
+            if not plan.chunks:
+                return None
+            self.plan = plan
+            context_tokens = scheduler.steady_plan_context_tokens
+            if context_tokens >= 0:  # all decodes: the same price as plan_s, without reading the chunks again
+                self.step_s = self.cost_model.decode_s(len(plan.chunks), context_tokens, self.spec.parallel)
+            else:
+                self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
+        self.busy = True
         if self._rng is not None:
             self.step_s *= self._noise()
         self.step_end_at = now + self.step_s
@@ -102,11 +114,18 @@ class SimWorker:
 
     def finish_step(self, now: float) -> tuple[list[TokenOutput], list[Request]]:
         """Apply the step in flight at its end time; returns its tokens and the requests that ended."""
-        plan, self.plan = self.plan, None
-        assert plan is not None, "no step in flight"
-        if self.on_executed is not None:
-            self.on_executed(plan, now)
-        outputs = self.scheduler.update(plan, self._execute(plan), now)
+        assert self.busy, "no step in flight"
+        self.busy = False
+        decodes = self.decodes
+        if decodes is not None:
+            self.decodes = None
+            outputs = self.scheduler.update_decodes(decodes, self._decode_tokens(decodes), now)
+        else:
+            plan, self.plan = self.plan, None
+            assert plan is not None
+            if self.on_executed is not None:
+                self.on_executed(plan, now)
+            outputs = self.scheduler.update(plan, self._execute(plan), now)
         self.busy_s += self.step_s
         self.num_steps += 1
         if self.pending_handoffs:
@@ -134,6 +153,17 @@ class SimWorker:
             else:
                 sampled[request_id] = SampledToken(token_for(request_id, index))
         return make_result(plan.step_id, sampled, self.step_s)
+
+    def _decode_tokens(self, decodes: list[Request]) -> list[SampledToken]:
+        """What `_execute` samples for the one-token decode of each of `decodes` (its output index is the
+        number of tokens it has output). Requests aborted during the step get a placeholder that
+        `update_decodes` skips, and `token_for` is not asked for them, as `_execute` does not ask."""
+        token_for = self.token_for
+        if token_for is None:
+            return [_TOKENS[len(request.output_token_ids) % 1000] for request in decodes]
+        running = RequestStatus.RUNNING
+        return [SampledToken(token_for(r.request_id, len(r.output_token_ids))) if r.status is running else _TOKENS[0]
+                for r in decodes]
 
     # ---- disaggregation: the decode side of a handoff ----------------------------------------------
 

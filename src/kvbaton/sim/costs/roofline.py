@@ -88,7 +88,17 @@ class RooflineCostModel(CostModel):
         """The base class's decode_s (step_s of an all-decode shape) without building the shape."""
         if num_seqs <= 0:
             return 0.0
-        return self._price(num_seqs, num_seqs, context_tokens, context_tokens, parallel)
+        tp, pp = parallel.tp, parallel.pp
+        if tp > 1 or pp > 1:
+            return self._price(num_seqs, num_seqs, context_tokens, context_tokens, parallel)
+        # _price's first lines for one GPU, same operations in the same order (the simulator prices every
+        # steady decode step here; `test_roofline_decode_s_is_price` holds the two to the same floats).
+        flops = (self._flops_per_token * num_seqs + self._flops_per_sampled_row * num_seqs
+                 + self._attention_flops_per_pair * context_tokens)
+        mem_bytes = self._weight_bytes + self.kv_bytes_per_token * (context_tokens + num_seqs)
+        step_s = max(flops * self._s_per_flop, mem_bytes * self._s_per_byte) / tp
+        step_s += self._step_overhead_s
+        return step_s / pp
 
     def _price(self, num_tokens: int, num_sampled: int, attention_pairs: float, context_read: int,
                parallel: Parallelism) -> float:

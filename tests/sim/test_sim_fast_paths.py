@@ -1,0 +1,78 @@
+"""The simulator's shortcuts give the runs their general paths give: steady decode steps without a StepPlan,
+shared prompt parts converted and hashed once, arrivals merged into the event heap from their own list."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbaton.bench.records import RequestRecord
+from kvbaton.bench.tokens import as_token_array
+from kvbaton.bench.workloads import create_workload
+from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.cache.hashing import hash_prompt
+from kvbaton.core.config import CacheConfig
+from kvbaton.sim.cluster import ClusterSim, SimConfig, WorkerReport
+from kvbaton.sim.costs import ConstantCostModel
+from kvbaton.sim.costs.linear import LinearCoefficients, LinearCostModel
+from kvbaton.sim.spec import parse_cluster_spec
+
+
+def _noisy_cost() -> LinearCostModel:
+    cost = LinearCostModel({1: LinearCoefficients((0.01, 1e-4, 0.0, 0.0), (0.005, 1e-6, 1e-4),
+                                                  (0.005, 1e-6, 1e-4))}, 1000)
+    cost.step_noise_sigma, cost.step_noise_rho = 0.2, 0.8
+    return cost
+
+
+def _run(cluster: str, steady: bool, num_blocks: int) -> tuple[list[RequestRecord], list[WorkerReport]]:
+    requests = create_workload("tool-use", num_requests=60, seed=1, rate=30.0, num_tools=4)
+    sim = ClusterSim(parse_cluster_spec(cluster), _noisy_cost(),
+                     SimConfig(policy="preble", cache=CacheConfig(16, num_blocks), max_model_len=32768))
+    for worker in sim.workers.values():
+        worker.scheduler.steady_fast_path = steady
+    records = sim.run(requests)
+    return records, sim.worker_reports()
+
+
+def test_steady_decode_steps_give_the_runs_of_general_steps() -> None:
+    for cluster, num_blocks in (("2xmixed", 4096), ("2xmixed", 600), ("2P2D", 4096), ("1P1D", 500)):
+        fast, general = _run(cluster, True, num_blocks), _run(cluster, False, num_blocks)
+        assert fast == general, cluster
+        assert any(r.status == "completed" for r in fast[0])
+
+
+def _workload(parts_of: list[list[int]], tenants: list[str], rng: np.random.Generator) -> list[WorkloadRequest]:
+    pool = [as_token_array(rng.integers(0, 5000, size=n)) for n in (5, 16, 33, 48, 70)]
+    return [WorkloadRequest(i, 0.0, tuple(pool[p] for p in parts), 1, tenant=tenants[i % len(tenants)])
+            for i, parts in enumerate(parts_of)]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(parts_of=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=4), min_size=1, max_size=12),
+       tenants=st.sampled_from([[""], ["", "b"], ["a", "b", "c"]]), seed=st.integers(0, 3))
+def test_prompt_ids_and_hashes_from_shared_parts_are_the_whole_prompts(parts_of: list[list[int]],
+                                                                      tenants: list[str], seed: int) -> None:
+    sim = ClusterSim(parse_cluster_spec("1xmixed"), ConstantCostModel(0.01), SimConfig(cache=CacheConfig(16, 64)))
+    for wr in _workload(parts_of, tenants, np.random.default_rng(seed)) * 2:  # every part seen again
+        prompt = sim._prompt_ids(wr)
+        assert prompt == wr.prompt_array.tolist()
+        key = sim.config.cache_key.with_tenant(wr.tenant)
+        assert sim._hash_prompt(wr, prompt) == hash_prompt(key, prompt, 16)
+
+
+def test_arrivals_at_the_same_time_are_served_in_the_order_given() -> None:
+    rng = np.random.default_rng(0)
+    requests = [WorkloadRequest(i, 0.5 if i < 4 else 0.25, (as_token_array(rng.integers(0, 5000, size=40)),), 3)
+                for i in range(6)]
+
+    def fronts(order: list[int]) -> dict[str, str]:
+        sim = ClusterSim(parse_cluster_spec("3xmixed"), ConstantCostModel(0.01), SimConfig(cache=CacheConfig(16, 64)))
+        return {r.request_id: r.worker_ids[0] for r in sim.run([requests[i] for i in order])}
+
+    # Round robin over w0, w1, w2 in arrival order; the two at 0.25 s come first, ties in the order given.
+    assert fronts([0, 1, 2, 3, 4, 5]) == {"req-4": "w0", "req-5": "w1", "req-0": "w2", "req-1": "w0",
+                                          "req-2": "w1", "req-3": "w2"}
+    assert fronts([5, 4, 3, 2, 1, 0]) == {"req-5": "w0", "req-4": "w1", "req-3": "w2", "req-2": "w0",
+                                          "req-1": "w1", "req-0": "w2"}

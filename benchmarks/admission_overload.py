@@ -20,6 +20,8 @@ the same requests; every variant but none keeps the decode stage's own gate. The
 requests, of which refused by the decode gate after their prefill ran, goodput (requests meeting both
 SLOs per second), SLO attainment over all requests and over admitted ones, and the prefill tokens
 thrown away by decode-gate refusals.
+`--reserve-ahead-tokens N` makes handoffs reserve their decode KV late (once their prefill worker has at
+most N prompt tokens left ahead of them) instead of on arrival.
 `--workload sharegpt-like` runs the earlier decode-bound 1P1D chat setting instead (give its options).
 Usage: python benchmarks/admission_overload.py [--base-rate R] [--overload 2.0]
 """
@@ -52,6 +54,8 @@ def main() -> None:
     parser.add_argument("--tpot-slo", type=float, default=0.03)
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reserve-ahead-tokens", type=int, default=None, metavar="N",
+                        help="late KV reservation (N prompt tokens ahead on the prefill worker); default on arrival")
     parser.add_argument("--base-rate", type=float, default=None,
                         help="the no-admission goodput to overload (default: find it by bisection first)")
     args = parser.parse_args()
@@ -66,7 +70,7 @@ def main() -> None:
                                output_mean_tokens=args.output_mean, output_std_tokens=args.output_mean)
     setup = SimSetup(model=args.model, gpu=args.gpu, cluster=args.cluster, cost_model="roofline",
                      max_model_len=args.max_model_len, enable_prefix_cache=False, seed=args.seed,
-                     admission_slo=(slo.ttft_s, slo.tpot_s))
+                     admission_slo=(slo.ttft_s, slo.tpot_s), reserve_ahead_tokens=args.reserve_ahead_tokens)
 
     def at_rate(rate: float) -> list[WorkloadRequest]:
         return [replace(r, arrival_s=r.arrival_s / rate) for r in base]
@@ -80,7 +84,9 @@ def main() -> None:
         base_rate, how = args.base_rate, "given"
     for overload in (float(x) for x in args.overload.split(",")):
         rate = overload * base_rate
-        print(f"{args.workload}: {args.model} on {args.gpu}, {args.cluster}; mean prompt "
+        reserving = ("on arrival" if args.reserve_ahead_tokens is None
+                     else f"{args.reserve_ahead_tokens} tokens ahead of the prefill")
+        print(f"{args.workload}: {args.model} on {args.gpu}, {args.cluster}, KV reserved {reserving}; mean prompt "
               f"{sum(r.num_prompt_tokens for r in base) / len(base):.0f}, output "
               f"{sum(r.output_tokens for r in base) / len(base):.0f} tokens; SLO TTFT {slo.ttft_s:g} s TPOT "
               f"{slo.tpot_s:g} s; goodput without admission {base_rate:.2f} req/s "

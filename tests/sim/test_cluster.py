@@ -168,3 +168,38 @@ def test_step_noise_follows_an_ar1_whose_rho_zero_case_is_independent_lognormal_
     logs = np.log(factors(0.3, 0.9, 20_000))
     assert np.corrcoef(logs[:-1], logs[1:])[0, 1] == pytest.approx(0.9, abs=0.02)
     assert np.std(logs) == pytest.approx(0.3, rel=0.1) and np.mean(np.exp(logs)) == pytest.approx(1.0, abs=0.03)
+
+
+def test_late_reservation_holds_decode_kv_only_for_prefills_about_to_run() -> None:
+    cost = ConstantCostModel(0.01, kv_bytes_per_token=10)
+    burst = small_workload(num=30, gap_s=0.0001)  # 64-token prompts; the prefill worker computes 64 per step
+    peaks: dict[str, int] = {}
+    for mode, ahead in (("eager", None), ("late", 64)):
+        sim = ClusterSim(parse_cluster_spec("1P1D"), cost, SimConfig(
+            cache=CacheConfig(16, 512), scheduler=SchedulerConfig(max_num_batched_tokens=64),
+            reserve_ahead_tokens=ahead))
+        destination = sim.handoffs.destinations["d0"]
+        deliver = sim.handoffs.deliver
+        peak = [0]
+
+        def spy(delivery, now, deliver=deliver, destination=destination, peak=peak):
+            events = deliver(delivery, now)
+            peak[0] = max(peak[0], destination.num_reserved_blocks)
+            return events
+
+        sim.handoffs.deliver = spy
+        records = sim.run(burst)
+        assert all(r.completed and r.output_tokens == q.output_tokens for r, q in zip(records, burst))
+        assert destination.num_live_transfers == 0 and destination.num_reserved_blocks == 0
+        for worker in sim.workers.values():
+            assert worker.pool.num_used_blocks == (worker.cache.num_cached_blocks if worker.cache else 0)
+        peaks[mode] = peak[0]
+    # Eager: every prompt of the burst holds its 4 blocks on the decode worker while it waits for the prefill
+    # worker; late: only the one being prefilled and the next (64 tokens ahead at most).
+    assert peaks["eager"] == 30 * 4
+    assert peaks["late"] <= 2 * 4
+
+
+def test_reserve_ahead_must_not_be_negative() -> None:
+    with pytest.raises(InvalidRequestError):
+        SimConfig(reserve_ahead_tokens=-1)

@@ -56,6 +56,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SLO admission control (Mooncake's variants; needs --ttft-slo and --tpot-slo)")
     parser.add_argument("--adaptive-pools", action="store_true",
                         help="lend workers of the idle pool to mixed duty while the other queues (needs the SLOs)")
+    parser.add_argument("--reserve-ahead-tokens", type=int, default=None, metavar="N",
+                        help="late KV reservation: a handoff reserves on the decode worker once its prefill worker "
+                             "has at most N prompt tokens left ahead of it (default: on arrival)")
     parser.add_argument("--out", metavar="DIR", help="write report.json, report.md and plots here")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -76,7 +79,8 @@ def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
                     num_blocks=args.num_blocks, enable_prefix_cache=not args.no_prefix_cache,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                     max_model_len=args.max_model_len, admission=args.admission, adaptive_pools=args.adaptive_pools,
-                    admission_slo=(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None)
+                    admission_slo=(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None,
+                    reserve_ahead_tokens=args.reserve_ahead_tokens)
 
 
 def run_sim(args: argparse.Namespace) -> int:

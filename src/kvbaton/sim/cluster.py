@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Sequence
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from kvbaton.bench.records import RequestRecord
@@ -59,6 +60,10 @@ class SimConfig:
     handoff_lease_s: float = 60.0  # a handoff leg with no progress for this long expires (both sides)
     handoff_retry_s: float = 0.02  # wait after a refused reservation before asking again
     max_handoff_attempts: int = 500  # refusals after which the request fails
+    # None: a handoff reserves on the decode worker as it arrives. A number: it waits in its prefill worker's
+    # FIFO and reserves once that worker has at most this many prompt tokens left to compute ahead of it, as a
+    # live prefill worker started with --reserve-ahead-tokens does (`engine.handoff_prefill`).
+    reserve_ahead_tokens: int | None = None
     cache_key: CacheKey = CacheKey("sim-model", "sim-layout")
     # When a handed-off request's first token reaches the client: "decode" — the decode worker streams it once it
     # adopts the KV, between its steps (kvbaton's live path); "prefill" — as the prefill worker samples it
@@ -68,6 +73,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.first_token_at not in ("decode", "prefill"):
             raise InvalidRequestError(f"first_token_at must be 'decode' or 'prefill', got {self.first_token_at!r}")
+        if self.reserve_ahead_tokens is not None and self.reserve_ahead_tokens < 0:
+            raise InvalidRequestError(f"reserve_ahead_tokens must be >= 0, got {self.reserve_ahead_tokens}")
 
 
 @dataclass(slots=True)
@@ -86,6 +93,7 @@ class _Flight:
     queue_s: float | None = None
     transfer_bytes: int = 0
     at_decode: bool = False  # its KV reached the decode worker
+    reserving: bool = False  # its reservation was asked for (granted or not)
 
 
 class _BoundCost:
@@ -156,6 +164,7 @@ class ClusterSim:
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._flights: dict[str, _Flight] = {}
+        self._unreserved: dict[str, deque[_Flight]] = {}  # late reservation: per prefill worker, FIFO
         # Protocol messages for a worker in the middle of a step: as a live worker, it reads them between steps.
         self._inbox: dict[str, list[Delivery]] = {}
         self._records: list[RequestRecord] = []
@@ -270,7 +279,11 @@ class ClusterSim:
                 self._fail(flight, f"decode worker {flight.decode} has too few KV blocks for the request", now)
                 return
             flight.prefill_request = request
-            self._start_handoff(flight, now)  # the prefill starts once the decode worker grants blocks
+            if self.config.reserve_ahead_tokens is None:
+                self._start_handoff(flight, now)  # the prefill starts once the decode worker grants blocks
+            else:
+                self._unreserved.setdefault(flight.front, deque()).append(flight)
+                self._reserve_in_turn(flight.front, now)
             return
         self._admit(front, flight, request, now)
 
@@ -294,9 +307,28 @@ class ClusterSim:
             return
         self._kick(worker, now)
 
+    def _reserve_in_turn(self, worker_id: str, now: float) -> None:
+        """Late reservation: the FIFO's head reserves while its prefill worker has at most `reserve_ahead_tokens`
+        prompt tokens to compute ahead of it (queued in its scheduler, or of handoffs asking for blocks now)."""
+        unreserved = self._unreserved.get(worker_id)
+        if not unreserved:
+            return
+        limit = self.config.reserve_ahead_tokens
+        assert limit is not None
+        ahead_tokens = self.workers[worker_id].scheduler.num_queued_prefill_tokens() + sum(
+            f.workload.num_prompt_tokens for f in self._flights.values()
+            if f.front == worker_id and f.reserving and f.prefill_request is not None)
+        while unreserved and ahead_tokens <= limit:
+            flight = unreserved.popleft()
+            if self._flights.get(flight.workload.request_id) is not flight:
+                continue  # ended while waiting for its turn
+            ahead_tokens += flight.workload.num_prompt_tokens
+            self._start_handoff(flight, now)
+
     def _start_handoff(self, flight: _Flight | None, now: float) -> None:
         if flight is None or flight.prefill_request is None:
             return  # ended while waiting to retry
+        flight.reserving = True
         request = flight.prefill_request
         handoffs = self.handoffs
         assert handoffs is not None
@@ -313,6 +345,8 @@ class ClusterSim:
             if event.kind == "granted" and flight.prefill_request is not None:
                 request, flight.prefill_request = flight.prefill_request, None
                 self._admit(self.workers[flight.front], flight, request, now)
+                if self._unreserved:
+                    self._reserve_in_turn(flight.front, now)
             elif event.kind == "refused":
                 flight.attempts += 1
                 if flight.attempts >= self.config.max_handoff_attempts:
@@ -373,6 +407,8 @@ class ClusterSim:
         if self._inbox:
             for delivery in self._inbox.pop(worker.worker_id, ()):
                 self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
+        if self._unreserved:
+            self._reserve_in_turn(worker.worker_id, now)
         self._kick(worker, now)
 
     def _on_delivery(self, delivery: Delivery, now: float) -> None:
@@ -501,7 +537,11 @@ class ClusterSim:
     def _prefill_load(self, worker_id: str) -> PrefillLoad:
         """What the router knows of a worker's prefill queue: its uncomputed prompt tokens, prompt by prompt."""
         scheduler = self.workers[worker_id].scheduler
-        return PrefillLoad(worker_id, scheduler.num_queued_prefill_tokens(), scheduler.queued_prefills())
+        # Handoffs not yet granted (waiting for their turn to reserve, or for the grant) queue here too.
+        queue = scheduler.queued_prefills() + tuple(
+            (f.workload.num_prompt_tokens, 0) for f in self._flights.values()
+            if f.front == worker_id and f.prefill_request is not None)
+        return PrefillLoad(worker_id, sum(new_tokens for new_tokens, _ in queue), queue)
 
     def _decode_load(self, decode_id: str, exclude: str = "") -> DecodeLoad:
         """What the router knows of a decode worker: the requests it streams and those it routed there, the latter
@@ -534,9 +574,10 @@ class ClusterSim:
                 decoding.append(DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done))
             else:
                 incoming.append(DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done,
-                                           queued_s[flight.front]))
+                                           queued_s[flight.front], holds_kv=flight.reserving))
         worker = self.workers[decode_id]
-        return DecodeLoad(decode_id, tuple(decoding), tuple(incoming), worker.pool.num_blocks * worker.block_size)
+        return DecodeLoad(decode_id, tuple(decoding), tuple(incoming), worker.pool.num_blocks * worker.block_size,
+                          reserves_on_arrival=self.config.reserve_ahead_tokens is None)
 
     def _reject(self, flight: _Flight, reason: str, now: float) -> None:
         self._finish_policies(flight, now)

@@ -48,6 +48,7 @@ class SimSetup:
     adaptive_pools: bool = False
     pools: PoolConfig = PoolConfig()
     first_token_at: str = "decode"  # "decode" (kvbaton's live PD path) | "prefill" (DistServe's); see SimConfig
+    reserve_ahead_tokens: int | None = None  # late KV reservation (see SimConfig); None: on arrival
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +88,8 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
                           enable_prefix_cache=setup.enable_prefix_cache),
         scheduler=SchedulerConfig(max_num_batched_tokens=setup.max_num_batched_tokens,
                                   max_num_seqs=setup.max_num_seqs, queue_policy=local_queue_policy(setup.policy)),
-        heartbeat_s=setup.heartbeat_s, max_model_len=max_model_len, first_token_at=setup.first_token_at)
+        heartbeat_s=setup.heartbeat_s, max_model_len=max_model_len, first_token_at=setup.first_token_at,
+        reserve_ahead_tokens=setup.reserve_ahead_tokens)
     admission = pools = None
     if (setup.admission != "none" or setup.adaptive_pools) and setup.admission_slo is None:
         raise InvalidRequestError("admission and adaptive pools need admission_slo (TTFT s, TPOT s)")

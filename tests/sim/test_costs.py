@@ -132,11 +132,15 @@ def test_roofline_decode_s_is_its_general_price_to_the_last_bit() -> None:
     """decode_s repeats _price's arithmetic for one GPU (the simulator's steady decode steps); same floats."""
     import random
 
-    model = RooflineCostModel(get_model("llama-3-8b"), GPUS["h100"])
+    from kvbaton.sim.catalog import MODELS
+
     rng = random.Random(0)
-    for _ in range(2000):
-        num_seqs, context_tokens = rng.randint(1, 512), rng.randint(1, 2_000_000)
-        for parallel in (Parallelism(), Parallelism(tp=2), Parallelism(pp=2)):
-            assert model.decode_s(num_seqs, context_tokens, parallel) == model._price(
-                num_seqs, num_seqs, context_tokens, context_tokens, parallel)
+    for model_name in sorted(MODELS):
+        model = RooflineCostModel(get_model(model_name), GPUS["h100"])
+        assert model._flops_per_seq is not None  # catalog figures are ints: the grouped FLOPs path runs
+        for _ in range(300):
+            num_seqs, context_tokens = rng.randint(1, 4096), rng.randint(1, 2_000_000)
+            for parallel in (Parallelism(), Parallelism(tp=2), Parallelism(pp=2)):
+                assert model.decode_s(num_seqs, context_tokens, parallel) == model._price(
+                    num_seqs, num_seqs, context_tokens, context_tokens, parallel)
     assert model.decode_s(0, 100) == 0.0

@@ -15,6 +15,7 @@ from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.request import Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken, ScheduledChunk, StepPlan, StepResult
+from kvbaton.router.load import WorkerStats
 from kvbaton.sim.catalog import GPUS, get_model
 from kvbaton.sim.costs import BatchShape, LinearCostModel, Parallelism, RooflineCostModel
 from kvbaton.sim.costs.linear import DISTSERVE_A100_PATH, load_linear_model
@@ -58,6 +59,10 @@ def test_sim_worker_stats_match_the_scheduler_stats() -> None:
                 stats.num_kv_blocks_cached) == (s.num_queued_prefill_tokens, s.num_running, s.num_waiting,
                                                 s.num_free_blocks, s.num_cached_blocks)
         assert stats.num_kv_blocks_used == max(s.num_used_blocks - s.num_cached_blocks, 0)
+        # Built without its dataclass __init__: the same value, field for field, as the constructor's.
+        assert stats == WorkerStats(spec.worker_id, s.num_queued_prefill_tokens,
+                                    max(s.num_used_blocks - s.num_cached_blocks, 0), s.num_free_blocks,
+                                    s.num_running, s.num_waiting, s.num_cached_blocks, 4)
         plan = worker.scheduler.schedule(float(step))
         sampled = {c.request_id: SampledToken(9) for c in plan.chunks if c.samples}
         worker.scheduler.update(plan, StepResult(plan.step_id, sampled), float(step))

@@ -15,6 +15,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable
+from dataclasses import fields
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.hashing import CacheKey
@@ -27,6 +28,14 @@ from kvbaton.scheduler.fast_values import make_result
 from kvbaton.scheduler.local_scheduler import LocalScheduler, TokenOutput
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.spec import WorkerSpec
+
+# WorkerStats is built per heartbeat of every worker: its slots are written through their member descriptors
+# (the instance its frozen dataclass __init__ builds, without one object.__setattr__ per field).
+_STATS_FIELDS = ("worker_id", "num_queued_prefill_tokens", "num_kv_blocks_used", "num_kv_blocks_free", "num_running",
+                 "num_waiting", "num_kv_blocks_cached", "block_size")
+if tuple(f.name for f in fields(WorkerStats)) != _STATS_FIELDS or hasattr(WorkerStats, "__post_init__"):
+    raise ImportError("kvbaton.sim.worker's WorkerStats builder is out of date with its fields")
+_STATS_SETTERS = tuple(WorkerStats.__dict__[name].__set__ for name in _STATS_FIELDS)
 
 TokenFn = Callable[[str, int], int]  # (request id, output index) -> token id
 FIRST_SIM_TOKEN = 100
@@ -189,7 +198,16 @@ class SimWorker:
         # The figures of `scheduler.stats()` (same pool and cache), without building its full record.
         scheduler, pool = self.scheduler, self.pool
         num_cached_blocks = self.cache.num_cached_blocks if self.cache is not None else 0
-        return WorkerStats(self.worker_id, scheduler.num_queued_prefill_tokens(),
-                           max(pool.num_used_blocks - num_cached_blocks, 0), pool.num_free_blocks,
-                           scheduler.num_running, scheduler.num_waiting + len(self.pending_handoffs),
-                           num_cached_blocks, self.block_size)
+        num_free_blocks = pool.num_free_blocks
+        stats = object.__new__(WorkerStats)
+        (set_worker_id, set_queued_tokens, set_used_blocks, set_free_blocks, set_running, set_waiting,
+         set_cached_blocks, set_block_size) = _STATS_SETTERS
+        set_worker_id(stats, self.worker_id)
+        set_queued_tokens(stats, scheduler.num_queued_prefill_tokens())
+        set_used_blocks(stats, max(pool.num_blocks - num_free_blocks - num_cached_blocks, 0))
+        set_free_blocks(stats, num_free_blocks)
+        set_running(stats, scheduler.num_running)
+        set_waiting(stats, scheduler.num_waiting + len(self.pending_handoffs))
+        set_cached_blocks(stats, num_cached_blocks)
+        set_block_size(stats, self.block_size)
+        return stats

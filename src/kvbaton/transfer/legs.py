@@ -78,11 +78,17 @@ class LegTable(ABC, Generic[LegT]):
     def expire(self, now: float) -> list[Outgoing]:
         """End every live leg whose lease ran out (telling its peer), and forget old ended legs."""
         outgoing: list[Outgoing] = []
-        for transfer_id in sorted(self._legs):
+        live_states = self.live_states
+        tombstone_s = self.tombstone_s
+        # Only the legs that end or are forgotten now are sorted (ids in order: the aborts, and the pool
+        # releases they make, keep the order of a sorted pass over every leg); the rest are only tested.
+        due = [transfer_id for transfer_id, leg in self._legs.items()
+               if (now >= leg.lease_expires_at if leg.state in live_states else now >= leg.ended_at + tombstone_s)]
+        for transfer_id in sorted(due):
             leg = self._legs[transfer_id]
-            if leg.state in self.live_states and now >= leg.lease_expires_at:
+            if leg.state in live_states:
                 outgoing += self._abort(transfer_id, AbortCause.EXPIRED, f"lease expired in {leg.state.value}", now)
-            elif leg.state not in self.live_states and now >= leg.ended_at + self.tombstone_s:
+            else:
                 del self._legs[transfer_id]
         return outgoing
 

@@ -47,6 +47,11 @@ class RooflineCostModel(CostModel):
         self._weight_bytes = model.weight_bytes
         self._activation_bytes_per_token = model.hidden_size * model.dtype_bytes
         self._step_overhead_s = efficiency.step_overhead_s
+        # FLOPs per decoded sequence (its token and its sampled row) for `decode_s`: the catalog's figures are
+        # ints, so the grouped sum is the same exact number as the two products added; None keeps the two
+        # products for non-integer figures, where grouping could round differently.
+        per_seq = (self._flops_per_token, self._flops_per_sampled_row)
+        self._flops_per_seq = sum(per_seq) if all(type(x) is int for x in per_seq) else None
 
     def step_s(self, shape: BatchShape, parallel: Parallelism = Parallelism()) -> float:
         prefill_new_tokens = shape.prefill_new_tokens
@@ -88,17 +93,21 @@ class RooflineCostModel(CostModel):
         """The base class's decode_s (step_s of an all-decode shape) without building the shape."""
         if num_seqs <= 0:
             return 0.0
-        tp, pp = parallel.tp, parallel.pp
-        if tp > 1 or pp > 1:
+        if parallel.tp > 1 or parallel.pp > 1:
             return self._price(num_seqs, num_seqs, context_tokens, context_tokens, parallel)
-        # _price's first lines for one GPU, same operations in the same order (the simulator prices every
-        # steady decode step here; `test_roofline_decode_s_is_price` holds the two to the same floats).
-        flops = (self._flops_per_token * num_seqs + self._flops_per_sampled_row * num_seqs
-                 + self._attention_flops_per_pair * context_tokens)
+        # _price's first lines for one GPU, the same floats (the simulator prices every steady decode step
+        # here; `test_roofline_decode_s_is_price` holds the two equal): the FLOPs are an exact int either way,
+        # and the divisions by tp = pp = 1 are exact, so they are left out.
+        flops_per_seq = self._flops_per_seq
+        if flops_per_seq is not None:
+            flops = flops_per_seq * num_seqs + self._attention_flops_per_pair * context_tokens
+        else:
+            flops = (self._flops_per_token * num_seqs + self._flops_per_sampled_row * num_seqs
+                     + self._attention_flops_per_pair * context_tokens)
         mem_bytes = self._weight_bytes + self.kv_bytes_per_token * (context_tokens + num_seqs)
-        step_s = max(flops * self._s_per_flop, mem_bytes * self._s_per_byte) / tp
-        step_s += self._step_overhead_s
-        return step_s / pp
+        compute_s = flops * self._s_per_flop
+        memory_s = mem_bytes * self._s_per_byte
+        return (compute_s if compute_s >= memory_s else memory_s) + self._step_overhead_s
 
     def _price(self, num_tokens: int, num_sampled: int, attention_pairs: float, context_read: int,
                parallel: Parallelism) -> float:

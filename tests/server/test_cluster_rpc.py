@@ -81,7 +81,7 @@ def test_malformed_frames_are_rejected(payload: bytes, match: str) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=40),
+    token_ids=st.lists(st.integers(0, 2**33), max_size=40),  # beyond uint32 too: the array fallback
     text=st.text(max_size=30),
     max_tokens=st.integers(1, 4096),
     temperature=st.floats(0.0, 2.0),
@@ -95,6 +95,19 @@ def test_add_and_delta_round_trip_any_values(token_ids: list[int], text: str, ma
     assert rpc.decode(rpc.encode(add)) == add
     delta = TokenDelta("r", tuple(token_ids), text, True, "stop", len(token_ids), 0)
     assert rpc.decode(rpc.encode(rpc.TokenDeltas("w", (delta,)))) == rpc.TokenDeltas("w", (delta,))
+
+
+def test_prompt_ids_travel_as_uint32_bytes_and_fall_back_to_an_array() -> None:
+    sampling = SamplingParams(max_tokens=4)
+    packed = msgpack.unpackb(rpc.encode(rpc.AddRequest("r", (1, 2**32 - 1, 49151), sampling)))
+    assert packed[2] == (1).to_bytes(4, "little") + (2**32 - 1).to_bytes(4, "little") + (49151).to_bytes(4, "little")
+    for ids in [(2**32, 5), (-1, 5)]:  # outside uint32: a plain array, same ids back
+        add = rpc.AddRequest("r", ids, sampling)
+        assert msgpack.unpackb(rpc.encode(add))[2] == list(ids)
+        assert rpc.decode(rpc.encode(add)) == add
+    with pytest.raises(rpc.ProtocolError, match="multiple of 4"):
+        rpc.decode(msgpack.packb(["add", "r", b"\x01\x00\x00", rpc.sampling_to_wire(sampling), "", "default", "",
+                                  "", "", "recompute"]))
 
 
 class _SplitEncoder:

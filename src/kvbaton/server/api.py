@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -30,14 +30,15 @@ from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
-from kvbaton.server.api_run import SampleRun, abort_on_disconnect
-from kvbaton.server.base import ClusterClient, GenerateCall, TokenDelta
+from kvbaton.server.api_run import DisconnectWatch, SampleRun
+from kvbaton.server.base import ClusterClient, GenerateCall, SubmittingClusterClient, TokenDelta
 from kvbaton.server.metrics import ApiMetrics
 from kvbaton.server.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
     TokenText,
+    are_non_negative_ints,
     bad_request,
     chat_logprobs_json,
     completion_logprobs_json,
@@ -100,15 +101,17 @@ class OpenAIServer:
         self.token_text = TokenText(tokenizer)
         self.vocab_size = tokenizer.vocab_size
         self.background: set[asyncio.Task[None]] = set()  # pump tasks outliving an aborted request
+        # Callback calls when the cluster takes them (no task, queue or stream per call), else generate() pumps.
+        self.submit = cluster.submit if isinstance(cluster, SubmittingClusterClient) else None
 
     # -- ingress: prompt -> token ids, sampling -> one call per sample ----------------------------------
 
     def _prompt_token_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:
         if isinstance(prompt, str):
             return tuple(self.tokenizer.encode(prompt))
-        # min/max run in C (ids are ints, checked by the protocol layer); an empty prompt passes here and
-        # is refused by _check_context.
-        if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
+        # max (and min, unless orjson's rendering proves no id negative) run in C over ints (the protocol layer
+        # checked the types); an empty prompt passes here and is refused by _check_context.
+        if prompt and (max(prompt) >= self.vocab_size or (not are_non_negative_ints(prompt) and min(prompt) < 0)):
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return prompt
 
@@ -125,7 +128,7 @@ class OpenAIServer:
     def _calls(self, api_id: str, prompt_token_ids: tuple[int, ...], sampling: SamplingParams, user: str,
                request: Request, arrival_at: float) -> list[GenerateCall]:
         tenant = user or request.headers.get("x-tenant", "")
-        one = replace(sampling, n=1)
+        one = sampling if sampling.n == 1 else replace(sampling, n=1)
         return [GenerateCall(f"{api_id}-{i}", prompt_token_ids, one, arrival_at, tenant=tenant)
                 for i in range(sampling.n)]
 
@@ -135,15 +138,15 @@ class OpenAIServer:
 
     async def _start(self, request: Request, calls: list[GenerateCall]) -> SampleRun:
         """Starts the samples; returns once each has produced a first delta (or raises the refusal)."""
-        run = SampleRun(self.cluster, calls, self.metrics, self.clock, self.background)
-        watcher = asyncio.create_task(abort_on_disconnect(request, run))
+        run = SampleRun(self.cluster, calls, self.metrics, self.clock, self.background, self.submit)
+        watch = DisconnectWatch(request, run)
         try:
             await run.start()
         except BaseException:
             await run.close()
             raise
         finally:
-            watcher.cancel()
+            watch.cancel()
         return run
 
     def _stream_response(self, run: SampleRun, stream: AsyncIterator[str], request: Request) -> StreamingResponse:
@@ -153,14 +156,13 @@ class OpenAIServer:
                                  background=BackgroundTask(run.close))
 
     async def _run_to_end(self, request: Request, calls: list[GenerateCall]) -> SampleRun:
-        run = SampleRun(self.cluster, calls, self.metrics, self.clock, self.background)
-        watcher = asyncio.create_task(abort_on_disconnect(request, run))
+        run = SampleRun(self.cluster, calls, self.metrics, self.clock, self.background, self.submit)
+        watch = DisconnectWatch(request, run)
         try:
             await run.start()
-            async for _ in run.deltas():
-                pass
+            await run.wait_finished()
         finally:
-            watcher.cancel()
+            watch.cancel()
             await run.close()
         failed = run.first_error()
         if failed:
@@ -174,7 +176,7 @@ class OpenAIServer:
         req = parse_completion_request(parse_json_body(await request.body()), self.model_name)
         prompt_ids = self._prompt_token_ids(req.prompt)
         self._check_context(len(prompt_ids), req.sampling, "prompt")
-        api_id = f"cmpl-{uuid.uuid4().hex}"
+        api_id = f"cmpl-{os.urandom(16).hex()}"  # as random as uuid4().hex, without building a UUID
         calls = self._calls(api_id, prompt_ids, req.sampling, req.user, request, arrival_at)
         echo_text = ""
         if req.echo:
@@ -240,7 +242,7 @@ class OpenAIServer:
         if not req.max_tokens_given:  # "as long as the context allows"
             sampling = replace(sampling, max_tokens=max(self.max_model_len - len(prompt_ids), 1))
         self._check_context(len(prompt_ids), sampling, "messages")
-        api_id = f"chatcmpl-{uuid.uuid4().hex}"
+        api_id = f"chatcmpl-{os.urandom(16).hex()}"
         calls = self._calls(api_id, prompt_ids, sampling, req.user, request, arrival_at)
         created = int(time.time())
         if req.stream:
@@ -352,8 +354,11 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
     app.state.server = server
     _install_error_handlers(app)
 
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    # The generation routes take the request and parse it themselves (protocol.py): as plain Starlette routes
+    # they skip FastAPI's per-call dependency solving and exit stacks, a sizeable part of the router's CPU per
+    # request; the app's middleware and error handlers apply to them unchanged.
+    app.router.add_route("/v1/completions", server.completions, methods=["POST"])
+    app.router.add_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/ready", server.ready, methods=["GET"])
 

@@ -1,11 +1,13 @@
 """The `n` samples of one API request running on the cluster, merged into one delta stream, and aborted when
 nobody is left to read them.
 
-Each sample has a pump task that drains its `cluster.generate()` stream into a shared queue and records
-the sample's state and metrics as deltas arrive — so the final abort delta of a request whose client left
-is still counted, even though no handler reads it any more. Pumps are held in the app's `background`
-set until their stream ends, which the `ClusterClient` contract bounds (every call ends with one
-finished delta).
+Each sample's deltas are recorded (the sample's state and metrics) as they arrive and appended to the
+run's merged stream — so the final abort delta of a request whose client left is still counted, even
+though no handler reads it any more. A cluster that takes callbacks (`SubmittingClusterClient`, the
+live `ClusterManager`) delivers them straight from its socket reader: no task or queue per call.
+Otherwise each sample has a pump task draining its `cluster.generate()` stream, held in the app's
+`background` set until the stream ends, which the `ClusterClient` contract bounds (every call ends
+with one finished delta).
 """
 
 from __future__ import annotations
@@ -16,18 +18,20 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import anyio
 from fastapi import Request
 
 from kvbaton.core.errors import InvalidRequestError
-from kvbaton.server.base import ClusterClient, GenerateCall, RejectedError, TokenDelta, TokenLogprob
+from kvbaton.server.base import ClusterClient, DeltaSink, GenerateCall, RejectedError, TokenDelta, TokenLogprob
 from kvbaton.server.metrics import ApiMetrics
 from kvbaton.server.protocol import ApiError, usage_json
 
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.05  # how often a waiting handler checks whether its client is still there
+Submit = Callable[[GenerateCall, DeltaSink], None]  # SubmittingClusterClient.submit
 
 
 @dataclass(slots=True)
@@ -59,30 +63,52 @@ def _refusal(exc: BaseException) -> ApiError:
 
 class SampleRun:
     def __init__(self, cluster: ClusterClient, calls: list[GenerateCall], metrics: ApiMetrics,
-                 clock: Callable[[], float], background: set[asyncio.Task[None]]) -> None:
+                 clock: Callable[[], float], background: set[asyncio.Task[None]], submit: Submit | None = None) -> None:
+        """`submit`: the cluster's `SubmittingClusterClient.submit`, if it has one (else pump tasks)."""
         self._cluster = cluster
+        self._submit = submit
         self._metrics = metrics
         self._clock = clock
         self._background = background
         self.samples = [SampleState(call) for call in calls]
-        self._queue: asyncio.Queue[tuple[int, TokenDelta | BaseException]] = asyncio.Queue()
-        self._held: deque[tuple[int, TokenDelta | BaseException]] = deque()  # read by start(), not yet yielded
+        # The merged stream: (sample index, delta or the exception that ended its stream), in arrival order.
+        self._items: deque[tuple[int, TokenDelta | BaseException]] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # the reader waiting for the next item, if any
         self._aborted: set[int] = set()
         self._num_unyielded_finishes = len(calls)
 
-    # -- pumps (record state and metrics whether or not anyone reads) ----------------------------------
+    # -- producers (record state and metrics whether or not anyone reads) --------------------------------
+
+    def _push(self, index: int, item: TokenDelta | BaseException) -> None:
+        self._items.append((index, item))
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        """Until something is pushed (returns at once if an item is already there)."""
+        if not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    def _on_delta(self, index: int, delta: TokenDelta) -> None:
+        """The cluster's sink for sample `index` (callback mode)."""
+        self._record(index, delta)
+        self._push(index, delta)
 
     async def _pump(self, index: int) -> None:
         call = self.samples[index].call
         try:
             async for delta in self._cluster.generate(call):
                 self._record(index, delta)
-                self._queue.put_nowait((index, delta))
+                self._push(index, delta)
                 if delta.finished:
                     return
             raise RuntimeError(f"the cluster ended call {call.request_id} without a finished delta")
         except Exception as exc:  # handed to the reader, which turns it into an error or a refusal
-            self._queue.put_nowait((index, exc))
+            self._push(index, exc)
 
     def _record(self, index: int, delta: TokenDelta) -> None:
         sample = self.samples[index]
@@ -115,13 +141,24 @@ class SampleRun:
 
     async def start(self) -> None:
         """Launches every sample and waits for each one's first delta; a refusal aborts the rest and raises."""
-        for index in range(len(self.samples)):
-            task = asyncio.create_task(self._pump(index))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        if self._submit is not None:
+            for index, sample in enumerate(self.samples):
+                try:
+                    self._submit(sample.call, partial(self._on_delta, index))
+                except Exception as exc:  # a refusal: read below like a pump's
+                    self._push(index, exc)
+        else:
+            for index in range(len(self.samples)):
+                task = asyncio.create_task(self._pump(index))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
         started: set[int] = set()
+        num_read = 0  # items looked at; they stay in the stream for deltas()
         while len(started) < len(self.samples):
-            index, item = await self._queue.get()
+            while num_read >= len(self._items):
+                await self._wait()
+            index, item = self._items[num_read]
+            num_read += 1
             if isinstance(item, BaseException) and index not in started:
                 self._aborted.add(index)  # the cluster never took it
                 await self.close()
@@ -129,16 +166,25 @@ class SampleRun:
                     self._metrics.observe_failure("rejected" if isinstance(item, RejectedError) else "error")
                 raise _refusal(item)
             started.add(index)
-            self._held.append((index, item))
+
+    async def _next(self) -> tuple[int, TokenDelta]:
+        while not self._items:
+            await self._wait()
+        index, item = self._items.popleft()
+        delta = self._fail(index, item) if isinstance(item, BaseException) else item
+        if delta.finished:
+            self._num_unyielded_finishes -= 1
+        return index, delta
 
     async def deltas(self) -> AsyncIterator[tuple[int, TokenDelta]]:
         """(sample index, delta) in arrival order until every sample has finished."""
         while self._num_unyielded_finishes:
-            index, item = self._held.popleft() if self._held else await self._queue.get()
-            delta = self._fail(index, item) if isinstance(item, BaseException) else item
-            if delta.finished:
-                self._num_unyielded_finishes -= 1
-            yield index, delta
+            yield await self._next()
+
+    async def wait_finished(self) -> None:
+        """Reads the stream to its end, as iterating `deltas()` would (for a caller that only wants the samples)."""
+        while self._num_unyielded_finishes:
+            await self._next()
 
     async def abort_unfinished(self) -> None:
         """Idempotent: asks the cluster to abort every sample that has not finished yet."""
@@ -149,6 +195,8 @@ class SampleRun:
 
     async def close(self) -> None:
         """Aborts what is still running; shielded so a cancelled handler (client gone) still gets it out."""
+        if all(s.finish_reason is not None or i in self._aborted for i, s in enumerate(self.samples)):
+            return  # nothing to abort (the usual end): no cancel scope to enter
         with anyio.CancelScope(shield=True):
             await self.abort_unfinished()
 
@@ -161,11 +209,27 @@ class SampleRun:
                           max((s.num_cached_tokens for s in self.samples), default=0))
 
 
-async def abort_on_disconnect(request: Request, run: SampleRun) -> None:
-    """Runs beside a handler that is not streaming yet; aborts the run once the client has gone.
+class DisconnectWatch:
+    """Beside a handler that is not streaming yet: aborts the run once the client has gone; `cancel` when done.
 
-    It sleeps before its first look: a call answered within one poll period costs no check at all."""
-    await asyncio.sleep(DISCONNECT_POLL_S)
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-    await run.abort_unfinished()
+    The first look is one poll period after the start, from a timer: a call answered sooner costs one timer
+    and no task; a longer one gets a polling task then."""
+
+    def __init__(self, request: Request, run: SampleRun) -> None:
+        self._request = request
+        self._run = run
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, self._start_polling)
+
+    def _start_polling(self) -> None:
+        self._task = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while not await self._request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        await self._run.abort_unfinished()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()

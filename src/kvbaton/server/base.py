@@ -3,14 +3,15 @@
 The API layer validates, applies the chat template, tokenizes once at ingress and hands the
 cluster one `GenerateCall` per sample; the cluster streams `TokenDelta`s back until one has
 `finished=True`. Every call ends, in bounded time, with exactly one finished delta (completed,
-aborted, or failed with a reason) — the API layer relies on it.
+aborted, or failed with a reason) — the API layer relies on it. A cluster may also take calls with a
+callback (`SubmittingClusterClient.submit`): no stream, no task per call; the API layer prefers it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvbaton.core.sampling import SamplingParams
 
@@ -71,4 +72,15 @@ class ClusterClient(Protocol):
 
     def cluster_info(self) -> dict[str, object]:
         """JSON for /cluster: workers, roles, loads, cache sizes, policy."""
+        ...
+
+
+DeltaSink = Callable[[TokenDelta], None]  # called on the event loop with each delta of one call, in order
+
+
+@runtime_checkable
+class SubmittingClusterClient(ClusterClient, Protocol):
+    def submit(self, call: GenerateCall, sink: DeltaSink) -> None:
+        """Starts the call now, or raises RejectedError (nothing started); `sink` then gets its deltas on the
+        event loop, ending with exactly one finished one. Same calls, aborts and endings as `generate`."""
         ...

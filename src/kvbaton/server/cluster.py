@@ -1,8 +1,9 @@
 """The router process's view of its workers: a `ClusterClient` over zmq that places, streams and fails calls.
 
-It owns one RouterSocket (workers connect DEALERs) and two asyncio tasks: the receive loop
-(registration, token deltas, heartbeats, KV events, snapshots) and the monitor (pings, dead-worker
-detection). Invariants:
+It owns one RouterSocket (workers connect DEALERs), whose reader callback hands it every message
+(registration, token deltas, heartbeats, KV events, snapshots), and one asyncio task, the monitor
+(pings, dead-worker detection). A call's deltas go to the sink it was submitted with (`submit`), called
+on the event loop as they arrive; `generate` is the queue-backed stream over that. Invariants:
 - every call handed to `generate` ends with exactly one finished delta, also when its worker dies
   (an "error" delta naming the worker) or the client goes away (the worker is told to abort);
 - a call is in `_calls` and in its worker's `in_flight` from routing until its finished delta;
@@ -35,7 +36,7 @@ from kvbaton.router.policies import create_policy, local_queue_policy
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.state import RouterState
 from kvbaton.server import rpc
-from kvbaton.server.base import GenerateCall, RejectedError, TokenDelta
+from kvbaton.server.base import DeltaSink, GenerateCall, RejectedError, TokenDelta
 from kvbaton.server.cluster_admission import AdmissionGate
 from kvbaton.server.cluster_registry import (ProcessHandle, WorkerRecord, identity_of, registration_refusal,
                                              transfer_info, worker_info)
@@ -73,7 +74,7 @@ class ClusterConfig:
 class _Call:
     call: GenerateCall
     worker_id: str
-    queue: asyncio.Queue[TokenDelta]
+    sink: DeltaSink  # gets every delta of the call, the finished one last
     num_tokens_seen: int = 0
     finished: bool = False
     prefill_worker: str = ""  # a disaggregated call: the worker that prefills and hands the KV to worker_id
@@ -92,6 +93,9 @@ class ClusterManager:
         self.workers: dict[str, WorkerRecord] = {}  # live workers
         self.lost_workers: dict[str, str] = {}  # worker id -> why it left
         self._calls: dict[str, _Call] = {}
+        # Serving workers (registered, heartbeat seen) by role, sorted; read per routed call, so kept until the
+        # pool changes (a worker joins, sends its first heartbeat, or leaves). None: recompute.
+        self._serving_by_role: dict[str, list[str]] | None = None
         self._num_waiting = 0  # calls in _calls with num_tokens_seen == 0 (kept as a count: read per routing)
         self._processes: dict[str, ProcessHandle] = {}
         # Counters for /metrics (the HTTP layer renders them).
@@ -122,10 +126,11 @@ class ClusterManager:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Bind the socket and start the receive and monitor loops; returns the bound address."""
+        """Bind the socket, start reading it and start the monitor loop; returns the bound address."""
         self._socket = RouterSocket(self.config.bind_address)
         self.address = self._socket.address
-        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._monitor_loop())]
+        self._socket.start(self._handle)
+        self._tasks = [asyncio.create_task(self._monitor_loop())]
         return self.address
 
     def watch_process(self, worker_id: str, process: ProcessHandle) -> None:
@@ -169,11 +174,18 @@ class ClusterManager:
 
     # -- ClusterClient --------------------------------------------------------------------------
 
+    def submit(self, call: GenerateCall, sink: DeltaSink) -> None:
+        """Route and send the call now (RejectedError if refused); `sink` then gets each of its deltas on the
+        event loop, ending with exactly one finished delta (also when its worker is lost). The sink must not
+        raise; abort with `abort(request_id)`."""
+        self._route(call, sink)
+
     async def generate(self, call: GenerateCall) -> AsyncIterator[TokenDelta]:
-        entry = self._route(call)
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        entry = self._route(call, queue.put_nowait)
         try:
             while True:
-                delta = await entry.queue.get()
+                delta = await queue.get()
                 yield delta
                 if delta.finished:
                     return
@@ -268,13 +280,13 @@ class ClusterManager:
 
     # -- routing --------------------------------------------------------------------------------
 
-    def _route(self, call: GenerateCall) -> _Call:
+    def _route(self, call: GenerateCall, sink: DeltaSink) -> _Call:
         if call.request_id in self._calls:
             raise RejectedError(f"request id {call.request_id!r} is already in flight", status_code=400)
-        ready, reason = self.is_ready()
-        if not ready or self.identity is None:
+        if not self._serving_roles() or self.identity is None:
             self.num_rejected += 1
-            raise RejectedError(f"cluster not ready: {reason}", status_code=503, retry_after_s=self.config.retry_after_s)
+            raise RejectedError(f"cluster not ready: {self.is_ready()[1]}", status_code=503,
+                                retry_after_s=self.config.retry_after_s)
         if self.num_waiting >= self.config.max_num_waiting:
             self.num_rejected += 1
             raise RejectedError(f"too many queued requests ({self.num_waiting} waiting, limit "
@@ -289,7 +301,7 @@ class ClusterManager:
         if self.admission is not None:
             self._admit(call, matched, now)
         try:
-            entry, reason = self._place(call, request, matched, now)
+            entry, reason = self._place(call, sink, request, matched, now)
         except CapacityError as exc:
             self.num_rejected += 1
             raise RejectedError(str(exc), status_code=503, retry_after_s=self.config.retry_after_s) from exc
@@ -349,10 +361,21 @@ class ClusterManager:
         stats = record.stats if record is not None else None
         return 0 if stats is None else (stats.num_used_blocks + stats.num_free_blocks) * self.config.block_size
 
-    def _serving(self, role: str) -> list[str]:
-        return sorted(w for w, record in self.workers.items() if record.register.role == role and record.stats)
+    def _serving_roles(self) -> dict[str, list[str]]:
+        """role -> its serving workers, sorted (only roles that have one); callers must not mutate the lists."""
+        if self._serving_by_role is None:
+            by_role: dict[str, list[str]] = {}
+            for worker_id in sorted(self.workers):
+                record = self.workers[worker_id]
+                if record.stats is not None:
+                    by_role.setdefault(record.register.role, []).append(worker_id)
+            self._serving_by_role = by_role
+        return self._serving_by_role
 
-    def _place(self, call: GenerateCall, request: RouteRequest, matched: Mapping[str, int],
+    def _serving(self, role: str) -> list[str]:
+        return self._serving_roles().get(role, [])
+
+    def _place(self, call: GenerateCall, sink: DeltaSink, request: RouteRequest, matched: Mapping[str, int],
                now: float) -> tuple[_Call, str]:
         """Mixed pool only: the cluster policy. With prefill and decode pools: the pair chooser, whose
         short-prompt ("local_prefill") calls go to the mixed pool by the policy when there is one; with adaptive
@@ -363,18 +386,18 @@ class ClusterManager:
             lent = self._lent_worker(call, matched, sorted(decode_workers), now)
             if lent is not None:
                 self.state.commit(request, lent, matched.get(lent, 0), now)
-                return _Call(call, lent, asyncio.Queue(), by_policy=False), "pool_lent"
+                return _Call(call, lent, sink, by_policy=False), "pool_lent"
         if decode_workers:
             pair = self.pairs.choose(request, self._serving("prefill"), decode_workers, now)
             if pair.prefill_worker:
-                return _Call(call, pair.decode_worker, asyncio.Queue(), prefill_worker=pair.prefill_worker,
+                return _Call(call, pair.decode_worker, sink, prefill_worker=pair.prefill_worker,
                              by_policy=False), "pair"
             if not mixed:
                 self.state.commit(request, pair.decode_worker,
                                   self.state.index.match(request.block_hashes).get(pair.decode_worker, 0), now)
-                return _Call(call, pair.decode_worker, asyncio.Queue(), by_policy=False), "local_prefill"
+                return _Call(call, pair.decode_worker, sink, by_policy=False), "local_prefill"
         decision = self.policy.choose(request, mixed or sorted(self.workers), now)
-        return _Call(call, decision.worker_id, asyncio.Queue()), decision.reason
+        return _Call(call, decision.worker_id, sink), decision.reason
 
     def _end_call(self, entry: _Call) -> None:
         entry.finished = True
@@ -406,7 +429,7 @@ class ClusterManager:
             self.tally.on_tokens(delta.request_id, len(delta.new_token_ids), self.clock())
         if delta.finished:
             self._end_call(entry)
-        entry.queue.put_nowait(delta)
+        entry.sink(delta)
 
     # -- messages -------------------------------------------------------------------------------
 
@@ -415,15 +438,6 @@ class ClusterManager:
         if error is not None:  # EHOSTUNREACH: the worker's connection is gone
             if worker_id in self.workers:
                 self._remove_worker(worker_id, self._exit_reason(worker_id) or f"unreachable ({error.strerror})")
-
-    async def _receive_loop(self) -> None:
-        assert self._socket is not None
-        while True:
-            sender, message = await self._socket.recv()
-            try:
-                self._handle(sender, message)
-            except Exception:  # one bad message must not stop the loop every call depends on
-                log.exception("failed to handle %s from %r", type(message).__name__, sender)
 
     def _handle(self, sender: str, message: rpc.Message) -> None:
         if isinstance(message, rpc.Register):
@@ -437,6 +451,8 @@ class ClusterManager:
             for delta in message.deltas:
                 self._on_delta(delta)
         elif isinstance(message, rpc.Stats):
+            if record.stats is None:
+                self._serving_by_role = None  # its first heartbeat: it serves from now on
             record.stats = message
             # The pool's used blocks include the prefix cache's; what the cache alone holds is evictable, so
             # used - cached approximates the running requests' KV (low when they lock cached blocks).
@@ -488,6 +504,7 @@ class ClusterManager:
         if self.identity is None:
             self.identity = offered
         self.workers[sender] = WorkerRecord(message, self.clock())
+        self._serving_by_role = None
         self._send(sender, rpc.RegisterAck(sender, self.queue_policy, self.config.heartbeat_interval_s))
         log.info("worker %s registered (pid %d, %s)", sender, message.pid, message.kv_layout)
 
@@ -544,6 +561,7 @@ class ClusterManager:
         record = self.workers.pop(worker_id, None)
         if record is None:
             return
+        self._serving_by_role = None
         log.log(logging.INFO if reason.startswith("left:") else logging.WARNING, "worker %s removed: %s", worker_id,
                 reason)
         self.lost_workers[worker_id] = reason
@@ -564,7 +582,7 @@ class ClusterManager:
                 self._send(entry.prefill_worker, rpc.Abort((request_id,)))
             self.num_failed_by_worker_loss += 1
             self._end_call(entry)
-            entry.queue.put_nowait(TokenDelta(
+            entry.sink(TokenDelta(
                 request_id, (), "", True, "error", len(entry.call.prompt_token_ids),
                 error=f"worker {worker_id} was lost while running this request ({reason})", worker_id=worker_id))
         self.policy.on_worker_removed(worker_id)

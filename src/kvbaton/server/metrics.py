@@ -1,8 +1,11 @@
 """Prometheus metrics of the router process: vLLM's metric names under a `kvbaton:` prefix.
 
 Each app owns its CollectorRegistry (no process-global state, so tests can build many apps). Latency
-histograms and request/token counters are observed by the API layer as deltas stream through; the
-cluster-wide gauges (running, waiting, KV usage) and the router's decision counters are read from
+histograms and request/token counters are observed by the API layer as deltas stream through, into
+plain lists and ints that are folded into the prometheus metrics when the registry is collected (the
+first collector registered does it) or when a list grows long: per request that costs a few appends
+instead of a dozen locked metric updates, and a scrape reads exactly what immediate updates would
+have given. The cluster-wide gauges (running, waiting, KV usage) and the router's decision counters are read from
 `cluster.cluster_info()` at scrape time, so they are never stale and need no background thread.
 
 Expected `cluster_info()` keys (all optional; missing ones read as 0):
@@ -27,6 +30,7 @@ TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
+_MAX_PENDING = 4096  # observations held before folding them in without waiting for a scrape
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                  480.0, 960.0, 1920.0, 7680.0)
 
@@ -89,12 +93,29 @@ class TokenCacheCollector(Collector):
                                 value=stats.num_cached_chars)
 
 
+class _FoldPending(Collector):
+    """Registered first, so collecting the registry folds the pending observations in before any metric is read."""
+
+    def __init__(self, fold: Callable[[], None]) -> None:
+        self._fold = fold
+
+    def collect(self) -> Iterator[Metric]:
+        self._fold()
+        return iter(())
+
+
 class ApiMetrics:
     """The metrics one app exposes at /metrics; `observe_*` are called by the API layer."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        r.register(_FoldPending(self.fold_pending))
+        # Pending observations, in arrival order (folded in that order: sums come out exactly as before).
+        self._num_generation_tokens = 0
+        self._ttfts_s: list[float] = []
+        self._itls: list[tuple[int, float]] = []  # (num_tokens, gap_s)
+        self._finished: list[tuple[str, float, int, int]] = []  # (finish reason, e2e_s, prompt, cached tokens)
         self.ttft_s = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token (per sample).",
                                 buckets=TTFT_BUCKETS_S, registry=r)
         self.itl_s = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between consecutive output tokens.",
@@ -127,28 +148,61 @@ class ApiMetrics:
             self.registry.register(self._token_cache_collector)
 
     def observe_first_token(self, num_tokens: int, ttft_s: float) -> None:
-        self.generation_tokens.inc(num_tokens)
-        self.ttft_s.observe(max(ttft_s, 0.0))
+        self._num_generation_tokens += num_tokens
+        self._ttfts_s.append(ttft_s)
+        if len(self._ttfts_s) >= _MAX_PENDING:
+            self.fold_pending()
 
     def observe_tokens(self, num_tokens: int, gap_s: float) -> None:
         """`num_tokens` arrived `gap_s` after the previous ones: each gets an equal share of the gap."""
-        self.generation_tokens.inc(num_tokens)
-        for _ in range(num_tokens):
-            self.itl_s.observe(max(gap_s, 0.0) / num_tokens)
+        self._num_generation_tokens += num_tokens
+        self._itls.append((num_tokens, gap_s))
+        if len(self._itls) >= _MAX_PENDING:
+            self.fold_pending()
 
     def observe_finished(self, finish_reason: str, e2e_s: float, num_prompt_tokens: int,
                          num_cached_tokens: int) -> None:
-        if finish_reason == "error":
-            self.request_failure.labels(reason="error").inc()
-            return
-        self.request_success.labels(finished_reason=finish_reason).inc()
-        self.e2e_s.observe(max(e2e_s, 0.0))
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.prefix_cache_queries.inc(num_prompt_tokens)
-        self.prefix_cache_hits.inc(num_cached_tokens)
+        self._finished.append((finish_reason, e2e_s, num_prompt_tokens, num_cached_tokens))
+        if len(self._finished) >= _MAX_PENDING:
+            self.fold_pending()
 
     def observe_failure(self, reason: str) -> None:
         self.request_failure.labels(reason=reason).inc()
+
+    def fold_pending(self) -> None:
+        """Apply the pending observations to the prometheus metrics (idempotent; runs at every collection)."""
+        num_tokens, self._num_generation_tokens = self._num_generation_tokens, 0
+        ttfts_s, self._ttfts_s = self._ttfts_s, []
+        itls, self._itls = self._itls, []
+        finished, self._finished = self._finished, []
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
+        for ttft_s in ttfts_s:
+            self.ttft_s.observe(max(ttft_s, 0.0))
+        for count, gap_s in itls:
+            for _ in range(count):
+                self.itl_s.observe(max(gap_s, 0.0) / count)
+        if not finished:
+            return
+        endings: dict[str, int] = {}
+        num_prompt_tokens = num_cached_tokens = 0
+        for finish_reason, e2e_s, num_prompt, num_cached in finished:
+            endings[finish_reason] = endings.get(finish_reason, 0) + 1
+            if finish_reason == "error":
+                continue
+            self.e2e_s.observe(max(e2e_s, 0.0))
+            num_prompt_tokens += num_prompt
+            num_cached_tokens += num_cached
+        for finish_reason, count in endings.items():
+            if finish_reason == "error":
+                self.request_failure.labels(reason="error").inc(count)
+            else:
+                self.request_success.labels(finished_reason=finish_reason).inc(count)
+        if num_prompt_tokens:
+            self.prompt_tokens.inc(num_prompt_tokens)
+            self.prefix_cache_queries.inc(num_prompt_tokens)
+        if num_cached_tokens:
+            self.prefix_cache_hits.inc(num_cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,6 +5,10 @@ the message tag and whose other elements are the fields in declaration order (ne
 sampling params, deltas, KV events — are arrays too). `encode`/`decode` are the only way
 messages cross a socket, so an unknown tag or a wrong field count is rejected in one place.
 
+A prompt's token ids travel as little-endian uint32 bytes (a msgpack bin): packing them is one C-level
+conversion instead of msgpack's per-integer encoding, on both ends. Ids outside uint32 fall back to an
+array of integers, which `from_wire` accepts too.
+
 Socket roles: the router binds a zmq ROUTER socket; each worker connects a DEALER whose
 identity is its worker id. A DEALER sends one frame (the payload); the ROUTER sees
 [identity, payload].
@@ -12,6 +16,10 @@ identity is its worker id. A DEALER sends one frame (the payload); the ROUTER se
 
 from __future__ import annotations
 
+import sys
+import threading
+from array import array
+from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import ClassVar
 
@@ -208,6 +216,34 @@ _BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEve
 # -- nested values ------------------------------------------------------------------------------
 
 
+def token_ids_to_wire(token_ids: Sequence[int]) -> bytes | Sequence[int]:
+    """Little-endian uint32 bytes, or the ids themselves (a msgpack array) when some id does not fit."""
+    try:
+        packed = array("I", token_ids)  # "I" (unsigned) converts several times faster than "i"
+    except (OverflowError, TypeError):
+        return token_ids
+    if packed.itemsize != 4:  # a platform whose C unsigned int is not 32 bits: stay portable
+        return token_ids
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def token_ids_from_wire(raw: object) -> tuple[int, ...]:
+    if isinstance(raw, bytes):
+        if len(raw) % 4:
+            raise ProtocolError(f"token id bytes must be a multiple of 4 long, got {len(raw)}")
+        unpacked = array("I")
+        if unpacked.itemsize != 4:
+            return tuple(int.from_bytes(raw[i:i + 4], "little") for i in range(0, len(raw), 4))
+        unpacked.frombytes(raw)
+        if sys.byteorder == "big":
+            unpacked.byteswap()
+        return tuple(unpacked)
+    return tuple(raw)  # type: ignore[arg-type]
+
+
+
 def sampling_to_wire(params: SamplingParams) -> list[object]:
     return [params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, list(params.stop),
             list(params.stop_token_ids), params.ignore_eos, params.logprobs, params.n]
@@ -230,11 +266,12 @@ def delta_to_wire(delta: TokenDelta) -> list[object]:
 def delta_from_wire(raw: list[object]) -> TokenDelta:
     (request_id, token_ids, text, finished, finish_reason, num_prompt, num_cached, logprobs, error, worker_id,
      extra) = raw
-    lps = tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
-                for t, lp, top in logprobs)  # type: ignore[union-attr]
-    return TokenDelta(str(request_id), tuple(int(t) for t in token_ids), str(text), bool(finished),  # type: ignore[union-attr]
+    # Empty logprobs and extras (the usual case) skip their generator and comprehension; same values.
+    lps = () if logprobs == [] else tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
+                                          for t, lp, top in logprobs)  # type: ignore[union-attr]
+    return TokenDelta(str(request_id), tuple(map(int, token_ids)), str(text), bool(finished),  # type: ignore[arg-type]
                       finish_reason, int(num_prompt), int(num_cached), lps, str(error), str(worker_id),  # type: ignore[arg-type]
-                      {str(k): float(v) for k, v in extra.items()})  # type: ignore[union-attr]
+                      {} if extra == {} else {str(k): float(v) for k, v in extra.items()})  # type: ignore[union-attr]
 
 
 # -- framing ------------------------------------------------------------------------------------
@@ -247,7 +284,8 @@ def to_wire(message: Message) -> list[object]:
         head = [message.TAG, message.worker_id] + ([message.seq] if isinstance(message, SnapshotResponse) else [])
         return [*head, [list(e) for e in message.events]]
     if isinstance(message, AddRequest):
-        return [message.TAG, message.request_id, list(message.prompt_token_ids), sampling_to_wire(message.sampling),
+        return [message.TAG, message.request_id, token_ids_to_wire(message.prompt_token_ids),
+                sampling_to_wire(message.sampling),
                 message.tenant, message.slo_class, message.prefill_worker, message.decode_worker,
                 message.decode_address, message.kv_load_failure_policy]
     if isinstance(message, Abort):
@@ -274,7 +312,7 @@ def from_wire(raw: object) -> Message:
             return SnapshotResponse(worker_id, int(seq), tuple(events))
         if cls is AddRequest:
             request_id, token_ids, sampling, *rest = body
-            return AddRequest(request_id, tuple(token_ids), sampling_from_wire(sampling), *rest)
+            return AddRequest(request_id, token_ids_from_wire(token_ids), sampling_from_wire(sampling), *rest)
         if cls is Abort:
             (request_ids,) = body
             return Abort(tuple(request_ids))
@@ -287,8 +325,14 @@ def from_wire(raw: object) -> Message:
         raise ProtocolError(f"malformed {raw[0]} message: {exc}") from exc
 
 
+_packers = threading.local()  # one reusable Packer per thread (packb builds and frees one, buffer included, per call)
+
+
 def encode(message: Message) -> bytes:
-    return msgpack.packb(to_wire(message), use_bin_type=True)
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(to_wire(message))
 
 
 def decode(payload: bytes) -> Message:

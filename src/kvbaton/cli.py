@@ -99,6 +99,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="each worker writes DIR/<worker id>.steps.jsonl at exit (kvbaton profile --from-step-log)")
     p.add_argument("--tokenizer-cache-chars", type=int, default=DEFAULT_MAX_CACHED_CHARS, metavar="N",
                    help="reuse ingress token ids of texts and prefixes seen before, up to N characters (0: off)")
+    _add_reserve_ahead(p)
+
+
+def _add_reserve_ahead(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reserve-ahead-tokens", type=int, default=None, metavar="N",
+                   help="prefill role: reserve a handoff's KV on the decode worker once at most N prompt tokens are "
+                        "left to prefill ahead of it (default: as it arrives)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -124,7 +131,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
         admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
         adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
-        tokenizer_cache_chars=args.tokenizer_cache_chars))
+        tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -146,6 +153,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
                    help="decode role: how prefill workers write KV")
     p.add_argument("--kv-host", default="127.0.0.1", help="decode role: address the KV receiver listens on")
     p.add_argument("--kv-lease", type=float, default=60.0, help="seconds a handoff reservation or held block lives")
+    _add_reserve_ahead(p)
     p.add_argument("--step-log", default="", metavar="FILE",
                    help="write each step's batch shape and period here at exit (kvbaton profile --from-step-log)")
 
@@ -165,7 +173,8 @@ def _run_worker(args: argparse.Namespace) -> int:
         device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.threads,
         queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,
-        kv_host=args.kv_host, kv_lease_s=args.kv_lease, step_log=args.step_log))
+        kv_host=args.kv_host, kv_lease_s=args.kv_lease, step_log=args.step_log,
+        reserve_ahead_tokens=args.reserve_ahead_tokens))
     print(f"kvbaton worker {worker_id}: {args.model} loaded, registering with {args.router}", file=sys.stderr,
           flush=True)
     reason = worker.run()

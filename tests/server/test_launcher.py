@@ -81,3 +81,12 @@ def test_sigterm_drains_the_open_stream_then_stops_every_process(served: Served)
     while any(_alive(pid) for pid in served.worker_pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [pid for pid in served.worker_pids if _alive(pid)] == []
+
+
+def test_late_reservation_reaches_the_prefill_workers_command_line() -> None:
+    from kvbaton.server.launcher import ServeConfig, worker_command
+
+    late = ServeConfig(num_workers=0, num_prefill=1, num_decode=1, reserve_ahead_tokens=512)
+    command = worker_command(late, "tcp://127.0.0.1:1", "p0", "prefill")
+    assert command[command.index("--reserve-ahead-tokens") + 1] == "512"
+    assert "--reserve-ahead-tokens" not in worker_command(ServeConfig(), "tcp://127.0.0.1:1", "w0")

@@ -101,3 +101,22 @@ def test_n_samples_hand_off_separately(tiny: LoadedModel) -> None:
         assert cluster.workers["d0"].stats.num_transfers_completed == 3
 
     run_pd(tiny, PD, body)
+
+
+def test_late_reservation_through_real_workers_keeps_outputs_and_frees_everything(tiny: LoadedModel) -> None:
+    # The prefill worker reserves each handoff's decode KV only once at most 16 prompt tokens are left ahead of
+    # it: six concurrent calls queue on p0 and reserve one after another; outputs equal a colocated engine's.
+    prompts = [tiny.tokenizer.encode(f"Question number {i}: what is the colour of a clear sky at noon?")
+               for i in range(6)]
+    expected = [colocated(tiny, p, greedy(6)) for p in prompts]
+
+    async def body(cluster: ClusterManager, workers: dict[str, WorkerThread]) -> None:
+        calls = [collect(cluster, GenerateCall(f"r{i}-0", tuple(p), greedy(6), arrival_at=0.0))
+                 for i, p in enumerate(prompts)]
+        for i, deltas in enumerate(await asyncio.gather(*calls)):
+            assert tokens_of(deltas) == expected[i], i
+            assert deltas[-1].worker_id == "d0"
+        await wait_clean(cluster, ["p0", "d0"])
+        assert cluster.cluster_info()["transfers"]["num_fallbacks"] == 0
+
+    run_pd(tiny, PD, body, overrides={"p0": {"reserve_ahead_tokens": 16}})

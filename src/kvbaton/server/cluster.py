@@ -68,6 +68,7 @@ class ClusterConfig:
     local_prefill_threshold_tokens: int = DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
     kv_load_failure_policy: str = "recompute"  # recompute | fail, when a handoff's KV does not arrive
     kv_bytes_per_token: int = 0  # prices transfers in the pair choice (all layers, K and V)
+    reserves_on_arrival: bool = True  # False: prefill workers reserve decode KV late (--reserve-ahead-tokens)
 
 
 @dataclass(slots=True)
@@ -115,7 +116,8 @@ class ClusterManager:
         pricing = admission if admission is not None else (pools.admission if pools is not None else None)
         calibration = pricing.default_model if pricing is not None else None
         self.tally = (AdmissionGate(pricing, config.block_size, self._kv_capacity_tokens,
-                                    calibration if isinstance(calibration, CalibratedTimeModel) else None)
+                                    calibration if isinstance(calibration, CalibratedTimeModel) else None,
+                                    config.reserves_on_arrival)
                       if pricing is not None else None)
         self.retired_prefix_cache_tokens = [0, 0]  # (queries, hits) of workers that left: keeps totals monotone
         self._socket: RouterSocket | None = None

@@ -44,8 +44,11 @@ class _Tracked:
 
 class AdmissionGate:
     def __init__(self, policy: AdmissionPolicy, block_size: int, capacity_tokens: Callable[[str], int],
-                 calibration: CalibratedTimeModel | None = None) -> None:
+                 calibration: CalibratedTimeModel | None = None, reserves_on_arrival: bool = True) -> None:
         self.policy = policy
+        # With late reservation the router cannot see which calls on their way already hold decode KV: it counts
+        # them all as holding (conservative), but prices its own prompt's reservation at arrival, not now.
+        self.reserves_on_arrival = reserves_on_arrival
         self.calibration = calibration
         self.block_size = block_size
         self._capacity_tokens = capacity_tokens  # worker -> KV tokens it can hold (from its heartbeat)
@@ -129,7 +132,8 @@ class AdmissionGate:
                 decoding.append(DecodeSlot(t.num_prompt_tokens + t.num_tokens_seen, remaining))
             else:
                 incoming.append(DecodeSlot(t.num_prompt_tokens, remaining, self._prefilled_in_s(t)))
-        return DecodeLoad(worker, tuple(decoding), tuple(incoming), self._capacity_tokens(worker))
+        return DecodeLoad(worker, tuple(decoding), tuple(incoming), self._capacity_tokens(worker),
+                          self.reserves_on_arrival)
 
     def _prefilled_in_s(self, tracked: _Tracked) -> float:
         """When a call still waiting for its first token should reach decode: its prefill worker computes the

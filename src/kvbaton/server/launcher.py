@@ -79,6 +79,7 @@ class ServeConfig:
     adaptive_pools: bool = False  # lend a worker of the idle pool to mixed duty (kvbaton.router.pools)
     step_log_dir: str = ""  # each worker logs its step shapes and periods to <dir>/<worker id>.steps.jsonl
     tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS  # ingress tokenization cache bound (0: off)
+    reserve_ahead_tokens: int | None = None  # prefill workers' late KV reservation (None: on arrival)
 
 
 def _slo_and_profile(config: ServeConfig, flag: str,
@@ -132,7 +133,9 @@ def worker_command(config: ServeConfig, router_address: str, worker_id: str, rol
             "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
             "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport,
-            *(["--step-log", str(Path(config.step_log_dir) / f"{worker_id}.steps.jsonl")] if config.step_log_dir else [])]
+            *(["--step-log", str(Path(config.step_log_dir) / f"{worker_id}.steps.jsonl")] if config.step_log_dir else []),
+            *(["--reserve-ahead-tokens", str(config.reserve_ahead_tokens)]
+              if config.reserve_ahead_tokens is not None else [])]
 
 
 class Launcher:
@@ -167,6 +170,7 @@ class Launcher:
             max_num_waiting=config.max_num_waiting,
             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
             kv_load_failure_policy=config.kv_load_failure_policy,
+            reserves_on_arrival=config.reserve_ahead_tokens is None,
             kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)),
             admission=admission, pools=pools)
         http_socket = _bind_http(config.host, config.port)  # fail on a taken port before starting any worker

@@ -61,6 +61,9 @@ class WorkerConfig:
     kv_transport: str = "shm"  # decode workers: how prefill workers reach their KV (shm | tcp)
     kv_host: str = "127.0.0.1"  # decode workers: where the KV receiver listens
     kv_lease_s: float = DEFAULT_LEASE_S  # every reservation / held block of a handoff expires after this
+    # Prefill role: None reserves a handoff's decode KV as it arrives; N waits until at most N prompt tokens are
+    # left to compute ahead of it (late reservation, `engine.handoff_prefill`).
+    reserve_ahead_tokens: int | None = None
     transfer_faults: tuple[FaultRule, ...] = ()  # prefill workers: scripted faults on outgoing KV (tests)
     step_log: str = ""  # write each step's shape and period here at exit (kvbaton.server.step_log)
 
@@ -123,7 +126,7 @@ class Worker:
             if cfg.role == "prefill":
                 self._prefill_links = PrefillLinks(cfg.worker_id, layout, cfg.transfer_faults, self._clock)
                 self.prefill = PrefillHandoffs(self.engine, layout, self._prefill_links, self._prefill_links.connect,
-                                               cfg.kv_lease_s, self._clock)
+                                               cfg.kv_lease_s, self._clock, cfg.reserve_ahead_tokens)
             return self._serve(socket, ack.heartbeat_interval_s)
         finally:
             socket.close()

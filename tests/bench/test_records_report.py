@@ -36,6 +36,9 @@ def test_record_json_round_trip(tmp_path) -> None:
         RequestRecord(request_id="a", arrival_s=0.0, status="done")
     with pytest.raises(InvalidRequestError):
         RequestRecord(request_id="a", arrival_s=0.0, token_times_s=(2.0, 1.0))
+    with pytest.raises(InvalidRequestError):  # a decrease after a tie, anywhere in the sequence
+        RequestRecord(request_id="a", arrival_s=0.0, token_times_s=(0.5, 1.0, 1.0, 0.75, 2.0))
+    assert RequestRecord(request_id="a", arrival_s=0.0, token_times_s=(1.0, 1.0, 2.0)).output_tokens == 0
 
 
 def test_comparison_report(tmp_path) -> None:

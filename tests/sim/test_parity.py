@@ -5,7 +5,8 @@ request stream on one mixed worker with a constant step cost, fed the tokens the
 The engine is driven by the simulator's event semantics: a step that starts at t ends at t + step_s,
 requests arriving up to then join the next step, and an idle worker starts a step at an arrival.
 Every StepPlan (chunks, token ids, block ids, preemptions) must match, in order; the simulator's steps
-through `schedule_decodes` are compared as the StepPlan the general path builds for them.
+through `schedule_decodes` (or `schedule_decodes_after_quiet`) are compared as the StepPlan the general path
+builds for them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.request import Request
 from kvbaton.core.step import ScheduledChunk, StepPlan
 from kvbaton.engine.engine import Engine
+from kvbaton.sim import worker as sim_worker
 from kvbaton.sim.cluster import ClusterSim, SimConfig
 from kvbaton.sim.costs import ConstantCostModel
 from kvbaton.sim.spec import parse_cluster_spec
@@ -62,11 +64,18 @@ def _params(r: WorkloadRequest) -> SamplingParams:
     return SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
 
 
-def spy(scheduler: object, plans: list[StepPlan]) -> None:
+def spy(scheduler: object, plans: list[StepPlan], monkeypatch: pytest.MonkeyPatch | None = None) -> None:
     """Record every step the scheduler plans: its StepPlans, and the steps the simulator takes through
-    `schedule_decodes` (every running request decoding) as the StepPlan the general path builds for them."""
+    `schedule_decodes` (every running request decoding) as the StepPlan the general path builds for them.
+    With `monkeypatch`, also the steps the simulator schedules after a quiet one (`schedule_decodes_after_quiet`,
+    as `kvbaton.sim.worker` calls it), the same way."""
     original: Callable[[float], StepPlan] = scheduler.schedule
     original_decodes: Callable[[], list[Request] | None] = scheduler.schedule_decodes
+
+    def record(decodes: list[Request]) -> None:
+        chunks = tuple(ScheduledChunk(r.request_id, r.num_computed_tokens, (r.all_token_ids[-1],),
+                                      tuple(r.block_ids), True) for r in decodes)
+        plans.append(StepPlan(scheduler._step_id, chunks, len(chunks)))
 
     def schedule(now: float) -> StepPlan:
         plan = original(now)
@@ -76,17 +85,27 @@ def spy(scheduler: object, plans: list[StepPlan]) -> None:
     def schedule_decodes() -> list[Request] | None:
         decodes = original_decodes()
         if decodes is not None:
-            chunks = tuple(ScheduledChunk(r.request_id, r.num_computed_tokens, (r.all_token_ids[-1],),
-                                          tuple(r.block_ids), True) for r in decodes)
-            plans.append(StepPlan(scheduler._step_id, chunks, len(chunks)))
+            record(decodes)
         return decodes
 
     scheduler.schedule = schedule
     scheduler.schedule_decodes = schedule_decodes
+    if monkeypatch is None:
+        return
+    original_after_quiet = sim_worker.schedule_decodes_after_quiet
+
+    def schedule_decodes_after_quiet(sched: object, requests: list[Request], num_growing: int) -> list[Request] | None:
+        num_recorded = len(plans)  # it falls back to schedule_decodes (recorded there) when the state changed
+        decodes = original_after_quiet(sched, requests, num_growing)
+        if sched is scheduler and decodes is not None and len(plans) == num_recorded:
+            record(decodes)
+        return decodes
+
+    monkeypatch.setattr(sim_worker, "schedule_decodes_after_quiet", schedule_decodes_after_quiet)
 
 
 @pytest.mark.parametrize("step_s", [0.0, 1.0], ids=["zero-cost", "constant-cost"])
-def test_engine_and_simulator_make_identical_step_plans(step_s: float) -> None:
+def test_engine_and_simulator_make_identical_step_plans(step_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
     stream = make_stream(3, step_s)
     engine = Engine(EngineConfig(model="tiny-random", dtype="float32", cache=CACHE, scheduler=SCHEDULER))
     engine_plans: list[StepPlan] = []
@@ -109,7 +128,7 @@ def test_engine_and_simulator_make_identical_step_plans(step_s: float) -> None:
     sim = ClusterSim(parse_cluster_spec("1xmixed"), ConstantCostModel(step_s), config,
                      token_for=lambda rid, index: tokens[rid][index])
     sim_plans: list[StepPlan] = []
-    spy(sim.workers["w0"].scheduler, sim_plans)
+    spy(sim.workers["w0"].scheduler, sim_plans, monkeypatch)
     records = sim.run(stream)
 
     engine_nonempty = [p for p in engine_plans if not p.is_empty]

@@ -3,6 +3,8 @@ shared prompt parts converted and hashed once, arrivals merged into the event he
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -76,3 +78,37 @@ def test_arrivals_at_the_same_time_are_served_in_the_order_given() -> None:
                                           "req-2": "w1", "req-3": "w2"}
     assert fronts([5, 4, 3, 2, 1, 0]) == {"req-5": "w0", "req-4": "w1", "req-3": "w2", "req-2": "w0",
                                           "req-1": "w1", "req-0": "w2"}
+
+
+def test_event_loop_makes_no_reference_cycles_and_restores_the_collector() -> None:
+    """`ClusterSim.run` pauses the cyclic collector: sound only while the loop leaves no cyclic garbage behind
+    (everything it drops is freed by reference counting). Runs that fail requests, preempt, retry handoffs,
+    hand off KV, admit, reject and lend workers leave none; the collector is back as it was after each run."""
+    from kvbaton.router.pools import PoolConfig
+    from kvbaton.sim.run import SimSetup, build_sim
+
+    tool_use = create_workload("tool-use", num_requests=60, seed=2, rate=40.0, num_tools=4)
+    sharegpt = create_workload("sharegpt-like", num_requests=60, seed=2, rate=40.0)
+    setups = [(tool_use, SimSetup(cluster="2xmixed", policy="preble", num_blocks=300, max_model_len=4096)),
+              (tool_use, SimSetup(cluster="2xmixed", policy="round_robin", num_blocks=120, max_model_len=2048)),
+              (tool_use, SimSetup(cluster="2P2D", policy="preble", num_blocks=250, max_model_len=4096)),
+              (sharegpt, SimSetup(model="opt-13b", gpu="a100", cluster="2P2D", cost_model="distserve",
+                                  num_blocks=300, max_model_len=2048, admission="predicted",
+                                  admission_slo=(0.5, 0.1))),
+              (tool_use, SimSetup(gpu="a100", cluster="3P1D", enable_prefix_cache=False, admission_slo=(1.0, 0.02),
+                                  adaptive_pools=True, pools=PoolConfig(sustain_s=0.5, cooldown_s=1.0)))]
+    statuses = set()
+    for enabled in (True, False):
+        for requests, setup in setups:
+            sim, _, _ = build_sim(setup)
+            gc.collect()
+            if not enabled:
+                gc.disable()
+            try:
+                records = sim.run(requests)
+                assert gc.isenabled() is enabled
+            finally:
+                gc.enable()
+            assert gc.collect() == 0, setup
+            statuses.update(r.status for r in records)
+    assert statuses == {"completed", "failed", "rejected"}

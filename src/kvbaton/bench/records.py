@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from operator import lt
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ class RequestRecord:
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise InvalidRequestError(f"record status must be one of {STATUSES}, got {self.status!r}")
-        if any(b < a for a, b in zip(self.token_times_s, self.token_times_s[1:])):
+        times = self.token_times_s
+        if any(map(lt, times[1:], times)):  # a later token before an earlier one (pairs compared in C)
             raise InvalidRequestError(f"{self.request_id}: token_times_s must be non-decreasing")
 
     @property

@@ -78,19 +78,20 @@ class BlockPool:
             return
         ref_counts = self._ref_counts
         # One pass that validates as it goes (the common case: all held); a bad id undoes the pass, then raises.
+        # The pass runs on an explicit iterator: what is left in it after a bad id tells how many were done.
         if min(block_ids) >= 0:
-            num_done = 0
+            ids = iter(block_ids)
             try:
-                for block_id in block_ids:
+                for block_id in ids:
                     count = ref_counts[block_id]
                     if not count:
                         break
                     ref_counts[block_id] = count + 1
-                    num_done += 1
                 else:
                     return
             except IndexError:
                 pass
+            num_done = len(block_ids) - len(list(ids)) - 1  # the bad id was taken from the iterator too
             for block_id in block_ids[:num_done]:
                 ref_counts[block_id] -= 1
         for block_id in block_ids:
@@ -109,20 +110,20 @@ class BlockPool:
         if min(block_ids) >= 0:
             free = self._free
             num_free = len(free)
-            num_done = 0
+            ids = iter(block_ids)  # as in `ref`: what is left after a bad id tells how many were done
             try:
-                for block_id in block_ids:
+                for block_id in ids:
                     count = ref_counts[block_id] - 1
                     if count <= 0:
                         if count:
                             break
                         free.append(block_id)
                     ref_counts[block_id] = count
-                    num_done += 1
                 else:
                     return
             except IndexError:
                 pass
+            num_done = len(block_ids) - len(list(ids)) - 1
             for block_id in block_ids[:num_done]:
                 ref_counts[block_id] += 1
             del free[num_free:]

@@ -426,6 +426,9 @@ class GlobalPrefixIndex:
         stack = [segment]
         while stack:
             current = stack.pop()
+            # Unlinked from its parent: the deleted subtree holds no parent <-> child reference cycle, so it is
+            # freed by reference counting (the simulator runs with the cyclic collector paused).
+            current.parent = None
             key = current.hashes[0]
             self._num_blocks -= len(current.hashes)
             self._blocks.discard(current)

@@ -4,7 +4,9 @@ A step is scheduled at its start time (`start_step`, which prices it) and applie
 (`finish_step`), exactly as the live engine schedules, runs, then updates; requests that arrive
 meanwhile wait for the next step. A step in which every running request decodes is scheduled as
 the requests it advances (`LocalScheduler.schedule_decodes`, applied by `update_decodes`), the
-same step without building its StepPlan; the others as a StepPlan. Sampled tokens are
+same step without building its StepPlan; the others as a StepPlan. A steady step that ends nothing
+(`kvbaton.scheduler.steady_decodes`) is applied without building its outputs, and the next one is
+scheduled knowing the running list did not change (`quiet_cycle`). Sampled tokens are
 deterministic: `token_for(request_id, output_index)` (by default 100 + index mod 1000, never an
 end-of-sequence id in the workloads, which run with ignore_eos and an exact output length).
 """
@@ -26,6 +28,7 @@ from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.router.load import WorkerStats
 from kvbaton.scheduler.fast_values import make_result
 from kvbaton.scheduler.local_scheduler import LocalScheduler, TokenOutput
+from kvbaton.scheduler.steady_decodes import advance_quiet_decodes, schedule_decodes_after_quiet
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.spec import WorkerSpec
 
@@ -69,6 +72,10 @@ class SimWorker:
         # The step in flight when it is the steady decode of these running requests (`schedule_decodes`):
         # no StepPlan is built for it. At most one of `plan` and `decodes` is set; `busy` when either is.
         self.decodes: list[Request] | None = None
+        # The last step's decodes when `finish_quiet_step` applied it, and how many of their tables must grow:
+        # the next `start_step` schedules with `schedule_decodes_after_quiet`.
+        self._quiet: list[Request] | None = None
+        self._quiet_num_growing = 0
         self.busy = False
         self.step_s = 0.0
         self.step_end_at = 0.0  # when the step in flight ends
@@ -97,7 +104,11 @@ class SimWorker:
         assert not self.busy, "a step is already in flight"
         scheduler = self.scheduler
         # A steady decode needs no StepPlan unless a hook reads it (a prefill worker streams its plans' KV).
-        decodes = scheduler.schedule_decodes() if self.on_executed is None else None
+        quiet, self._quiet = self._quiet, None
+        if quiet is not None:
+            decodes = schedule_decodes_after_quiet(scheduler, quiet, self._quiet_num_growing)
+        else:
+            decodes = scheduler.schedule_decodes() if self.on_executed is None else None
         if decodes is not None:
             self.decodes = decodes
             # All decodes: the price plan_s would give the same step's plan.
@@ -140,6 +151,53 @@ class SimWorker:
         if self.pending_handoffs:
             self.admit_handoffs(now)
         return outputs, self.scheduler.take_finished()
+
+    def finish_quiet_step(self, now: float) -> list[Request] | None:
+        """`finish_step` for a steady decode step that ends nothing and admits nothing (`advance_quiet_decodes`,
+        no handoff waiting for a slot): applies it and returns the requests it advanced, each by one token, in
+        the order `finish_step`'s outputs would list them (its finished list would be empty). Else None,
+        changing nothing: the caller takes `finish_step`."""
+        decodes = self.decodes
+        if decodes is None or self.pending_handoffs:
+            return None
+        num_growing = advance_quiet_decodes(self.scheduler, decodes, self._decode_tokens(decodes), now)
+        if num_growing < 0:
+            return None
+        self.decodes = None
+        self.busy = False
+        self.busy_s += self.step_s
+        self.num_steps += 1
+        self._quiet = decodes
+        self._quiet_num_growing = num_growing
+        return decodes
+
+    def quiet_cycle(self, now: float) -> list[Request] | None:
+        """`finish_quiet_step` then `start_step` at once, for a caller with nothing to do between the two: applies
+        a quiet steady decode step and starts the next step (a steady decode, priced as `start_step` prices it;
+        else whatever `start_step` plans, perhaps nothing). Returns the requests the finished step advanced, or
+        None, changing nothing, when the step was not quiet."""
+        decodes = self.decodes
+        if decodes is None or self.pending_handoffs:
+            return None
+        scheduler = self.scheduler
+        num_growing = advance_quiet_decodes(scheduler, decodes, self._decode_tokens(decodes), now)
+        if num_growing < 0:
+            return None
+        self.busy_s += self.step_s
+        self.num_steps += 1
+        following = schedule_decodes_after_quiet(scheduler, decodes, num_growing)
+        if following is None:  # it changed nothing: start_step plans the general step
+            self.decodes = None
+            self.busy = False
+            self.start_step(now)
+            return decodes
+        self.decodes = following
+        step_s = self.cost_model.decode_s(len(following), scheduler.steady_plan_context_tokens, self.spec.parallel)
+        if self._rng is not None:
+            step_s *= self._noise()
+        self.step_s = step_s
+        self.step_end_at = now + step_s
+        return decodes
 
     def take_finished(self) -> list[Request]:
         """Requests that ended outside a step (failed at scheduling time)."""

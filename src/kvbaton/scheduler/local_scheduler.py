@@ -372,7 +372,7 @@ class LocalScheduler:
         cache_computed_blocks = self.blocks.cache_computed_blocks if self.blocks.cache is not None else None
         holds = self.blocks._holds
         block_size = self.block_size
-        stop_reason = self._stop_reason
+        append_token = self._append_token
         for request, token in zip(requests, tokens):
             if request.status is not running:
                 continue
@@ -381,15 +381,7 @@ class LocalScheduler:
                 hold = holds.get(request.request_id)
                 if num_computed // block_size > (hold.num_blocks if hold is not None else 0):
                     cache_computed_blocks(request)
-            token_id = token.token_id
-            request.output_token_ids.append(token_id)
-            if request.first_token_at is None:
-                request.first_token_at = now
-            reason = stop_reason(request, token_id)
-            if reason is not None:
-                self._running.remove(request)
-                self._finish(request, reason, now)
-            outputs.append(_new_output(TokenOutput, (request.request_id, token, reason)))
+            outputs.append(_new_output(TokenOutput, (request.request_id, token, append_token(request, token, now))))
         return outputs
 
     def _schedule_running_requests(self, step: _StepBuilder, now: float) -> None:
@@ -511,6 +503,18 @@ class LocalScheduler:
         self._num_preemptions += 1
         self._waiting.appendleft(request)
 
+    def _append_token(self, request: Request, token: SampledToken, now: float) -> FinishReason | None:
+        """A running request's sampled token: appended, and the request finished if it stops there."""
+        token_id = token.token_id
+        request.output_token_ids.append(token_id)
+        if request.first_token_at is None:
+            request.first_token_at = now
+        reason = self._stop_reason(request, token_id)
+        if reason is not None:
+            self._running.remove(request)
+            self._finish(request, reason, now)
+        return reason
+
     def _finish(self, request: Request, reason: FinishReason, now: float, message: str = "") -> None:
         """Terminal transition; the caller has already taken `request` out of waiting/running."""
         self.blocks.free(request)
@@ -536,7 +540,7 @@ class LocalScheduler:
         cache_computed_blocks = self.blocks.cache_computed_blocks if self.blocks.cache is not None else None
         holds = self.blocks._holds
         block_size = self.block_size
-        stop_reason = self._stop_reason
+        append_token = self._append_token
         for chunk in plan.chunks:
             request_id = chunk.request_id
             request = requests.get(request_id)
@@ -555,15 +559,7 @@ class LocalScheduler:
                 self._running.remove(request)
                 self._finish(request, FinishReason.ERROR, now, f"executor returned no token in step {plan.step_id}")
                 continue
-            token_id = token.token_id
-            request.output_token_ids.append(token_id)
-            if request.first_token_at is None:
-                request.first_token_at = now
-            reason = stop_reason(request, token_id)
-            if reason is not None:
-                self._running.remove(request)
-                self._finish(request, reason, now)
-            outputs.append(_new_output(TokenOutput, (request_id, token, reason)))
+            outputs.append(_new_output(TokenOutput, (request_id, token, append_token(request, token, now))))
         return outputs
 
     def stop_reason(self, request: Request, token_id: int) -> FinishReason | None:

@@ -39,6 +39,15 @@ def _check_steady_context(sched: LocalScheduler, plan: StepPlan, steady: bool) -
     assert _COSTS.decode_s(len(plan.chunks), context_tokens) == _COSTS.plan_s(plan)
 
 
+def fast_and_general(num_blocks: int, prefix_cache: bool, budget: int,
+                     max_num_seqs: int) -> tuple[LocalScheduler, LocalScheduler]:
+    """Two identical schedulers, the second with the steady-decode fast path off."""
+    fast, general = (make_scheduler(num_blocks, prefix_cache=prefix_cache, max_num_batched_tokens=budget,
+                                    max_num_seqs=max_num_seqs) for _ in range(2))
+    general.steady_fast_path = False
+    return fast, general
+
+
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(
     ops=st.lists(st.one_of(add_op, step_op, step_op, step_op, step_op, step_op, step_op, abort_op),
@@ -50,9 +59,7 @@ def _check_steady_context(sched: LocalScheduler, plan: StepPlan, steady: bool) -
 )
 def test_fast_path_plans_as_the_general_path(ops: list[tuple], num_blocks: int, prefix_cache: bool, budget: int,
                                              max_num_seqs: int) -> None:
-    fast, general = (make_scheduler(num_blocks, prefix_cache=prefix_cache, max_num_batched_tokens=budget,
-                                    max_num_seqs=max_num_seqs) for _ in range(2))
-    general.steady_fast_path = False
+    fast, general = fast_and_general(num_blocks, prefix_cache, budget, max_num_seqs)
     ids: list[str] = []
     num_fast_steps = 0
     now = 0.0
@@ -139,9 +146,7 @@ def test_schedule_decodes_steps_as_schedule_and_update(ops: list[tuple], num_blo
     """A step through `schedule_decodes` + `update_decodes` whenever it offers one (the simulator's steady decode)
     leaves every request, output, block, step id and statistic as `schedule` + `update` of the same step does,
     also when a request is aborted while the step is in flight."""
-    fast, general = (make_scheduler(num_blocks, prefix_cache=prefix_cache, max_num_batched_tokens=budget,
-                                    max_num_seqs=max_num_seqs) for _ in range(2))
-    general.steady_fast_path = False
+    fast, general = fast_and_general(num_blocks, prefix_cache, budget, max_num_seqs)
     ids: list[str] = []
     num_decode_steps = 0
     now = 0.0

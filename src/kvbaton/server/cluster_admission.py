@@ -42,6 +42,11 @@ class _Tracked:
     seq: int = 0  # routing order: a prefill worker computes its queue first come, first served
 
 
+def _queue_entry(tracked: _Tracked) -> tuple[int, int]:
+    """A call on its prefill worker's queue: (tokens to compute, tokens of its prompt cached there)."""
+    return tracked.num_uncached_tokens, tracked.num_prompt_tokens - tracked.num_uncached_tokens
+
+
 class AdmissionGate:
     def __init__(self, policy: AdmissionPolicy, block_size: int, capacity_tokens: Callable[[str], int],
                  calibration: CalibratedTimeModel | None = None, reserves_on_arrival: bool = True) -> None:
@@ -109,20 +114,20 @@ class AdmissionGate:
     # -- per-worker loads -------------------------------------------------------------------------
 
     def prefill_load(self, worker: str) -> PrefillLoad:
-        queue = tuple((t.num_uncached_tokens, t.num_prompt_tokens - t.num_uncached_tokens)
-                      for t in self._prefilling(worker))
+        queue = tuple(_queue_entry(t) for _, t in self._prefilling(worker))
         return PrefillLoad(worker, sum(new_tokens for new_tokens, _ in queue), queue)
 
-    def _prefilling(self, worker: str) -> list[_Tracked]:
+    def _prefilling(self, worker: str) -> list[tuple[str, _Tracked]]:
         """The calls `worker` still prefills (no first token yet), in routing order."""
-        calls = [t for r in self._by_worker.get(worker, ())
+        calls = [(r, t) for r in self._by_worker.get(worker, ())
                  if (t := self._calls[r]).prefill_worker == worker and t.num_tokens_seen == 0]
-        calls.sort(key=lambda t: t.seq)
+        calls.sort(key=lambda call: call[1].seq)
         return calls
 
     def decode_load(self, worker: str) -> DecodeLoad:
         decoding: list[DecodeSlot] = []
         incoming: list[DecodeSlot] = []
+        arrivals_s: dict[str, dict[str, float]] = {}  # per prefill worker, computed once for all its calls
         for request_id in sorted(self._by_worker.get(worker, ())):
             t = self._calls[request_id]
             if t.decode_worker != worker:
@@ -131,17 +136,22 @@ class AdmissionGate:
             if t.num_tokens_seen:
                 decoding.append(DecodeSlot(t.num_prompt_tokens + t.num_tokens_seen, remaining))
             else:
-                incoming.append(DecodeSlot(t.num_prompt_tokens, remaining, self._prefilled_in_s(t)))
+                if t.prefill_worker not in arrivals_s:
+                    arrivals_s[t.prefill_worker] = self._prefilled_in_s(t.prefill_worker)
+                incoming.append(DecodeSlot(t.num_prompt_tokens, remaining, arrivals_s[t.prefill_worker][request_id]))
         return DecodeLoad(worker, tuple(decoding), tuple(incoming), self._capacity_tokens(worker),
                           self.reserves_on_arrival)
 
-    def _prefilled_in_s(self, tracked: _Tracked) -> float:
-        """When a call still waiting for its first token should reach decode: its prefill worker computes the
-        uncached prompts routed to it before this one, then this one's (the `predicted` variant's input)."""
-        worker = tracked.prefill_worker
-        ahead = [(t.num_uncached_tokens, t.num_prompt_tokens - t.num_uncached_tokens)
-                 for t in self._prefilling(worker) if t.seq <= tracked.seq]
-        return queue_drain_s(self.policy.time_model(worker), ahead)
+    def _prefilled_in_s(self, prefill_worker: str) -> dict[str, float]:
+        """When each call `prefill_worker` still prefills should reach decode: the worker computes the uncached
+        prompts routed to it before that call, then that call's (the `predicted` variant's input)."""
+        model = self.policy.time_model(prefill_worker)
+        arrivals_s: dict[str, float] = {}
+        drained_s = 0.0
+        for request_id, t in self._prefilling(prefill_worker):
+            drained_s += queue_drain_s(model, (_queue_entry(t),))
+            arrivals_s[request_id] = drained_s
+        return arrivals_s
 
     # -- the decision -----------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from kvbaton.transfer.base import KVTransport, TransportError
 from kvbaton.transfer.driver import pump_source, send_all
 from kvbaton.transfer.layout import KVLayout
 from kvbaton.transfer.messages import FirstToken
-from kvbaton.transfer.source import HandoffSource
+from kvbaton.transfer.source import HandoffSource, num_due_to_reserve
 from kvbaton.transfer.states import SourceState
 
 
@@ -218,12 +218,12 @@ class PrefillHandoffs:
         if not self._unreserved:
             return
         ahead_tokens = self.engine.scheduler.num_queued_prefill_tokens() + sum(
-            len(leg.prompt_token_ids) for leg in self._legs.values() if leg.reserving and not leg.in_engine
-            and self.source.state(transfer_id_of(leg.request_id)) is SourceState.RESERVING)
-        while self._unreserved and ahead_tokens <= self.reserve_ahead_tokens:
-            leg = self._unreserved.popleft()
-            ahead_tokens += len(leg.prompt_token_ids)
-            self._reserve(leg, now)
+            len(leg.prompt_token_ids) for leg in self._legs.values()
+            if leg.reserving and self.source.state(transfer_id_of(leg.request_id)) is SourceState.RESERVING)
+        num_due = num_due_to_reserve(ahead_tokens, (len(leg.prompt_token_ids) for leg in self._unreserved),
+                                     self.reserve_ahead_tokens)
+        for _ in range(num_due):
+            self._reserve(self._unreserved.popleft(), now)
 
     def _advance(self, leg: _Outgoing) -> None:
         if not leg.reserving:

@@ -45,6 +45,7 @@ from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs
 from kvbaton.sim.links import get_link
 from kvbaton.sim.spec import ClusterSpec
 from kvbaton.sim.worker import SimWorker, TokenFn
+from kvbaton.transfer.source import num_due_to_reserve
 
 _ARRIVAL, _STEP_DONE, _DELIVERY, _RETRY = 0, 1, 2, 3
 
@@ -332,11 +333,12 @@ class ClusterSim:
         ahead_tokens = self.workers[worker_id].scheduler.num_queued_prefill_tokens() + sum(
             f.workload.num_prompt_tokens for f in self._flights.values()
             if f.front == worker_id and f.reserving and f.prefill_request is not None)
-        while unreserved and ahead_tokens <= limit:
-            flight = unreserved.popleft()
-            if self._flights.get(flight.workload.request_id) is not flight:
-                continue  # ended while waiting for its turn
-            ahead_tokens += flight.workload.num_prompt_tokens
+        flights = self._flights
+        live = [f for f in unreserved if flights.get(f.workload.request_id) is f]  # some ended while waiting
+        num_due = num_due_to_reserve(ahead_tokens, (f.workload.num_prompt_tokens for f in live), limit)
+        unreserved.clear()
+        unreserved.extend(live[num_due:])
+        for flight in live[:num_due]:
             self._start_handoff(flight, now)
 
     def _start_handoff(self, flight: _Flight | None, now: float) -> None:

@@ -11,6 +11,7 @@ ends: on the ack (DONE), or on cancel / failure / lease expiry.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvbaton.transfer.legs import LegTable
@@ -28,6 +29,20 @@ from kvbaton.transfer.messages import (
     SourceDone,
     TransferId,
 )
+
+
+def num_due_to_reserve(ahead_tokens: int, waiting_prompt_tokens: Iterable[int], reserve_ahead_tokens: int) -> int:
+    """Late reservation: how many handoffs at the head of a prefill worker's FIFO (prompt lengths in FIFO order)
+    ask for their decode blocks now. The head goes while the worker has at most `reserve_ahead_tokens` prompt
+    tokens to compute ahead of it (`ahead_tokens`: queued, or of handoffs reserving); each one that goes adds its
+    prompt. The live prefill worker and the simulator both apply this rule."""
+    num_due = 0
+    for prompt_tokens in waiting_prompt_tokens:
+        if ahead_tokens > reserve_ahead_tokens:
+            break
+        ahead_tokens += prompt_tokens
+        num_due += 1
+    return num_due
 from kvbaton.transfer.states import SOURCE_LIVE, SOURCE_TRANSITIONS, Outcome, ProtocolError, SourceState, source_outcome
 
 _END_STATE = {AbortCause.CANCELLED: SourceState.CANCELLED, AbortCause.FAILED: SourceState.FAILED,

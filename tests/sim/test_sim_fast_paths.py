@@ -112,3 +112,30 @@ def test_event_loop_makes_no_reference_cycles_and_restores_the_collector() -> No
             assert gc.collect() == 0, setup
             statuses.update(r.status for r in records)
     assert statuses == {"completed", "failed", "rejected"}
+
+
+def test_simulate_frees_the_run_without_the_cyclic_collector() -> None:
+    """`simulate` closes the sim (`ClusterSim.close` cuts its reference cycles) before the collector resumes: the
+    whole run is freed by reference counting, whether the collector was on or off, and it is back as it was."""
+    from kvbaton.sim.run import SimSetup, simulate
+
+    tool_use = create_workload("tool-use", num_requests=60, seed=3, rate=40.0, num_tools=4)
+    sharegpt = create_workload("sharegpt-like", num_requests=60, seed=3, rate=40.0)
+    setups = [(tool_use, SimSetup(cluster="2xmixed", policy="preble", num_blocks=300, max_model_len=4096)),
+              (tool_use, SimSetup(cluster="2P2D", policy="preble", num_blocks=250, max_model_len=4096)),
+              (tool_use, SimSetup(cluster="2P2D", policy="longest_prefix", reserve_ahead_tokens=512)),
+              (sharegpt, SimSetup(model="opt-13b", gpu="a100", cluster="2P2D", cost_model="distserve",
+                                  num_blocks=300, max_model_len=2048, admission="predicted",
+                                  admission_slo=(0.5, 0.1)))]
+    for enabled in (True, False):
+        for requests, setup in setups:
+            gc.collect()
+            if not enabled:
+                gc.disable()
+            try:
+                result = simulate(requests, setup)
+                assert gc.isenabled() is enabled
+            finally:
+                gc.enable()
+            assert gc.collect() == 0, setup
+            assert len(result.records) == len(requests)

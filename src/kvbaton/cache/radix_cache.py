@@ -276,6 +276,14 @@ class RadixCache:
                 self._emit(KVEventKind.EVICTED, tuple(evicted_hashes), None)
         return num_freed
 
+    def close(self) -> None:
+        """The cache is being dropped: unlink every node from its parent (the trees' only reference cycles), so
+        that it is freed by reference counting alone, not by a pass of the cyclic collector over every node (the
+        simulator drops one per worker per run with the collector paused). Nothing may use the cache afterwards;
+        the pool's references are left as they were."""
+        for node in list(self._iter_nodes(ordered=False)):
+            node.parent = None
+
     def take_events(self) -> list[KVEvent]:
         """Events since the last call, in seq order."""
         events, self._events = self._events, []

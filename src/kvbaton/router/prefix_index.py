@@ -55,7 +55,10 @@ class GlobalPrefixIndex:
         self._orphan_parent: dict[int, int] = {}
         self._num_blocks = 0
         self._lru: OrderedDict[int, _Segment] = OrderedDict()  # every segment by first hash, least recent first
-        self._blocks: LazyBlockMap[_Segment] = LazyBlockMap(self._is_live)  # block hash -> segment
+        # block hash -> segment. Its liveness test reads `_lru` through a closure, not the bound `_is_live`: the
+        # index and its map then hold no reference cycle (see `close`).
+        lru = self._lru
+        self._blocks: LazyBlockMap[_Segment] = LazyBlockMap(lambda segment: lru.get(segment.hashes[0]) is segment)
         self._worker_lru: dict[WorkerId, OrderedDict[int, None]] = {}  # per worker, segments it holds
         self._last_seq: dict[WorkerId, int] = {}  # last KV event seq applied per worker
         self._num_mutations = 0  # bumped by every change; lets callers cache derived estimates
@@ -199,6 +202,13 @@ class GlobalPrefixIndex:
         self._drop_worker(worker)
         self._worker_lru.pop(worker, None)
         self._last_seq.pop(worker, None)
+
+    def close(self) -> None:
+        """The index is being dropped: unlink every segment from its parent (the tree's only reference cycles), so
+        that it is freed by reference counting alone, not by a pass of the cyclic collector over every segment
+        (the simulator drops one per run with the collector paused). Nothing may use the index afterwards."""
+        for segment in self._lru.values():
+            segment.parent = None
 
     # ---- internals -----------------------------------------------------------------------------
     def _is_live(self, segment: _Segment) -> bool:

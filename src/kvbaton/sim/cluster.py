@@ -650,6 +650,18 @@ class ClusterSim:
         if self._on_record is not None:
             self._on_record(record)
 
+    def close(self) -> None:
+        """The sim is being dropped: cut its reference cycles (the hooks that call back into it, the workers' radix
+        trees, the router's prefix trees) so that everything it holds is freed by reference counting, not by the
+        cyclic collector traversing the whole run. Nothing may use the sim afterwards."""
+        for worker in self.workers.values():
+            worker.on_executed = None
+            if worker.cache is not None:
+                worker.cache.close()
+        self.handoffs = None
+        self.state.index.close()
+        self.decode_state.index.close()
+
     def worker_reports(self) -> list[WorkerReport]:
         reports = []
         for w in self.workers.values():

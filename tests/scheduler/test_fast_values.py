@@ -17,6 +17,9 @@ def test_constructors_equal_the_dataclass_constructors() -> None:
     other = make_chunk("r2", 0, (1, 2, 3), (), False)
     plan = make_plan(5, (chunk, other), 4)
     assert plan == StepPlan(5, (chunk, other), 4) and plan.preempted_ids == () and plan.finished_ids == ()
+    full = make_plan(6, (other,), 3, ("r3",), ("r4", "r5"))
+    assert full == StepPlan(6, (other,), 3, ("r3",), ("r4", "r5")) and repr(full) == repr(
+        StepPlan(6, (other,), 3, ("r3",), ("r4", "r5")))
     sampled = {"r1": SampledToken(9)}
     result = make_result(5, sampled, 0.25)
     assert result == StepResult(5, sampled, 0.25) and result.sampled is sampled

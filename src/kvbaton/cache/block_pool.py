@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from operator import length_hint
 
 from kvbaton.core.errors import CapacityError
 
@@ -78,22 +79,22 @@ class BlockPool:
             return
         ref_counts = self._ref_counts
         # One pass that validates as it goes (the common case: all held); a bad id undoes the pass, then raises.
-        # The pass runs on an explicit iterator: what is left in it after a bad id tells how many were done.
-        if min(block_ids) >= 0:
-            ids = iter(block_ids)
-            try:
-                for block_id in ids:
-                    count = ref_counts[block_id]
-                    if not count:
-                        break
-                    ref_counts[block_id] = count + 1
-                else:
-                    return
-            except IndexError:
-                pass
-            num_done = len(block_ids) - len(list(ids)) - 1  # the bad id was taken from the iterator too
-            for block_id in block_ids[:num_done]:
-                ref_counts[block_id] -= 1
+        # The pass runs on an explicit iterator: what is left in it after a bad id tells how many were done. A
+        # negative id would index from the end, so the pass stops on one before writing (cheaper than a min()).
+        ids = iter(block_ids)
+        try:
+            for block_id in ids:
+                count = ref_counts[block_id]
+                if not count or block_id < 0:
+                    break
+                ref_counts[block_id] = count + 1
+            else:
+                return
+        except IndexError:
+            pass
+        num_done = len(block_ids) - length_hint(ids) - 1  # the bad id was taken from the iterator too
+        for block_id in block_ids[:num_done]:
+            ref_counts[block_id] -= 1
         for block_id in block_ids:
             if not 0 <= block_id < self.num_blocks or ref_counts[block_id] == 0:
                 self._raise_bad_ref(block_id)
@@ -104,29 +105,48 @@ class BlockPool:
         if not block_ids:
             return
         ref_counts = self._ref_counts
-        # One pass that validates as it goes (the common case: every id held); an id listed twice is released
-        # twice and queued when its count reaches 0, as `_release_with_duplicates` does. A bad id (out of
-        # range, or more releases than references) undoes the pass, then that method raises the detailed error.
-        if min(block_ids) >= 0:
-            free = self._free
-            num_free = len(free)
-            ids = iter(block_ids)  # as in `ref`: what is left after a bad id tells how many were done
-            try:
+        free = self._free
+        num_free = len(free)
+        # One pass that validates as it goes; a bad id (out of range, or more releases than references) undoes
+        # the pass, then `_release_with_duplicates` raises the detailed error. As in `ref`, the explicit
+        # iterator tells how far the pass got, and a negative id stops it before any write.
+        ids = iter(block_ids)
+        try:
+            # The leading run of last references (every id, when a request with no cached blocks ends) is
+            # zeroed here and queued with one extend: the same queue order as appending each as it hits 0.
+            # An id listed twice in the run sees 0 the second time and leaves the run as a bad id.
+            for block_id in ids:
+                if ref_counts[block_id] != 1 or block_id < 0:
+                    break
+                ref_counts[block_id] = 0
+            else:
+                free += block_ids
+                return
+            num_zeroed = len(block_ids) - length_hint(ids) - 1
+            if num_zeroed:
+                free += block_ids[:num_zeroed]
+            # The general pass, from the id that ended the run (its count is not 1): an id listed twice is
+            # released twice and queued when its count reaches 0, as `_release_with_duplicates` does.
+            count = ref_counts[block_id] - 1
+            if count > 0 and block_id >= 0:
+                ref_counts[block_id] = count
                 for block_id in ids:
                     count = ref_counts[block_id] - 1
                     if count <= 0:
-                        if count:
+                        if count or block_id < 0:
                             break
                         free.append(block_id)
+                    elif block_id < 0:
+                        break
                     ref_counts[block_id] = count
                 else:
                     return
-            except IndexError:
-                pass
-            num_done = len(block_ids) - len(list(ids)) - 1
-            for block_id in block_ids[:num_done]:
-                ref_counts[block_id] += 1
-            del free[num_free:]
+        except IndexError:
+            pass
+        num_done = len(block_ids) - length_hint(ids) - 1
+        for block_id in block_ids[:num_done]:
+            ref_counts[block_id] += 1
+        del free[num_free:]
         self._release_with_duplicates(block_ids)
 
     def _raise_bad_ref(self, block_id: int) -> None:

@@ -44,7 +44,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvbaton.cache.block_pool import BlockPool
-from kvbaton.cache.events import KVEvent, KVEventKind
+from kvbaton.cache.events import KVEvent, KVEventKind, make_kv_event
+from kvbaton.cache.fast_init import slot_setters
 from kvbaton.cache.hashing import CacheKey, chain_hashes, hash_block
 
 BlockTokens = tuple[int, ...]
@@ -61,6 +62,18 @@ class PrefixMatch:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+
+_set_match_ids, _set_match_hashes, _set_match_node = slot_setters(PrefixMatch, ("block_ids", "block_hashes", "node"))
+
+
+def _make_match(block_ids: tuple[int, ...], block_hashes: tuple[int, ...], node: object) -> PrefixMatch:
+    """`PrefixMatch(block_ids, block_hashes, node)` without the frozen `__init__` (one or two per request)."""
+    match = object.__new__(PrefixMatch)
+    _set_match_ids(match, block_ids)
+    _set_match_hashes(match, block_hashes)
+    _set_match_node(match, node)
+    return match
 
 
 class RadixNode:
@@ -145,7 +158,7 @@ class RadixCache:
             if num_in_node < len(node.block_ids):
                 node = self._split(node, num_in_node)
             self._touch(node)
-        return PrefixMatch(tuple(block_ids), tuple(block_hashes), node)
+        return _make_match(tuple(block_ids), tuple(block_hashes), node)
 
     def lock(self, node: object) -> None:
         """Pin root..node against eviction; locks nest and each needs one `unlock`."""
@@ -257,7 +270,7 @@ class RadixCache:
             path_hashes.extend(node.block_hashes)
             self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
         self._touch(node)
-        return PrefixMatch(tuple(path_ids), tuple(path_hashes), node)
+        return _make_match(tuple(path_ids), tuple(path_hashes), node)
 
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` blocks from unlocked leaves, least recently used first; returns how many."""
@@ -491,7 +504,7 @@ class RadixCache:
 
     def _emit(self, kind: KVEventKind, block_hashes: tuple[int, ...], parent_hash: int | None) -> None:
         self._seq += 1
-        self._events.append(KVEvent(self._seq, kind, block_hashes, parent_hash, self.block_size))
+        self._events.append(make_kv_event(self._seq, kind, block_hashes, parent_hash, self.block_size))
 
     def _iter_nodes(self, *, ordered: bool) -> Iterator[RadixNode]:
         """Every non-root node, parents before children; `ordered` sorts namespaces and siblings."""

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvbaton.cache.fast_init import slot_setters
 from kvbaton.cache.hashing import CacheKey, hash_block_tokens
 
 WorkerId = str
@@ -51,6 +52,22 @@ class RouteRequest:
         """Hash the prompt the way the workers' prefix caches do (tenant is the cache salt)."""
         hashes = hash_block_tokens(cache_key.with_tenant(tenant), prompt_token_ids, block_size)
         return RouteRequest(request_id, tuple(hashes), len(prompt_token_ids), num_output_tokens)
+
+
+_set_route_id, _set_route_hashes, _set_route_prompt, _set_route_output = slot_setters(
+    RouteRequest, ("request_id", "block_hashes", "num_prompt_tokens", "num_output_tokens"))
+
+
+def make_route_request(request_id: str, block_hashes: tuple[int, ...], num_prompt_tokens: int,
+                       num_output_tokens: int) -> RouteRequest:
+    """`RouteRequest(request_id, block_hashes, num_prompt_tokens, num_output_tokens)` without the frozen
+    `__init__` (kvbaton.cache.fast_init): the simulator builds two per request from its validated workload."""
+    request = object.__new__(RouteRequest)
+    _set_route_id(request, request_id)
+    _set_route_hashes(request, block_hashes)
+    _set_route_prompt(request, num_prompt_tokens)
+    _set_route_output(request, num_output_tokens)
+    return request
 
 
 @dataclass(frozen=True, slots=True)

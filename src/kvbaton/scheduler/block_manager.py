@@ -145,9 +145,12 @@ class BlockManager:
             match = self.cache.insert_from_blocks(hold.node, token_blocks, request.block_ids[hold.num_blocks : num_full],
                                                   hashes[hold.num_blocks :])
         self.cache.lock(match.node)  # lock the new node before unlocking the old: no evictable gap
-        if hold is not None:
+        if hold is None:
+            self._holds[request.request_id] = _CacheHold(match.node, num_full)
+        else:
             self.cache.unlock(hold.node)
-        self._holds[request.request_id] = _CacheHold(match.node, num_full)
+            hold.node = match.node  # the hold moves deeper in place (it is the request's own record)
+            hold.num_blocks = num_full
 
     def free(self, request: Request) -> None:
         """Drop every ref and lock `request` holds; its table becomes empty and nothing is computed."""

@@ -6,30 +6,25 @@ simulator builds one chunk per decode per step and a plan and a result per step,
 of every worker, so these write the slots through their member descriptors instead (about half
 the time). The result is an ordinary instance: equal, hashing and printing as one built by
 `__init__`. Only valid for classes without `__post_init__` whose every field is passed; the
-field lists are checked at import and by `tests/scheduler/test_fast_values.py`, so a field added
-to a class fails loudly instead of being left unset.
+field lists are checked at import (`kvbaton.cache.fast_init.slot_setters`) and by
+`tests/scheduler/test_fast_values.py`, so a field added to a class fails loudly instead of being left unset.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
-
+from kvbaton.cache.fast_init import slot_setters
 from kvbaton.core.step import SampledToken, ScheduledChunk, StepPlan, StepResult
 
 CHUNK_FIELDS = ("request_id", "start_pos", "token_ids", "block_ids", "samples")
 PLAN_FIELDS = ("step_id", "chunks", "num_batched_tokens", "preempted_ids", "finished_ids")
 RESULT_FIELDS = ("step_id", "sampled", "duration_s")
 
-for _cls, _names in ((ScheduledChunk, CHUNK_FIELDS), (StepPlan, PLAN_FIELDS), (StepResult, RESULT_FIELDS)):
-    if tuple(f.name for f in fields(_cls)) != _names or hasattr(_cls, "__post_init__"):
-        raise ImportError(f"kvbaton.scheduler.fast_values is out of date with {_cls.__name__}'s fields")
-
 _new = object.__new__
-_set_request_id, _set_start_pos, _set_token_ids, _set_block_ids, _set_samples = (
-    ScheduledChunk.__dict__[name].__set__ for name in CHUNK_FIELDS)
-_set_plan_step_id, _set_chunks, _set_num_batched_tokens, _set_preempted_ids, _set_finished_ids = (
-    StepPlan.__dict__[name].__set__ for name in PLAN_FIELDS)
-_set_result_step_id, _set_sampled, _set_duration_s = (StepResult.__dict__[name].__set__ for name in RESULT_FIELDS)
+_set_request_id, _set_start_pos, _set_token_ids, _set_block_ids, _set_samples = slot_setters(
+    ScheduledChunk, CHUNK_FIELDS)
+_set_plan_step_id, _set_chunks, _set_num_batched_tokens, _set_preempted_ids, _set_finished_ids = slot_setters(
+    StepPlan, PLAN_FIELDS)
+_set_result_step_id, _set_sampled, _set_duration_s = slot_setters(StepResult, RESULT_FIELDS)
 
 
 def make_chunk(request_id: str, start_pos: int, token_ids: tuple[int, ...], block_ids: tuple[int, ...],
@@ -44,14 +39,15 @@ def make_chunk(request_id: str, start_pos: int, token_ids: tuple[int, ...], bloc
     return chunk
 
 
-def make_plan(step_id: int, chunks: tuple[ScheduledChunk, ...], num_batched_tokens: int) -> StepPlan:
-    """`StepPlan(step_id, chunks, num_batched_tokens)`: nothing preempted or finished."""
+def make_plan(step_id: int, chunks: tuple[ScheduledChunk, ...], num_batched_tokens: int,
+              preempted_ids: tuple[str, ...] = (), finished_ids: tuple[str, ...] = ()) -> StepPlan:
+    """`StepPlan(step_id, chunks, num_batched_tokens, preempted_ids, finished_ids)`."""
     plan = _new(StepPlan)
     _set_plan_step_id(plan, step_id)
     _set_chunks(plan, chunks)
     _set_num_batched_tokens(plan, num_batched_tokens)
-    _set_preempted_ids(plan, ())
-    _set_finished_ids(plan, ())
+    _set_preempted_ids(plan, preempted_ids)
+    _set_finished_ids(plan, finished_ids)
     return plan
 
 

@@ -258,7 +258,7 @@ class LocalScheduler:
         chunks = tuple(step.chunks.values())
         if chunks:
             self._num_steps += 1
-        return StepPlan(self._step_id, chunks, step.num_tokens, tuple(step.preempted_ids), tuple(step.finished_ids))
+        return make_plan(self._step_id, chunks, step.num_tokens, tuple(step.preempted_ids), tuple(step.finished_ids))
 
     def _chunk_tokens(self, request: Request, budget_left_tokens: int) -> int:
         n = min(request.num_uncomputed_tokens, budget_left_tokens)
@@ -269,13 +269,8 @@ class LocalScheduler:
     def _make_chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_tokens
-        return ScheduledChunk(
-            request_id=request.request_id,
-            start_pos=start,
-            token_ids=_token_slice(request, start, end),
-            block_ids=self._block_table(request),
-            samples=end == request.num_tokens,
-        )
+        return make_chunk(request.request_id, start, _token_slice(request, start, end), self._block_table(request),
+                          end == request.num_tokens)
 
     def _block_table(self, request: Request) -> tuple[int, ...]:
         """tuple(request.block_ids), reused from the previous step while the table is unchanged."""

@@ -37,7 +37,7 @@ from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import StepPlan
 from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, DecodeLoad, DecodeSlot, PrefillLoad
 from kvbaton.router.pools import PoolBalancer
-from kvbaton.router.base import RouteRequest
+from kvbaton.router.base import RouteRequest, make_route_request
 from kvbaton.router.policies import create_policy, local_queue_policy
 from kvbaton.router.state import RouterState
 from kvbaton.sim.costs.base import CostModel, Parallelism
@@ -257,8 +257,8 @@ class ClusterSim:
         prompt = self._prompt_ids(wr)
         # RouteRequest.from_tokens, keeping the block tuples: the front worker's cache reuses them and the hashes.
         prompt_blocks = self._hash_prompt(wr, prompt)
-        route = RouteRequest(rid, prompt_blocks.block_hashes, len(prompt), wr.output_tokens)
-        decode_route = RouteRequest(rid, (), route.num_prompt_tokens, wr.output_tokens)
+        route = make_route_request(rid, prompt_blocks.block_hashes, len(prompt), wr.output_tokens)
+        decode_route = make_route_request(rid, (), route.num_prompt_tokens, wr.output_tokens)
         lent = self._lent_worker(wr, route, now) if self.pools is not None and self.decode_ids else None
         if lent is None:
             front = self.workers[self.policy.choose(route, self.front_ids, now).worker_id]

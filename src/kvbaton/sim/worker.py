@@ -17,9 +17,9 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import fields
 
 from kvbaton.cache.block_pool import BlockPool
+from kvbaton.cache.fast_init import slot_setters
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.config import CacheConfig, SchedulerConfig
@@ -36,9 +36,7 @@ from kvbaton.sim.spec import WorkerSpec
 # (the instance its frozen dataclass __init__ builds, without one object.__setattr__ per field).
 _STATS_FIELDS = ("worker_id", "num_queued_prefill_tokens", "num_kv_blocks_used", "num_kv_blocks_free", "num_running",
                  "num_waiting", "num_kv_blocks_cached", "block_size")
-if tuple(f.name for f in fields(WorkerStats)) != _STATS_FIELDS or hasattr(WorkerStats, "__post_init__"):
-    raise ImportError("kvbaton.sim.worker's WorkerStats builder is out of date with its fields")
-_STATS_SETTERS = tuple(WorkerStats.__dict__[name].__set__ for name in _STATS_FIELDS)
+_STATS_SETTERS = slot_setters(WorkerStats, _STATS_FIELDS)
 
 TokenFn = Callable[[str, int], int]  # (request id, output index) -> token id
 FIRST_SIM_TOKEN = 100

@@ -14,19 +14,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvbaton.transfer.fast_messages import make_layer_chunk, make_outgoing, make_reserve_request, make_source_done
 from kvbaton.transfer.legs import LegTable
 from kvbaton.transfer.messages import (
     Abort,
     AbortCause,
     Ack,
     FirstToken,
-    LayerChunk,
     Message,
     Outgoing,
     ReserveGranted,
     ReserveRefused,
-    ReserveRequest,
-    SourceDone,
     TransferId,
 )
 
@@ -92,7 +90,7 @@ class HandoffSource(LegTable[_SourceLeg]):
         if num_tokens <= 0:
             raise ProtocolError(f"transfer {transfer_id}: num_tokens must be positive, got {num_tokens}")
         self._legs[transfer_id] = _SourceLeg(transfer_id, peer, num_tokens, SourceState.RESERVING, now + self.lease_s)
-        return Outgoing(peer, ReserveRequest(transfer_id, self.layout, num_tokens))
+        return make_outgoing(peer, make_reserve_request(transfer_id, self.layout, num_tokens))
 
     def stream(self, transfer_id: TransferId, layer_index: int, first_position: int, num_valid_tokens: int,
                src_block_ids: tuple[int, ...], now: float) -> Outgoing:
@@ -114,15 +112,15 @@ class HandoffSource(LegTable[_SourceLeg]):
             leg.held_set.update(new_block_ids)
         leg.lease_expires_at = now + self.lease_s
         dst_block_ids = leg.dst_block_ids[blocks.start:blocks.stop]
-        return Outgoing(leg.peer, LayerChunk(transfer_id, self.layout, layer_index, first_position,
-                                             num_valid_tokens, tuple(src_block_ids), dst_block_ids))
+        return make_outgoing(leg.peer, make_layer_chunk(transfer_id, self.layout, layer_index, first_position,
+                                                        num_valid_tokens, tuple(src_block_ids), dst_block_ids))
 
     def finish(self, transfer_id: TransferId, first_token: FirstToken, now: float) -> Outgoing:
         """Every chunk is sent: tell the destination, then wait (holding the blocks) for its ack."""
         leg = self._live_leg(transfer_id, SourceState.STREAMING)
         self._move(leg, SourceState.AWAITING_ACK)
         leg.lease_expires_at = now + self.lease_s
-        return Outgoing(leg.peer, SourceDone(transfer_id, leg.num_tokens, first_token))
+        return make_outgoing(leg.peer, make_source_done(transfer_id, leg.num_tokens, first_token))
 
     # -- messages from the destination -----------------------------------------------------------
 

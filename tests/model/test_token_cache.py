@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import random
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from tokenizers import AddedToken
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.model.gguf_loader import read_gguf_tokenizer
 from kvbaton.model.registry import load_model
-from kvbaton.model.token_cache import TokenizationCache
+from kvbaton.model.token_cache import MAX_PIECE_CHARS, TokenizationCache
 from kvbaton.model.tokenizer import Tokenizer
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,6 +78,64 @@ def test_chat_turns_reuse_the_conversation_so_far(tokenizer: Tokenizer) -> None:
         assert cached.encode(text) == tokenizer.encode(text)
         messages.append({"role": "assistant", "content": f"Because {turn}."})
     assert cache.stats().num_prefix_hits == 3
+
+
+def counting(cache: TokenizationCache) -> list[int]:
+    """Wraps the cache's tokenizer call; the list collects the length of every text it is given."""
+    sizes: list[int] = []
+    encode = cache._encode
+
+    def counted(text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        sizes.append(len(text))
+        return encode(text)
+
+    cache._encode = counted
+    return sizes
+
+
+def test_words_seen_in_other_prompts_are_not_tokenized_again(tokenizer: Tokenizer) -> None:
+    cached, cache = plain_and_cached(tokenizer, 10_000)  # no chunk splits: only pieces are reused
+    sizes = counting(cache)
+    assert cached.encode("alpha beta, gamma delta 42") == tokenizer.encode("alpha beta, gamma delta 42")
+    assert sizes == [len("alpha beta, gamma delta 42")]  # unseen: one call for the whole run
+    text = "alpha delta 42 gamma beta,"  # every piece seen, most in another place
+    assert cached.encode(text) == tokenizer.encode(text)
+    assert sizes == [len("alpha beta, gamma delta 42")]
+    text = "alpha  omega beta,\nalpha"  # a space after a space or a newline is no split: two unseen pieces
+    assert cached.encode(text) == tokenizer.encode(text)
+    assert sizes[1:] == [len("  omega beta,\nalpha")]  # "alpha" known; the rest is one run of unseen pieces
+    assert cache.stats().num_piece_hits == 5 + 1
+
+
+def test_many_prompts_sharing_words_equal_the_tokenizer(tokenizer: Tokenizer) -> None:
+    cached, cache = plain_and_cached(tokenizer, 7)
+    rng = random.Random(0)
+    for joiner in (" ", ""):  # words, and runs with added tokens inside pieces
+        for _ in range(300):
+            text = joiner.join(rng.choice(PIECES) for _ in range(rng.randrange(1, 40)))
+            assert cached.encode(text) == tokenizer.encode(text), repr(text)
+    assert cache.stats().num_piece_hits > 2000, cache.stats()
+
+
+def test_pieces_the_tokenizer_did_not_cut_between_are_not_memoised() -> None:
+    def whole(text: str) -> tuple[list[int], list[tuple[int, int]]]:  # one token per text: no cut inside
+        return [len(text)], [(0, len(text))]
+
+    cache = TokenizationCache(whole, {}, split_at_words=True, chunk_chars=1)
+    assert cache.encode("ab cd ef") == [8]
+    assert cache.encode("ab cd ef gh") == [11]
+    stats = cache.stats()
+    assert (stats.num_cached_pieces, stats.num_piece_hits, stats.num_entries) == (0, 0, 2)  # the two texts
+
+
+def test_pieces_are_bounded_in_number_and_length(tokenizer: Tokenizer) -> None:
+    cached, cache = plain_and_cached(tokenizer, 10_000)
+    cache.max_cached_pieces = 10
+    for i in range(100):
+        text = f"word{i} other{i} " + "x" * (MAX_PIECE_CHARS + 1)
+        assert cached.encode(text) == tokenizer.encode(text)
+        assert cache.stats().num_cached_pieces <= 10
+    assert all(len(piece) <= MAX_PIECE_CHARS for piece in cache._pieces)
 
 
 def test_word_splits_are_off_when_an_added_token_holds_a_space() -> None:

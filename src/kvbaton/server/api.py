@@ -15,9 +15,11 @@ import json
 import logging
 import os
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
+import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,7 +40,6 @@ from kvbaton.server.protocol import (
     ChatRequest,
     CompletionRequest,
     TokenText,
-    are_non_negative_ints,
     bad_request,
     chat_logprobs_json,
     completion_logprobs_json,
@@ -109,10 +110,17 @@ class OpenAIServer:
     def _prompt_token_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:
         if isinstance(prompt, str):
             return tuple(self.tokenizer.encode(prompt))
-        # max (and min, unless orjson's rendering proves no id negative) run in C over ints (the protocol layer
-        # checked the types); an empty prompt passes here and is refused by _check_context.
-        if prompt and (max(prompt) >= self.vocab_size or (not are_non_negative_ints(prompt) and min(prompt) < 0)):
-            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        # The protocol layer checked the types (ints, no bools). Packing them as C unsigned ints refuses a
+        # negative id (or one past 2**32 - 1) in C, and numpy's max over the packed ids is several times faster
+        # than max() over Python ints. An empty prompt passes here and is refused by _check_context.
+        if prompt:
+            try:
+                packed = array("I", prompt)
+                out_of_range = bool(np.frombuffer(packed, f"u{packed.itemsize}").max() >= self.vocab_size)
+            except OverflowError:
+                out_of_range = True
+            if out_of_range:
+                raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return prompt
 
     def _check_context(self, num_prompt_tokens: int, sampling: SamplingParams, param: str) -> None:

@@ -92,6 +92,36 @@ class RouteDecision:
     costs: CostTerms | None = None  # set by cost-based policies (preble)
 
 
+_set_terms_load, _set_terms_eviction, _set_terms_prefill = slot_setters(
+    CostTerms, ("load_s", "eviction_s", "prefill_s"))
+(_set_decision_worker, _set_decision_tokens, _set_decision_reason, _set_decision_load,
+ _set_decision_costs) = slot_setters(
+    RouteDecision, ("worker_id", "num_matched_tokens", "reason", "load_tokens", "costs"))
+
+
+def make_cost_terms(load_s: float, eviction_s: float, prefill_s: float) -> CostTerms:
+    """`CostTerms(load_s, eviction_s, prefill_s)` without the frozen `__init__` (kvbaton.cache.fast_init): once
+    per cost-based decision."""
+    terms = object.__new__(CostTerms)
+    _set_terms_load(terms, load_s)
+    _set_terms_eviction(terms, eviction_s)
+    _set_terms_prefill(terms, prefill_s)
+    return terms
+
+
+def make_route_decision(worker_id: WorkerId, num_matched_tokens: int, reason: str, load_tokens: int,
+                        costs: CostTerms | None) -> RouteDecision:
+    """`RouteDecision(worker_id, num_matched_tokens, reason, load_tokens, costs)` without the frozen `__init__`
+    (kvbaton.cache.fast_init): once per decision, from values the policy computed."""
+    decision = object.__new__(RouteDecision)
+    _set_decision_worker(decision, worker_id)
+    _set_decision_tokens(decision, num_matched_tokens)
+    _set_decision_reason(decision, reason)
+    _set_decision_load(decision, load_tokens)
+    _set_decision_costs(decision, costs)
+    return decision
+
+
 class PlacementPolicy(Protocol):
     """Chooses a worker for each request; owns no I/O and no clock."""
 

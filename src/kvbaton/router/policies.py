@@ -10,7 +10,7 @@ import random
 from collections.abc import Sequence
 
 from kvbaton.core.errors import CapacityError, InvalidRequestError
-from kvbaton.router.base import PlacementPolicy, RouteDecision, RouteRequest, WorkerId
+from kvbaton.router.base import PlacementPolicy, RouteDecision, RouteRequest, WorkerId, make_route_decision
 from kvbaton.router.state import RouterState
 
 POLICY_NAMES = ("round_robin", "least_load", "longest_prefix", "preble")
@@ -38,8 +38,7 @@ class BasePolicy:
         return tied[0] if len(tied) == 1 else self.rng.choice(sorted(tied))
 
     def _least_loaded(self, candidates: Sequence[WorkerId]) -> tuple[WorkerId, int]:
-        load_tokens = self.state.load.load_tokens
-        loads = [load_tokens(w) for w in candidates]
+        loads = self.state.load.loads_tokens(candidates)
         lowest = min(loads)
         return self._break_tie([w for w, x in zip(candidates, loads) if x == lowest]), lowest
 
@@ -47,12 +46,10 @@ class BasePolicy:
         self, request: RouteRequest, worker: WorkerId, matched: dict[WorkerId, int], reason: str, now: float
     ) -> RouteDecision:
         num_blocks = matched.get(worker, 0)
-        self.state.commit(request, worker, num_blocks, now)
-        return RouteDecision(
-            worker,
-            self.state.matched_tokens(request, num_blocks),
-            reason,
-            load_tokens=self.state.load.load_tokens(worker),
+        state = self.state
+        state.commit(request, worker, num_blocks, now)
+        return make_route_decision(
+            worker, state.matched_tokens(request, num_blocks), reason, state.load.load_tokens(worker), None
         )
 
 

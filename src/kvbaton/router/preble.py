@@ -18,12 +18,22 @@ from __future__ import annotations
 
 import math
 import random
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
+from operator import itemgetter
 
 from kvbaton.core.errors import CapacityError, InvalidRequestError
-from kvbaton.router.base import CostTerms, RouteDecision, RouteRequest, WorkerId
+from kvbaton.router.base import (
+    CostTerms,
+    RouteDecision,
+    RouteRequest,
+    WorkerId,
+    make_cost_terms,
+    make_route_decision,
+)
 from kvbaton.router.policies import BasePolicy
 from kvbaton.router.state import RouterState
 
@@ -53,6 +63,7 @@ class PrebleConfig:
 _SWEEP_EVERY = 1024  # decisions between sweeps of stale per-group state
 _NO_RECORD = (0.0, None)  # (window load, free blocks) of a worker the load tracker has not seen
 _NEVER_PRICED = (-math.inf, 0.0)  # (mutation count, price) of a worker never priced: always stale
+_AT, _TTFT = itemgetter(0), itemgetter(1)  # of a TTFT sample (at, ttft_s)
 
 
 class TtftTrend:
@@ -74,12 +85,15 @@ class TtftTrend:
         if not samples:
             return False
         self._prune(samples, now)
-        middle = now - self.window_s / 2
-        first = [t for at, t in samples if at < middle]
-        second = [t for at, t in samples if at >= middle]
-        if len(first) < self.min_samples or len(second) < self.min_samples:
+        # Samples are in time order (`now` never goes backwards), so the halves split at one index;
+        # each half is summed in that order, as a list of it would be.
+        num_first = bisect_left(samples, now - self.window_s / 2, key=_AT)
+        num_second = len(samples) - num_first
+        if num_first < self.min_samples or num_second < self.min_samples:
             return False
-        return sum(second) / len(second) >= self.rise_ratio * (sum(first) / len(first))
+        first_s = sum(map(_TTFT, islice(samples, num_first)))
+        second_s = sum(map(_TTFT, islice(samples, num_first, None)))
+        return second_s / num_second >= self.rise_ratio * (first_s / num_first)
 
     def prune_all(self, now: float) -> None:
         """Drop expired samples and empty histories (keeps memory bounded by the groups seen in the window)."""
@@ -153,10 +167,11 @@ class PrebleE2Policy(BasePolicy):
 
         worker, costs = self._least_cost(request, candidates, matched)
         num_blocks = matched.get(worker, 0)
-        state.commit(request, worker, num_blocks, now, group, prefill_s=costs.prefill_s)
-        return RouteDecision(
-            worker, state.matched_tokens(request, num_blocks), reason, state.load.load_tokens(worker), costs
-        )
+        state.commit(request, worker, num_blocks, now, group, costs.prefill_s)
+        num_matched_tokens = num_blocks * state.block_size  # state.matched_tokens, inlined
+        if num_matched_tokens > num_prompt:
+            num_matched_tokens = num_prompt
+        return make_route_decision(worker, num_matched_tokens, reason, state.load.load_tokens(worker), costs)
 
     def _live_set(self, workers: Sequence[WorkerId]) -> frozenset[WorkerId]:
         """`workers` as a set, rebuilt only when the live list changes (callers pass the same list per call)."""
@@ -221,7 +236,7 @@ class PrebleE2Policy(BasePolicy):
         deficit = 0 if free is None else total_blocks - num_blocks - free
         eviction_s = deficit * self._eviction_s_per_block(worker) if deficit > 0 else 0.0
         prefill_s = prefill_by_blocks[num_blocks] if num_blocks else cold_prefill_s
-        return worker, CostTerms(load_s, eviction_s, prefill_s)
+        return worker, make_cost_terms(load_s, eviction_s, prefill_s)
 
     def _eviction_s_per_block(self, worker: WorkerId) -> float:
         """M_i per evicted block: expected recompute of the worker's coldest cached blocks.

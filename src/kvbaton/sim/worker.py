@@ -260,7 +260,8 @@ class SimWorker:
          set_cached_blocks, set_block_size) = _STATS_SETTERS
         set_worker_id(stats, self.worker_id)
         set_queued_tokens(stats, scheduler.num_queued_prefill_tokens())
-        set_used_blocks(stats, max(pool.num_blocks - num_free_blocks - num_cached_blocks, 0))
+        num_used_blocks = pool.num_blocks - num_free_blocks - num_cached_blocks
+        set_used_blocks(stats, num_used_blocks if num_used_blocks > 0 else 0)
         set_free_blocks(stats, num_free_blocks)
         set_running(stats, scheduler.num_running)
         set_waiting(stats, scheduler.num_waiting + len(self.pending_handoffs))

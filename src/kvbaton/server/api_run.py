@@ -87,9 +87,12 @@ class SampleRun:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def _wait(self) -> None:
-        """Until something is pushed (returns at once if an item is already there)."""
-        if not self._items:
+    async def _wait(self, num_seen: int = 0) -> None:
+        """Until the merged stream holds more than `num_seen` items (returns at once if it does). A reader that
+        looks at items without taking them (`start`) passes how many it has looked at: waiting only for a
+        non-empty stream would return at once without yielding, and its loop would spin, holding the event
+        loop, while another sample's first delta is still to come."""
+        if len(self._items) <= num_seen:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
 
@@ -156,7 +159,7 @@ class SampleRun:
         num_read = 0  # items looked at; they stay in the stream for deltas()
         while len(started) < len(self.samples):
             while num_read >= len(self._items):
-                await self._wait()
+                await self._wait(num_read)
             index, item = self._items[num_read]
             num_read += 1
             if isinstance(item, BaseException) and index not in started:

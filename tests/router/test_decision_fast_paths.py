@@ -1,10 +1,9 @@
 """Per-decision shortcuts in the router compute exactly what the plain formulas compute.
 
 - `TtftTrend.is_rising` (halves split by bisection, summed in place) against the list-based rule.
-- `LoadTracker.loads_tokens` against `load_tokens` per worker; the inlined `on_stats`/`on_assigned`
-  keep the flat cost mirror and the per-group sums equal to the tracker's own reads.
-- `RouterState.commit` (inlined arithmetic) records what `matched_tokens`/`num_blocks_needed`/
-  `predicted_work_s` say.
+- `LoadTracker.on_stats`/`on_assigned` keep the flat cost mirror and the per-group sums equal to the
+  tracker's own reads.
+- `RouterState.commit` records what `matched_tokens`/`num_blocks_needed`/`predicted_work_s` say.
 - `make_route_decision`/`make_cost_terms` build values equal to the constructors'.
 """
 
@@ -62,7 +61,7 @@ def test_is_rising_detects_a_rise_and_an_exact_split() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32 - 1))
-def test_loads_tokens_and_inlined_updates_match_the_reads(seed: int) -> None:
+def test_updates_keep_the_tracker_consistent(seed: int) -> None:
     rng = random.Random(seed)
     tracker = LoadTracker(window_s=5.0, pending_grace_s=rng.choice([0.0, 0.3]))
     workers = ["a", "b", "c", "d"]
@@ -77,7 +76,6 @@ def test_loads_tokens_and_inlined_updates_match_the_reads(seed: int) -> None:
             tracker.prune(now)
             tracker.on_assigned(worker, f"r{step}", now, rng.randrange(300), rng.randrange(20), rng.uniform(0.0, 2.0),
                                 rng.choice([None, 1, 2]))
-        assert tracker.loads_tokens(workers) == [tracker.load_tokens(w) for w in workers]
         tracker.check_invariants()
 
 

@@ -97,20 +97,14 @@ class LoadTracker:
 
     # ---- inputs --------------------------------------------------------------------------------
     def on_stats(self, stats: WorkerStats, now: float) -> None:
-        # Once per heartbeat of every worker: `_worker` and `_mirror` inlined.
-        worker = stats.worker_id
-        load = self._workers.get(worker)
-        if load is None:
-            load = self._worker(worker)
+        load = self._worker(stats.worker_id)
         load.stats = stats
-        pending = load.pending
-        if pending:
-            horizon = now - self.pending_grace_s
-            while pending and pending[0][0] <= horizon:
-                _, tokens, blocks = pending.popleft()
-                load.pending_prefill_tokens -= tokens
-                load.pending_blocks -= blocks
-        self._costs[worker] = (load.work_s, stats.num_kv_blocks_free - load.pending_blocks)
+        horizon = now - self.pending_grace_s
+        while load.pending and load.pending[0][0] <= horizon:
+            _, tokens, blocks = load.pending.popleft()
+            load.pending_prefill_tokens -= tokens
+            load.pending_blocks -= blocks
+        self._mirror(stats.worker_id, load)
 
     def on_assigned(
         self,
@@ -123,27 +117,16 @@ class LoadTracker:
         group: int | None = None,
     ) -> None:
         """Record a routing decision: pending tokens/blocks until the next heartbeat, work into the window."""
-        # Once per decision: `_worker`, `_add(load, group, work_s, 1)` and `_mirror` inlined. After an
-        # addition the entry counts are >= 1, so `_add`'s reset-to-zero and delete branches cannot apply.
-        load = self._workers.get(worker)
-        if load is None:
-            load = self._worker(worker)
+        load = self._worker(worker)
         load.pending.append((now, num_prefill_tokens, num_blocks))
         load.pending_prefill_tokens += num_prefill_tokens
         load.pending_blocks += num_blocks
         entry = _Entry(self._num_assigned, now, worker, group, work_s)
         self._num_assigned += 1
         self._window.append(entry)
-        load.num_entries += 1
-        load.work_s = work_s_sum = load.work_s + work_s
-        stats = load.stats
-        self._costs[worker] = (work_s_sum, None if stats is None else stats.num_kv_blocks_free - load.pending_blocks)
+        self._add(load, group, work_s, 1)
+        self._mirror(worker, load)
         if group is not None:
-            slot = load.groups.get(group)
-            if slot is None:
-                slot = load.groups[group] = [0.0, 0]
-            slot[1] += 1
-            slot[0] += work_s
             self._group_entries[group] = self._group_entries.get(group, 0) + 1
             group_window = load.group_window.get(group)
             if group_window is None:
@@ -160,23 +143,6 @@ class LoadTracker:
         return self._requests.get(request_id)
 
     # ---- reads ---------------------------------------------------------------------------------
-    def loads_tokens(self, workers: Sequence[WorkerId]) -> list[int]:
-        """`load_tokens` of each worker, in one pass (least-load placement reads every candidate)."""
-        get = self._workers.get
-        out: list[int] = []
-        for worker in workers:
-            load = get(worker)
-            if load is None:
-                out.append(0)
-                continue
-            stats = load.stats
-            if stats is None:
-                out.append(load.pending_prefill_tokens)
-            else:
-                out.append(stats.num_queued_prefill_tokens + stats.num_kv_blocks_used * stats.block_size
-                           + load.pending_prefill_tokens)
-        return out
-
     def load_tokens(self, worker: WorkerId) -> int:
         load = self._workers.get(worker)
         if load is None:

@@ -38,7 +38,8 @@ class BasePolicy:
         return tied[0] if len(tied) == 1 else self.rng.choice(sorted(tied))
 
     def _least_loaded(self, candidates: Sequence[WorkerId]) -> tuple[WorkerId, int]:
-        loads = self.state.load.loads_tokens(candidates)
+        load_tokens = self.state.load.load_tokens
+        loads = [load_tokens(w) for w in candidates]
         lowest = min(loads)
         return self._break_tie([w for w, x in zip(candidates, loads) if x == lowest]), lowest
 

@@ -168,10 +168,8 @@ class PrebleE2Policy(BasePolicy):
         worker, costs = self._least_cost(request, candidates, matched)
         num_blocks = matched.get(worker, 0)
         state.commit(request, worker, num_blocks, now, group, costs.prefill_s)
-        num_matched_tokens = num_blocks * state.block_size  # state.matched_tokens, inlined
-        if num_matched_tokens > num_prompt:
-            num_matched_tokens = num_prompt
-        return make_route_decision(worker, num_matched_tokens, reason, state.load.load_tokens(worker), costs)
+        return make_route_decision(worker, state.matched_tokens(request, num_blocks), reason,
+                                   state.load.load_tokens(worker), costs)
 
     def _live_set(self, workers: Sequence[WorkerId]) -> frozenset[WorkerId]:
         """`workers` as a set, rebuilt only when the live list changes (callers pass the same list per call)."""

@@ -159,8 +159,7 @@ class GlobalPrefixIndex:
                 path = self._insert(worker, None, block_hashes, count_routed=True)
             self._num_mutations += 1
             self._touch(worker, path)
-            if self._num_blocks > self.max_blocks:  # `_enforce_bound`'s own test, without the call
-                self._enforce_bound()
+            self._enforce_bound()
 
     # ---- KV events -----------------------------------------------------------------------------
     def on_kv_events(self, worker: WorkerId, events: Iterable[KVEvent]) -> bool:
@@ -254,17 +253,11 @@ class GlobalPrefixIndex:
         path: list[_Segment] = []
         parent = start
         depth = 0
-        if walked:  # `_visit` inlined: one routing decision visits every segment of the matched path
-            for segment in walked:
-                holders = segment.workers
-                if worker not in holders:
-                    holders.add(worker)
-                    worker_lru[segment.hashes[0]] = None
-                if count_routed:
-                    segment.num_routed += 1
-                depth += len(segment.hashes)
-            path.extend(walked)
-            parent = walked[-1]
+        for segment in walked or ():
+            self._visit(segment, worker, worker_lru, count_routed)
+            path.append(segment)
+            parent = segment
+            depth += len(segment.hashes)
         total = len(block_hashes)
         while depth < total:
             head = block_hashes[depth]

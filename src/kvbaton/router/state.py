@@ -54,28 +54,17 @@ class RouterState:
 
         `prefill_s`: the predicted prefill of this request on `worker` if the caller has it (see `predicted_work_s`).
         """
-        if request.block_hashes:
-            self.index.on_routed(worker, request.block_hashes)
-        load = self.load
-        load.prune(now)
-        # matched_tokens, num_blocks_needed and predicted_work_s inlined (once per decision), same arithmetic.
-        block_size = self.block_size
-        num_prompt_tokens = request.num_prompt_tokens
-        num_output_tokens = request.num_output_tokens
-        cached = num_matched_blocks * block_size
-        if cached > num_prompt_tokens:
-            cached = num_prompt_tokens
-        num_blocks = -(-(num_prompt_tokens + num_output_tokens) // block_size) - num_matched_blocks
-        if prefill_s is None:
-            prefill_s = self.prefill_model.predict(num_prompt_tokens - cached, cached)
-        load.on_assigned(  # positional: num_prefill_tokens, num_blocks, work_s, group
+        self.index.on_routed(worker, request.block_hashes)
+        self.load.prune(now)
+        cached = self.matched_tokens(request, num_matched_blocks)
+        self.load.on_assigned(
             worker,
             request.request_id,
             now,
-            num_prompt_tokens - cached,
-            num_blocks if num_blocks > 0 else 0,
-            prefill_s + num_output_tokens * self.decode_s_per_token,
-            group,
+            num_prefill_tokens=request.num_prompt_tokens - cached,
+            num_blocks=self.num_blocks_needed(request, num_matched_blocks),
+            work_s=self.predicted_work_s(request, num_matched_blocks, prefill_s),
+            group=group,
         )
 
     def remove_worker(self, worker: WorkerId) -> None:

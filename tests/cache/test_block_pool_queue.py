@@ -71,3 +71,15 @@ def test_release_listing_a_block_twice_frees_it_once_in_order() -> None:
     pool.release([1, 0, 1])  # block 1 had two references
     assert pool.free_block_ids() == [3, 0, 1]
     pool.check_invariants()
+
+
+def test_allocation_spanning_never_allocated_and_freed_ids_keeps_fifo_order() -> None:
+    # The queue is the ids never allocated (in order), then the freed ones: one allocation may take from both.
+    pool = BlockPool(6)
+    assert pool.allocate(2) == [0, 1]
+    pool.release([1, 0])
+    assert pool.free_block_ids() == [2, 3, 4, 5, 1, 0]
+    assert pool.allocate(5) == [2, 3, 4, 5, 1]
+    assert [pool.ref_count(b) for b in range(6)] == [0, 1, 1, 1, 1, 1]
+    assert pool.num_free_blocks == 1 and pool.num_used_blocks == 5
+    pool.check_invariants()

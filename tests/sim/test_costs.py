@@ -144,3 +144,20 @@ def test_roofline_decode_s_is_its_general_price_to_the_last_bit() -> None:
                 assert model.decode_s(num_seqs, context_tokens, parallel) == model._price(
                     num_seqs, num_seqs, context_tokens, context_tokens, parallel)
     assert model.decode_s(0, 100) == 0.0
+
+
+def test_roofline_decode_pricer_is_decode_s_to_the_last_bit() -> None:
+    """The closure the simulator prices steady decode steps with gives decode_s's floats, bound parallelism included."""
+    import random
+
+    rng = random.Random(1)
+    for model_name in sorted(MODELS):
+        model = RooflineCostModel(get_model(model_name), GPUS["h100"])
+        for parallel in (Parallelism(), Parallelism(tp=2), Parallelism(pp=2)):
+            price = model.decode_pricer(parallel)
+            for _ in range(200):
+                num_seqs, context_tokens = rng.randint(1, 4096), rng.randint(1, 2_000_000)
+                assert price(num_seqs, context_tokens) == model.decode_s(num_seqs, context_tokens, parallel)
+            assert price(0, 100) == 0.0
+    constant = ConstantCostModel(0.25)  # the base class's pricer: decode_s itself
+    assert constant.decode_pricer(Parallelism(tp=2))(3, 10) == constant.decode_s(3, 10, Parallelism(tp=2)) == 0.25

@@ -5,10 +5,12 @@ reference. A request holds one reference on each block of its block table; the p
 exactly one reference on each block it caches. A block whose count drops to 0 is free and goes to
 the TAIL of the free queue; `allocate` takes from the HEAD, so the block freed longest ago is reused
 first. A free block can never be referenced (`ref` refuses it), so blocks only ever leave the queue
-at its head: the queue is a plain FIFO, an int list read from a head index (`_free[_head:]`).
-Allocating k blocks is one C-level slice, freeing appends; the consumed prefix is cut off once it
-outgrows the live part, so the list stays O(num_blocks) and every operation is amortised O(1) per
-block. The order is a pure function of the call sequence (no timestamps).
+at its head: the queue is a plain FIFO, the never-allocated ids `_next_fresh..num_blocks-1` (in
+order, where a new pool's queue starts) followed by an int list read from a head index
+(`_free[_head:]`), so a pool of any size is built without listing its ids. Allocating k blocks is
+one C-level slice (or range), freeing appends; the consumed prefix is cut off once it outgrows the
+live part, so the list stays O(num_blocks) and every operation is amortised O(1) per block. The
+order is a pure function of the call sequence (no timestamps).
 
 Misuse (unknown ids, taking a reference on a free block, releasing a free block) raises ValueError
 with nothing changed (`ref` and `release` check as they update, and undo a pass that meets a bad
@@ -34,32 +36,48 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts: list[int] = [0] * num_blocks
-        # The free queue is `_free[_head:]`, head (next to allocate) first; entries before `_head`
-        # were allocated and are dead.
-        self._free: list[int] = list(range(num_blocks))
+        # The free queue is range(_next_fresh, num_blocks) (ids never allocated), then `_free[_head:]` (ids freed,
+        # in the order they were), head (next to allocate) first; entries before `_head` were allocated and are dead.
+        self._next_fresh = 0
+        self._free: list[int] = []
         self._head = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free) - self._head
+        return self.num_blocks - self._next_fresh + len(self._free) - self._head
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - (len(self._free) - self._head)
+        return self._next_fresh - (len(self._free) - self._head)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return 0 <= num_blocks <= len(self._free) - self._head
+        return 0 <= num_blocks <= self.num_blocks - self._next_fresh + len(self._free) - self._head
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` blocks from the head of the free queue, each with ref count 1."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
         head = self._head
-        num_free = len(self._free) - head
+        next_fresh = self._next_fresh
+        num_fresh = self.num_blocks - next_fresh
+        num_free = num_fresh + len(self._free) - head
         if num_blocks > num_free:
             raise CapacityError(f"need {num_blocks} KV blocks but only {num_free} are free")
         if num_blocks == 0:
             return []
+        if num_fresh:  # the never-allocated ids come first
+            if num_blocks <= num_fresh:
+                self._next_fresh = next_fresh + num_blocks
+                self._ref_counts[next_fresh : next_fresh + num_blocks] = [1] * num_blocks
+                return list(range(next_fresh, next_fresh + num_blocks))
+            self._next_fresh = self.num_blocks
+            self._ref_counts[next_fresh:] = [1] * num_fresh
+            return list(range(next_fresh, self.num_blocks)) + self._take_freed(num_blocks - num_fresh)
+        return self._take_freed(num_blocks)
+
+    def _take_freed(self, num_blocks: int) -> list[int]:
+        """`allocate` from the freed part of the queue, which holds at least `num_blocks` (> 0) ids."""
+        head = self._head
         free = self._free
         block_ids = free[head : head + num_blocks]
         head += num_blocks
@@ -172,13 +190,16 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         """The free queue from head (next to be allocated) to tail; O(num_free_blocks), for tests and debugging."""
-        return self._free[self._head :]
+        return list(range(self._next_fresh, self.num_blocks)) + self._free[self._head :]
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the counts and the free queue disagree."""
         assert 0 <= self._head <= len(self._free), f"queue head {self._head} outside 0..{len(self._free)}"
-        queued: set[int] = set()
+        assert 0 <= self._next_fresh <= self.num_blocks, f"fresh ids start at {self._next_fresh}"
         for block_id in self._free[self._head :]:
+            assert block_id < self._next_fresh, f"never-allocated block {block_id} is queued as freed"
+        queued: set[int] = set()
+        for block_id in self.free_block_ids():
             assert 0 <= block_id < self.num_blocks, f"free queue holds invalid id {block_id}"
             assert block_id not in queued, f"block {block_id} is queued twice"
             assert self._ref_counts[block_id] == 0, f"queued block {block_id} has ref {self._ref_counts[block_id]}"
@@ -187,7 +208,7 @@ class BlockPool:
             assert count >= 0, f"block {block_id} has negative ref count {count}"
             if count == 0:
                 assert block_id in queued, f"block {block_id} has ref 0 but is not in the free queue"
-        assert len(self._free) - self._head <= self.num_blocks, "free queue longer than the pool"
+        assert self.num_free_blocks <= self.num_blocks, "free queue longer than the pool"
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

@@ -239,7 +239,7 @@ class RadixCache:
         return self._insert_below(start, token_blocks, block_ids, block_hashes)
 
     def _check_blocks(self, token_blocks: list[BlockTokens], block_ids: Sequence[int]) -> None:
-        if len(token_blocks) != len(block_ids) or any(len(t) != self.block_size for t in token_blocks):
+        if len(token_blocks) != len(block_ids) or set(map(len, token_blocks)) - {self.block_size}:
             raise ValueError(f"{len(token_blocks)} token blocks for {len(block_ids)} block ids; every block "
                              f"must hold {self.block_size} tokens")
 

@@ -7,8 +7,11 @@ no finished request waits to be taken. Then `update_decodes` would only advance 
 token, cache its newly full block, finish nothing and return one `TokenOutput` per request: this
 applies exactly that, without building the outputs, so that an executor that only needs to know the
 step was quiet (the simulator's decode steps, ~half of its events) skips them. Otherwise it changes
-nothing and the caller takes the general `update_decodes`.
-`test_steady_decodes` compares the two paths.
+nothing and the caller takes the general `update_decodes`. Whether a step is quiet is mostly told by the
+requests alone (stop rules, lengths): `num_quiet_steps_ahead` counts how many next steps of one batch are
+quiet that way, so that a caller who checks the rest (the batch is still the running list, nothing finished
+waits) applies them with `apply_quiet_decodes`, untested.
+`test_steady_decodes` compares the two paths; `test_quiet_steps_ahead` the counted steps.
 """
 
 from __future__ import annotations
@@ -64,6 +67,22 @@ def advance_quiet_decodes(scheduler: LocalScheduler, requests: list[Request], to
                 or num_output_tokens >= sampling.max_tokens
                 or len(request.prompt_token_ids) + num_output_tokens >= request.max_model_len):
             return -1
+    return apply_quiet_decodes(scheduler, requests, tokens)
+
+
+def apply_quiet_decodes(scheduler: LocalScheduler, requests: list[Request], tokens: Sequence[SampledToken]) -> int:
+    """`advance_quiet_decodes` of a step the caller knows is quiet, without testing it (`num_quiet_steps_ahead`);
+    returns the same count."""
+    blocks = scheduler.blocks
+    block_size = scheduler.block_size
+    num_growing = 0
+    if blocks.cache is None:
+        for request, token in zip(requests, tokens):
+            num_computed = request.num_computed_tokens = request.num_computed_tokens + 1
+            request.output_token_ids.append(token.token_id)
+            if len(request.block_ids) * block_size <= num_computed:
+                num_growing += 1
+        return num_growing
     # With a prefix cache, `cache_computed_blocks` runs (as in `update_decodes`) only once the request's full
     # blocks outnumber those its cache hold covers; it leaves the request's table as long as it was.
     cache_computed_blocks = blocks.cache_computed_blocks
@@ -77,6 +96,33 @@ def advance_quiet_decodes(scheduler: LocalScheduler, requests: list[Request], to
         if len(request.block_ids) * block_size <= num_computed:
             num_growing += 1
     return num_growing
+
+
+def batch_unchanged(scheduler: LocalScheduler, requests: list[Request]) -> bool:
+    """The scheduler's side of a counted quiet step: `requests` are still exactly its running list (compared by
+    identity) and no finished request waits to be taken."""
+    return not scheduler._finished and scheduler._running == requests
+
+
+def num_quiet_steps_ahead(requests: list[Request]) -> int:
+    """How many next steps of exactly these requests decoding together are quiet as far as the requests tell, whatever
+    tokens they sample: each is running, has output a token, has no stop token ids and cannot end at an
+    end-of-sequence token (ignore_eos, or no eos id), and stays under max_tokens and max_model_len. The rest of
+    quiet is the scheduler's state at each step (they are still its running list, no finished request waits),
+    which the caller checks. Each such step adds one output token, so the count only falls by one per step."""
+    running = RequestStatus.RUNNING
+    num_ahead = -1
+    for request in requests:
+        sampling = request.sampling
+        if (request.status is not running or request.first_token_at is None or sampling.stop_token_ids
+                or (request.eos_token_id is not None and not sampling.ignore_eos)):
+            return 0
+        # A step is quiet while output + 1 < max_tokens and prompt + output + 1 < max_model_len.
+        limit = min(sampling.max_tokens, request.max_model_len - len(request.prompt_token_ids))
+        num_left = limit - 1 - len(request.output_token_ids)
+        if num_ahead < 0 or num_left < num_ahead:
+            num_ahead = num_left
+    return num_ahead if num_ahead > 0 else 0
 
 
 def schedule_decodes_after_quiet(scheduler: LocalScheduler, requests: list[Request],

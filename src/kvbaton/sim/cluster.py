@@ -169,6 +169,7 @@ class ClusterSim:
         self._unreserved: dict[str, deque[_Flight]] = {}  # late reservation: per prefill worker, FIFO
         # Protocol messages for a worker in the middle of a step: as a live worker, it reads them between steps.
         self._inbox: dict[str, list[Delivery]] = {}
+        self._heartbeat_s = config.heartbeat_s  # read at every step's end
         self._records: list[RequestRecord] = []
         self._params: dict[int, SamplingParams] = {}
         # id(part) -> (the part, its ids as Python ints once it has been seen twice): shared prompt parts are
@@ -410,7 +411,7 @@ class ClusterSim:
         # No heartbeat due, no message waiting and no reservation to ask for: nothing happens between a quiet
         # decode step's end and the next step's start, so the worker does both in one call (`quiet_cycle`); the
         # tokens' times and first-token news, which touch neither, follow, then what `_kick` does after a start.
-        if (worker.decodes is not None and now - worker.last_heartbeat_at < self.config.heartbeat_s
+        if (worker.decodes is not None and now - worker.last_heartbeat_at < self._heartbeat_s
                 and not (self._inbox and worker_id in self._inbox)
                 and not (self._unreserved and self._unreserved.get(worker_id))):
             advanced = worker.quiet_cycle(now)

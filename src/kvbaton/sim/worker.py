@@ -6,7 +6,8 @@ meanwhile wait for the next step. A step in which every running request decodes 
 the requests it advances (`LocalScheduler.schedule_decodes`, applied by `update_decodes`), the
 same step without building its StepPlan; the others as a StepPlan. A steady step that ends nothing
 (`kvbaton.scheduler.steady_decodes`) is applied without building its outputs, and the next one is
-scheduled knowing the running list did not change (`quiet_cycle`). Sampled tokens are
+scheduled knowing the running list did not change (`quiet_cycle`); while the same requests keep decoding,
+the steps their limits leave quiet are counted once and applied untested. Sampled tokens are
 deterministic: `token_for(request_id, output_index)` (by default 100 + index mod 1000, never an
 end-of-sequence id in the workloads, which run with ignore_eos and an exact output length).
 """
@@ -28,7 +29,8 @@ from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.router.load import WorkerStats
 from kvbaton.scheduler.fast_values import make_result
 from kvbaton.scheduler.local_scheduler import LocalScheduler, TokenOutput
-from kvbaton.scheduler.steady_decodes import advance_quiet_decodes, schedule_decodes_after_quiet
+from kvbaton.scheduler.steady_decodes import (advance_quiet_decodes, apply_quiet_decodes, batch_unchanged,
+                                              num_quiet_steps_ahead, schedule_decodes_after_quiet)
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.spec import WorkerSpec
 
@@ -58,6 +60,7 @@ class SimWorker:
         self.scheduler = LocalScheduler(scheduler_config, cache_config.block_size, self.pool, self.cache, cache_key)
         self.block_size = cache_config.block_size
         self.cost_model = cost_model
+        self._decode_price = cost_model.decode_pricer(spec.parallel)  # decode_s with this worker's parallelism
         self.token_for = token_for
         # Step-time noise (cost_model.step_noise_sigma, _rho): lognormal with mean 1, from this worker's own
         # stream; its log follows a stationary AR(1) with lag-1 correlation rho (independent steps at rho 0).
@@ -74,6 +77,9 @@ class SimWorker:
         # the next `start_step` schedules with `schedule_decodes_after_quiet`.
         self._quiet: list[Request] | None = None
         self._quiet_num_growing = 0
+        # How many next steps of `decodes`, while its requests stay the scheduler's running list and no finished
+        # request waits, are quiet (`num_quiet_steps_ahead`, counted down): `quiet_cycle` applies those untested.
+        self._num_quiet_ahead = 0
         self.busy = False
         self.step_s = 0.0
         self.step_end_at = 0.0  # when the step in flight ends
@@ -105,13 +111,14 @@ class SimWorker:
         quiet, self._quiet = self._quiet, None
         if quiet is not None:
             decodes = schedule_decodes_after_quiet(scheduler, quiet, self._quiet_num_growing)
+            self._count_quiet_ahead(decodes, quiet)
         else:
+            self._num_quiet_ahead = 0
             decodes = scheduler.schedule_decodes() if self.on_executed is None else None
         if decodes is not None:
             self.decodes = decodes
             # All decodes: the price plan_s would give the same step's plan.
-            self.step_s = self.cost_model.decode_s(len(decodes), scheduler.steady_plan_context_tokens,
-                                                   self.spec.parallel)
+            self.step_s = self._decode_price(len(decodes), scheduler.steady_plan_context_tokens)
         else:
             plan = scheduler.schedule(now)
             if not plan.chunks and (plan.preempted_ids or plan.finished_ids) and scheduler.has_unfinished_requests():
@@ -121,7 +128,7 @@ class SimWorker:
             self.plan = plan
             context_tokens = scheduler.steady_plan_context_tokens
             if context_tokens >= 0:  # all decodes: the same price as plan_s, without reading the chunks again
-                self.step_s = self.cost_model.decode_s(len(plan.chunks), context_tokens, self.spec.parallel)
+                self.step_s = self._decode_price(len(plan.chunks), context_tokens)
             else:
                 self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
         self.busy = True
@@ -158,7 +165,7 @@ class SimWorker:
         decodes = self.decodes
         if decodes is None or self.pending_handoffs:
             return None
-        num_growing = advance_quiet_decodes(self.scheduler, decodes, self._decode_tokens(decodes), now)
+        num_growing = self._advance_quiet(decodes, now)
         if num_growing < 0:
             return None
         self.decodes = None
@@ -177,12 +184,12 @@ class SimWorker:
         decodes = self.decodes
         if decodes is None or self.pending_handoffs:
             return None
-        scheduler = self.scheduler
-        num_growing = advance_quiet_decodes(scheduler, decodes, self._decode_tokens(decodes), now)
+        num_growing = self._advance_quiet(decodes, now)
         if num_growing < 0:
             return None
         self.busy_s += self.step_s
         self.num_steps += 1
+        scheduler = self.scheduler
         following = schedule_decodes_after_quiet(scheduler, decodes, num_growing)
         if following is None:  # it changed nothing: start_step plans the general step
             self.decodes = None
@@ -190,12 +197,35 @@ class SimWorker:
             self.start_step(now)
             return decodes
         self.decodes = following
-        step_s = self.cost_model.decode_s(len(following), scheduler.steady_plan_context_tokens, self.spec.parallel)
+        self._count_quiet_ahead(following, decodes)
+        step_s = self._decode_price(len(following), scheduler.steady_plan_context_tokens)
         if self._rng is not None:
             step_s *= self._noise()
         self.step_s = step_s
         self.step_end_at = now + step_s
         return decodes
+
+    def _advance_quiet(self, decodes: list[Request], now: float) -> int:
+        """`advance_quiet_decodes` of the steady decode in flight, `decodes`, untested while it is known quiet
+        (`_num_quiet_ahead`, which this counts down; else -1 after it: to be counted if the batch stays)."""
+        scheduler = self.scheduler
+        # `_decode_tokens`, inlined for the default tokens
+        tokens = ([_TOKENS[len(request.output_token_ids) % 1000] for request in decodes] if self.token_for is None
+                  else self._decode_tokens(decodes))
+        num_ahead = self._num_quiet_ahead
+        if num_ahead > 0 and batch_unchanged(scheduler, decodes):
+            self._num_quiet_ahead = num_ahead - 1
+            return apply_quiet_decodes(scheduler, decodes, tokens)
+        self._num_quiet_ahead = -1
+        return advance_quiet_decodes(scheduler, decodes, tokens, now)
+
+    def _count_quiet_ahead(self, following: list[Request] | None, decodes: list[Request]) -> None:
+        """`following` is scheduled right after the quiet step of `decodes` (`_advance_quiet`): the same requests
+        keep the count of their quiet steps ahead (counted once), other requests start from none known."""
+        if following is None or following != decodes:
+            self._num_quiet_ahead = 0
+        elif self._num_quiet_ahead < 0:
+            self._num_quiet_ahead = num_quiet_steps_ahead(following)
 
     def take_finished(self) -> list[Request]:
         """Requests that ended outside a step (failed at scheduling time)."""

@@ -105,11 +105,17 @@ class HandoffSource(LegTable[_SourceLeg]):
         if len(src_block_ids) != len(blocks):
             raise ProtocolError(f"transfer {transfer_id}: {len(src_block_ids)} source blocks for {len(blocks)} slots")
         # Every layer of a step streams the same table: after the first, the leg already holds it all.
-        if not leg.held_set.issuperset(src_block_ids):
-            new_block_ids = sorted(set(src_block_ids) - leg.held_set)
+        held_set = leg.held_set
+        if not held_set:  # the first chunk: nothing held yet
+            new_block_ids = sorted(set(src_block_ids))
+        elif held_set.issuperset(src_block_ids):
+            new_block_ids = []
+        else:
+            new_block_ids = sorted(set(src_block_ids) - held_set)
+        if new_block_ids:
             self.pool.ref(new_block_ids)
             leg.held_block_ids.extend(new_block_ids)
-            leg.held_set.update(new_block_ids)
+            held_set.update(new_block_ids)
         leg.lease_expires_at = now + self.lease_s
         dst_block_ids = leg.dst_block_ids[blocks.start:blocks.stop]
         return make_outgoing(leg.peer, make_layer_chunk(transfer_id, self.layout, layer_index, first_position,

@@ -9,7 +9,9 @@ and the total context it attends over. Models are pure values: no clock, no RNG.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.step import StepPlan
@@ -98,6 +100,11 @@ class CostModel(ABC):
         if num_seqs <= 0:
             return 0.0
         return self.step_s(BatchShape(num_decodes=num_seqs, decode_context_tokens=context_tokens), parallel)
+
+    def decode_pricer(self, parallel: Parallelism = Parallelism()) -> Callable[[int, int], float]:
+        """`decode_s` with `parallel` bound: (num_seqs, context_tokens) -> the same seconds. The simulator prices
+        every steady decode step of a worker through one; a model may return a cheaper closure."""
+        return partial(self.decode_s, parallel=parallel)
 
     def kv_bytes(self, num_tokens: int) -> int:
         return num_tokens * self.kv_bytes_per_token

@@ -12,7 +12,9 @@ hand-offs and divides the step by pp (DistServe's steady-state convention, as in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from kvbaton.core.step import StepPlan
 from kvbaton.sim.catalog import GpuSpec, ModelSpec
@@ -108,6 +110,25 @@ class RooflineCostModel(CostModel):
         compute_s = flops * self._s_per_flop
         memory_s = mem_bytes * self._s_per_byte
         return (compute_s if compute_s >= memory_s else memory_s) + self._step_overhead_s
+
+    def decode_pricer(self, parallel: Parallelism = Parallelism()) -> Callable[[int, int], float]:
+        """`decode_s` bound to `parallel`; on one GPU with integer FLOP figures, its arithmetic as a closure over
+        the constants (the same operations in the same order, so the same floats; `test_roofline_decode_pricer`)."""
+        flops_per_seq = self._flops_per_seq
+        if parallel.tp > 1 or parallel.pp > 1 or flops_per_seq is None:
+            return partial(self.decode_s, parallel=parallel)
+        attention_flops_per_pair = self._attention_flops_per_pair
+        weight_bytes, kv_bytes_per_token = self._weight_bytes, self.kv_bytes_per_token
+        s_per_flop, s_per_byte, step_overhead_s = self._s_per_flop, self._s_per_byte, self._step_overhead_s
+
+        def decode_s(num_seqs: int, context_tokens: int) -> float:
+            if num_seqs <= 0:
+                return 0.0
+            compute_s = (flops_per_seq * num_seqs + attention_flops_per_pair * context_tokens) * s_per_flop
+            memory_s = (weight_bytes + kv_bytes_per_token * (context_tokens + num_seqs)) * s_per_byte
+            return (compute_s if compute_s >= memory_s else memory_s) + step_overhead_s
+
+        return decode_s
 
     def _price(self, num_tokens: int, num_sampled: int, attention_pairs: float, context_read: int,
                parallel: Parallelism) -> float:

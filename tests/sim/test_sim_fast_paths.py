@@ -58,10 +58,10 @@ def test_prompt_ids_and_hashes_from_shared_parts_are_the_whole_prompts(parts_of:
                                                                       tenants: list[str], seed: int) -> None:
     sim = ClusterSim(parse_cluster_spec("1xmixed"), ConstantCostModel(0.01), SimConfig(cache=CacheConfig(16, 64)))
     for wr in _workload(parts_of, tenants, np.random.default_rng(seed)) * 2:  # every part seen again
-        prompt = sim._prompt_ids(wr)
+        prompt = sim.prompts.ids(wr)
         assert prompt == wr.prompt_array.tolist()
         key = sim.config.cache_key.with_tenant(wr.tenant)
-        assert sim._hash_prompt(wr, prompt) == hash_prompt(key, prompt, 16)
+        assert sim.prompts.hashed(wr, prompt) == hash_prompt(key, prompt, 16)
 
 
 def test_arrivals_at_the_same_time_are_served_in_the_order_given() -> None:

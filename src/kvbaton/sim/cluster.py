@@ -25,25 +25,28 @@ import heapq
 import random
 from collections.abc import Callable, Sequence
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
-from kvbaton.cache.hashing import CacheKey, HashedBlocks, chain_hashes, hash_prompt, split_blocks
+from kvbaton.cache.hashing import CacheKey
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError, KvbatonError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import StepPlan
-from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, DecodeLoad, DecodeSlot, PrefillLoad
+from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, DecodeLoad, PrefillLoad
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.base import RouteRequest, make_route_request
 from kvbaton.router.policies import create_policy, local_queue_policy
 from kvbaton.router.state import RouterState
-from kvbaton.sim.costs.base import CostModel, Parallelism
+from kvbaton.sim.costs.base import CostModel
+from kvbaton.sim.flight import Flight
 from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs
 from kvbaton.sim.links import get_link
+from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import ClusterSpec
+from kvbaton.sim.stage_loads import decode_load, prefill_load
 from kvbaton.sim.worker import SimWorker, TokenFn
 from kvbaton.transfer.source import num_due_to_reserve
 
@@ -79,41 +82,6 @@ class SimConfig:
             raise InvalidRequestError(f"reserve_ahead_tokens must be >= 0, got {self.reserve_ahead_tokens}")
 
 
-@dataclass(slots=True)
-class _Flight:
-    workload: WorkloadRequest
-    front: str  # worker id of the mixed or prefill worker
-    prompt: list[int]  # wr.prompt_array as a list, converted once (the decode side copies it)
-    prompt_blocks: HashedBlocks | None = None  # its blocks as hashed to route it, handed to the front scheduler
-    decode: str = ""  # decode worker id when disaggregated
-    whole: bool = False  # adaptive pools: `front`, lent to mixed duty, serves it start to end (no handoff)
-    prefill_request: Request | None = None  # waiting for its reservation to be granted
-    attempts: int = 0  # refused reservations so far
-    token_times_s: list[float] = field(default_factory=list)
-    first_token_id: int = 0
-    cached_tokens: int | None = None
-    queue_s: float | None = None
-    transfer_bytes: int = 0
-    at_decode: bool = False  # its KV reached the decode worker
-    reserving: bool = False  # its reservation was asked for (granted or not)
-
-
-class _BoundCost:
-    """A cost model with one worker's parallelism bound: the `StageTimeModel` admission prices with."""
-
-    __slots__ = ("cost_model", "parallel")
-
-    def __init__(self, cost_model: CostModel, parallel: Parallelism) -> None:
-        self.cost_model = cost_model
-        self.parallel = parallel
-
-    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        return self.cost_model.prefill_s(new_tokens, cached_tokens, self.parallel)
-
-    def decode_s(self, num_seqs: int, context_tokens: int) -> float:
-        return self.cost_model.decode_s(num_seqs, context_tokens, self.parallel)
-
-
 @dataclass(frozen=True, slots=True)
 class WorkerReport:
     worker_id: str
@@ -123,11 +91,6 @@ class WorkerReport:
     num_preemptions: int
     prefix_cache_hits_tokens: int
     prefix_cache_queries_tokens: int
-
-
-def stage_time_models(spec: ClusterSpec, cost_model: CostModel) -> dict[str, _BoundCost]:
-    """Per worker id, the step-time model an admission policy for this cluster prices with."""
-    return {w.worker_id: _BoundCost(cost_model, w.parallel) for w in spec.workers}
 
 
 class ClusterSim:
@@ -165,19 +128,14 @@ class ClusterSim:
         self.now = 0.0
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
-        self._flights: dict[str, _Flight] = {}
-        self._unreserved: dict[str, deque[_Flight]] = {}  # late reservation: per prefill worker, FIFO
+        self._flights: dict[str, Flight] = {}
+        self._unreserved: dict[str, deque[Flight]] = {}  # late reservation: per prefill worker, FIFO
         # Protocol messages for a worker in the middle of a step: as a live worker, it reads them between steps.
         self._inbox: dict[str, list[Delivery]] = {}
         self._heartbeat_s = config.heartbeat_s  # read at every step's end
         self._records: list[RequestRecord] = []
         self._params: dict[int, SamplingParams] = {}
-        # id(part) -> (the part, its ids as Python ints once it has been seen twice): shared prompt parts are
-        # converted once. The entry holds the part, so its id cannot be reused by another array.
-        self._part_ids: dict[int, tuple[object, list[int] | None]] = {}
-        # (ids of leading prompt parts, cache key) -> (those parts, their full blocks' token tuples, chained hashes).
-        self._part_hashes: dict[tuple[tuple[int, ...], CacheKey],
-                                tuple[object, tuple[tuple[int, ...], ...], tuple[int, ...]]] = {}
+        self.prompts = SimPrompts(config.cache_key, config.cache.block_size)
         self._on_record: Callable[[RequestRecord], None] | None = None
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -255,9 +213,9 @@ class ClusterSim:
 
     def _on_arrival(self, wr: WorkloadRequest, now: float) -> None:
         rid = wr.request_id
-        prompt = self._prompt_ids(wr)
+        prompt = self.prompts.ids(wr)
         # RouteRequest.from_tokens, keeping the block tuples: the front worker's cache reuses them and the hashes.
-        prompt_blocks = self._hash_prompt(wr, prompt)
+        prompt_blocks = self.prompts.hashed(wr, prompt)
         route = make_route_request(rid, prompt_blocks.block_hashes, len(prompt), wr.output_tokens)
         decode_route = make_route_request(rid, (), route.num_prompt_tokens, wr.output_tokens)
         lent = self._lent_worker(wr, route, now) if self.pools is not None and self.decode_ids else None
@@ -267,7 +225,7 @@ class ClusterSim:
             front = self.workers[self.decode_policy.choose(decode_route, [lent], now).worker_id]
         else:
             front = self.workers[self.policy.choose(route, [lent], now).worker_id]
-        flight = _Flight(wr, front.worker_id, prompt, prompt_blocks, whole=lent is not None, at_decode=lent is not None)
+        flight = Flight(wr, front.worker_id, prompt, prompt_blocks, whole=lent is not None, at_decode=lent is not None)
         self._flights[rid] = flight
         if lent is not None:
             flight.decode = lent if front.spec.role == "decode" else ""
@@ -315,7 +273,7 @@ class ClusterSim:
             self._decode_load, now)
         return lent
 
-    def _admit(self, worker: SimWorker, flight: _Flight, request: Request, now: float) -> None:
+    def _admit(self, worker: SimWorker, flight: Flight, request: Request, now: float) -> None:
         try:
             worker.scheduler.add_request(request, flight.prompt_blocks)
         except KvbatonError as exc:
@@ -342,7 +300,7 @@ class ClusterSim:
         for flight in live[:num_due]:
             self._start_handoff(flight, now)
 
-    def _start_handoff(self, flight: _Flight | None, now: float) -> None:
+    def _start_handoff(self, flight: Flight | None, now: float) -> None:
         if flight is None or flight.prefill_request is None:
             return  # ended while waiting to retry
         flight.reserving = True
@@ -379,7 +337,7 @@ class ClusterSim:
                 front.take_finished()
                 self._fail(flight, f"handoff ended: {event.reason}", now)
 
-    def _adopt(self, flight: _Flight, event: HandoffEvent, now: float) -> None:
+    def _adopt(self, flight: Flight, event: HandoffEvent, now: float) -> None:
         wr = flight.workload
         adopted = event.adopted
         assert adopted is not None
@@ -490,58 +448,6 @@ class ClusterSim:
 
     # ---- bookkeeping ------------------------------------------------------------------------------------
 
-    def _prompt_ids(self, wr: WorkloadRequest) -> list[int]:
-        """`wr.prompt_array.tolist()`, the ids of a part that requests share (a tool schema, a document)
-        converted to Python ints once: from its second use on they are copied from the kept list."""
-        parts = wr.prompt_parts
-        if len(parts) == 1:
-            return parts[0].tolist()
-        part_ids = self._part_ids
-        prompt: list[int] = []
-        for part in parts:
-            key = id(part)
-            entry = part_ids.get(key)
-            if entry is None:
-                part_ids[key] = (part, None)
-                prompt += part.tolist()
-                continue
-            ids = entry[1]
-            if ids is None:
-                ids = part.tolist()
-                part_ids[key] = (part, ids)
-            prompt += ids
-        return prompt
-
-    def _hash_prompt(self, wr: WorkloadRequest, prompt: list[int]) -> HashedBlocks:
-        """`hash_prompt` of `prompt` under the request's key, with the full blocks of leading parts that requests
-        share (all parts but the last, else the first: a system prompt, a tool schema, a document) split and
-        hashed once per key; the rest of the chain continues from their last hash, as hash_prompt would."""
-        key = self.config.cache_key.with_tenant(wr.tenant)
-        block_size = self.config.cache.block_size
-        parts = wr.prompt_parts
-        if len(parts) == 1:
-            return hash_prompt(key, prompt, block_size)
-        heads = (parts[:-1], parts[:1]) if len(parts) > 2 else (parts[:1],)
-        memo = self._part_hashes
-        missed = []
-        for head in heads:  # longest first
-            memo_key = (tuple(map(id, head)), key)
-            entry = memo.get(memo_key)
-            if entry is not None:
-                _, token_blocks, block_hashes = entry
-                rest_blocks = split_blocks(prompt[len(token_blocks) * block_size:], block_size)
-                blocks = HashedBlocks(key, block_size, token_blocks + tuple(rest_blocks),
-                                      block_hashes + tuple(chain_hashes(block_hashes[-1], rest_blocks)))
-                break
-            missed.append((memo_key, head))
-        else:
-            blocks = hash_prompt(key, prompt, block_size)
-        for memo_key, head in missed:  # each entry keeps its parts alive, so their ids cannot be reused
-            num_blocks = sum(map(len, head)) // block_size
-            if num_blocks:
-                memo[memo_key] = (head, blocks.token_blocks[:num_blocks], blocks.block_hashes[:num_blocks])
-        return blocks
-
     def _sampling(self, max_tokens: int) -> SamplingParams:
         params = self._params.get(max_tokens)
         if params is None:
@@ -561,7 +467,7 @@ class ClusterSim:
                 if not state.index.on_kv_events(worker.worker_id, events):
                     state.index.apply_snapshot(worker.worker_id, worker.cache.snapshot())
 
-    def _finish_policies(self, flight: _Flight, now: float) -> None:
+    def _finish_policies(self, flight: Flight, now: float) -> None:
         if self.handoffs is not None:
             self.handoffs.cancel(flight.workload.request_id, now)
             self.handoffs.bytes_of.pop(flight.workload.request_id, None)
@@ -569,7 +475,7 @@ class ClusterSim:
         if flight.decode:
             self.decode_policy.on_finished(flight.workload.request_id, now)
 
-    def _complete(self, flight: _Flight, now: float) -> None:
+    def _complete(self, flight: Flight, now: float) -> None:
         self._finish_policies(flight, now)
         wr = flight.workload
         times = tuple(flight.token_times_s)
@@ -581,7 +487,7 @@ class ClusterSim:
             output_tokens=len(times), first_token_s=times[0], token_times_s=times, finish_s=now,
             queue_s=flight.queue_s, worker_ids=workers, transfer_bytes=flight.transfer_bytes))
 
-    def _fail(self, flight: _Flight, reason: str, now: float) -> None:
+    def _fail(self, flight: Flight, reason: str, now: float) -> None:
         self._finish_policies(flight, now)
         wr = flight.workload
         self._emit(RequestRecord(
@@ -591,51 +497,13 @@ class ClusterSim:
             transfer_bytes=flight.transfer_bytes))
 
     def _prefill_load(self, worker_id: str) -> PrefillLoad:
-        """What the router knows of a worker's prefill queue: its uncomputed prompt tokens, prompt by prompt."""
-        scheduler = self.workers[worker_id].scheduler
-        # Handoffs not yet granted (waiting for their turn to reserve, or for the grant) queue here too.
-        queue = scheduler.queued_prefills() + tuple(
-            (f.workload.num_prompt_tokens, 0) for f in self._flights.values()
-            if f.front == worker_id and f.prefill_request is not None)
-        return PrefillLoad(worker_id, sum(new_tokens for new_tokens, _ in queue), queue)
+        return prefill_load(self.workers[worker_id], self._flights.values())
 
     def _decode_load(self, decode_id: str, exclude: str = "") -> DecodeLoad:
-        """What the router knows of a decode worker: the requests it streams and those it routed there, the latter
-        with when their KV should arrive: their prefill worker drains, first come first served, the prompt tokens
-        still to compute of everything routed to it before them, and theirs."""
-        decoding: list[DecodeSlot] = []
-        incoming: list[DecodeSlot] = []
-        # Per prefill worker, the seconds of prefill up to and including this flight's: each prompt computed alone,
-        # one after another (`admission.queue_drain_s`).
-        queued_s: dict[str, float] = {}
-        for flight in self._flights.values():  # in arrival order (inserted at arrival)
-            wr = flight.workload
-            if not flight.at_decode and not flight.whole:
-                done_tokens = 0
-                if flight.prefill_request is None:  # else waiting for its reservation: nothing computed yet
-                    request = self.workers[flight.front].scheduler.get_request(wr.request_id)
-                    done_tokens = wr.num_prompt_tokens if request is None else request.num_computed_tokens
-                left_tokens = wr.num_prompt_tokens - done_tokens
-                if left_tokens > 0:
-                    parallel = self.workers[flight.front].spec.parallel
-                    queued_s[flight.front] = (queued_s.get(flight.front, 0.0)
-                                              + self.cost_model.prefill_s(left_tokens, done_tokens, parallel))
-                else:
-                    queued_s.setdefault(flight.front, 0.0)
-            if (flight.decode != decode_id and not (flight.whole and flight.front == decode_id)
-                    or wr.request_id == exclude):
-                continue
-            num_done = len(flight.token_times_s)
-            if flight.at_decode:
-                decoding.append(DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done))
-            else:
-                incoming.append(DecodeSlot(wr.num_prompt_tokens + num_done, wr.output_tokens - num_done,
-                                           queued_s[flight.front], holds_kv=flight.reserving))
-        worker = self.workers[decode_id]
-        return DecodeLoad(decode_id, tuple(decoding), tuple(incoming), worker.pool.num_blocks * worker.block_size,
-                          reserves_on_arrival=self.config.reserve_ahead_tokens is None)
+        return decode_load(decode_id, self._flights.values(), self.workers, self.cost_model,
+                           self.config.reserve_ahead_tokens is None, exclude)
 
-    def _reject(self, flight: _Flight, reason: str, now: float) -> None:
+    def _reject(self, flight: Flight, reason: str, now: float) -> None:
         self._finish_policies(flight, now)
         wr = flight.workload
         times = tuple(flight.token_times_s)

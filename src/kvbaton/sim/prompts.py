@@ -1,0 +1,78 @@
+"""A simulated request's prompt as token ids and hashed blocks, with the parts requests share converted once.
+
+Workload prompts are lists of parts (`WorkloadRequest.prompt_parts`: a system prompt, a tool schema, a
+document, then the request's own text), and many requests share their leading parts. Converting and
+hashing those again for every arrival is most of an arrival's cost in the simulator; `SimPrompts`
+keeps each shared part's ids once it is seen twice, and each shared head's full blocks and chained
+hashes once per cache key. The results are exactly `wr.prompt_array.tolist()` and `hash_prompt`'s
+(`test_sim_fast_paths`).
+"""
+
+from __future__ import annotations
+
+from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.cache.hashing import CacheKey, HashedBlocks, chain_hashes, hash_prompt, split_blocks
+
+
+class SimPrompts:
+    def __init__(self, cache_key: CacheKey, block_size: int) -> None:
+        self.cache_key = cache_key
+        self.block_size = block_size
+        # id(part) -> (the part, its ids as Python ints once it has been seen twice): shared prompt parts are
+        # converted once. The entry holds the part, so its id cannot be reused by another array.
+        self._part_ids: dict[int, tuple[object, list[int] | None]] = {}
+        # (ids of leading prompt parts, cache key) -> (those parts, their full blocks' token tuples, chained hashes).
+        self._part_hashes: dict[tuple[tuple[int, ...], CacheKey],
+                                tuple[object, tuple[tuple[int, ...], ...], tuple[int, ...]]] = {}
+
+    def ids(self, wr: WorkloadRequest) -> list[int]:
+        """`wr.prompt_array.tolist()`, the ids of a part that requests share (a tool schema, a document)
+        converted to Python ints once: from its second use on they are copied from the kept list."""
+        parts = wr.prompt_parts
+        if len(parts) == 1:
+            return parts[0].tolist()
+        part_ids = self._part_ids
+        prompt: list[int] = []
+        for part in parts:
+            key = id(part)
+            entry = part_ids.get(key)
+            if entry is None:
+                part_ids[key] = (part, None)
+                prompt += part.tolist()
+                continue
+            ids = entry[1]
+            if ids is None:
+                ids = part.tolist()
+                part_ids[key] = (part, ids)
+            prompt += ids
+        return prompt
+
+    def hashed(self, wr: WorkloadRequest, prompt: list[int]) -> HashedBlocks:
+        """`hash_prompt` of `prompt` under the request's key, with the full blocks of leading parts that requests
+        share (all parts but the last, else the first: a system prompt, a tool schema, a document) split and
+        hashed once per key; the rest of the chain continues from their last hash, as hash_prompt would."""
+        key = self.cache_key.with_tenant(wr.tenant)
+        block_size = self.block_size
+        parts = wr.prompt_parts
+        if len(parts) == 1:
+            return hash_prompt(key, prompt, block_size)
+        heads = (parts[:-1], parts[:1]) if len(parts) > 2 else (parts[:1],)
+        memo = self._part_hashes
+        missed = []
+        for head in heads:  # longest first
+            memo_key = (tuple(map(id, head)), key)
+            entry = memo.get(memo_key)
+            if entry is not None:
+                _, token_blocks, block_hashes = entry
+                rest_blocks = split_blocks(prompt[len(token_blocks) * block_size:], block_size)
+                blocks = HashedBlocks(key, block_size, token_blocks + tuple(rest_blocks),
+                                      block_hashes + tuple(chain_hashes(block_hashes[-1], rest_blocks)))
+                break
+            missed.append((memo_key, head))
+        else:
+            blocks = hash_prompt(key, prompt, block_size)
+        for memo_key, head in missed:  # each entry keeps its parts alive, so their ids cannot be reused
+            num_blocks = sum(map(len, head)) // block_size
+            if num_blocks:
+                memo[memo_key] = (head, blocks.token_blocks[:num_blocks], blocks.block_hashes[:num_blocks])
+        return blocks

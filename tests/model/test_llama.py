@@ -297,3 +297,21 @@ def test_linear_matches_f_linear(dtype: torch.dtype) -> None:
         got = Linear(weight, bias)(x)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight, bias).float(), rtol=2e-2, atol=5e-2)
+
+
+def test_between_layers_hook_runs_after_every_layer_and_changes_nothing(tiny) -> None:
+    """The serving loop's mid-step hook (`LlamaModel.forward(between_layers=...)`): once per layer, same output."""
+    model, _ = tiny
+    calls: list[int] = []
+
+    def forward(hook):  # noqa: ANN001, ANN202 - a test helper
+        runner = PagedGreedy(model, 16)
+        prompt = PROMPTS[3]
+        meta = AttentionMetadata.build([SequenceSlice(0, len(prompt), tuple(range(3)))], 16)
+        with torch.inference_mode():
+            return model(torch.tensor(prompt), torch.tensor(range(len(prompt))), meta, runner.kv_cache, hook)
+
+    plain = forward(None)
+    hooked = forward(lambda: calls.append(1))
+    assert len(calls) == model.config.num_layers
+    torch.testing.assert_close(hooked, plain, atol=0, rtol=0)

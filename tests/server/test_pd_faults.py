@@ -127,7 +127,7 @@ def test_cancellation_in_each_state_frees_both_workers(tiny: LoadedModel, stage:
         if stage == "prefilling":  # slow the prefill worker's steps so the cancel lands between chunks
             engine = workers["p0"].worker.engine
             execute = engine.runner.execute
-            engine.runner.execute = lambda plan: (time.sleep(0.05), execute(plan))[1]
+            engine.runner.execute = lambda plan, *hook: (time.sleep(0.05), execute(plan, *hook))[1]
         stream = cluster.generate(GenerateCall("c-0", tuple(long_prompt), greedy(500), 0.0))
         consumer = asyncio.ensure_future(stream.__anext__())
         decode = workers["d0"].worker.decode

@@ -80,6 +80,8 @@ class Engine:
         # Called with each executed plan before the scheduler applies it: the KV of the plan's chunks is
         # written and their block tables are still held, so a prefill worker can stream them (handoff).
         self.on_executed: Callable[[StepPlan], None] | None = None
+        # Called after each layer of a step's forward (the serving loop's look at its messages mid-step).
+        self.between_layers: Callable[[], None] | None = None
         self.last_plan: StepPlan | None = None  # the plan of the latest step (serving workers log its shape)
 
     @property
@@ -164,7 +166,7 @@ class Engine:
         sampled: dict[str, SampledToken] = {}
         started = time.perf_counter()
         if plan.chunks:
-            logits, row_ids = self.runner.execute(plan)
+            logits, row_ids = self.runner.execute(plan, self.between_layers)
             if self.on_executed is not None:
                 self.on_executed(plan)
             if row_ids:

@@ -6,6 +6,8 @@ last position of chunks that sample is projected to the vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvbaton.core.step import StepPlan
@@ -21,8 +23,10 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[str]]:
-        """Returns (logits [N, vocab] float32, request ids of those N rows in plan order)."""
+    def execute(self, plan: StepPlan,
+                between_layers: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[str]]:
+        """Returns (logits [N, vocab] float32, request ids of those N rows in plan order); `between_layers` is
+        called after each layer of the forward (`LlamaModel.forward`)."""
         token_ids: list[int] = []
         positions: list[int] = []
         seqs: list[SequenceSlice] = []
@@ -38,7 +42,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(seqs, self.storage.block_size, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, position_ids, meta, self.storage.kv_cache)
+        hidden = self.model(input_ids, position_ids, meta, self.storage.kv_cache, between_layers)
         if not sample_rows:
             return torch.empty(0, 0), []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

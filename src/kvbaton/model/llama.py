@@ -9,7 +9,7 @@ state dict and only fuses q/k/v and gate/up into single matmuls (prepacked for o
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -170,8 +170,13 @@ class LlamaModel(torch.nn.Module):
         with torch.inference_mode(False), torch.no_grad():
             return cls(config, weights)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
-        """[T] ids and positions in `meta`'s order -> final-normed hidden states [T, hidden]."""
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor,
+                between_layers: Callable[[], None] | None = None) -> Tensor:
+        """[T] ids and positions in `meta`'s order -> final-normed hidden states [T, hidden].
+
+        `between_layers`, when given, is called after each layer (as vLLM's layer-wise KV connector hooks are):
+        the serving loop's chance to act on messages during a long forward. It must not touch this step's
+        inputs or KV."""
         if positions.numel() and int(positions.max()) >= self.rope_cos.shape[0]:
             raise ValueError(f"position beyond max_position_embeddings={self.rope_cos.shape[0]}")
         hidden = F.embedding(input_ids, self.embed_tokens)
@@ -179,6 +184,8 @@ class LlamaModel(torch.nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer_index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, meta, kv_cache[layer_index])
+            if between_layers is not None:
+                between_layers()
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -1,7 +1,8 @@
 """One worker process: registers with the router, then runs the engine loop and streams results back.
 
 Loop invariant: while the engine has work, messages are drained without blocking between steps
-and every step's outputs go out as one `TokenDeltas` frame; while idle the worker blocks on
+(a prefill worker also looks between the layers of a step, and sends a new handoff's KV reservation
+at once; other messages wait for the step's end) and every step's outputs go out as one `TokenDeltas` frame; while idle the worker blocks on
 the socket for at most `idle_poll_s`. A heartbeat (`Stats`, plus new `KVEvents`) goes out every
 `heartbeat_interval_s` either way. The worker exits on `Shutdown` (aborting what is left, so every
 request still gets its final delta) or when the router has been silent for `router_timeout_s`.
@@ -98,6 +99,7 @@ class Worker:
         self.decode: DecodeHandoffs | None = None
         self._decode_kv: DecodeKV | None = None
         self._prefill_links: PrefillLinks | None = None
+        self._deferred: list[rpc.Message] = []  # read between two layers of a step, handled after it (`_drain`)
 
     def register_message(self) -> rpc.Register:
         cfg = self.config
@@ -127,6 +129,8 @@ class Worker:
                 self._prefill_links = PrefillLinks(cfg.worker_id, layout, cfg.transfer_faults, self._clock)
                 self.prefill = PrefillHandoffs(self.engine, layout, self._prefill_links, self._prefill_links.connect,
                                                cfg.kv_lease_s, self._clock, cfg.reserve_ahead_tokens)
+                if cfg.reserve_ahead_tokens is None:  # a late reservation waits for its turn between steps anyway
+                    self.engine.between_layers = lambda: self._read_mid_step(socket)
             return self._serve(socket, ack.heartbeat_interval_s)
         finally:
             socket.close()
@@ -202,6 +206,10 @@ class Worker:
         return self._stopping
 
     def _drain(self, socket: zmq.Socket) -> None:
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for message in deferred:
+                self._handle(socket, message)
         while not self._stopping:
             try:
                 payload = socket.recv(zmq.NOBLOCK)
@@ -209,6 +217,21 @@ class Worker:
                 return
             self._last_router_at = self._clock()
             self._handle(socket, rpc.decode(payload))
+
+    def _read_mid_step(self, socket: zmq.Socket) -> None:
+        """Between two layers of a prefill worker's step: a handoff routed here asks its decode worker for blocks
+        now instead of after the step, so the reservation's round trip overlaps the step (the simulator's model:
+        a handoff reserves as it arrives). Only `PrefillHandoffs.submit` runs here, which touches the handoff
+        legs and the transport, not the engine; every other message waits for `_drain`, in arrival order. A
+        handoff is the first message about its request, so taking it ahead of deferred ones reorders nothing
+        that concerns one request."""
+        while not self._stopping and socket.get(zmq.EVENTS) & zmq.POLLIN:
+            message = rpc.decode(socket.recv(zmq.NOBLOCK))
+            self._last_router_at = self._clock()
+            if isinstance(message, rpc.AddRequest) and message.decode_worker and self.prefill is not None:
+                self._add_handoff(socket, message)
+            else:
+                self._deferred.append(message)
 
     def _handle(self, socket: zmq.Socket, message: rpc.Message) -> None:
         engine = self.engine

@@ -2,10 +2,11 @@
 
 Loop invariant: while the engine has work, messages are drained without blocking between steps
 (a prefill worker also looks between the layers of a step, and sends a new handoff's KV reservation
-at once; other messages wait for the step's end) and every step's outputs go out as one `TokenDeltas` frame; while idle the worker blocks on
-the socket for at most `idle_poll_s`. A heartbeat (`Stats`, plus new `KVEvents`) goes out every
-`heartbeat_interval_s` either way. The worker exits on `Shutdown` (aborting what is left, so every
-request still gets its final delta) or when the router has been silent for `router_timeout_s`.
+at once; other messages wait for the step's end) and every step's outputs go out as one
+`TokenDeltas` frame; while idle the worker blocks on the socket for at most `idle_poll_s`. A
+heartbeat (`Stats`, plus new `KVEvents`) goes out every `heartbeat_interval_s` either way. The
+worker exits on `Shutdown` (aborting what is left, so every request still gets its final delta) or
+when the router has been silent for `router_timeout_s`.
 
 Roles: `mixed` runs whole requests; `prefill` also runs handoffs (prefill, stream the KV to the decode
 worker the router named, report legs that end without the KV); `decode` also owns KV storage that

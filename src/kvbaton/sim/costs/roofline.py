@@ -54,6 +54,9 @@ class RooflineCostModel(CostModel):
         # products for non-integer figures, where grouping could round differently.
         per_seq = (self._flops_per_token, self._flops_per_sampled_row)
         self._flops_per_seq = sum(per_seq) if all(type(x) is int for x in per_seq) else None
+        # decode_s on one GPU with those integer figures, as a closure over the constants: decode_s calls it and
+        # `decode_pricer` hands it out (the simulator prices every steady decode step with it).
+        self._one_gpu_decode_s = self._one_gpu_decode_pricer() if self._flops_per_seq is not None else None
 
     def step_s(self, shape: BatchShape, parallel: Parallelism = Parallelism()) -> float:
         prefill_new_tokens = shape.prefill_new_tokens
@@ -97,26 +100,29 @@ class RooflineCostModel(CostModel):
             return 0.0
         if parallel.tp > 1 or parallel.pp > 1:
             return self._price(num_seqs, num_seqs, context_tokens, context_tokens, parallel)
-        # _price's first lines for one GPU, the same floats (the simulator prices every steady decode step
-        # here; `test_roofline_decode_s_is_price` holds the two equal): the FLOPs are an exact int either way,
-        # and the divisions by tp = pp = 1 are exact, so they are left out.
-        flops_per_seq = self._flops_per_seq
-        if flops_per_seq is not None:
-            flops = flops_per_seq * num_seqs + self._attention_flops_per_pair * context_tokens
-        else:
-            flops = (self._flops_per_token * num_seqs + self._flops_per_sampled_row * num_seqs
-                     + self._attention_flops_per_pair * context_tokens)
+        # _price's first lines for one GPU, the same floats (`test_roofline_decode_s_is_price` holds the two
+        # equal): the FLOPs are an exact int either way, and the divisions by tp = pp = 1 are exact, so they are
+        # left out.
+        one_gpu_decode_s = self._one_gpu_decode_s
+        if one_gpu_decode_s is not None:
+            return one_gpu_decode_s(num_seqs, context_tokens)
+        flops = (self._flops_per_token * num_seqs + self._flops_per_sampled_row * num_seqs
+                 + self._attention_flops_per_pair * context_tokens)
         mem_bytes = self._weight_bytes + self.kv_bytes_per_token * (context_tokens + num_seqs)
         compute_s = flops * self._s_per_flop
         memory_s = mem_bytes * self._s_per_byte
         return (compute_s if compute_s >= memory_s else memory_s) + self._step_overhead_s
 
     def decode_pricer(self, parallel: Parallelism = Parallelism()) -> Callable[[int, int], float]:
-        """`decode_s` bound to `parallel`; on one GPU with integer FLOP figures, its arithmetic as a closure over
-        the constants (the same operations in the same order, so the same floats; `test_roofline_decode_pricer`)."""
-        flops_per_seq = self._flops_per_seq
-        if parallel.tp > 1 or parallel.pp > 1 or flops_per_seq is None:
+        """`decode_s` bound to `parallel`: on one GPU with integer FLOP figures, the closure decode_s itself calls
+        (`test_roofline_decode_pricer`)."""
+        if parallel.tp > 1 or parallel.pp > 1 or self._one_gpu_decode_s is None:
             return partial(self.decode_s, parallel=parallel)
+        return self._one_gpu_decode_s
+
+    def _one_gpu_decode_pricer(self) -> Callable[[int, int], float]:
+        """decode_s's arithmetic for one GPU and integer per-sequence FLOPs, bound to this model's constants."""
+        flops_per_seq = self._flops_per_seq
         attention_flops_per_pair = self._attention_flops_per_pair
         weight_bytes, kv_bytes_per_token = self._weight_bytes, self.kv_bytes_per_token
         s_per_flop, s_per_byte, step_overhead_s = self._s_per_flop, self._s_per_byte, self._step_overhead_s

@@ -244,3 +244,28 @@ def test_late_reservation_cancel_and_lease_while_waiting_for_a_turn(tiny: Loaded
 def test_negative_reserve_ahead_is_refused(tiny: LoadedModel) -> None:
     with pytest.raises(KvbatonError):
         Pair(tiny, reserve_ahead_tokens=-1)
+
+
+def test_decode_worker_grants_between_the_layers_of_its_step(tiny: LoadedModel) -> None:
+    """The decode worker pumps the transport between two layers (`DecodeHandoffs.pump` as the engine's hook): a
+    reservation that arrives while a step runs is granted in that step; adoption still waits for `poll`."""
+    pair = Pair(tiny)
+    pair.decode.between_layers = pair.d.pump
+    pair.submit("r0", PROMPTS[0], greedy(20))
+    for _ in range(40):  # until r0 decodes on the decode engine
+        pair.round()
+        pair.clock.now_s += 0.01
+        if pair.decode.has_unfinished_requests():
+            break
+    assert pair.decode.has_unfinished_requests()
+    pair.submit("r1", PROMPTS[1], greedy())  # its ReserveRequest is on the way to the decode worker
+    assert pair.d.destination.num_reserved_blocks == 0
+    outputs = pair.decode.step()  # the reservation is granted between two layers of this step
+    assert pair.d.destination.num_reserved_blocks == -(-len(PROMPTS[1]) // BLOCK_SIZE)
+    assert [out.request_id for out in outputs] == ["r0"]  # r1 is not adopted mid-step
+    for out in outputs:
+        pair.outputs.setdefault(out.request_id, []).append(out)
+    pair.run()
+    assert pair.tokens("r0") == colocated_tokens(tiny, PROMPTS[0], greedy(20))
+    assert pair.tokens("r1") == colocated_tokens(tiny, PROMPTS[1], greedy())
+    pair.assert_nothing_held()

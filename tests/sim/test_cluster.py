@@ -195,9 +195,10 @@ def test_late_reservation_holds_decode_kv_only_for_prefills_about_to_run() -> No
             assert worker.pool.num_used_blocks == (worker.cache.num_cached_blocks if worker.cache else 0)
         peaks[mode] = peak[0]
     # Eager: every prompt of the burst holds its 4 blocks on the decode worker while it waits for the prefill
-    # worker; late: only the one being prefilled and the next (64 tokens ahead at most).
+    # worker; late: only the one being prefilled and the next (64 tokens ahead at most), and one whose KV is
+    # complete and waits for the end of the decode worker's step in flight to be adopted.
     assert peaks["eager"] == 30 * 4
-    assert peaks["late"] <= 2 * 4
+    assert peaks["late"] <= 3 * 4
 
 
 def test_reserve_ahead_must_not_be_negative() -> None:

@@ -85,11 +85,19 @@ class DecodeHandoffs:
         send_all(self.transport, self.destination.fail(transfer_id_of(request_id), self._clock(), reason))
         return self._fall_back(entry, f"prefill worker {entry.prefill_worker}: {reason}", force_recompute=refused)
 
-    def poll(self, timeout_s: float = 0.0) -> list[RequestOutput]:
-        """Apply transfer messages, expire leases, adopt completed transfers; returns outputs to stream."""
-        now = self._clock()
-        pump_destination(self.transport, self.destination, now, timeout_s)
+    def pump(self, timeout_s: float = 0.0) -> None:
+        """Apply transfer messages and expire leases: grant or refuse reservations, take KV as it arrives, ack
+        complete legs. It touches the handoff legs, the transport and the engine's BlockPool (reserved blocks are
+        allocated or freed), never the scheduler, so the worker also calls it between two layers of a step: a
+        prefill worker's reservation is granted within a layer's time instead of after the step in flight.
+        Adopting what completed waits for `poll`, between steps."""
+        pump_destination(self.transport, self.destination, self._clock(), timeout_s)
         self.counters.num_refused = self.destination.num_refusals
+
+    def poll(self, timeout_s: float = 0.0) -> list[RequestOutput]:
+        """`pump`, then settle cancelled legs and adopt completed transfers; returns outputs to stream."""
+        self.pump(timeout_s)
+        now = self._clock()
         for request_id, at in sorted(self._cancelled_at.items()):
             if self._state(request_id) is not None:  # a reservation that arrived after the cancel
                 send_all(self.transport, self.destination.cancel(transfer_id_of(request_id), now))

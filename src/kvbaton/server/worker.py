@@ -126,6 +126,7 @@ class Worker:
             if self._decode_kv is not None:
                 self.decode = DecodeHandoffs(self.engine, layout, self._decode_kv.receiver, cfg.kv_lease_s,
                                              self._clock)
+                self.engine.between_layers = self.decode.pump  # grants and KV between layers; adoption after
             if cfg.role == "prefill":
                 self._prefill_links = PrefillLinks(cfg.worker_id, layout, cfg.transfer_faults, self._clock)
                 self.prefill = PrefillHandoffs(self.engine, layout, self._prefill_links, self._prefill_links.connect,

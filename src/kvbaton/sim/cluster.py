@@ -9,7 +9,8 @@ Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
   prefill  -> the real handoff protocol (`sim/handoff.py`): reserve on the decode worker (or be
               refused and retry: backpressure), then the prefill runs with max_tokens=1 and
               streams its KV over the prefill worker's egress link (FIFO: transfers contend);
-              on the ack the decode worker adopts the blocks (`LocalScheduler.admit_prefilled`)
+              on the ack (sent as the last message arrives, even mid-step) the decode worker
+              adopts the blocks after its step in flight (`LocalScheduler.admit_prefilled`)
               and decodes from the first token. A request of one output token skips the handoff.
 With an admission policy (`kvbaton.router.admission`), arrivals it refuses, and prefilled requests
 the decode stage refuses when their KV arrives (its blocks released), end as `rejected` records.
@@ -48,6 +49,7 @@ from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import ClusterSpec
 from kvbaton.sim.stage_loads import decode_load, prefill_load
 from kvbaton.sim.worker import SimWorker, TokenFn
+from kvbaton.transfer import AdoptedKV
 from kvbaton.transfer.source import num_due_to_reserve
 
 _ARRIVAL, _STEP_DONE, _DELIVERY, _RETRY = 0, 1, 2, 3
@@ -130,8 +132,10 @@ class ClusterSim:
         self._seq = 0
         self._flights: dict[str, Flight] = {}
         self._unreserved: dict[str, deque[Flight]] = {}  # late reservation: per prefill worker, FIFO
-        # Protocol messages for a worker in the middle of a step: as a live worker, it reads them between steps.
-        self._inbox: dict[str, list[Delivery]] = {}
+        # What a worker in the middle of a step handles after it, as a live worker does: a prefill worker reads
+        # protocol messages between steps; a decode worker applies them as they arrive (between two layers of
+        # its step) and adopts the KV of a completed leg between steps.
+        self._inbox: dict[str, list[Delivery | HandoffEvent]] = {}
         self._heartbeat_s = config.heartbeat_s  # read at every step's end
         self._records: list[RequestRecord] = []
         self._params: dict[int, SamplingParams] = {}
@@ -329,18 +333,21 @@ class ClusterSim:
                                        f"{event.reason}", now)
                 else:
                     self._push(now + self.config.handoff_retry_s, _RETRY, event.request_id)
-            elif event.kind == "complete" and event.adopted is not None:
-                self._adopt(flight, event, now)
+            elif event.kind == "complete" and event.transfer_id is not None:
+                adopted = self.handoffs.adopt(flight.decode, event.transfer_id, now)  # type: ignore[union-attr]
+                if adopted is None:
+                    self._fail(flight, "handoff ended: the KV's lease ran out before the decode worker adopted it",
+                               now)
+                else:
+                    self._adopt(flight, adopted, now)
             elif event.kind == "ended":
                 front = self.workers[flight.front]
                 front.scheduler.abort_request(event.request_id, now)
                 front.take_finished()
                 self._fail(flight, f"handoff ended: {event.reason}", now)
 
-    def _adopt(self, flight: Flight, event: HandoffEvent, now: float) -> None:
+    def _adopt(self, flight: Flight, adopted: AdoptedKV, now: float) -> None:
         wr = flight.workload
-        adopted = event.adopted
-        assert adopted is not None
         request = Request(wr.request_id, list(flight.prompt), self._sampling(wr.output_tokens), wr.arrival_s,
                           tenant=wr.tenant, slo_class=wr.slo_class, max_model_len=self.config.max_model_len,
                           output_token_ids=[adopted.first_token.token_id])
@@ -400,8 +407,11 @@ class ClusterSim:
         if now - worker.last_heartbeat_at >= self.config.heartbeat_s:  # _heartbeat's own test, without the call
             self._heartbeat(worker, now, force=False)
         if self._inbox:
-            for delivery in self._inbox.pop(worker.worker_id, ()):
-                self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
+            for item in self._inbox.pop(worker.worker_id, ()):
+                if type(item) is HandoffEvent:
+                    self._on_handoff_events([item], now)
+                else:
+                    self._on_handoff_events(self.handoffs.deliver(item, now), now)  # type: ignore[union-attr, arg-type]
         if self._unreserved:
             self._reserve_in_turn(worker.worker_id, now)
         self._kick(worker, now)
@@ -426,10 +436,15 @@ class ClusterSim:
             self._on_request_finished(worker, request, now)
 
     def _on_delivery(self, delivery: Delivery, now: float) -> None:
-        if self.workers[delivery.to_worker].busy:
-            self._inbox.setdefault(delivery.to_worker, []).append(delivery)
-        else:
+        worker = self.workers[delivery.to_worker]
+        if not worker.busy:
             self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
+        elif worker.spec.role == "decode":  # grants and KV now; a completed leg is adopted after the step
+            events = self.handoffs.deliver(delivery, now)  # type: ignore[union-attr]
+            if events:
+                self._inbox.setdefault(delivery.to_worker, []).extend(events)
+        else:
+            self._inbox.setdefault(delivery.to_worker, []).append(delivery)
 
     def _on_request_finished(self, worker: SimWorker, request: Request, now: float) -> None:
         flight = self._flights[request.request_id]

@@ -21,8 +21,8 @@ from typing import NamedTuple
 from kvbaton.core.step import StepPlan
 from kvbaton.sim.links import Link, LinkSpec
 from kvbaton.sim.worker import SimWorker
-from kvbaton.transfer import (Ack, AdoptedKV, HandoffDestination, HandoffSource, KVLayout, Message, Outgoing,
-                              ReserveGranted, ReserveRefused, SourceState, TransferId)
+from kvbaton.transfer import (Ack, AdoptedKV, DestinationState, HandoffDestination, HandoffSource, KVLayout, Message,
+                              Outgoing, ProtocolError, ReserveGranted, ReserveRefused, SourceState, TransferId)
 from kvbaton.transfer.fast_messages import make_first_token, make_transfer_id
 
 
@@ -37,12 +37,13 @@ class Delivery(NamedTuple):
 
 
 class HandoffEvent(NamedTuple):
-    """What the cluster must act on: granted (start the prefill), refused, complete (adopt), ended (failed)."""
+    """What the cluster must act on: granted (start the prefill), refused, complete (adopt `transfer_id`'s blocks,
+    `SimHandoffs.adopt`), ended (failed)."""
 
     kind: str  # "granted" | "refused" | "complete" | "ended"
     request_id: str
     reason: str = ""
-    adopted: AdoptedKV | None = None
+    transfer_id: TransferId | None = None
 
 
 def sim_layout(block_size: int) -> KVLayout:
@@ -117,7 +118,7 @@ class SimHandoffs:
             # A destination-side failure reaches the cluster when its Abort reaches the source.
             if acked:
                 return [HandoffEvent("complete", self._request_of(message.transfer_id),
-                                     adopted=destination.adopt(message.transfer_id, now))]
+                                     transfer_id=message.transfer_id)]
             return []
         request_id = self._request_of(message.transfer_id)
         source = self.sources[to_worker]
@@ -132,6 +133,16 @@ class SimHandoffs:
         if state in (SourceState.FAILED, SourceState.EXPIRED, SourceState.CANCELLED):
             return [HandoffEvent("ended", request_id, source.reason(message.transfer_id))]
         return []
+
+    def adopt(self, decode_worker: str, transfer_id: TransferId, now: float) -> AdoptedKV | None:
+        """The decode worker takes a complete leg's blocks (their references become its scheduler's); None when
+        the leg is no longer complete (its lease ran out first: the destination freed the blocks)."""
+        destination = self.destinations[decode_worker]
+        try:
+            complete = destination.state(transfer_id) is DestinationState.COMPLETE
+        except ProtocolError:  # ended and forgotten
+            complete = False
+        return destination.adopt(transfer_id, now) if complete else None
 
     def expire(self, now: float) -> list[HandoffEvent]:
         """Lease expiry on every leg; the requests whose legs ended this way."""

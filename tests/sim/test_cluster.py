@@ -12,7 +12,8 @@ from kvbaton.bench.workloads import create_workload
 from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError
-from kvbaton.sim.cluster import ClusterSim, SimConfig
+from kvbaton.sim.cluster import ClusterSim
+from kvbaton.sim.config import SimConfig
 from kvbaton.sim.costs import ConstantCostModel, create_cost_model
 from kvbaton.sim.costs.linear import LinearCoefficients, LinearCostModel
 from kvbaton.sim.run import SimSetup, simulate

@@ -24,7 +24,8 @@ from kvbaton.core.request import Request
 from kvbaton.core.step import ScheduledChunk, StepPlan
 from kvbaton.engine.engine import Engine
 from kvbaton.sim import worker as sim_worker
-from kvbaton.sim.cluster import ClusterSim, SimConfig
+from kvbaton.sim.cluster import ClusterSim
+from kvbaton.sim.config import SimConfig
 from kvbaton.sim.costs import ConstantCostModel
 from kvbaton.sim.spec import parse_cluster_spec
 

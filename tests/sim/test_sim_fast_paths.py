@@ -15,7 +15,8 @@ from kvbaton.bench.workloads import create_workload
 from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.cache.hashing import hash_prompt
 from kvbaton.core.config import CacheConfig
-from kvbaton.sim.cluster import ClusterSim, SimConfig, WorkerReport
+from kvbaton.sim.cluster import ClusterSim
+from kvbaton.sim.config import SimConfig, WorkerReport
 from kvbaton.sim.costs import ConstantCostModel
 from kvbaton.sim.costs.linear import LinearCoefficients, LinearCostModel
 from kvbaton.sim.spec import parse_cluster_spec

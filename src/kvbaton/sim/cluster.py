@@ -6,7 +6,8 @@ Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
   steps    -> the worker's LocalScheduler plans, the cost model prices the plan, time advances
   mixed    -> tokens stream until the exact output length; the policy hears on_first_token
               and on_finished
-  prefill  -> the real handoff protocol (`sim/handoff.py`): reserve on the decode worker (or be
+  prefill  -> the real handoff protocol (`sim/handoff.py`, driven by the event handlers of
+              `sim/cluster_handoffs.py`): reserve on the decode worker (or be
               refused and retry: backpressure), then the prefill runs with max_tokens=1 and
               streams its KV over the prefill worker's egress link (FIFO: transfers contend);
               on the ack (sent as the last message arrives, even mid-step) the decode worker
@@ -26,16 +27,14 @@ import heapq
 import random
 from collections.abc import Callable, Sequence
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
-from kvbaton.cache.hashing import CacheKey
-from kvbaton.core.config import CacheConfig, SchedulerConfig
-from kvbaton.core.errors import InvalidRequestError, KvbatonError
+from kvbaton.core.config import SchedulerConfig
+from kvbaton.core.errors import KvbatonError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.core.step import StepPlan
 from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, DecodeLoad, PrefillLoad
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.base import RouteRequest, make_route_request
@@ -43,59 +42,19 @@ from kvbaton.router.policies import create_policy, local_queue_policy
 from kvbaton.router.state import RouterState
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.flight import Flight
+from kvbaton.sim.cluster_handoffs import DELIVERY, RETRY, HandoffFlow
+from kvbaton.sim.config import SimConfig, WorkerReport
 from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs
 from kvbaton.sim.links import get_link
 from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import ClusterSpec
 from kvbaton.sim.stage_loads import decode_load, prefill_load
 from kvbaton.sim.worker import SimWorker, TokenFn
-from kvbaton.transfer import AdoptedKV
-from kvbaton.transfer.source import num_due_to_reserve
 
-_ARRIVAL, _STEP_DONE, _DELIVERY, _RETRY = 0, 1, 2, 3
+_ARRIVAL, _STEP_DONE = 0, 1  # and the handoff part's DELIVERY, RETRY
 
 
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    policy: str = "round_robin"  # placement policy over the front (mixed or prefill) pool
-    decode_policy: str = "least_load"  # placement over the decode pool when disaggregated
-    seed: int = 0  # seeds the policies' tie-breaking RNGs
-    cache: CacheConfig = CacheConfig()  # per worker
-    scheduler: SchedulerConfig | None = None  # None: defaults, queue policy paired with `policy`
-    heartbeat_s: float = 0.05  # simulated seconds between a busy worker's stats/KV-event reports
-    max_model_len: int = 8192  # prompt + output may not exceed this (longer requests fail)
-    handoff_lease_s: float = 60.0  # a handoff leg with no progress for this long expires (both sides)
-    handoff_retry_s: float = 0.02  # wait after a refused reservation before asking again
-    max_handoff_attempts: int = 500  # refusals after which the request fails
-    # None: a handoff reserves on the decode worker as it arrives. A number: it waits in its prefill worker's
-    # FIFO and reserves once that worker has at most this many prompt tokens left to compute ahead of it, as a
-    # live prefill worker started with --reserve-ahead-tokens does (`engine.handoff_prefill`).
-    reserve_ahead_tokens: int | None = None
-    cache_key: CacheKey = CacheKey("sim-model", "sim-layout")
-    # When a handed-off request's first token reaches the client: "decode" — the decode worker streams it once it
-    # adopts the KV, between its steps (kvbaton's live path); "prefill" — as the prefill worker samples it
-    # (DistServe's metric, which the planner reproduces).
-    first_token_at: str = "decode"
-
-    def __post_init__(self) -> None:
-        if self.first_token_at not in ("decode", "prefill"):
-            raise InvalidRequestError(f"first_token_at must be 'decode' or 'prefill', got {self.first_token_at!r}")
-        if self.reserve_ahead_tokens is not None and self.reserve_ahead_tokens < 0:
-            raise InvalidRequestError(f"reserve_ahead_tokens must be >= 0, got {self.reserve_ahead_tokens}")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerReport:
-    worker_id: str
-    role: str
-    num_steps: int
-    busy_s: float
-    num_preemptions: int
-    prefix_cache_hits_tokens: int
-    prefix_cache_queries_tokens: int
-
-
-class ClusterSim:
+class ClusterSim(HandoffFlow):
     def __init__(self, spec: ClusterSpec, cost_model: CostModel, config: SimConfig = SimConfig(),
                  token_for: TokenFn | None = None, admission: AdmissionPolicy | None = None,
                  pools: PoolBalancer | None = None) -> None:
@@ -123,7 +82,7 @@ class ClusterSim:
         if prefill:
             decode = {wid: self.workers[wid] for wid in self.decode_ids}
             self.handoffs = SimHandoffs(prefill, decode, get_link(spec.link), cost_model.kv_bytes_per_token,
-                                        config.handoff_lease_s, lambda at, d: self._push(at, _DELIVERY, d))
+                                        config.handoff_lease_s, lambda at, d: self._push(at, DELIVERY, d))
             for worker in prefill.values():
                 worker.on_executed = self._stream_from(worker)
         self._next_expiry_at = config.handoff_lease_s / 10
@@ -185,7 +144,7 @@ class ClusterSim:
                 self._on_step_done(payload, now)  # type: ignore[arg-type]
             elif kind == _ARRIVAL:
                 self._on_arrival(payload, now)  # type: ignore[arg-type]
-            elif kind == _DELIVERY:
+            elif kind == DELIVERY:
                 self._on_delivery(payload, now)  # type: ignore[arg-type]
             else:
                 self._start_handoff(self._flights.get(payload), now)  # type: ignore[arg-type]
@@ -285,91 +244,6 @@ class ClusterSim:
             return
         self._kick(worker, now)
 
-    def _reserve_in_turn(self, worker_id: str, now: float) -> None:
-        """Late reservation: the FIFO's head reserves while its prefill worker has at most `reserve_ahead_tokens`
-        prompt tokens to compute ahead of it (queued in its scheduler, or of handoffs asking for blocks now)."""
-        unreserved = self._unreserved.get(worker_id)
-        if not unreserved:
-            return
-        limit = self.config.reserve_ahead_tokens
-        assert limit is not None
-        ahead_tokens = self.workers[worker_id].scheduler.num_queued_prefill_tokens() + sum(
-            f.workload.num_prompt_tokens for f in self._flights.values()
-            if f.front == worker_id and f.reserving and f.prefill_request is not None)
-        flights = self._flights
-        live = [f for f in unreserved if flights.get(f.workload.request_id) is f]  # some ended while waiting
-        num_due = num_due_to_reserve(ahead_tokens, (f.workload.num_prompt_tokens for f in live), limit)
-        unreserved.clear()
-        unreserved.extend(live[num_due:])
-        for flight in live[:num_due]:
-            self._start_handoff(flight, now)
-
-    def _start_handoff(self, flight: Flight | None, now: float) -> None:
-        if flight is None or flight.prefill_request is None:
-            return  # ended while waiting to retry
-        flight.reserving = True
-        request = flight.prefill_request
-        handoffs = self.handoffs
-        assert handoffs is not None
-        handoffs.start(request.request_id, flight.attempts, flight.front, flight.decode, request.num_prompt_tokens, now)
-
-    def _stream_from(self, worker: SimWorker) -> Callable[[StepPlan, float], None]:
-        return lambda plan, now: self.handoffs.on_executed(worker, plan, now)  # type: ignore[union-attr]
-
-    def _on_handoff_events(self, events: list[HandoffEvent], now: float) -> None:
-        for event in events:
-            flight = self._flights.get(event.request_id)
-            if flight is None:
-                continue
-            if event.kind == "granted" and flight.prefill_request is not None:
-                request, flight.prefill_request = flight.prefill_request, None
-                self._admit(self.workers[flight.front], flight, request, now)
-                if self._unreserved:
-                    self._reserve_in_turn(flight.front, now)
-            elif event.kind == "refused":
-                flight.attempts += 1
-                if flight.attempts >= self.config.max_handoff_attempts:
-                    self._fail(flight, f"decode worker {flight.decode} refused {flight.attempts} times: "
-                                       f"{event.reason}", now)
-                else:
-                    self._push(now + self.config.handoff_retry_s, _RETRY, event.request_id)
-            elif event.kind == "complete" and event.transfer_id is not None:
-                adopted = self.handoffs.adopt(flight.decode, event.transfer_id, now)  # type: ignore[union-attr]
-                if adopted is None:
-                    self._fail(flight, "handoff ended: the KV's lease ran out before the decode worker adopted it",
-                               now)
-                else:
-                    self._adopt(flight, adopted, now)
-            elif event.kind == "ended":
-                front = self.workers[flight.front]
-                front.scheduler.abort_request(event.request_id, now)
-                front.take_finished()
-                self._fail(flight, f"handoff ended: {event.reason}", now)
-
-    def _adopt(self, flight: Flight, adopted: AdoptedKV, now: float) -> None:
-        wr = flight.workload
-        request = Request(wr.request_id, list(flight.prompt), self._sampling(wr.output_tokens), wr.arrival_s,
-                          tenant=wr.tenant, slo_class=wr.slo_class, max_model_len=self.config.max_model_len,
-                          output_token_ids=[adopted.first_token.token_id])
-        flight.transfer_bytes = self.handoffs.bytes_of.pop(wr.request_id, 0)  # type: ignore[union-attr]
-        self.handoffs.forget(wr.request_id)  # type: ignore[union-attr]
-        decode = self.workers[flight.decode]
-        if self.admission is not None:  # the decode stage's own gate: the prefill is already paid for
-            decision = self.admission.check_decode(
-                AdmissionRequest(wr.request_id, wr.num_prompt_tokens, wr.output_tokens),
-                self._decode_load(flight.decode, exclude=wr.request_id), now)
-            if not decision.admitted:
-                decode.pool.release(adopted.block_ids)
-                self._reject(flight, decision.reason, now)
-                return
-        flight.at_decode = True
-        # The client sees the first token when the decode worker adopts the KV and streams it, as live: between
-        # its steps, so after the one in flight (the prefill worker sampled it earlier; the router hears it here).
-        if flight.token_times_s and self.config.first_token_at == "decode":
-            flight.token_times_s[0] = decode.step_end_at if decode.busy else now
-        decode.offer_handoff(request, adopted.num_tokens, adopted.block_ids, now)
-        self._kick(decode, now)
-
     def _on_step_done(self, worker: SimWorker, now: float) -> None:
         flights = self._flights
         worker_id = worker.worker_id
@@ -434,17 +308,6 @@ class ClusterSim:
             token_times_s.append(now)
         for request in finished:
             self._on_request_finished(worker, request, now)
-
-    def _on_delivery(self, delivery: Delivery, now: float) -> None:
-        worker = self.workers[delivery.to_worker]
-        if not worker.busy:
-            self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
-        elif worker.spec.role == "decode":  # grants and KV now; a completed leg is adopted after the step
-            events = self.handoffs.deliver(delivery, now)  # type: ignore[union-attr]
-            if events:
-                self._inbox.setdefault(delivery.to_worker, []).extend(events)
-        else:
-            self._inbox.setdefault(delivery.to_worker, []).append(delivery)
 
     def _on_request_finished(self, worker: SimWorker, request: Request, now: float) -> None:
         flight = self._flights[request.request_id]

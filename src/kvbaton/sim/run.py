@@ -19,7 +19,8 @@ from kvbaton.router.admission import AdmissionSLO, create_admission
 from kvbaton.router.policies import local_queue_policy
 from kvbaton.router.pools import PoolBalancer, PoolConfig
 from kvbaton.sim.catalog import MODELS, get_gpu
-from kvbaton.sim.cluster import ClusterSim, SimConfig, WorkerReport
+from kvbaton.sim.cluster import ClusterSim
+from kvbaton.sim.config import SimConfig, WorkerReport
 from kvbaton.sim.stage_loads import stage_time_models
 from kvbaton.sim.costs import CostModel, create_cost_model
 from kvbaton.sim.spec import ClusterSpec, parse_cluster_spec

@@ -1,0 +1,49 @@
+"""What a simulated cluster run is configured with (`SimConfig`) and reports per worker (`WorkerReport`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbaton.cache.hashing import CacheKey
+from kvbaton.core.config import CacheConfig, SchedulerConfig
+from kvbaton.core.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    policy: str = "round_robin"  # placement policy over the front (mixed or prefill) pool
+    decode_policy: str = "least_load"  # placement over the decode pool when disaggregated
+    seed: int = 0  # seeds the policies' tie-breaking RNGs
+    cache: CacheConfig = CacheConfig()  # per worker
+    scheduler: SchedulerConfig | None = None  # None: defaults, queue policy paired with `policy`
+    heartbeat_s: float = 0.05  # simulated seconds between a busy worker's stats/KV-event reports
+    max_model_len: int = 8192  # prompt + output may not exceed this (longer requests fail)
+    handoff_lease_s: float = 60.0  # a handoff leg with no progress for this long expires (both sides)
+    handoff_retry_s: float = 0.02  # wait after a refused reservation before asking again
+    max_handoff_attempts: int = 500  # refusals after which the request fails
+    # None: a handoff reserves on the decode worker as it arrives. A number: it waits in its prefill worker's
+    # FIFO and reserves once that worker has at most this many prompt tokens left to compute ahead of it, as a
+    # live prefill worker started with --reserve-ahead-tokens does (`engine.handoff_prefill`).
+    reserve_ahead_tokens: int | None = None
+    cache_key: CacheKey = CacheKey("sim-model", "sim-layout")
+    # When a handed-off request's first token reaches the client: "decode" — the decode worker streams it once it
+    # adopts the KV, between its steps (kvbaton's live path); "prefill" — as the prefill worker samples it
+    # (DistServe's metric, which the planner reproduces).
+    first_token_at: str = "decode"
+
+    def __post_init__(self) -> None:
+        if self.first_token_at not in ("decode", "prefill"):
+            raise InvalidRequestError(f"first_token_at must be 'decode' or 'prefill', got {self.first_token_at!r}")
+        if self.reserve_ahead_tokens is not None and self.reserve_ahead_tokens < 0:
+            raise InvalidRequestError(f"reserve_ahead_tokens must be >= 0, got {self.reserve_ahead_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    worker_id: str
+    role: str
+    num_steps: int
+    busy_s: float
+    num_preemptions: int
+    prefix_cache_hits_tokens: int
+    prefix_cache_queries_tokens: int

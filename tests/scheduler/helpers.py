@@ -11,7 +11,8 @@ from kvbaton.core.config import SchedulerConfig
 from kvbaton.core.request import Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
-from kvbaton.scheduler.local_scheduler import LocalScheduler, TokenOutput
+from kvbaton.scheduler.local_scheduler import LocalScheduler
+from kvbaton.scheduler.outputs import TokenOutput
 
 CACHE_KEY = CacheKey("test-model@rev", "test-layout")
 BLOCK_SIZE = 4

@@ -27,7 +27,8 @@ from kvbaton.engine.model_runner import ModelRunner
 from kvbaton.engine.sampler import Sampler
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.model.tokenizer import IncrementalDetokenizer
-from kvbaton.scheduler.local_scheduler import LocalScheduler, SchedulerStats
+from kvbaton.scheduler.local_scheduler import LocalScheduler
+from kvbaton.scheduler.outputs import SchedulerStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,8 @@ from kvbaton.core.request import Request, RequestStatus
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.router.load import WorkerStats
 from kvbaton.scheduler.fast_values import make_result
-from kvbaton.scheduler.local_scheduler import LocalScheduler, TokenOutput
+from kvbaton.scheduler.local_scheduler import LocalScheduler
+from kvbaton.scheduler.outputs import TokenOutput
 from kvbaton.scheduler.steady_decodes import (advance_quiet_decodes, apply_quiet_decodes, batch_unchanged,
                                               num_quiet_steps_ahead, schedule_decodes_after_quiet)
 from kvbaton.sim.costs.base import CostModel

@@ -6,10 +6,9 @@ from dataclasses import FrozenInstanceError, dataclass
 
 import pytest
 
-from kvbaton.cache import radix_cache
 from kvbaton.cache.events import KVEvent, KVEventKind, make_kv_event
 from kvbaton.cache.fast_init import slot_setters
-from kvbaton.cache.radix_cache import PrefixMatch
+from kvbaton.cache.radix_node import PrefixMatch, make_prefix_match
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +59,6 @@ def test_kv_event_and_prefix_match_builders_equal_the_constructors() -> None:
     assert event == KVEvent(7, KVEventKind.STORED, (11, 12), 5, 16) and type(event) is KVEvent
     assert KVEvent.from_wire(event.to_wire()) == event
     node = object()
-    match = radix_cache._make_match((3, 4), (21, 22), node)
+    match = make_prefix_match((3, 4), (21, 22), node)
     assert match == PrefixMatch((3, 4), (21, 22), node) and match.num_blocks == 2
     assert hash(match) == hash(PrefixMatch((3, 4), (21, 22), node))

@@ -10,7 +10,8 @@ import pytest
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.cache.hashing import CacheKey, hash_block_tokens
-from kvbaton.cache.radix_cache import PrefixMatch, RadixCache
+from kvbaton.cache.radix_cache import RadixCache
+from kvbaton.cache.radix_node import PrefixMatch
 
 BLOCK_SIZE = 2
 KEY = CacheKey("rev-a", "layout-a")

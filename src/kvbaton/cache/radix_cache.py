@@ -25,11 +25,9 @@ the whole sequence from the root.
 A `PrefixMatch` (and its node handle) is valid until the next `evict`/`clear` unless its node is
 locked; locking a node that has left the tree raises ValueError.
 
-LRU without clocks: a logical tick advances on every touching match and every insert, and marks
-root..node; so a parent's tick is never older than its children's. Evictable leaves (unlocked,
-childless) sit in a lazy min-heap keyed by (tick, node serial); stale entries are skipped when
-popped and the heap is rebuilt when it grows past twice the node count, so `evict(k)` costs
-O(k log n) rather than a scan of the tree.
+Where the code lives: the node and `PrefixMatch` in `kvbaton.cache.radix_node`; LRU eviction (the
+logical tick, the heap of evictable leaves, `evict`, `clear`) in `kvbaton.cache.radix_eviction`, a
+mixin base class of `RadixCache`; matching, locking, inserting, events and the invariant check here.
 
 Events: `insert` emits one STORED event for the blocks it adopted; `evict` emits one EVICTED event
 per call listing the hashes in eviction order; `clear` emits CLEARED when the cache ends up empty
@@ -38,72 +36,17 @@ and EVICTED (with the hashes) when locked blocks survive. Sequence numbers are 1
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.events import KVEvent, KVEventKind, make_kv_event
-from kvbaton.cache.fast_init import slot_setters
 from kvbaton.cache.hashing import CacheKey, chain_hashes, hash_block
-
-BlockTokens = tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """The cached prefix of a token sequence."""
-
-    block_ids: tuple[int, ...]  # cached blocks covering the matched prefix, in order
-    block_hashes: tuple[int, ...]  # their chained hashes (kvbaton.cache.hashing)
-    node: object  # opaque handle for lock/unlock: the deepest node of the path (root if empty)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
+from kvbaton.cache.radix_eviction import RadixEviction
+from kvbaton.cache.radix_node import BlockTokens, PrefixMatch, RadixNode, make_prefix_match
 
 
-_set_match_ids, _set_match_hashes, _set_match_node = slot_setters(PrefixMatch, ("block_ids", "block_hashes", "node"))
-
-
-def _make_match(block_ids: tuple[int, ...], block_hashes: tuple[int, ...], node: object) -> PrefixMatch:
-    """`PrefixMatch(block_ids, block_hashes, node)` without the frozen `__init__` (one or two per request)."""
-    match = object.__new__(PrefixMatch)
-    _set_match_ids(match, block_ids)
-    _set_match_hashes(match, block_hashes)
-    _set_match_node(match, node)
-    return match
-
-
-class RadixNode:
-    """A run of cached blocks; opaque to callers (they only pass it back to lock/unlock)."""
-
-    __slots__ = (
-        "key", "parent", "children", "token_blocks", "block_ids", "block_hashes", "parent_hash",
-        "lock_ref", "num_direct_locks", "last_access", "serial", "attached",
-    )  # fmt: skip
-
-    def __init__(self, parent: RadixNode | None, parent_hash: int, serial: int, last_access: int) -> None:
-        self.key: BlockTokens | None = None  # token tuple of the first block (None for a root)
-        self.parent = parent
-        self.children: dict[BlockTokens, RadixNode] = {}
-        self.token_blocks: list[BlockTokens] = []
-        self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []
-        self.parent_hash = parent_hash  # hash of the block just before this node (key.root_hash under a root)
-        self.lock_ref = 0  # locks on this node plus locks on any descendant: > 0 means pinned
-        self.num_direct_locks = 0  # locks taken with this node as the handle
-        self.last_access = last_access
-        self.serial = serial  # creation order; breaks LRU ties deterministically
-        self.attached = True
-
-    @property
-    def tail_hash(self) -> int:
-        return self.block_hashes[-1] if self.block_hashes else self.parent_hash
-
-
-class RadixCache:
+class RadixCache(RadixEviction):
     """Prefix cache over full blocks; see the module docstring for the ownership and lock rules."""
 
     def __init__(self, pool: BlockPool, block_size: int) -> None:
@@ -158,7 +101,7 @@ class RadixCache:
             if num_in_node < len(node.block_ids):
                 node = self._split(node, num_in_node)
             self._touch(node)
-        return _make_match(tuple(block_ids), tuple(block_hashes), node)
+        return make_prefix_match(tuple(block_ids), tuple(block_hashes), node)
 
     def lock(self, node: object) -> None:
         """Pin root..node against eviction; locks nest and each needs one `unlock`."""
@@ -270,24 +213,7 @@ class RadixCache:
             path_hashes.extend(node.block_hashes)
             self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
         self._touch(node)
-        return _make_match(tuple(path_ids), tuple(path_hashes), node)
-
-    def evict(self, num_blocks: int) -> int:
-        """Free up to `num_blocks` blocks from unlocked leaves, least recently used first; returns how many."""
-        num_freed, evicted_hashes = self._evict(num_blocks)
-        if evicted_hashes:
-            self._emit(KVEventKind.EVICTED, tuple(evicted_hashes), None)
-        return num_freed
-
-    def clear(self) -> int:
-        """Drop every unlocked block (LRU order); returns how many went back to the free queue."""
-        num_freed, evicted_hashes = self._evict(None)
-        if evicted_hashes:
-            if self._num_cached_blocks == 0:
-                self._emit(KVEventKind.CLEARED, (), None)
-            else:
-                self._emit(KVEventKind.EVICTED, tuple(evicted_hashes), None)
-        return num_freed
+        return make_prefix_match(tuple(path_ids), tuple(path_hashes), node)
 
     def close(self) -> None:
         """The cache is being dropped: unlink every node from its parent (the trees' only reference cycles), so
@@ -433,67 +359,6 @@ class RadixCache:
         self._num_cached_blocks += len(block_ids)
         self._num_nodes += 1
         return child
-
-    def _touch(self, node: RadixNode) -> None:
-        self._tick += 1
-        current: RadixNode | None = node
-        while current is not None:
-            current.last_access = self._tick
-            current = current.parent
-        self._push_if_evictable(node)
-
-    def _push_if_evictable(self, node: RadixNode) -> None:
-        if node.parent is None or node.children or node.lock_ref > 0 or not node.attached:
-            return
-        heapq.heappush(self._evictable_heap, (node.last_access, node.serial, next(self._heap_pushes), node))
-        if len(self._evictable_heap) > 2 * self._num_nodes + 64:
-            self._rebuild_heap()
-
-    def _rebuild_heap(self) -> None:
-        self._evictable_heap = [
-            (node.last_access, node.serial, next(self._heap_pushes), node)
-            for node in self._iter_nodes(ordered=False)
-            if not node.children and node.lock_ref == 0
-        ]
-        heapq.heapify(self._evictable_heap)
-
-    def _lru_leaf(self) -> RadixNode | None:
-        """The least recently used evictable leaf, dropping stale heap entries on the way."""
-        heap = self._evictable_heap
-        while heap:
-            tick, _, _, node = heap[0]
-            if node.attached and not node.children and node.lock_ref == 0 and node.last_access == tick:
-                return node
-            heapq.heappop(heap)
-        return None
-
-    def _evict(self, num_blocks: int | None) -> tuple[int, list[int]]:
-        """Trim LRU leaves block by block until `num_blocks` are free (None: all unlocked)."""
-        num_freed = 0
-        evicted_hashes: list[int] = []
-        while num_blocks is None or num_freed < num_blocks:
-            node = self._lru_leaf()
-            if node is None:
-                break
-            block_id = node.block_ids.pop()
-            node.token_blocks.pop()
-            evicted_hashes.append(node.block_hashes.pop())
-            self._cached_block_ids.discard(block_id)
-            self._num_cached_blocks -= 1
-            self.pool.release([block_id])
-            num_freed += self.pool.ref_count(block_id) == 0
-            if not node.block_ids:
-                self._detach(node)
-        return num_freed, evicted_hashes
-
-    def _detach(self, node: RadixNode) -> None:
-        parent = node.parent
-        assert parent is not None and node.key is not None
-        del parent.children[node.key]
-        node.attached = False
-        node.parent = None
-        self._num_nodes -= 1
-        self._push_if_evictable(parent)
 
     def _check_node(self, node: object) -> RadixNode:
         if not isinstance(node, RadixNode):

@@ -1,0 +1,68 @@
+"""The radix prefix cache's handles: its tree node, and the `PrefixMatch` that hands one out.
+
+Callers of `kvbaton.cache.radix_cache.RadixCache` only ever hold a node as an opaque handle (the
+`node` of a `PrefixMatch`) to pass back to `lock`/`unlock`/`insert_from`; the cache and its LRU
+mixin (`kvbaton.cache.radix_eviction`) read and write its fields directly. The tree rules (how
+nodes split, when they leave the tree, why a locked handle stays valid) are in `radix_cache`'s
+docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbaton.cache.fast_init import slot_setters
+
+BlockTokens = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The cached prefix of a token sequence."""
+
+    block_ids: tuple[int, ...]  # cached blocks covering the matched prefix, in order
+    block_hashes: tuple[int, ...]  # their chained hashes (kvbaton.cache.hashing)
+    node: object  # opaque handle for lock/unlock: the deepest node of the path (root if empty)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+_set_match_ids, _set_match_hashes, _set_match_node = slot_setters(PrefixMatch, ("block_ids", "block_hashes", "node"))
+
+
+def make_prefix_match(block_ids: tuple[int, ...], block_hashes: tuple[int, ...], node: object) -> PrefixMatch:
+    """`PrefixMatch(block_ids, block_hashes, node)` without the frozen `__init__` (one or two per request)."""
+    match = object.__new__(PrefixMatch)
+    _set_match_ids(match, block_ids)
+    _set_match_hashes(match, block_hashes)
+    _set_match_node(match, node)
+    return match
+
+
+class RadixNode:
+    """A run of cached blocks; opaque to callers (they only pass it back to lock/unlock)."""
+
+    __slots__ = (
+        "key", "parent", "children", "token_blocks", "block_ids", "block_hashes", "parent_hash",
+        "lock_ref", "num_direct_locks", "last_access", "serial", "attached",
+    )  # fmt: skip
+
+    def __init__(self, parent: RadixNode | None, parent_hash: int, serial: int, last_access: int) -> None:
+        self.key: BlockTokens | None = None  # token tuple of the first block (None for a root)
+        self.parent = parent
+        self.children: dict[BlockTokens, RadixNode] = {}
+        self.token_blocks: list[BlockTokens] = []
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.parent_hash = parent_hash  # hash of the block just before this node (key.root_hash under a root)
+        self.lock_ref = 0  # locks on this node plus locks on any descendant: > 0 means pinned
+        self.num_direct_locks = 0  # locks taken with this node as the handle
+        self.last_access = last_access
+        self.serial = serial  # creation order; breaks LRU ties deterministically
+        self.attached = True
+
+    @property
+    def tail_hash(self) -> int:
+        return self.block_hashes[-1] if self.block_hashes else self.parent_hash

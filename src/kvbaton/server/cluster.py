@@ -14,6 +14,11 @@ Disaggregated pools (workers registered as `prefill` / `decode`): `PairChooser` 
 call goes to both — d answers for it (it streams every delta), p only reports a handoff leg that
 ended without the KV, which is relayed to d to recompute or fail. A call is in the in-flight set of
 both workers; losing p hands the call to d's fallback, losing d fails the call.
+
+This module holds the manager's state and its call side (routing, admission, placement, each call's
+deltas and end). Its base classes hold the rest: `WorkerMembership` (cluster_workers.py) the workers'
+messages, registration and failure detection; `ClusterReports` (cluster_reports.py) the reads for
+/ready, /cluster and /metrics.
 """
 
 from __future__ import annotations
@@ -26,27 +31,24 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 
-from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.core.errors import CapacityError
 from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, CalibratedTimeModel
 from kvbaton.router.base import RouteRequest
-from kvbaton.router.load import WorkerStats
 from kvbaton.router.policies import create_policy, local_queue_policy
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.state import RouterState
 from kvbaton.server import rpc
 from kvbaton.server.base import DeltaSink, GenerateCall, RejectedError, TokenDelta
 from kvbaton.server.cluster_admission import AdmissionGate
-from kvbaton.server.cluster_registry import (ProcessHandle, WorkerRecord, identity_of, registration_refusal,
-                                             transfer_info, worker_info)
+from kvbaton.server.cluster_registry import CallRecord, ProcessHandle, WorkerRecord
+from kvbaton.server.cluster_reports import ClusterReports
+from kvbaton.server.cluster_workers import WorkerMembership
 from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS, PairChoiceConfig, PairChooser
 from kvbaton.server.identity import ClusterIdentity
 from kvbaton.server.router_socket import RouterSocket
 
 log = logging.getLogger("kvbaton.cluster")
-
-_STALL_GRACE_S = 1.0  # a gap between worker checks longer than this (plus the check interval) is a router stall
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,18 +73,9 @@ class ClusterConfig:
     reserves_on_arrival: bool = True  # False: prefill workers reserve decode KV late (--reserve-ahead-tokens)
 
 
-@dataclass(slots=True)
-class _Call:
-    call: GenerateCall
-    worker_id: str
-    sink: DeltaSink  # gets every delta of the call, the finished one last
-    num_tokens_seen: int = 0
-    finished: bool = False
-    prefill_worker: str = ""  # a disaggregated call: the worker that prefills and hands the KV to worker_id
-    by_policy: bool = True  # placed by the cluster policy (else by the pair chooser: its state entry is ours)
+class ClusterManager(WorkerMembership, ClusterReports):
+    """Routes and streams calls over the worker pool; see the module docstring for its invariants."""
 
-
-class ClusterManager:
     def __init__(self, config: ClusterConfig, clock: Callable[[], float] = time.monotonic,
                  admission: AdmissionPolicy | None = None, pools: PoolBalancer | None = None) -> None:
         self.config = config
@@ -93,7 +86,7 @@ class ClusterManager:
         self.identity: ClusterIdentity | None = None  # fixed by the first accepted worker
         self.workers: dict[str, WorkerRecord] = {}  # live workers
         self.lost_workers: dict[str, str] = {}  # worker id -> why it left
-        self._calls: dict[str, _Call] = {}
+        self._calls: dict[str, CallRecord] = {}
         # Serving workers (registered, heartbeat seen) by role, sorted; read per routed call, so kept until the
         # pool changes (a worker joins, sends its first heartbeat, or leaves). None: recompute.
         self._serving_by_role: dict[str, list[str]] | None = None
@@ -134,10 +127,6 @@ class ClusterManager:
         self._socket.start(self._handle)
         self._tasks = [asyncio.create_task(self._monitor_loop())]
         return self.address
-
-    def watch_process(self, worker_id: str, process: ProcessHandle) -> None:
-        """Let the monitor notice at once when this worker's process exits."""
-        self._processes[worker_id] = process
 
     async def wait_for_workers(self, num_workers: int, timeout_s: float) -> None:
         deadline = self.clock() + timeout_s
@@ -201,88 +190,16 @@ class ClusterManager:
         if entry is not None and not entry.finished:
             self._send_abort(entry)
 
-    def _send_abort(self, entry: _Call) -> None:
+    def _send_abort(self, entry: CallRecord) -> None:
         """Cancellation reaches both legs of a disaggregated call (each tells its transfer peer too)."""
         request_ids = (entry.call.request_id,)
         if entry.prefill_worker and entry.prefill_worker in self.workers:
             self._send(entry.prefill_worker, rpc.Abort(request_ids))
         self._send(entry.worker_id, rpc.Abort(request_ids))
 
-    @property
-    def num_serving_workers(self) -> int:
-        """Registered workers whose engine loop runs (they have sent a heartbeat)."""
-        return sum(1 for record in self.workers.values() if record.stats is not None)
-
-    def is_ready(self) -> tuple[bool, str]:
-        serving = sorted(w for w, record in self.workers.items() if record.stats is not None)
-        if serving:
-            return True, f"{len(serving)} worker(s) serving: {', '.join(serving)}"
-        if self.workers:
-            return False, f"{len(self.workers)} worker(s) registered, none has started its engine loop yet"
-        if self.lost_workers:
-            lost = "; ".join(f"{w}: {why}" for w, why in sorted(self.lost_workers.items()))
-            return False, f"no live worker (lost: {lost})"
-        return False, "no worker registered yet"
-
-    def cluster_info(self) -> dict[str, object]:
-        now = self.clock()
-        return {
-            "policy": self.config.policy,
-            "worker_queue_policy": self.queue_policy,
-            "model": self.config.model_name,
-            "identity": None if self.identity is None else {
-                "model_revision": self.identity.model_revision, "kv_layout": self.identity.kv_layout,
-                "block_size": self.identity.block_size},
-            "router_address": self.address,
-            "workers": [worker_info(self.workers[w], self.state, now) for w in sorted(self.workers)],
-            "lost_workers": dict(sorted(self.lost_workers.items())),
-            "num_in_flight": len(self._calls),
-            "num_waiting": self.num_waiting,
-            "index_blocks": self.state.index.num_blocks,
-            "lent_workers": {} if self.pools is None else dict(sorted(self.pools.lent.items())),
-            "pool_switches": 0 if self.pools is None else len(self.pools.switches),
-            "router_decisions": dict(sorted(self.router_decisions.items())),
-            "num_rejected": self.num_rejected,
-            "num_failed_by_worker_loss": self.num_failed_by_worker_loss,
-            "transfers": self.transfer_totals(),
-        }
-
-    def transfer_totals(self) -> dict[str, float]:
-        """KV handoff counters summed over live workers (prefill side: bytes, time, queue; decode side:
-        adoptions, recomputes), plus the router's fallbacks and reservation refusals."""
-        totals: dict[str, float] = {}
-        for stats in self.live_worker_stats().values():
-            for name, value in transfer_info(stats).items():
-                totals[name] = totals.get(name, 0) + value
-        totals["num_fallbacks"] = self.num_handoff_fallbacks
-        totals["num_refusals_reported"] = self.handoff_endings.get("refused", 0)
-        return totals
-
-    # -- reads for /metrics ---------------------------------------------------------------------
-
-    @property
-    def num_waiting(self) -> int:
-        """Routed calls that have not produced a token yet (queued somewhere in the cluster)."""
-        return self._num_waiting
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._calls)
-
-    def live_worker_stats(self) -> dict[str, rpc.Stats]:
-        return {w: r.stats for w, r in sorted(self.workers.items()) if r.stats is not None}
-
-    def prefix_cache_totals(self) -> tuple[int, int]:
-        """(queried, hit) prompt tokens over all workers ever registered; never decreases."""
-        queries, hits = self.retired_prefix_cache_tokens
-        for stats in self.live_worker_stats().values():
-            queries += stats.prefix_cache_queries_tokens
-            hits += stats.prefix_cache_hits_tokens
-        return queries, hits
-
     # -- routing --------------------------------------------------------------------------------
 
-    def _route(self, call: GenerateCall, sink: DeltaSink) -> _Call:
+    def _route(self, call: GenerateCall, sink: DeltaSink) -> CallRecord:
         if call.request_id in self._calls:
             raise RejectedError(f"request id {call.request_id!r} is already in flight", status_code=400)
         if not self._serving_roles() or self.identity is None:
@@ -378,7 +295,7 @@ class ClusterManager:
         return self._serving_roles().get(role, [])
 
     def _place(self, call: GenerateCall, sink: DeltaSink, request: RouteRequest, matched: Mapping[str, int],
-               now: float) -> tuple[_Call, str]:
+               now: float) -> tuple[CallRecord, str]:
         """Mixed pool only: the cluster policy. With prefill and decode pools: the pair chooser, whose
         short-prompt ("local_prefill") calls go to the mixed pool by the policy when there is one; with adaptive
         pools, a worker lent to mixed duty may take the call whole ("pool_lent")."""
@@ -388,20 +305,20 @@ class ClusterManager:
             lent = self._lent_worker(call, matched, sorted(decode_workers), now)
             if lent is not None:
                 self.state.commit(request, lent, matched.get(lent, 0), now)
-                return _Call(call, lent, sink, by_policy=False), "pool_lent"
+                return CallRecord(call, lent, sink, by_policy=False), "pool_lent"
         if decode_workers:
             pair = self.pairs.choose(request, self._serving("prefill"), decode_workers, now)
             if pair.prefill_worker:
-                return _Call(call, pair.decode_worker, sink, prefill_worker=pair.prefill_worker,
+                return CallRecord(call, pair.decode_worker, sink, prefill_worker=pair.prefill_worker,
                              by_policy=False), "pair"
             if not mixed:
                 self.state.commit(request, pair.decode_worker,
                                   self.state.index.match(request.block_hashes).get(pair.decode_worker, 0), now)
-                return _Call(call, pair.decode_worker, sink, by_policy=False), "local_prefill"
+                return CallRecord(call, pair.decode_worker, sink, by_policy=False), "local_prefill"
         decision = self.policy.choose(request, mixed or sorted(self.workers), now)
-        return _Call(call, decision.worker_id, sink), decision.reason
+        return CallRecord(call, decision.worker_id, sink), decision.reason
 
-    def _end_call(self, entry: _Call) -> None:
+    def _end_call(self, entry: CallRecord) -> None:
         entry.finished = True
         if entry.num_tokens_seen == 0:
             self._num_waiting -= 1
@@ -432,159 +349,3 @@ class ClusterManager:
         if delta.finished:
             self._end_call(entry)
         entry.sink(delta)
-
-    # -- messages -------------------------------------------------------------------------------
-
-    def _send(self, worker_id: str, message: rpc.Message) -> None:
-        error = self._socket.send(worker_id, message) if self._socket is not None else None
-        if error is not None:  # EHOSTUNREACH: the worker's connection is gone
-            if worker_id in self.workers:
-                self._remove_worker(worker_id, self._exit_reason(worker_id) or f"unreachable ({error.strerror})")
-
-    def _handle(self, sender: str, message: rpc.Message) -> None:
-        if isinstance(message, rpc.Register):
-            self._on_register(sender, message)
-            return
-        record = self.workers.get(sender)
-        if record is None:
-            return  # a worker we already dropped (or never accepted): ignore until it registers again
-        record.last_heard_at = self.clock()
-        if isinstance(message, rpc.TokenDeltas):
-            for delta in message.deltas:
-                self._on_delta(delta)
-        elif isinstance(message, rpc.Stats):
-            if record.stats is None:
-                self._serving_by_role = None  # its first heartbeat: it serves from now on
-            record.stats = message
-            # The pool's used blocks include the prefix cache's; what the cache alone holds is evictable, so
-            # used - cached approximates the running requests' KV (low when they lock cached blocks).
-            self.state.load.on_stats(WorkerStats(
-                sender, message.num_queued_prefill_tokens, max(message.num_used_blocks - message.num_cached_blocks, 0),
-                message.num_free_blocks, message.num_running, message.num_waiting, message.num_cached_blocks,
-                self.config.block_size), record.last_heard_at)
-        elif isinstance(message, rpc.KVEvents):
-            if record.snapshot_pending:
-                return  # the snapshot on its way covers these
-            if not self.state.index.on_kv_events(sender, (KVEvent.from_wire(e) for e in message.events)):
-                self._request_snapshot(record, "kv event seq gap")
-        elif isinstance(message, rpc.SnapshotResponse):
-            record.snapshot_pending = False
-            # A leading CLEARED at the snapshot's seq makes the index resume from there even when the cache is empty.
-            events = [KVEvent(message.seq, KVEventKind.CLEARED, ()), *(KVEvent.from_wire(e) for e in message.events)]
-            self.state.index.apply_snapshot(sender, events)
-        elif isinstance(message, rpc.HandoffEnded):
-            self._on_handoff_ended(message)
-        elif isinstance(message, rpc.Goodbye):
-            self._remove_worker(sender, f"left: {message.reason}")
-
-    def _on_handoff_ended(self, message: rpc.HandoffEnded) -> None:
-        """A prefill leg ended without the KV: the decode worker falls back (it may already know, harmlessly)."""
-        self.handoff_endings[message.outcome] = self.handoff_endings.get(message.outcome, 0) + 1
-        entry = self._calls.get(message.request_id)
-        if entry is None or entry.finished or entry.prefill_worker != message.worker_id:
-            return
-        self.num_handoff_fallbacks += 1
-        self._send(entry.worker_id, rpc.HandoffFailed(message.request_id, message.reason,
-                                                      refused=message.outcome == "refused"))
-
-    def _on_register(self, sender: str, message: rpc.Register) -> None:
-        if sender != message.worker_id:
-            log.warning("register from socket %r claims id %r; refused", sender, message.worker_id)
-            self._send_raw(sender, rpc.RegisterRefuse(message.worker_id, "worker id differs from socket identity"))
-            return
-        offered = identity_of(message)
-        reason = registration_refusal(message, self.config.model_name, self.identity or replace(
-            offered, block_size=self.config.block_size,
-            tokenizer_probe_hash=self.config.tokenizer_probe_hash or offered.tokenizer_probe_hash))
-        if reason:
-            log.warning("refused worker %s: %s", sender, reason)
-            self._send_raw(sender, rpc.RegisterRefuse(sender, reason))
-            return
-        if sender in self.workers:
-            self._remove_worker(sender, "re-registered (restarted)")
-        self.lost_workers.pop(sender, None)
-        if self.identity is None:
-            self.identity = offered
-        self.workers[sender] = WorkerRecord(message, self.clock())
-        self._serving_by_role = None
-        self._send(sender, rpc.RegisterAck(sender, self.queue_policy, self.config.heartbeat_interval_s))
-        log.info("worker %s registered (pid %d, %s)", sender, message.pid, message.kv_layout)
-
-    def _send_raw(self, identity: str, message: rpc.Message) -> None:
-        """Send to a peer that is not (or no longer) a pool member; errors are ignored."""
-        if self._socket is not None:
-            self._socket.send(identity, message)
-
-    def _request_snapshot(self, record: WorkerRecord, reason: str) -> None:
-        record.snapshot_pending = True
-        self.num_snapshots_requested += 1
-        self._send(record.register.worker_id, rpc.SnapshotRequest(reason))
-
-    # -- failure detection ----------------------------------------------------------------------
-
-    async def _monitor_loop(self) -> None:
-        while True:
-            await asyncio.sleep(min(self.config.ping_interval_s, 0.1))
-            try:
-                self.check_workers()
-            except Exception:  # keep detecting dead workers whatever went wrong once
-                log.exception("worker check failed")
-
-    def check_workers(self) -> None:
-        """Drop workers whose process exited or that went silent; ping the rest."""
-        now = self.clock()
-        stalled_s = now - self._last_check_at - _STALL_GRACE_S
-        self._last_check_at = now
-        if stalled_s > 0:
-            # This loop itself was starved (a blocked event loop, a suspended process): whatever the workers
-            # sent meanwhile is still unread in the socket, so the stall must not count as their silence.
-            for record in self.workers.values():
-                record.last_heard_at += stalled_s
-        for worker_id in sorted(self.workers):
-            record = self.workers[worker_id]
-            exit_reason = self._exit_reason(worker_id)
-            if exit_reason:
-                self._remove_worker(worker_id, exit_reason)
-            elif now - record.last_heard_at > self.config.worker_timeout_s:
-                self._remove_worker(worker_id, f"no heartbeat for {now - record.last_heard_at:.1f} s")
-            elif now - record.last_pinged_at >= self.config.ping_interval_s:
-                record.last_pinged_at = now
-                self._send(worker_id, rpc.Ping(now))
-
-    def _exit_reason(self, worker_id: str) -> str:
-        """Why a watched worker process is gone ("" while it runs or when it is not watched)."""
-        process = self._processes.get(worker_id)
-        code = process.poll() if process is not None else None
-        record = self.workers.get(worker_id)
-        pid = record.register.pid if record is not None else "?"
-        return "" if code is None else f"process {pid} exited with code {code}"
-
-    def _remove_worker(self, worker_id: str, reason: str) -> None:
-        record = self.workers.pop(worker_id, None)
-        if record is None:
-            return
-        self._serving_by_role = None
-        log.log(logging.INFO if reason.startswith("left:") else logging.WARNING, "worker %s removed: %s", worker_id,
-                reason)
-        self.lost_workers[worker_id] = reason
-        if self.pools is not None:
-            self.pools.remove_worker(worker_id)
-        if record.stats is not None:
-            self.retired_prefix_cache_tokens[0] += record.stats.prefix_cache_queries_tokens
-            self.retired_prefix_cache_tokens[1] += record.stats.prefix_cache_hits_tokens
-        for request_id in sorted(record.in_flight):
-            entry = self._calls.get(request_id)
-            if entry is None or entry.finished:
-                continue
-            if entry.prefill_worker == worker_id:  # the decode worker answers: it recomputes or fails cleanly
-                self.num_handoff_fallbacks += 1
-                self._send(entry.worker_id, rpc.HandoffFailed(request_id, f"prefill worker lost ({reason})", False))
-                continue
-            if entry.prefill_worker:
-                self._send(entry.prefill_worker, rpc.Abort((request_id,)))
-            self.num_failed_by_worker_loss += 1
-            self._end_call(entry)
-            entry.sink(TokenDelta(
-                request_id, (), "", True, "error", len(entry.call.prompt_token_ids),
-                error=f"worker {worker_id} was lost while running this request ({reason})", worker_id=worker_id))
-        self.policy.on_worker_removed(worker_id)

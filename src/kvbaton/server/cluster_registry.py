@@ -1,4 +1,4 @@
-"""What the router remembers about each live worker, who may join the pool, and how one is described in /cluster."""
+"""The router's records of its live workers and routed calls, who may join the pool, and how a worker shows in /cluster."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Protocol
 
 from kvbaton.router.state import RouterState
 from kvbaton.server import rpc
+from kvbaton.server.base import DeltaSink, GenerateCall
 from kvbaton.server.identity import ClusterIdentity, incompatibility
 
 
@@ -24,6 +25,17 @@ class WorkerRecord:
     in_flight: set[str] = field(default_factory=set)  # request ids routed here and not finished
     snapshot_pending: bool = False  # KV events are ignored until the requested snapshot arrives
     last_pinged_at: float = float("-inf")
+
+
+@dataclass(slots=True)
+class CallRecord:
+    call: GenerateCall
+    worker_id: str
+    sink: DeltaSink  # gets every delta of the call, the finished one last
+    num_tokens_seen: int = 0
+    finished: bool = False
+    prefill_worker: str = ""  # a disaggregated call: the worker that prefills and hands the KV to worker_id
+    by_policy: bool = True  # placed by the cluster policy (else by the pair chooser: its state entry is ours)
 
 
 def identity_of(message: rpc.Register) -> ClusterIdentity:

@@ -205,3 +205,32 @@ def test_late_reservation_holds_decode_kv_only_for_prefills_about_to_run() -> No
 def test_reserve_ahead_must_not_be_negative() -> None:
     with pytest.raises(InvalidRequestError):
         SimConfig(reserve_ahead_tokens=-1)
+
+
+class _SlowDecodeCost(ConstantCostModel):
+    """Prefill steps take 0.1 s, all-decode steps 2 s: a handoff completes long before the decode step ends."""
+
+    def step_s(self, shape, parallel=None) -> float:  # type: ignore[override]
+        if not shape.num_tokens:
+            return 0.0
+        return 2.0 if shape.num_decodes and not shape.prefill_new_tokens else 0.1
+
+
+def test_leg_whose_lease_runs_out_while_the_decode_step_runs_fails_cleanly() -> None:
+    """A decode worker applies protocol messages mid-step but adopts after it: a complete leg whose lease ends
+    first is never adopted; the request fails with the reason and every block is back (the destination freed
+    them at expiry)."""
+    # r0 decodes on d0 in 2 s steps (0.1 -> 2.1 -> ...). r1's KV is complete at 0.8 and its lease ends at 1.2;
+    # leases are checked at events, and r2's arrival at 1.4 is one, before d0's step ends. r2's leg completes at
+    # 1.5 and is adopted at 2.1, within its lease.
+    requests = small_workload(num=3, gap_s=0.7)
+    sim = ClusterSim(parse_cluster_spec("1P1D"), _SlowDecodeCost(kv_bytes_per_token=10), SimConfig(
+        cache=CacheConfig(16, 64), handoff_lease_s=0.4))
+    records = sim.run(requests)
+    assert [r.status for r in records] == ["completed", "failed", "completed"], [(r.status, r.reason) for r in records]
+    assert "lease" in records[1].reason, records[1].reason
+    assert records[2].output_tokens == requests[2].output_tokens
+    destination = sim.handoffs.destinations["d0"]
+    assert destination.num_live_transfers == 0 and destination.num_reserved_blocks == 0
+    for worker in sim.workers.values():
+        assert worker.pool.num_used_blocks == (worker.cache.num_cached_blocks if worker.cache else 0)

@@ -18,12 +18,12 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+from fidelity import POOL_FLAGS
 from routing_live import start_server, stop_server
 
 from kvbaton.bench.driver import DriverConfig, discover_model, run_live
 from kvbaton.bench.workloads import create_workload
 
-POOL_FLAGS = {"2xmixed": ["--workers", "2"], "1P1D": ["--prefill", "1", "--decode", "1"]}
 FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", "tpot_p50_ms", "tpot_p99_ms")
 
 

@@ -71,6 +71,15 @@ def test_layer_is_unreadable_until_every_position_arrived() -> None:
     assert legs.destination.is_layer_complete(TID, 1) and not legs.destination.is_layer_complete(TID, 0)
 
 
+def test_state_or_none_is_state_for_a_known_leg_and_none_for_an_unknown_one() -> None:
+    legs = make_legs()
+    assert legs.destination.state_or_none(TID) is None and legs.source.state_or_none(TID) is None
+    with pytest.raises(ProtocolError):
+        legs.destination.state(TID)
+    _granted(legs)
+    assert legs.destination.state_or_none(TID) is legs.destination.state(TID) is DestinationState.RESERVED
+
+
 def test_backpressure_refuses_and_prefill_cannot_start() -> None:
     legs = make_legs(num_dst_blocks=2)
     replies = legs.to_destination(legs.source.start(TID, "d0", 10, now=0.0), now=0.0)

@@ -23,7 +23,7 @@ from kvbaton.transfer.base import KVTransport
 from kvbaton.transfer.destination import HandoffDestination
 from kvbaton.transfer.driver import pump_destination, send_all
 from kvbaton.transfer.layout import KVLayout
-from kvbaton.transfer.states import KV_LOAD_FAILURE_POLICIES, DestinationState, ProtocolError
+from kvbaton.transfer.states import KV_LOAD_FAILURE_POLICIES, DestinationState
 
 
 @dataclass(slots=True)
@@ -112,10 +112,7 @@ class DecodeHandoffs:
 
     def _state(self, request_id: str) -> DestinationState | None:
         """The live state of the request's leg; None when there is none (or it ended and was forgotten)."""
-        try:
-            return self.destination.state(transfer_id_of(request_id))
-        except ProtocolError:
-            return None
+        return self.destination.state_or_none(transfer_id_of(request_id))  # type: ignore[return-value]
 
     def _advance(self, entry: _Expected, now: float) -> list[RequestOutput]:
         state = self._state(entry.request_id)

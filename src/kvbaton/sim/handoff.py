@@ -22,7 +22,7 @@ from kvbaton.core.step import StepPlan
 from kvbaton.sim.links import Link, LinkSpec
 from kvbaton.sim.worker import SimWorker
 from kvbaton.transfer import (Ack, AdoptedKV, DestinationState, HandoffDestination, HandoffSource, KVLayout, Message,
-                              Outgoing, ProtocolError, ReserveGranted, ReserveRefused, SourceState, TransferId)
+                              Outgoing, ReserveGranted, ReserveRefused, SourceState, TransferId)
 from kvbaton.transfer.fast_messages import make_first_token, make_transfer_id
 
 
@@ -138,11 +138,9 @@ class SimHandoffs:
         """The decode worker takes a complete leg's blocks (their references become its scheduler's); None when
         the leg is no longer complete (its lease ran out first: the destination freed the blocks)."""
         destination = self.destinations[decode_worker]
-        try:
-            complete = destination.state(transfer_id) is DestinationState.COMPLETE
-        except ProtocolError:  # ended and forgotten
-            complete = False
-        return destination.adopt(transfer_id, now) if complete else None
+        if destination.state_or_none(transfer_id) is not DestinationState.COMPLETE:
+            return None
+        return destination.adopt(transfer_id, now)
 
     def expire(self, now: float) -> list[HandoffEvent]:
         """Lease expiry on every leg; the requests whose legs ended this way."""

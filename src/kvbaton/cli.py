@@ -77,7 +77,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="preble", help="round_robin | least_load | longest_prefix | preble")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
-    p.add_argument("--rpc-address", default="tcp://127.0.0.1:*", help="zmq address workers connect to")
+    p.add_argument("--rpc-address", default="tcp://127.0.0.1:*",
+                   help="zmq address workers connect to (with --ray: this node's IP, any free port)")
+    p.add_argument("--ray", default="", metavar="ADDRESS",
+                   help="place the workers on a Ray cluster: 'auto' (the one running here), HOST:PORT, or 'local' "
+                        "(start a single-node one on 127.0.0.1); needs pip install 'kvbaton[ray]'")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0, help="with --ray: GPUs each worker holds")
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
@@ -120,6 +125,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise KvbatonError("--prefill needs at least one --decode worker to hand the KV to")
     if num_workers + args.decode < 1:
         raise KvbatonError("give at least one worker: --workers N, or --prefill N --decode M")
+    if args.gpus_per_worker < 0 or (args.gpus_per_worker and not args.ray):
+        raise KvbatonError("--gpus-per-worker takes a non-negative number, with --ray")
     threshold = args.local_prefill_threshold
     return serve(ServeConfig(
         model=args.model, num_workers=num_workers, num_prefill=args.prefill, num_decode=args.decode,
@@ -131,7 +138,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
         admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
         adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
-        tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens))
+        tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens,
+        ray_address=args.ray, gpus_per_worker=args.gpus_per_worker))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:

@@ -232,6 +232,23 @@ def test_process_exit_is_noticed_before_the_heartbeat_timeout() -> None:
     run_cluster(body, worker_timeout_s=30.0)
 
 
+def test_an_exit_reported_after_the_worker_was_dropped_is_added_to_why_it_was_lost() -> None:
+    # A Ray actor reports its worker's exit a moment after the connection drops (server/ray_workers.py).
+    now = [0.0]
+    cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4, worker_timeout_s=5.0),
+                             clock=lambda: now[0])
+    cluster._handle("w0", register("w0"))
+    process = _ExitedProcess()
+    cluster.watch_process("w0", process)
+    cluster._remove_worker("w0", "unreachable (Host unreachable)")
+    cluster.check_workers()
+    assert cluster.lost_workers == {"w0": "unreachable (Host unreachable)"}
+    process.code = -9
+    cluster.check_workers()
+    cluster.check_workers()  # noted once
+    assert cluster.lost_workers == {"w0": "unreachable (Host unreachable); its process exited with code -9"}
+
+
 def test_kv_event_gap_requests_a_snapshot_and_the_index_follows_it() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
         worker = ScriptedWorker(context, cluster.address, "w0")

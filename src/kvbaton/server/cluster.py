@@ -92,6 +92,7 @@ class ClusterManager(WorkerMembership, ClusterReports):
         self._serving_by_role: dict[str, list[str]] | None = None
         self._num_waiting = 0  # calls in _calls with num_tokens_seen == 0 (kept as a count: read per routing)
         self._processes: dict[str, ProcessHandle] = {}
+        self._exits_pending: set[str] = set()  # dropped while their process still ran: its exit code comes later
         # Counters for /metrics (the HTTP layer renders them).
         self.router_decisions: dict[str, int] = {}  # decision reason -> count
         self.num_rejected = 0

@@ -49,6 +49,7 @@ class WorkerMembership:
     _calls: dict[str, CallRecord]
     _serving_by_role: dict[str, list[str]] | None
     _processes: dict[str, ProcessHandle]
+    _exits_pending: set[str]
     num_failed_by_worker_loss: int
     num_snapshots_requested: int
     num_handoff_fallbacks: int
@@ -172,6 +173,7 @@ class WorkerMembership:
             # sent meanwhile is still unread in the socket, so the stall must not count as their silence.
             for record in self.workers.values():
                 record.last_heard_at += stalled_s
+        self._note_late_exits()
         for worker_id in sorted(self.workers):
             record = self.workers[worker_id]
             exit_reason = self._exit_reason(worker_id)
@@ -191,10 +193,26 @@ class WorkerMembership:
         pid = record.register.pid if record is not None else "?"
         return "" if code is None else f"process {pid} exited with code {code}"
 
+    def _note_late_exits(self) -> None:
+        """Add the exit code to why a worker was lost once its process reports it: a worker is often dropped
+        as unreachable first (its connection went with it), and a Ray actor reports its worker's exit a moment
+        after that."""
+        for worker_id in sorted(self._exits_pending):
+            process = self._processes.get(worker_id)
+            code = process.poll() if process is not None else None
+            if worker_id in self.workers or process is None:  # registered again, or no longer watched
+                self._exits_pending.discard(worker_id)
+            elif code is not None:
+                self._exits_pending.discard(worker_id)
+                self.lost_workers[worker_id] += f"; its process exited with code {code}"
+
     def _remove_worker(self, worker_id: str, reason: str) -> None:
         record = self.workers.pop(worker_id, None)
         if record is None:
             return
+        process = self._processes.get(worker_id)
+        if process is not None and process.poll() is None:
+            self._exits_pending.add(worker_id)
         self._serving_by_role = None
         log.log(logging.INFO if reason.startswith("left:") else logging.WARNING, "worker %s removed: %s", worker_id,
                 reason)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,6 +32,7 @@ from kvbaton.server.api import create_app
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+from kvbaton.server.ray_workers import RayPlacement, RayWorkerProcess
 from kvbaton.router.admission import AdmissionPolicy, AdmissionSLO, CalibratedTimeModel, create_admission
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.sim.costs.linear import load_linear_model
@@ -80,6 +81,9 @@ class ServeConfig:
     step_log_dir: str = ""  # each worker logs its step shapes and periods to <dir>/<worker id>.steps.jsonl
     tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS  # ingress tokenization cache bound (0: off)
     reserve_ahead_tokens: int | None = None  # prefill workers' late KV reservation (None: on arrival)
+    # Place the workers on a Ray cluster (server/ray_workers.py): "local" | "auto" | its address; "" = local processes.
+    ray_address: str = ""
+    gpus_per_worker: float = 0.0  # with Ray: GPUs each worker's actor holds (Ray sets its CUDA_VISIBLE_DEVICES)
 
 
 def _slo_and_profile(config: ServeConfig, flag: str,
@@ -128,7 +132,12 @@ def worker_roles(config: ServeConfig) -> list[tuple[str, str]]:
 
 
 def worker_command(config: ServeConfig, router_address: str, worker_id: str, role: str = "mixed") -> list[str]:
-    return [sys.executable, "-m", "kvbaton.cli", "worker", "--role", role, "--router", router_address,
+    return [sys.executable, "-m", "kvbaton.cli", "worker", *worker_args(config, router_address, worker_id, role)]
+
+
+def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: str = "mixed") -> list[str]:
+    """The arguments of `kvbaton worker` for one worker of `config`."""
+    return ["--role", role, "--router", router_address,
             "--model", config.model, "--worker-id", worker_id, "--dtype", config.dtype,
             "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
@@ -141,7 +150,8 @@ def worker_command(config: ServeConfig, router_address: str, worker_id: str, rol
 class Launcher:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.processes: dict[str, subprocess.Popen[bytes] | RayWorkerProcess] = {}
+        self.placement: RayPlacement | None = None
         self.url = ""
         self._stop = asyncio.Event()
         self._server: _Server | None = None
@@ -164,21 +174,30 @@ class Launcher:
         wanted = (config.admission != "none" or config.adaptive_pools) and config.cost_profile
         time_model = CalibratedTimeModel(load_linear_model(config.cost_profile)) if wanted else None
         admission, pools = admission_policy(config, time_model), pool_balancer(config, time_model)
-        cluster = ClusterManager(ClusterConfig(
-            bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
-            block_size=config.block_size, tokenizer_probe_hash=tokenizer_probe_hash(tokenizer), seed=config.seed,
-            max_num_waiting=config.max_num_waiting,
-            local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
-            kv_load_failure_policy=config.kv_load_failure_policy,
-            reserves_on_arrival=config.reserve_ahead_tokens is None,
-            kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)),
-            admission=admission, pools=pools)
         http_socket = _bind_http(config.host, config.port)  # fail on a taken port before starting any worker
-        address = await cluster.start()
         try:
-            for worker_id, role in worker_roles(config):
-                process = subprocess.Popen(worker_command(config, address, worker_id, role), start_new_session=True)
-                self.processes[worker_id] = process
+            if config.ray_address:
+                self.placement = RayPlacement(config.ray_address)
+                for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init replaced them with its own (sys.exit)
+                    loop.add_signal_handler(sig, self.request_stop)
+                config = self.config = self._placed_on_ray(config, self.placement)
+            cluster = ClusterManager(ClusterConfig(
+                bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
+                block_size=config.block_size, tokenizer_probe_hash=tokenizer_probe_hash(tokenizer), seed=config.seed,
+                max_num_waiting=config.max_num_waiting,
+                local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
+                kv_load_failure_policy=config.kv_load_failure_policy,
+                reserves_on_arrival=config.reserve_ahead_tokens is None,
+                kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)),
+                admission=admission, pools=pools)
+            address = await cluster.start()
+        except BaseException:
+            http_socket.close()
+            self._let_go_of_ray()
+            raise
+        try:
+            await self._start_workers(address)
+            for worker_id, process in self.processes.items():
                 cluster.watch_process(worker_id, process)
             if not await self._wait_for_workers(cluster):
                 return 0  # stopped during startup
@@ -195,7 +214,11 @@ class Launcher:
             host = f"[{config.host}]" if ":" in config.host else config.host
             self.url = f"http://{host}:{port}"
             pools = f"{config.num_workers} mixed + {config.num_prefill} prefill + {config.num_decode} decode"
-            print(f"kvbaton: serving {config.model} at {self.url} with {pools} worker(s), policy "
+            nodes = ""
+            if self.placement is not None:
+                ips = sorted({p.node_ip for p in self.processes.values() if isinstance(p, RayWorkerProcess)})
+                nodes = f" on Ray node(s) {' '.join(ips)}"
+            print(f"kvbaton: serving {config.model} at {self.url} with {pools} worker(s){nodes}, policy "
                   f"{config.policy} (pids {' '.join(str(p.pid) for p in self.processes.values())})", flush=True)
             if self._stop.is_set():  # a signal arrived while the server was starting
                 self._server.should_exit = True
@@ -209,7 +232,37 @@ class Launcher:
             http_socket.close()
             await cluster.shutdown(timeout_s=config.worker_exit_timeout_s)
             self._reap()
+            self._let_go_of_ray()
             print("kvbaton: stopped", flush=True)
+
+    @staticmethod
+    def _placed_on_ray(config: ServeConfig, placement: RayPlacement) -> ServeConfig:
+        """`config` for workers on Ray's nodes: the RPC socket on this node's IP unless given (workers elsewhere
+        must reach it), and KV over TCP when there is more than one node (shared memory reaches one host)."""
+        changes: dict[str, str] = {}
+        if config.rpc_address == ServeConfig.rpc_address:
+            changes["rpc_address"] = f"tcp://{placement.node_ip}:*"
+        if config.kv_transport == "shm" and placement.num_nodes > 1 and config.num_prefill:
+            print("kvbaton: the Ray cluster has several nodes: KV moves over TCP", flush=True)
+            changes["kv_transport"] = "tcp"
+        return replace(config, **changes)
+
+    async def _start_workers(self, address: str) -> None:
+        config = self.config
+        if self.placement is None:
+            for worker_id, role in worker_roles(config):
+                process = subprocess.Popen(worker_command(config, address, worker_id, role), start_new_session=True)
+                self.processes[worker_id] = process
+            return
+        workers = [(worker_id, worker_args(config, address, worker_id, role))
+                   for worker_id, role in worker_roles(config)]
+        self.processes.update(await self.placement.start(workers, config.num_threads_per_worker,
+                                                         config.gpus_per_worker, config.startup_timeout_s))
+
+    def _let_go_of_ray(self) -> None:
+        if self.placement is not None:
+            self.placement.close()
+            self.placement = None
 
     async def _wait_for_workers(self, cluster: ClusterManager) -> bool:
         """True once every worker registered; False on a stop signal; raises if a worker died or timed out."""

@@ -1,0 +1,178 @@
+"""`kvbaton serve --ray ADDRESS`: the worker processes placed on the nodes of a Ray cluster.
+
+A local launch starts each worker as a child process of the router. With Ray, each worker gets a Ray
+actor (`WorkerHost`) that holds the worker's CPU share (and GPUs, `--gpus-per-worker`), the actors
+spread over the cluster's nodes; the actor starts the same `kvbaton worker` command as a child process
+on its node (with that node's Python, and the node's IP for the KV receiver) and reports its exit.
+Everything after that is the local launch's: the workers connect back to the router's RPC address,
+which the launcher binds on its own node's IP so that every node reaches it, register, and are watched
+through `RayWorkerProcess`, the `ProcessHandle` of the actor's child. Between nodes KV moves over TCP
+(shared memory reaches one host only).
+
+`--ray local` starts a single-node Ray instance on the loopback interface (to try it on one machine,
+and for the tests); `--ray auto` joins the cluster running on this machine (`ray start --head`), and
+`--ray HOST:PORT` the one at that address. Every node must run the same Python environment with
+kvbaton installed, as vLLM asks of its Ray nodes. Ray is optional: `pip install 'kvbaton[ray]'`
+(`make install` includes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from kvbaton.core.errors import KvbatonError
+
+LOCAL = "local"  # --ray local: start a single-node Ray instance on 127.0.0.1
+
+
+def import_ray(address: str) -> ModuleType:
+    """Ray, imported for `--ray ADDRESS`. A local instance must bind the loopback interface only: Ray reads
+    whether to bind the machine's address once, when it is imported."""
+    if address == LOCAL and "ray" not in sys.modules:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's switch to its single-host binding
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        import ray
+    except ImportError:
+        raise KvbatonError("--ray needs Ray installed: pip install 'kvbaton[ray]'") from None
+    return ray
+
+
+class WorkerHost:
+    """A Ray actor's body: one `kvbaton worker` process on the actor's node (Ray turns it into an actor class)."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self, worker_args: Sequence[str]) -> tuple[str, int]:
+        """Start the worker with `worker_args` (after `kvbaton worker`) and this node's IP for its KV receiver;
+        returns (node IP, worker pid)."""
+        import ray
+
+        node_ip = ray.util.get_node_ip_address()
+        self._process = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "worker", *worker_args,
+                                          "--kv-host", node_ip])
+        return node_ip, self._process.pid
+
+    def wait(self) -> int:
+        """Block until the worker exits; its exit code."""
+        assert self._process is not None, "start() first"
+        return self._process.wait()
+
+    def send_signal(self, signum: int) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signum)
+
+
+class RayWorkerProcess:
+    """A worker started by a `WorkerHost` actor, seen as the launcher sees a local `subprocess.Popen`: `poll`
+    (the cluster's `ProcessHandle`), `wait(timeout)`, `kill`, `pid` (on `node_ip`)."""
+
+    def __init__(self, ray: ModuleType, actor: Any, node_ip: str, pid: int) -> None:
+        self._ray = ray
+        self.actor = actor
+        self.node_ip = node_ip
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exit = actor.wait.remote()  # resolves with the exit code; with an error if the actor or node died
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            ready, _ = self._ray.wait([self._exit], timeout=0)
+            if ready:
+                self.returncode = self._exit_code()
+        return self.returncode
+
+    def _exit_code(self) -> int:
+        try:
+            return int(self._ray.get(self._exit))
+        except self._ray.exceptions.RayError:  # its actor, or its node, is gone: so is the process it ran
+            return -signal.SIGKILL
+
+    def wait(self, timeout: float | None = None) -> int:
+        ready, _ = self._ray.wait([self._exit], timeout=timeout)
+        if not ready:
+            raise subprocess.TimeoutExpired(f"kvbaton worker (pid {self.pid} on {self.node_ip})", timeout or 0.0)
+        code = self.poll()
+        assert code is not None
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            self.actor.send_signal.remote(signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class RayPlacement:
+    """The Ray cluster the workers run on: connect, start one actor per worker, and let go of it all."""
+
+    def __init__(self, address: str) -> None:
+        ray = self.ray = import_ray(address)
+        if ray.is_initialized():
+            raise KvbatonError("Ray is already initialised in this process")
+        try:
+            if address == LOCAL:
+                ray.init(include_dashboard=False)
+            else:
+                ray.init(address=address)
+        except (ConnectionError, ValueError, RuntimeError) as exc:  # no cluster there, a malformed address
+            raise KvbatonError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
+        self._actors: list[Any] = []
+        self._host_class = ray.remote(WorkerHost)
+
+    @property
+    def node_ip(self) -> str:
+        """This process's node: where the router's RPC socket is bound for the workers to reach it."""
+        return str(self.ray.util.get_node_ip_address())
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(1 for node in self.ray.nodes() if node.get("Alive"))
+
+    def check_resources(self, num_workers: int, num_cpus: float, num_gpus: float) -> None:
+        """Refuse what the cluster cannot place at all, rather than wait for it until the startup timeout."""
+        resources = self.ray.cluster_resources()
+        for name, each in (("CPU", num_cpus), ("GPU", num_gpus)):
+            have = float(resources.get(name, 0.0))
+            if each and num_workers * each > have:
+                raise KvbatonError(f"the Ray cluster has {have:g} {name}s; {num_workers} workers with {each:g} each "
+                                   f"need {num_workers * each:g} (see --threads-per-worker, --gpus-per-worker)")
+
+    async def start(self, workers: Sequence[tuple[str, Sequence[str]]], num_cpus: float, num_gpus: float,
+                    timeout_s: float) -> dict[str, RayWorkerProcess]:
+        """One actor per (worker id, worker args), spread over the nodes; returns once every worker process runs."""
+        self.check_resources(len(workers), num_cpus, num_gpus)
+        actors = []
+        for _ in workers:
+            # Threaded: `wait` blocks for the whole life of the worker while `send_signal` still gets through.
+            actor = self._host_class.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy="SPREAD",
+                                             max_concurrency=4).remote()
+            actors.append(actor)
+            self._actors.append(actor)
+        refs = [actor.start.remote(list(args)) for actor, (_, args) in zip(actors, workers)]
+        try:
+            started = await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
+        except TimeoutError:
+            raise KvbatonError(f"Ray did not place all {len(workers)} workers within {timeout_s:g} s") from None
+        return {worker_id: RayWorkerProcess(self.ray, actor, node_ip, pid)
+                for (worker_id, _), actor, (node_ip, pid) in zip(workers, actors, started)}
+
+    def close(self) -> None:
+        """End the actors (their worker processes have exited or been killed by now) and disconnect; a local
+        instance stops with it."""
+        for actor in self._actors:
+            self.ray.kill(actor)
+        self._actors.clear()
+        self.ray.shutdown()

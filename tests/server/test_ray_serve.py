@@ -1,0 +1,177 @@
+"""`kvbaton serve --ray local`: workers placed by Ray (server/ray_workers.py), end to end on tiny-random.
+
+One prefill and one decode worker, each a child process of its own Ray actor on a single-node Ray
+instance bound to 127.0.0.1, KV over TCP as between two nodes. Checks: greedy output equals
+`kvbaton generate`'s and every block is back after; a worker killed under the actor is noticed through
+the actor and dropped with its exit code; SIGTERM stops the router, the workers and the whole Ray
+instance (every process the launcher started, found by walking /proc, is gone). Then the actor handle
+alone: a worker's exit code, and an actor killed under its worker. ~40 s (two Ray starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.serve_helpers import Served, kill_pid, serve_process
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. Then",
+           "You are a careful assistant. Answer in one short sentence. " * 3 + "Question: what is a fox?"]
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                children.setdefault(_parent(int(entry)), []).append(int(entry))
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            found.add(child)
+            stack.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+            return False  # exited, not yet reaped by its parent
+    return True
+
+
+def _generate(prompt: str, max_tokens: int) -> str:
+    command = [sys.executable, "-m", "kvbaton.cli", "generate", "--model", "tiny-random", "--json", "--prompt", prompt,
+               "--max-tokens", str(max_tokens)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
+    return str(json.loads(done.stdout)["text"])
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[Served, set[int]]]:
+    started: set[int] = set()
+    with serve_process(["--ray", "local", "--model", "tiny-random", "--prefill", "1", "--decode", "1",
+                        "--kv-transport", "tcp", "--num-blocks", "256", "--drain-timeout", "5",
+                        "--local-prefill-threshold", "0"], startup_timeout_s=240.0) as server:
+        try:
+            started = _descendants(server.process.pid)  # Ray's own processes, the actors, the workers
+            yield server, started
+        finally:
+            if server.process.poll() is None:
+                server.process.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    server.process.wait(60)
+            for pid in started:  # only if the launcher failed to stop them
+                kill_pid(pid)
+
+
+def test_ray_placed_1p1d_serves_like_generate_and_returns_every_block(served: tuple[Served, set[int]]) -> None:
+    server, _ = served
+    assert "with 0 mixed + 1 prefill + 1 decode worker(s) on Ray node(s) 127.0.0.1" in server.banner, server.banner
+    for pid in server.worker_pids:  # each worker is the child of its own Ray actor, not of the launcher
+        actor = _parent(pid)
+        assert actor != server.process.pid and _cmdline(actor).startswith("ray::WorkerHost"), _cmdline(actor)
+    assert len({_parent(pid) for pid in server.worker_pids}) == 2
+    with httpx.Client(timeout=300) as http:
+        for prompt in PROMPTS:
+            body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 10, "temperature": 0}
+            got = http.post(server.url + "/v1/completions", json=body).json()
+            assert got["choices"][0]["text"] == _generate(prompt, 10), prompt
+        deadline = time.monotonic() + 20
+        while True:
+            info = http.get(server.url + "/cluster").json()
+            workers = {w["worker_id"]: w for w in info["workers"]}
+            if info["num_in_flight"] == 0 and all(w["num_used_blocks"] == w["num_cached_blocks"]
+                                                  and w["transfers"]["num_held_blocks"] == 0 for w in workers.values()):
+                break
+            assert time.monotonic() < deadline, info
+            time.sleep(0.1)
+    assert workers["d0"]["kv_address"].startswith("tcp://127.0.0.1:")
+    assert info["transfers"]["num_completed"] == 2 * len(PROMPTS) and info["transfers"]["num_recomputed"] == 0
+
+
+def test_worker_killed_under_its_actor_is_dropped_then_sigterm_stops_everything(
+        served: tuple[Served, set[int]]) -> None:
+    server, started = served
+    with httpx.Client(timeout=30) as http:
+        info = http.get(server.url + "/cluster").json()
+        decode_pid = next(w["pid"] for w in info["workers"] if w["worker_id"] == "d0")
+        os.kill(decode_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        # Dropped as soon as the router notices (its process exit, or its connection gone); the exit code that
+        # the actor reports is in the reason either way.
+        while "exited with code -9" not in info["lost_workers"].get("d0", ""):
+            assert time.monotonic() < deadline, info
+            time.sleep(0.1)
+            info = http.get(server.url + "/cluster").json()
+    assert [w["worker_id"] for w in info["workers"]] == ["p0"]
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(60) == 0
+    assert server.process.stdout.read().strip().endswith("kvbaton: stopped")  # type: ignore[union-attr]
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in started):
+        assert time.monotonic() < deadline, {pid: _cmdline(pid) for pid in started if _alive(pid)}
+        time.sleep(0.2)
+
+
+def test_actor_handle_reports_the_exit_code_and_an_actor_killed_under_its_worker() -> None:
+    from kvbaton.server.ray_workers import LOCAL, RayPlacement
+
+    async def start(placement: RayPlacement) -> dict[str, object]:
+        # `kvbaton worker --help` exits 0 at once; a bad flag exits 2 (argparse); a worker whose router never
+        # answers runs until its register timeout (60 s), long after this test killed its actor.
+        return await placement.start([("ok", ["--help"]), ("bad", ["--no-such-flag"]),
+                                      ("hung", ["--router", "tcp://127.0.0.1:9", "--model", "tiny-random"])],
+                                     num_cpus=0, num_gpus=0, timeout_s=120)
+
+    before = _descendants(os.getpid())
+    placement = RayPlacement(LOCAL)
+    try:
+        handles = asyncio.run(start(placement))
+        assert handles["ok"].wait(60) == 0 and handles["bad"].wait(60) == 2  # type: ignore[attr-defined]
+        hung = handles["hung"]
+        assert hung.poll() is None  # type: ignore[attr-defined]
+        with pytest.raises(subprocess.TimeoutExpired):
+            hung.wait(0.2)  # type: ignore[attr-defined]
+        placement.ray.kill(hung.actor)  # type: ignore[attr-defined]
+        assert hung.wait(60) == -signal.SIGKILL  # type: ignore[attr-defined]
+        worker_pid = hung.pid  # type: ignore[attr-defined]
+    finally:
+        placement.close()
+    kill_pid(worker_pid)  # orphaned with its actor: it would exit at its register timeout
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in _descendants(os.getpid()) - before):
+        assert time.monotonic() < deadline, [_cmdline(p) for p in _descendants(os.getpid()) - before]
+        time.sleep(0.2)
+
+
+def test_gpus_per_worker_without_ray_is_refused_with_a_message() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvbaton.cli", "serve", "--model", "tiny-random", "--gpus-per-worker",
+                           "1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--gpus-per-worker takes a non-negative number, with --ray" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -5,7 +5,8 @@ instance bound to 127.0.0.1, KV over TCP as between two nodes. Checks: greedy ou
 `kvbaton generate`'s and every block is back after; a worker killed under the actor is noticed through
 the actor and dropped with its exit code; SIGTERM stops the router, the workers and the whole Ray
 instance (every process the launcher started, found by walking /proc, is gone). Then the actor handle
-alone: a worker's exit code, and an actor killed under its worker. ~40 s (two Ray starts).
+alone: a worker's exit code, and an actor killed under its worker; and a two-node Ray cluster (two
+raylets on this host) that gets one worker per node and KV over TCP unasked. ~50 s (three Ray starts).
 """
 
 from __future__ import annotations
@@ -175,3 +176,37 @@ def test_gpus_per_worker_without_ray_is_refused_with_a_message() -> None:
                            "1"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--gpus-per-worker takes a non-negative number, with --ray" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_two_node_ray_cluster_spreads_the_workers_and_moves_kv_over_tcp() -> None:
+    """Two Ray nodes (two raylets on this host, both on 127.0.0.1) stand in for two machines: the workers land on
+    different nodes, KV moves over TCP without being asked, and the answer is still `kvbaton generate`'s."""
+    from kvbaton.server.ray_workers import LOCAL, import_ray
+
+    import_ray(LOCAL)  # loopback binding, set before Ray is first imported
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        with serve_process(["--ray", cluster.address, "--model", "tiny-random", "--prefill", "1", "--decode", "1",
+                            "--threads-per-worker", "1", "--num-blocks", "256", "--drain-timeout", "5",
+                            "--local-prefill-threshold", "0"], startup_timeout_s=240.0) as server:
+            raylets = {_parent(_parent(pid)) for pid in server.worker_pids}  # worker -> its actor -> the node's raylet
+            assert len(raylets) == 2 and all("raylet" in _cmdline(pid) for pid in raylets), raylets
+            prompt = PROMPTS[1]
+            with httpx.Client(timeout=300) as http:
+                got = http.post(server.url + "/v1/completions", json={"model": "tiny-random", "prompt": prompt,
+                                                                       "max_tokens": 10, "temperature": 0}).json()
+                info = http.get(server.url + "/cluster").json()
+            assert got["choices"][0]["text"] == _generate(prompt, 10)
+            decode = next(w for w in info["workers"] if w["worker_id"] == "d0")
+            assert decode["kv_address"].startswith("tcp://127.0.0.1:") and info["transfers"]["num_completed"] == 2
+            server.process.send_signal(signal.SIGTERM)
+            assert server.process.wait(60) == 0
+            deadline = time.monotonic() + 20
+            while any(_alive(pid) for pid in server.worker_pids):  # the cluster stays; the workers are gone
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        cluster.shutdown()

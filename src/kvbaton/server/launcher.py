@@ -243,7 +243,7 @@ class Launcher:
         if config.rpc_address == ServeConfig.rpc_address:
             changes["rpc_address"] = f"tcp://{placement.node_ip}:*"
         if config.kv_transport == "shm" and placement.num_nodes > 1 and config.num_prefill:
-            print("kvbaton: the Ray cluster has several nodes: KV moves over TCP", flush=True)
+            print("kvbaton: the Ray cluster has several nodes: KV moves over TCP", file=sys.stderr, flush=True)
             changes["kv_transport"] = "tcp"
         return replace(config, **changes)
 

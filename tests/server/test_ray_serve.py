@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -113,6 +114,7 @@ def test_ray_placed_1p1d_serves_like_generate_and_returns_every_block(served: tu
             assert time.monotonic() < deadline, info
             time.sleep(0.1)
     assert workers["d0"]["kv_address"].startswith("tcp://127.0.0.1:")
+    assert {w["host"] for w in workers.values()} == {socket.gethostname()}  # pids are per host: /cluster names it
     assert info["transfers"]["num_completed"] == 2 * len(PROMPTS) and info["transfers"]["num_recomputed"] == 0
 
 
@@ -198,7 +200,12 @@ def test_two_node_ray_cluster_spreads_the_workers_and_moves_kv_over_tcp() -> Non
             with httpx.Client(timeout=300) as http:
                 got = http.post(server.url + "/v1/completions", json={"model": "tiny-random", "prompt": prompt,
                                                                        "max_tokens": 10, "temperature": 0}).json()
+                deadline = time.monotonic() + 20
                 info = http.get(server.url + "/cluster").json()
+                while info["transfers"]["num_completed"] < 2:  # the workers' counters come with their heartbeats
+                    assert time.monotonic() < deadline, info
+                    time.sleep(0.1)
+                    info = http.get(server.url + "/cluster").json()
             assert got["choices"][0]["text"] == _generate(prompt, 10)
             decode = next(w for w in info["workers"] if w["worker_id"] == "d0")
             assert decode["kv_address"].startswith("tcp://127.0.0.1:") and info["transfers"]["num_completed"] == 2

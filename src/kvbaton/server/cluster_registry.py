@@ -60,6 +60,7 @@ def worker_info(record: WorkerRecord, state: RouterState, now: float) -> dict[st
         "worker_id": reg.worker_id,
         "role": reg.role,
         "pid": reg.pid,
+        "host": reg.host,
         "model": reg.model_name,
         "kv_layout": reg.kv_layout,
         "num_blocks": reg.num_blocks,

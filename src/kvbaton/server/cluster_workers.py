@@ -189,9 +189,13 @@ class WorkerMembership:
         """Why a watched worker process is gone ("" while it runs or when it is not watched)."""
         process = self._processes.get(worker_id)
         code = process.poll() if process is not None else None
+        if code is None:
+            return ""
         record = self.workers.get(worker_id)
-        pid = record.register.pid if record is not None else "?"
-        return "" if code is None else f"process {pid} exited with code {code}"
+        if record is None:
+            return f"process ? exited with code {code}"
+        host = f" on {record.register.host}" if record.register.host else ""
+        return f"process {record.register.pid}{host} exited with code {code}"
 
     def _note_late_exits(self) -> None:
         """Add the exit code to why a worker was lost once its process reports it: a worker is often dropped

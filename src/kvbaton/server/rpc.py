@@ -51,6 +51,7 @@ class Register:
     tokenizer_probe_hash: str  # kvbaton.server.identity.tokenizer_probe_hash
     pid: int
     kv_address: str = ""  # decode workers: "shm://host:port" or "tcp://host:port" where prefill workers link
+    host: str = ""  # the worker's host name (its pid is only unique on it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from socket import gethostname
 
 import torch
 import zmq
@@ -107,7 +108,7 @@ class Worker:
         return rpc.Register(cfg.worker_id, cfg.role, cfg.model, self.loaded.revision,
                             kv_layout_of(self.loaded, cfg.block_size), cfg.block_size, cfg.num_blocks,
                             tokenizer_probe_hash(self.loaded.tokenizer), os.getpid(),
-                            self._decode_kv.address if self._decode_kv is not None else "")
+                            self._decode_kv.address if self._decode_kv is not None else "", gethostname())
 
     def run(self) -> str:
         """Serve until told to stop; returns why it stopped. Raises KvbatonError if refused or orphaned."""

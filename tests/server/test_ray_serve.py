@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -217,3 +218,25 @@ def test_two_node_ray_cluster_spreads_the_workers_and_moves_kv_over_tcp() -> Non
                 time.sleep(0.2)
     finally:
         cluster.shutdown()
+
+
+class _Nodes:
+    """The part of `RayPlacement` the launcher's config change reads."""
+
+    def __init__(self, node_ip: str, num_nodes: int) -> None:
+        self.node_ip = node_ip
+        self.num_nodes = num_nodes
+
+
+def test_ray_config_binds_the_router_on_its_node_and_moves_kv_over_tcp_between_nodes() -> None:
+    from kvbaton.server.launcher import Launcher, ServeConfig
+
+    pd = ServeConfig(num_workers=0, num_prefill=1, num_decode=1, ray_address="auto")
+    spread = Launcher.placed_on_ray(pd, _Nodes("10.1.2.3", 2))  # type: ignore[arg-type]
+    assert spread.rpc_address == "tcp://10.1.2.3:*" and spread.kv_transport == "tcp"
+    one_node = Launcher.placed_on_ray(pd, _Nodes("10.1.2.3", 1))  # type: ignore[arg-type]
+    assert one_node.rpc_address == "tcp://10.1.2.3:*" and one_node.kv_transport == "shm"
+    given = replace(pd, rpc_address="tcp://10.9.9.9:5557")
+    assert Launcher.placed_on_ray(given, _Nodes("10.1.2.3", 2)).rpc_address == "tcp://10.9.9.9:5557"  # type: ignore[arg-type]
+    mixed = replace(pd, num_workers=2, num_prefill=0, num_decode=0)  # no handoff: nothing to move
+    assert Launcher.placed_on_ray(mixed, _Nodes("10.1.2.3", 2)).kv_transport == "shm"  # type: ignore[arg-type]

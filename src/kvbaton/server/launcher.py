@@ -39,6 +39,8 @@ from kvbaton.sim.costs.linear import load_linear_model
 
 T = TypeVar("T")
 
+DEFAULT_RPC_ADDRESS = "tcp://127.0.0.1:*"  # workers on this host; with --ray the launcher binds its node's IP instead
+
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
@@ -52,7 +54,7 @@ class ServeConfig:
     policy: str = "preble"
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port (the printed URL has the real one)
-    rpc_address: str = "tcp://127.0.0.1:*"  # where workers connect; "*" = any free port
+    rpc_address: str = DEFAULT_RPC_ADDRESS  # where workers connect; "*" = any free port
     dtype: str = "auto"
     block_size: int = 16
     num_blocks: int = 2048  # per worker
@@ -180,7 +182,7 @@ class Launcher:
                 self.placement = RayPlacement(config.ray_address)
                 for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init replaced them with its own (sys.exit)
                     loop.add_signal_handler(sig, self.request_stop)
-                config = self.config = self._placed_on_ray(config, self.placement)
+                config = self.config = self.placed_on_ray(config, self.placement)
             cluster = ClusterManager(ClusterConfig(
                 bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
                 block_size=config.block_size, tokenizer_probe_hash=tokenizer_probe_hash(tokenizer), seed=config.seed,
@@ -236,11 +238,11 @@ class Launcher:
             print("kvbaton: stopped", flush=True)
 
     @staticmethod
-    def _placed_on_ray(config: ServeConfig, placement: RayPlacement) -> ServeConfig:
+    def placed_on_ray(config: ServeConfig, placement: RayPlacement) -> ServeConfig:
         """`config` for workers on Ray's nodes: the RPC socket on this node's IP unless given (workers elsewhere
         must reach it), and KV over TCP when there is more than one node (shared memory reaches one host)."""
         changes: dict[str, str] = {}
-        if config.rpc_address == ServeConfig.rpc_address:
+        if config.rpc_address == DEFAULT_RPC_ADDRESS:
             changes["rpc_address"] = f"tcp://{placement.node_ip}:*"
         if config.kv_transport == "shm" and placement.num_nodes > 1 and config.num_prefill:
             print("kvbaton: the Ray cluster has several nodes: KV moves over TCP", file=sys.stderr, flush=True)

@@ -170,8 +170,11 @@ class RayPlacement:
                 for (worker_id, _), actor, (node_ip, pid) in zip(workers, actors, started)}
 
     def close(self) -> None:
-        """End the actors (their worker processes have exited or been killed by now) and disconnect; a local
-        instance stops with it."""
+        """End the actors, killing a worker process still running under one, and disconnect; a local instance
+        stops with it."""
+        if self._actors:  # a worker still running (a start that failed half-way) goes down with its actor
+            stopped = [actor.send_signal.remote(signal.SIGKILL) for actor in self._actors]
+            self.ray.wait(stopped, num_returns=len(stopped), timeout=5.0)
         for actor in self._actors:
             self.ray.kill(actor)
         self._actors.clear()

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import httpx
 
 BANNER = re.compile(r"at (http://127\.0\.0\.1:\d+) .*\(pids ([\d ]+)\)")
 
@@ -63,3 +67,25 @@ def serve_process(args: Sequence[str], startup_timeout_s: float = 180.0,
                 process.wait(10)
         for pid in worker_pids:  # the launcher reaps its workers; this only guards against a broken launcher
             kill_pid(pid)
+
+
+def generate_text(model: str, prompt: str, max_tokens: int) -> str:
+    """`kvbaton generate --json`'s greedy text: what a served completion of `prompt` must equal."""
+    command = [sys.executable, "-m", "kvbaton.cli", "generate", "--model", model, "--json", "--prompt", prompt,
+               "--max-tokens", str(max_tokens)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
+    return str(json.loads(done.stdout)["text"])
+
+
+def wait_pd_idle(http: httpx.Client, url: str, timeout_s: float = 20.0) -> tuple[dict, dict[str, dict]]:
+    """Polls /cluster until nothing is in flight and every worker holds only cached blocks (no KV held for a
+    transfer); returns the cluster description and its workers by id."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = http.get(url + "/cluster").json()
+        workers = {w["worker_id"]: w for w in info["workers"]}
+        if info["num_in_flight"] == 0 and all(w["num_used_blocks"] == w["num_cached_blocks"]
+                                              and w["transfers"]["num_held_blocks"] == 0 for w in workers.values()):
+            return info, workers
+        assert time.monotonic() < deadline, info
+        time.sleep(0.1)

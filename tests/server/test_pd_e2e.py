@@ -8,28 +8,19 @@ worker's prefix cache and still hands the whole prompt over. tiny-random runs in
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.server.serve_helpers import serve_process
+from tests.server.serve_helpers import generate_text, serve_process, wait_pd_idle
 
 SYSTEM = "You are a careful assistant. Answer every question in one short, precise sentence. " * 3
 PROMPTS = ["The quick brown fox jumps over the lazy dog. Then", SYSTEM + "Question: what is a fox?",
            SYSTEM + "Question: where do dogs sleep?", "Hi"]
-
-
-def _generate(model: str, prompt: str, max_tokens: int) -> str:
-    command = [sys.executable, "-m", "kvbaton.cli", "generate", "--model", model, "--json", "--prompt", prompt,
-               "--max-tokens", str(max_tokens)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
-    return str(json.loads(done.stdout)["text"])
 
 
 @pytest.fixture
@@ -46,16 +37,8 @@ def _check(model: str, url: str, max_tokens: int) -> None:
         for prompt in PROMPTS:
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
             got = http.post(url + "/v1/completions", json=body).json()
-            assert got["choices"][0]["text"] == _generate(model, prompt, max_tokens), prompt
-        deadline = time.monotonic() + 20
-        while True:
-            info = http.get(url + "/cluster").json()
-            workers = {w["worker_id"]: w for w in info["workers"]}
-            if info["num_in_flight"] == 0 and all(w["num_used_blocks"] == w["num_cached_blocks"]
-                                                  and w["transfers"]["num_held_blocks"] == 0 for w in workers.values()):
-                break
-            assert time.monotonic() < deadline, info
-            time.sleep(0.1)
+            assert got["choices"][0]["text"] == generate_text(model, prompt, max_tokens), prompt
+        info, workers = wait_pd_idle(http, url)
         assert workers["p0"]["role"] == "prefill" and workers["d0"]["role"] == "decode"
         assert workers["p0"]["prefix_cache_hits_tokens"] >= 32  # the third prompt reused the second's system prompt
         assert info["router_decisions"] == {"pair": len(PROMPTS)}

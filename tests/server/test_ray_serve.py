@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -27,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.serve_helpers import Served, kill_pid, serve_process
+from tests.server.serve_helpers import Served, generate_text, kill_pid, serve_process, wait_pd_idle
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. Then",
            "You are a careful assistant. Answer in one short sentence. " * 3 + "Question: what is a fox?"]
@@ -68,13 +67,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _generate(prompt: str, max_tokens: int) -> str:
-    command = [sys.executable, "-m", "kvbaton.cli", "generate", "--model", "tiny-random", "--json", "--prompt", prompt,
-               "--max-tokens", str(max_tokens)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
-    return str(json.loads(done.stdout)["text"])
-
-
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[Served, set[int]]]:
     started: set[int] = set()
@@ -104,16 +96,8 @@ def test_ray_placed_1p1d_serves_like_generate_and_returns_every_block(served: tu
         for prompt in PROMPTS:
             body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 10, "temperature": 0}
             got = http.post(server.url + "/v1/completions", json=body).json()
-            assert got["choices"][0]["text"] == _generate(prompt, 10), prompt
-        deadline = time.monotonic() + 20
-        while True:
-            info = http.get(server.url + "/cluster").json()
-            workers = {w["worker_id"]: w for w in info["workers"]}
-            if info["num_in_flight"] == 0 and all(w["num_used_blocks"] == w["num_cached_blocks"]
-                                                  and w["transfers"]["num_held_blocks"] == 0 for w in workers.values()):
-                break
-            assert time.monotonic() < deadline, info
-            time.sleep(0.1)
+            assert got["choices"][0]["text"] == generate_text("tiny-random", prompt, 10), prompt
+        info, workers = wait_pd_idle(http, server.url)
     assert workers["d0"]["kv_address"].startswith("tcp://127.0.0.1:")
     assert {w["host"] for w in workers.values()} == {socket.gethostname()}  # pids are per host: /cluster names it
     assert info["transfers"]["num_completed"] == 2 * len(PROMPTS) and info["transfers"]["num_recomputed"] == 0
@@ -207,7 +191,7 @@ def test_two_node_ray_cluster_spreads_the_workers_and_moves_kv_over_tcp() -> Non
                     assert time.monotonic() < deadline, info
                     time.sleep(0.1)
                     info = http.get(server.url + "/cluster").json()
-            assert got["choices"][0]["text"] == _generate(prompt, 10)
+            assert got["choices"][0]["text"] == generate_text("tiny-random", prompt, 10)
             decode = next(w for w in info["workers"] if w["worker_id"] == "d0")
             assert decode["kv_address"].startswith("tcp://127.0.0.1:") and info["transfers"]["num_completed"] == 2
             server.process.send_signal(signal.SIGTERM)

@@ -68,6 +68,48 @@ def test_completion_prompt_forms(client: TestClient, cluster: FakeCluster, promp
     assert cluster.calls[0].prompt_token_ids == (75, 108)  # byte-level: byte b is token 3 + b
 
 
+def test_completion_batch_numbers_choices_prompt_by_prompt(client: TestClient, cluster: FakeCluster,
+                                                           tokenizer: Tokenizer) -> None:
+    prompts = ["Say hi", "And bye"]
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 3, "n": 2,
+                                             "echo": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    # As vLLM numbers them: prompt p's sample j is choice p * n + j, and each choice echoes its own prompt.
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [
+        (0, "Say hi" + REPLY[:3]), (1, "Say hi" + REPLY[:3]), (2, "And bye" + REPLY[:3]), (3, "And bye" + REPLY[:3])]
+    assert [c.request_id for c in cluster.calls] == [f"{body['id']}-{i}" for i in range(4)]
+    assert [c.prompt_token_ids for c in cluster.calls] == [tuple(tokenizer.encode(p)) for p in prompts for _ in "ab"]
+    num_prompt = sum(len(tokenizer.encode(p)) for p in prompts)  # each prompt once, for all its samples
+    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 12, "total_tokens": num_prompt + 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_completion_batch_of_token_ids_streams_every_choice_and_sums_cached_tokens(client: TestClient,
+                                                                                     cluster: FakeCluster) -> None:
+    long_ids = list(range(3, 3 + 40))
+    assert client.post("/v1/completions", json={"prompt": long_ids, "max_tokens": 1}).status_code == 200
+    r = client.post("/v1/completions", json={"prompt": [long_ids, long_ids, [75, 108]], "max_tokens": 2,
+                                             "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200, r.text
+    events = sse_events(r.text)
+    texts: dict[int, str] = {}
+    for event in events[:-2]:
+        (choice,) = event["choices"]  # type: ignore[index]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: REPLY[:2], 1: REPLY[:2], 2: REPLY[:2]}
+    usage = events[-2]["usage"]  # type: ignore[index]
+    # Both copies of the long prompt hit the first request's 32 cached tokens (block-aligned): summed per prompt.
+    assert usage["prompt_tokens"] == 82 and usage["completion_tokens"] == 6  # type: ignore[index]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 64}  # type: ignore[index]
+
+
+def test_completion_batch_with_one_over_long_prompt_is_refused_whole(client: TestClient, cluster: FakeCluster) -> None:
+    r = client.post("/v1/completions", json={"prompt": ["Hi", "x" * (MAX_MODEL_LEN + 1)], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert cluster.calls == []
+
+
 def test_sampling_parameters_reach_the_cluster(client: TestClient, cluster: FakeCluster) -> None:
     r = client.post("/v1/completions", json={
         "model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5,

@@ -92,8 +92,8 @@ def test_chat_parameter_errors(client: TestClient, body: dict) -> None:
     assert_error(client.post("/v1/chat/completions", json=body), 400)
 
 
-@pytest.mark.parametrize("prompt", ["", [], [[]], [""], ["a", "b"], [1, "a"], None, 5, {"text": "x"}, [-1],
-                                    [384]])
+@pytest.mark.parametrize("prompt", ["", [], [[]], [""], ["a", ""], [[1, 2], []], [[1, "a"]], ["a", [1]], [1, "a"],
+                                    None, 5, {"text": "x"}, [-1], [384], [[1], [-1]], ["a"] * 257])
 def test_bad_prompts(client: TestClient, cluster: FakeCluster, prompt: object) -> None:
     body = {"max_tokens": 2} if prompt is None else {"prompt": prompt, "max_tokens": 2}
     assert_error(client.post("/v1/completions", json=body), 400, param="prompt")
@@ -105,6 +105,12 @@ def test_bad_prompts(client: TestClient, cluster: FakeCluster, prompt: object) -
 def test_bad_messages(client: TestClient, cluster: FakeCluster, messages: object) -> None:
     assert_error(client.post("/v1/chat/completions", json={"messages": messages}), 400, param="messages")
     assert cluster.calls == []
+
+
+def test_batch_asking_more_than_256_completions_is_refused(client: TestClient, cluster: FakeCluster) -> None:
+    r = client.post("/v1/completions", json={"prompt": ["a"] * 20, "n": 16, "max_tokens": 2})
+    assert_error(r, 400, param="prompt")
+    assert "asks for 320 completions; at most 256" in r.json()["error"]["message"] and cluster.calls == []
 
 
 def test_unknown_model_is_404(client: TestClient) -> None:

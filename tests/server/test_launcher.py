@@ -61,6 +61,10 @@ def test_openai_client_completions_chat_and_prefix_hit(served: Served) -> None:
     second = client.completions.create(model="tiny-random", prompt=prompt + "Then more.", max_tokens=5,
                                        temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+    batch = client.completions.create(model="tiny-random", prompt=[prompt, "Another prompt"], max_tokens=5,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == first.choices[0].text  # greedy: a batch answers each prompt as alone
     chunks = list(client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4, temperature=0, stream=True))
     assert chunks[-1].choices[-1].finish_reason in ("length", "stop") if chunks[-1].choices else True

@@ -1,8 +1,9 @@
 """The router's HTTP layer: OpenAI-compatible completions and chat over a `ClusterClient`, plus /v1/models,
 /health, /ready, /cluster and Prometheus /metrics.
 
-It validates, applies the chat template and tokenizes once at ingress, expands `n` into one
-`GenerateCall` per sample, merges the samples' delta streams and renders them as OpenAI JSON or SSE.
+It validates, applies the chat template and tokenizes once at ingress, expands each prompt of a completions
+batch and `n` into one `GenerateCall` per sample (prompt p's sample j is choice p * n + j, as in vLLM),
+merges the samples' delta streams and renders them as OpenAI JSON or SSE.
 Every way a request can end without the client reading it (disconnect while waiting, while streaming,
 or while a non-streaming response is computed) aborts its unfinished samples on the cluster. Bad input
 gets OpenAI's error shape; no traceback ever reaches a client.
@@ -133,12 +134,14 @@ class OpenAIServer:
                 f"{sampling.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
                 param=param, code="context_length_exceeded")
 
-    def _calls(self, api_id: str, prompt_token_ids: tuple[int, ...], sampling: SamplingParams, user: str,
+    def _calls(self, api_id: str, prompts: list[tuple[int, ...]], sampling: SamplingParams, user: str,
                request: Request, arrival_at: float) -> list[GenerateCall]:
+        """One call per sample: prompt p's sample j is choice p * n + j, as vLLM numbers a batch's choices."""
         tenant = user or request.headers.get("x-tenant", "")
-        one = sampling if sampling.n == 1 else replace(sampling, n=1)
-        return [GenerateCall(f"{api_id}-{i}", prompt_token_ids, one, arrival_at, tenant=tenant)
-                for i in range(sampling.n)]
+        n = sampling.n
+        one = sampling if n == 1 else replace(sampling, n=1)
+        return [GenerateCall(f"{api_id}-{p * n + j}", prompt_token_ids, one, arrival_at, tenant=tenant)
+                for p, prompt_token_ids in enumerate(prompts) for j in range(n)]
 
     def _headers(self, request: Request) -> dict[str, str]:
         client_id = request.headers.get("x-request-id")
@@ -182,42 +185,47 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         arrival_at = self.clock()
         req = parse_completion_request(parse_json_body(await request.body()), self.model_name)
-        prompt_ids = self._prompt_token_ids(req.prompt)
-        self._check_context(len(prompt_ids), req.sampling, "prompt")
+        prompts = [self._prompt_token_ids(prompt) for prompt in req.prompts]
+        for prompt_ids in prompts:
+            self._check_context(len(prompt_ids), req.sampling, "prompt")
         api_id = f"cmpl-{os.urandom(16).hex()}"  # as random as uuid4().hex, without building a UUID
-        calls = self._calls(api_id, prompt_ids, req.sampling, req.user, request, arrival_at)
-        echo_text = ""
-        if req.echo:
-            echo_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
+        calls = self._calls(api_id, prompts, req.sampling, req.user, request, arrival_at)
+        # Echo: each choice starts with its own prompt (choice i is of prompt i // n).
+        echo_texts = ([p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
+                      if req.echo else [""] * len(prompts))
+        num_prompt_tokens = [len(ids) for ids in prompts]
         created = int(time.time())
         if req.stream:
             run = await self._start(request, calls)
-            stream = self._completion_stream(run, req, api_id, created, len(prompt_ids), echo_text)
+            stream = self._completion_stream(run, req, api_id, created, num_prompt_tokens, echo_texts)
             return self._stream_response(run, stream, request)
         run = await self._run_to_end(request, calls)
+        n = req.sampling.n
         choices = [
             {
                 "index": i,
-                "text": echo_text + sample.text,
-                "logprobs": completion_logprobs_json(self.token_text, sample.logprobs, len(echo_text))
+                "text": echo_texts[i // n] + sample.text,
+                "logprobs": completion_logprobs_json(self.token_text, sample.logprobs, len(echo_texts[i // n]))
                 if req.sampling.logprobs is not None else None,
                 "finish_reason": sample.finish_reason,
             }
             for i, sample in enumerate(run.samples)
         ]
         body = {"id": api_id, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "system_fingerprint": None, "usage": run.usage(len(prompt_ids))}
+                "choices": choices, "system_fingerprint": None, "usage": run.usage(num_prompt_tokens)}
         return FastJSONResponse(body, headers=self._headers(request))
 
     async def _completion_stream(self, run: SampleRun, req: CompletionRequest, api_id: str, created: int,
-                                 num_prompt_tokens: int, echo_text: str) -> AsyncIterator[str]:
+                                 num_prompt_tokens: list[int], echo_texts: list[str]) -> AsyncIterator[str]:
         head = {"id": api_id, "object": "text_completion", "created": created, "model": self.model_name}
         num_chars = [0] * len(run.samples)  # text sent so far per choice, for logprobs' text_offset
+        n = req.sampling.n
         try:
             async for index, delta in run.deltas():
                 if delta.finish_reason == "error":
                     yield _sse(ApiError(500, delta.error, type="server_error", code="generation_failed").to_json())
                     break
+                echo_text = echo_texts[index // n]
                 text = (echo_text if num_chars[index] == 0 and echo_text else "") + delta.new_text
                 logprobs = None
                 if req.sampling.logprobs is not None:
@@ -251,7 +259,7 @@ class OpenAIServer:
             sampling = replace(sampling, max_tokens=max(self.max_model_len - len(prompt_ids), 1))
         self._check_context(len(prompt_ids), sampling, "messages")
         api_id = f"chatcmpl-{os.urandom(16).hex()}"
-        calls = self._calls(api_id, prompt_ids, sampling, req.user, request, arrival_at)
+        calls = self._calls(api_id, [prompt_ids], sampling, req.user, request, arrival_at)
         created = int(time.time())
         if req.stream:
             run = await self._start(request, calls)
@@ -269,7 +277,7 @@ class OpenAIServer:
             for i, sample in enumerate(run.samples)
         ]
         body = {"id": api_id, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices, "system_fingerprint": None, "usage": run.usage(len(prompt_ids))}
+                "choices": choices, "system_fingerprint": None, "usage": run.usage([len(prompt_ids)])}
         return FastJSONResponse(body, headers=self._headers(request))
 
     async def _chat_stream(self, run: SampleRun, req: ChatRequest, api_id: str, created: int,
@@ -292,7 +300,7 @@ class OpenAIServer:
                     yield text
             else:
                 if req.include_usage:
-                    yield _sse({**head, "choices": [], "usage": run.usage(num_prompt_tokens)})
+                    yield _sse({**head, "choices": [], "usage": run.usage([num_prompt_tokens])})
             yield "data: [DONE]\n\n"
         finally:
             await run.close()

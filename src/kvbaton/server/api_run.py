@@ -16,7 +16,7 @@ import asyncio
 import logging
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -206,10 +206,13 @@ class SampleRun:
     def first_error(self) -> str:
         return next((s.error or "generation failed" for s in self.samples if s.finish_reason == "error"), "")
 
-    def usage(self, num_prompt_tokens: int) -> dict[str, object]:
-        """Prompt counted once for all n samples (as OpenAI does); cached tokens: the best hit of any sample."""
-        return usage_json(num_prompt_tokens, sum(s.num_output_tokens for s in self.samples),
-                          max((s.num_cached_tokens for s in self.samples), default=0))
+    def usage(self, num_prompt_tokens: Sequence[int]) -> dict[str, object]:
+        """`num_prompt_tokens` of each prompt, whose samples follow one another (n each): a prompt counts once
+        for all its n samples (as OpenAI does), its cached tokens as the best hit of any of them; a batch sums."""
+        n = len(self.samples) // len(num_prompt_tokens)
+        cached = sum(max((s.num_cached_tokens for s in self.samples[p * n:(p + 1) * n]), default=0)
+                     for p in range(len(num_prompt_tokens)))
+        return usage_json(sum(num_prompt_tokens), sum(s.num_output_tokens for s in self.samples), cached)
 
 
 class DisconnectWatch:

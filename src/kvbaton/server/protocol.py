@@ -20,6 +20,8 @@ from kvbaton.model.tokenizer import Tokenizer, bytes_to_unicode
 from kvbaton.server.base import TokenLogprob
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions batch
+MAX_BATCH_SAMPLES = 256  # completions one request may ask for (prompts x n): each is a call on the cluster
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "n")
 
 
@@ -48,7 +50,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
     model: str
-    prompt: str | tuple[int, ...]  # text (tokenized at ingress) or token ids
+    prompts: tuple[str | tuple[int, ...], ...]  # each text (tokenized at ingress) or token ids; >1: a batch
     sampling: SamplingParams  # n not yet expanded
     stream: bool
     include_usage: bool  # stream_options.include_usage
@@ -220,37 +222,53 @@ def _model(body: Mapping[str, object], served_model: str) -> str:
     return model
 
 
-def _prompt(body: Mapping[str, object]) -> str | tuple[int, ...]:
-    """A string, a list of token ids, or a one-element list of either (batches are not supported)."""
+def _token_ids(prompt: list[object]) -> tuple[int, ...] | None:
+    """`prompt` as token ids if every element is an int (not a bool), else None."""
+    if are_non_negative_ints(prompt):  # the usual token-id list, proven without a per-element call
+        return tuple(prompt)  # type: ignore[arg-type]
+    # Else collect the element types in one C-level pass, then check the few distinct ones (same verdict as
+    # isinstance(t, int) and not isinstance(t, bool) per element; bool is an int).
+    element_types = set(map(type, prompt))
+    if all(issubclass(k, int) and not issubclass(k, bool) for k in element_types):
+        return tuple(prompt)  # type: ignore[arg-type]
+    return None
+
+
+def _prompts(body: Mapping[str, object]) -> tuple[str | tuple[int, ...], ...]:
+    """OpenAI's four prompt forms: a string, a list of token ids, or a batch (a list of strings, or of token-id
+    lists) of at most MAX_BATCH_PROMPTS prompts; none may be empty."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", param="prompt")
-        return prompt
+        return (prompt,)
     if isinstance(prompt, list):
         if not prompt:
             raise bad_request("prompt must not be empty", param="prompt")
-        if are_non_negative_ints(prompt):  # the usual token-id list, proven without a per-element call
-            return tuple(prompt)  # type: ignore[arg-type]
-        # Else collect the element types in one C-level pass, then check the few distinct ones (same
-        # verdict as isinstance(t, int) and not isinstance(t, bool) per element; bool is an int).
-        element_types = set(map(type, prompt))
-        if all(issubclass(k, int) and not issubclass(k, bool) for k in element_types):
-            return tuple(prompt)  # type: ignore[arg-type]
-        if all(isinstance(p, str | list) for p in prompt):
-            raise bad_request("only one prompt per request is supported; send a batch as separate requests",
-                              param="prompt")
+        ids = _token_ids(prompt)
+        if ids is not None:
+            return (ids,)
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            if len(prompt) > MAX_BATCH_PROMPTS:
+                raise bad_request(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(prompt)}",
+                                  param="prompt")
+            batch: list[str | tuple[int, ...]] = []
+            for index, one in enumerate(prompt):
+                if not one:
+                    raise bad_request(f"prompt {index} of the batch is empty", param="prompt")
+                ids = one if isinstance(one, str) else _token_ids(one)
+                if ids is None:
+                    raise bad_request(f"prompt {index} of the batch is not a list of token ids", param="prompt")
+                batch.append(ids)
+            return tuple(batch)
     if prompt is None:
         raise bad_request("prompt is required", param="prompt")
-    raise bad_request("prompt must be a string, a list of token ids, or a one-element list of either",
-                      param="prompt")
+    raise bad_request("prompt must be a string, a list of token ids, or a list of either (a batch)", param="prompt")
 
 
 def parse_completion_request(body: Mapping[str, object], served_model: str) -> CompletionRequest:
     model = _model(body, served_model)
-    prompt = _prompt(body)
+    prompts = _prompts(body)
     _refuse_unsupported(body)
     stream = _bool(body, "stream", False)
     logprobs = _int(body, "logprobs", None)
@@ -260,11 +278,15 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
     if echo and logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo",
                           code="unsupported_parameter")
+    sampling = _sampling(body, max_tokens=_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS),  # type: ignore[arg-type]
+                         logprobs=logprobs)
+    if len(prompts) * sampling.n > MAX_BATCH_SAMPLES:
+        raise bad_request(f"a batch of {len(prompts)} prompts with n={sampling.n} asks for {len(prompts) * sampling.n} "
+                          f"completions; at most {MAX_BATCH_SAMPLES} per request", param="prompt")
     return CompletionRequest(
         model=model,
-        prompt=prompt,
-        sampling=_sampling(body, max_tokens=_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS),  # type: ignore[arg-type]
-                           logprobs=logprobs),
+        prompts=prompts,
+        sampling=sampling,
         stream=stream,
         include_usage=_stream_options(body, stream),
         echo=echo,

@@ -133,6 +133,21 @@ def test_handoff_outputs_equal_colocated_and_blocks_are_adopted(tiny: LoadedMode
     pair.assert_nothing_held()
 
 
+def test_penalties_and_logit_bias_carry_across_the_handoff(tiny: LoadedModel) -> None:
+    # The prefill engine samples the first token with the request's penalties; the decode engine goes on from
+    # the prompt and that token with the same ones: the tokens equal a colocated engine's.
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.4,
+                            frequency_penalty=0.5, presence_penalty=0.3, logit_bias=((7, 2.0),))
+    pair = Pair(tiny)
+    for i, prompt in enumerate(PROMPTS):
+        pair.submit(f"r{i}", prompt, params)
+    pair.run()
+    for i, prompt in enumerate(PROMPTS):
+        expected = colocated_tokens(tiny, prompt, params)
+        assert pair.tokens(f"r{i}") == expected and expected != colocated_tokens(tiny, prompt, greedy()), i
+    pair.assert_nothing_held()
+
+
 def test_prefill_prefix_hit_still_hands_over_the_whole_prompt(tiny: LoadedModel) -> None:
     pair = Pair(tiny)
     shared = list(range(10, 30))

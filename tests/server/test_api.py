@@ -68,6 +68,17 @@ def test_completion_prompt_forms(client: TestClient, cluster: FakeCluster, promp
     assert cluster.calls[0].prompt_token_ids == (75, 108)  # byte-level: byte b is token 3 + b
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_penalties_and_logit_bias_reach_the_call(client: TestClient, cluster: FakeCluster, path: str) -> None:
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = client.post(path, json={**body, "max_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+                                "repetition_penalty": 1.1, "logit_bias": {"7": -100, "42": 3.5}})
+    assert r.status_code == 200, r.text
+    sampling = cluster.calls[0].sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -0.25, 1.1)
+    assert sampling.logit_bias == ((7, -100.0), (42, 3.5))
+
+
 def test_completion_batch_numbers_choices_prompt_by_prompt(client: TestClient, cluster: FakeCluster,
                                                            tokenizer: Tokenizer) -> None:
     prompts = ["Say hi", "And bye"]

@@ -133,12 +133,24 @@ def test_context_overflow(client: TestClient, cluster: FakeCluster) -> None:
     assert client.post("/v1/completions", json={"prompt": "x" * 59, "max_tokens": 5}).status_code == 200
 
 
-@pytest.mark.parametrize(("field", "value"), [("frequency_penalty", 0.5), ("logit_bias", {"5": 1}),
-                                              ("tools", [{"type": "function"}]), ("best_of", 3), ("suffix", "x"),
+@pytest.mark.parametrize(("field", "value"), [("tools", [{"type": "function"}]), ("best_of", 3), ("suffix", "x"),
                                               ("response_format", {"type": "json_object"})])
 def test_unsupported_parameters_are_refused(client: TestClient, field: str, value: object) -> None:
     assert_error(client.post("/v1/completions", json={"prompt": "Hi", field: value}), 400, param=field,
                  code="unsupported_parameter")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("presence_penalty", 2.5), ("presence_penalty", "1"), ("frequency_penalty", -3), ("repetition_penalty", 0),
+    ("repetition_penalty", True), ("logit_bias", [5, 1]), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"5": "1"}), ("logit_bias", {"384": 1}),  # tiny-random: 384 tokens
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_penalties_and_logit_bias(client: TestClient, cluster: FakeCluster, path: str, field: str,
+                                      value: object) -> None:
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    assert_error(client.post(path, json={**body, field: value}), 400, param=field)
+    assert cluster.calls == []
 
 
 def test_stream_options_without_stream(client: TestClient) -> None:

@@ -34,6 +34,8 @@ MESSAGES: list[rpc.Message] = [
     rpc.AddRequest("r1", (1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, stop=("x",), seed=7, logprobs=2),
                    "tenant-a", "gold"),
     rpc.AddRequest("r2", (9,), SamplingParams()),
+    rpc.AddRequest("r5", (9,), SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
+                                              logit_bias=((3, -100.0), (7, 2.5)))),
     rpc.AddRequest("r3", (9, 8), SamplingParams(), "", "default", "", "d0", "shm://127.0.0.1:5601", "fail"),
     rpc.AddRequest("r4", (9, 8), SamplingParams(), "", "default", "p0", "", "", "recompute"),
     rpc.HandoffEnded("p0", "r3", "d0", "refused", "need 4 KV blocks, 1 free"),

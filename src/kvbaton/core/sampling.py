@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvbaton.core.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,15 +22,27 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
     logprobs: int | None = None  # also return the top-N logprobs per sampled token (0 = only the sampled one)
     n: int = 1  # samples per prompt (each becomes its own engine request)
+    # Logit adjustments before sampling (as vLLM applies them; logprobs stay those of the raw model):
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF/CTRL's: a token of the prompt or output has its logit divided by it (> 0)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's logit_bias
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias))
         self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any penalty or bias changes this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
@@ -50,3 +63,17 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
+        penalty = self.repetition_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, int | float) or not 0.0 < penalty <= 10.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {penalty!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token_id, bias in self.logit_bias:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {token_id!r}")
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r}")

@@ -96,6 +96,9 @@ class Engine:
         """Validates and queues one request (one sample: callers expand `n`). Returns its id."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)
+        vocab = self.loaded.config.vocab_size
+        if any(token_id >= vocab for token_id, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -171,8 +174,9 @@ class Engine:
             if self.on_executed is not None:
                 self.on_executed(plan)
             if row_ids:
-                params = [self._tracked[rid].request.sampling for rid in row_ids]
-                sampled = dict(zip(row_ids, self.sampler.sample(logits, row_ids, params)))
+                requests = [self._tracked[rid].request for rid in row_ids]
+                params = [request.sampling for request in requests]
+                sampled = dict(zip(row_ids, self.sampler.sample(logits, row_ids, params, requests)))
         self._step_id += 1
         result = StepResult(plan.step_id, sampled, time.perf_counter() - started)
         token_outputs = self.scheduler.update(plan, result, self._clock())

@@ -1,7 +1,11 @@
-"""Turns the logits of sampling positions into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Turns the logits of sampling positions into tokens: logit bias and penalties, greedy, temperature, top-k,
+top-p, seeds, logprobs.
 
-Logprobs are of the raw model distribution (before temperature/top-k/top-p), as vLLM v1
-reports them by default.
+Adjustments come first, in vLLM v1's order: the logit bias, then the repetition penalty over the prompt's and
+the output's tokens (HF/CTRL: a positive logit divided by it, a negative one multiplied), then the frequency and
+presence penalties over the output's tokens (OpenAI: minus frequency x count, minus presence once). Greedy
+and sampled tokens are drawn from the adjusted logits; logprobs are of the raw model distribution (before
+any adjustment, temperature, top-k or top-p), as vLLM v1 reports them by default.
 """
 
 from __future__ import annotations
@@ -10,8 +14,24 @@ from collections.abc import Sequence
 
 import torch
 
+from kvbaton.core.request import Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken
+
+
+def adjust_logits(row: torch.Tensor, p: SamplingParams, prompt_token_ids: Sequence[int],
+                  output_token_ids: Sequence[int]) -> None:
+    """`row` (one request's logits) in place: `p`'s logit bias, then its penalties (see the module docstring)."""
+    for token_id, bias in p.logit_bias:
+        row[token_id] += bias
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_token_ids).union(output_token_ids)), dtype=torch.long)
+        if seen.numel():
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and output_token_ids:
+        ids, counts = torch.unique(torch.tensor(list(output_token_ids), dtype=torch.long), return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
 
 class Sampler:
@@ -23,12 +43,21 @@ class Sampler:
         self._request_generators.pop(request_id, None)
 
     def sample(
-        self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
+        self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
+        requests: Sequence[Request] | None = None,
     ) -> list[SampledToken]:
-        """logits: [N, vocab] float32, row i for request_ids[i]."""
-        greedy_ids = torch.argmax(logits, dim=-1)
+        """logits: [N, vocab] float32, row i for request_ids[i]; `requests[i]` is that request (its prompt and
+        output so far, for the penalties), needed when any of `params` adjusts its logits."""
         need_logprobs = any(p.logprobs is not None for p in params)
-        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
+        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # of the raw logits
+        if any(p.adjusts_logits for p in params):
+            if requests is None:
+                raise ValueError("penalties and logit_bias need each row's request")
+            logits = logits.clone()
+            for i, p in enumerate(params):
+                if p.adjusts_logits:
+                    adjust_logits(logits[i], p, requests[i].prompt_token_ids, requests[i].output_token_ids)
+        greedy_ids = torch.argmax(logits, dim=-1)
         tokens: list[int] = greedy_ids.tolist()
         for i, p in enumerate(params):
             if not p.greedy:

@@ -124,6 +124,10 @@ class OpenAIServer:
                 raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return prompt
 
+    def _check_logit_bias(self, sampling: SamplingParams) -> None:
+        if any(token_id >= self.vocab_size for token_id, _ in sampling.logit_bias):
+            raise bad_request(f"logit_bias keys must be token ids in [0, {self.vocab_size})", param="logit_bias")
+
     def _check_context(self, num_prompt_tokens: int, sampling: SamplingParams, param: str) -> None:
         if num_prompt_tokens == 0:
             raise bad_request("prompt is empty after tokenization", param=param)
@@ -186,6 +190,7 @@ class OpenAIServer:
         arrival_at = self.clock()
         req = parse_completion_request(parse_json_body(await request.body()), self.model_name)
         prompts = [self._prompt_token_ids(prompt) for prompt in req.prompts]
+        self._check_logit_bias(req.sampling)
         for prompt_ids in prompts:
             self._check_context(len(prompt_ids), req.sampling, "prompt")
         api_id = f"cmpl-{os.urandom(16).hex()}"  # as random as uuid4().hex, without building a UUID
@@ -255,6 +260,7 @@ class OpenAIServer:
             raise bad_request(str(exc), param="messages") from None
         prompt_ids = tuple(self.tokenizer.encode(prompt_text))
         sampling = req.sampling
+        self._check_logit_bias(sampling)
         if not req.max_tokens_given:  # "as long as the context allows"
             sampling = replace(sampling, max_tokens=max(self.max_model_len - len(prompt_ids), 1))
         self._check_context(len(prompt_ids), sampling, "messages")

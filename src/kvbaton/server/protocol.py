@@ -22,7 +22,8 @@ from kvbaton.server.base import TokenLogprob
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions batch
 MAX_BATCH_SAMPLES = 256  # completions one request may ask for (prompts x n): each is a call on the cluster
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "n")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "n",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
 class ApiError(Exception):
@@ -169,14 +170,24 @@ def _stream_options(body: Mapping[str, object], stream: bool) -> bool:
     return _bool(options, "include_usage", False)
 
 
+def _logit_bias(body: Mapping[str, object]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} map as (token id, bias) pairs; the ranges are SamplingParams' to check."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request("logit_bias must be an object mapping token ids to biases", param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias keys must be token ids, got {json.dumps(key)}", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise bad_request(f"logit_bias values must be numbers, got {json.dumps(bias)}", param="logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
 def _refuse_unsupported(body: Mapping[str, object]) -> None:
-    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
-        value = body.get(name)
-        if value is not None and value != (1 if name == "repetition_penalty" else 0):
-            raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
-    if body.get("logit_bias"):
-        raise bad_request("logit_bias is not supported by this server", param="logit_bias",
-                          code="unsupported_parameter")
     if body.get("tools") or body.get("functions"):
         raise bad_request("tool calling is not supported by this server", param="tools",
                           code="unsupported_parameter")
@@ -207,6 +218,10 @@ def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | No
             ignore_eos=_bool(body, "ignore_eos", False),
             logprobs=logprobs,
             n=n,  # type: ignore[arg-type]
+            presence_penalty=_float(body, "presence_penalty", 0.0),
+            frequency_penalty=_float(body, "frequency_penalty", 0.0),
+            repetition_penalty=_float(body, "repetition_penalty", 1.0),
+            logit_bias=_logit_bias(body),
         )
     except InvalidRequestError as exc:
         message = str(exc)

@@ -52,13 +52,23 @@ def test_logit_bias_steers_greedy_and_logprobs_stay_raw() -> None:
     assert torch.equal(logits, torch.tensor([[0.0, 5.0, 1.0, 2.0]]))  # the caller's logits are not changed
 
 
+def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
+    # softmax of [2, 1.9, 0, -1]: token 1 is 0.90x as likely as token 0, tokens 2 and 3 under 0.14x.
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0]])
+    drawn = {Sampler(seed).sample(logits, ["r"], [SamplingParams(temperature=1.0, min_p=0.5)])[0].token_id
+             for seed in range(200)}
+    assert drawn == {0, 1}
+    wide = {Sampler(seed).sample(logits, ["r"], [SamplingParams(temperature=1.0)])[0].token_id for seed in range(200)}
+    assert wide == {0, 1, 2, 3}  # without min_p every token turns up in 200 draws
+
+
 def test_penalties_need_the_rows_request() -> None:
     with pytest.raises(ValueError, match="need each row's request"):
         Sampler(0).sample(torch.zeros(1, 4), ["r"], [SamplingParams(presence_penalty=1.0)])
 
 
 @pytest.mark.parametrize("kwargs", [{"presence_penalty": 2.5}, {"frequency_penalty": -2.01},
-                                    {"repetition_penalty": 0.0}, {"logit_bias": ((-1, 1.0),)},
+                                    {"repetition_penalty": 0.0}, {"logit_bias": ((-1, 1.0),)}, {"min_p": 1.5},
                                     {"logit_bias": ((3, 100.5),)}, {"logit_bias": tuple((i, 1.0) for i in range(301))}])
 def test_out_of_range_values_are_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(InvalidRequestError):

@@ -16,6 +16,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 disables
+    min_p: float = 0.0  # keep tokens at least this fraction as likely as the most likely one; 0 disables
     seed: int | None = None  # per-request RNG seed; None draws from the engine's RNG
     stop: tuple[str, ...] = ()  # stop strings; the matched string is not returned
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (returned)
@@ -51,6 +52,8 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):

@@ -1,5 +1,5 @@
-"""Turns the logits of sampling positions into tokens: logit bias and penalties, greedy, temperature, top-k,
-top-p, seeds, logprobs.
+"""Turns the logits of sampling positions into tokens: logit bias and penalties, greedy, temperature, min-p,
+top-k, top-p, seeds, logprobs.
 
 Adjustments come first, in vLLM v1's order: the logit bias, then the repetition penalty over the prompt's and
 the output's tokens (HF/CTRL: a positive logit divided by it, a negative one multiplied), then the frequency and
@@ -77,6 +77,9 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
         scaled = row / p.temperature
+        if p.min_p > 0.0:  # as vLLM v1: on the tempered distribution, before top-k and top-p
+            probs = torch.softmax(scaled, dim=-1)
+            scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if p.top_k > 0 and p.top_k < scaled.numel():
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))

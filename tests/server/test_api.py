@@ -289,3 +289,25 @@ def test_each_app_has_its_own_registry(client: TestClient, tokenizer: Tokenizer)
     with TestClient(other) as other_client:
         assert "kvbaton:generation_tokens_total 0.0" in other_client.get("/metrics").text
     assert "kvbaton:generation_tokens_total 2.0" in client.get("/metrics").text
+
+
+def test_tokenize_and_detokenize(client: TestClient, cluster: FakeCluster, tokenizer: Tokenizer) -> None:
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": "Say hi"})
+    ids = tokenizer.encode("Say hi")
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(messages))  # what the chat route sends
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "Say hi"}
+    assert cluster.calls == []  # nothing reaches the workers
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"messages": [{"role": "user"}]}, "messages"), ("/tokenize", {"model": "gpt-9", "prompt": "x"}, "model"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"), ("/detokenize", {"tokens": [1, -2]}, "tokens"),
+    ("/detokenize", {"tokens": [384]}, "tokens"), ("/detokenize", {"tokens": [True]}, "tokens"),
+])
+def test_tokenize_and_detokenize_refuse_bad_input(client: TestClient, path: str, body: dict, param: str) -> None:
+    r = client.post(path, json=body)
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text

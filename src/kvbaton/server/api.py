@@ -1,5 +1,5 @@
 """The router's HTTP layer: OpenAI-compatible completions and chat over a `ClusterClient`, plus /v1/models,
-/health, /ready, /cluster and Prometheus /metrics.
+vLLM's /tokenize and /detokenize, /health, /ready, /cluster and Prometheus /metrics.
 
 It validates, applies the chat template and tokenizes once at ingress, expands each prompt of a completions
 batch and `n` into one `GenerateCall` per sample (prompt p's sample j is choice p * n + j, as in vLLM),
@@ -46,7 +46,9 @@ from kvbaton.server.protocol import (
     completion_logprobs_json,
     parse_chat_request,
     parse_completion_request,
+    parse_detokenize_request,
     parse_json_body,
+    parse_tokenize_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -326,6 +328,26 @@ class OpenAIServer:
 
     # -- the small endpoints ----------------------------------------------------------------------------
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: the token ids the router would send for a prompt, or for a chat (template applied)."""
+        what = parse_tokenize_request(parse_json_body(await request.body()), self.model_name)
+        if isinstance(what, str):
+            text = what
+        else:
+            try:
+                text = self.tokenizer.apply_chat_template(list(what))
+            except InvalidRequestError as exc:
+                raise bad_request(str(exc), param="messages") from None
+        ids = self.tokenizer.encode(text)
+        return FastJSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": list(ids)})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids back to text."""
+        ids = parse_detokenize_request(parse_json_body(await request.body()), self.model_name)
+        if any(t >= self.vocab_size for t in ids):
+            raise bad_request(f"tokens must be token ids in [0, {self.vocab_size})", param="tokens")
+        return FastJSONResponse({"prompt": self.tokenizer.decode(list(ids))})
+
     def models(self) -> dict[str, object]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created_at,
                                             "owned_by": "kvbaton", "max_model_len": self.max_model_len}]}
@@ -381,6 +403,8 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
     # request; the app's middleware and error handlers apply to them unchanged.
     app.router.add_route("/v1/completions", server.completions, methods=["POST"])
     app.router.add_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.router.add_route("/tokenize", server.tokenize, methods=["POST"])
+    app.router.add_route("/detokenize", server.detokenize, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/ready", server.ready, methods=["GET"])
 

@@ -310,6 +310,30 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
     )
 
 
+def parse_tokenize_request(body: Mapping[str, object], served_model: str) -> str | tuple[Mapping[str, object], ...]:
+    """vLLM's /tokenize: {"prompt": text}, or {"messages": [...]} to count a chat as the chat template renders it."""
+    _model(body, served_model)
+    messages = body.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("messages must be a non-empty list of {'role', 'content'} objects", param="messages")
+        return tuple(messages)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("give prompt (a string) or messages", param="prompt")
+    return prompt
+
+
+def parse_detokenize_request(body: Mapping[str, object], served_model: str) -> tuple[int, ...]:
+    """vLLM's /detokenize: {"tokens": [token ids]}; the ids' range is the caller's (it knows the vocabulary)."""
+    _model(body, served_model)
+    tokens = body.get("tokens")
+    ids = _token_ids(tokens) if isinstance(tokens, list) else None
+    if ids is None or any(t < 0 for t in ids):
+        raise bad_request("tokens must be a list of token ids (non-negative integers)", param="tokens")
+    return ids
+
+
 def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_model_len: int) -> ChatRequest:
     """max_tokens left out means "up to the context"; the caller clamps it once the prompt length is known."""
     model = _model(body, served_model)

@@ -32,7 +32,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias))
+        if self.logit_bias:
+            object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias))
         self.validate()
 
     @property
@@ -52,8 +53,6 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.min_p, bool) or not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -66,6 +65,15 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers")
+        # The logit adjustments and min_p, checked only when one is set (most requests set none; the router
+        # validates every request at ingress).
+        if (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.logit_bias or self.min_p != 0.0):
+            self._validate_adjustments()
+
+    def _validate_adjustments(self) -> None:
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not -2.0 <= value <= 2.0:

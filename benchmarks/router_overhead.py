@@ -240,7 +240,7 @@ def serve_kvbaton_router(args: argparse.Namespace) -> None:
     from kvbaton.model.registry import read_model_source, resolve_model_source
     from kvbaton.server.api import create_app
     from kvbaton.server.cluster import ClusterConfig, ClusterManager
-    from kvbaton.server.launcher import run_router_loop
+    from kvbaton.server.launcher import freeze_startup_heap, run_router_loop
 
     model_config, _, tokenizer = read_model_source(resolve_model_source(MODEL))
 
@@ -251,6 +251,7 @@ def serve_kvbaton_router(args: argparse.Namespace) -> None:
         try:
             await cluster.wait_for_workers(args.num_workers, timeout_s=60.0)
             app = create_app(cluster, tokenizer, MODEL, max_model_len=model_config.max_position_embeddings)
+            freeze_startup_heap()  # as `kvbaton serve` does
             config = uvicorn.Config(app, host="127.0.0.1", port=args.http_port, log_level="warning",
                                     access_log=False, backlog=1024)
             await uvicorn.Server(config).serve()  # returns on SIGTERM

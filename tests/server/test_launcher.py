@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -94,3 +95,12 @@ def test_late_reservation_reaches_the_prefill_workers_command_line() -> None:
     command = worker_command(late, "tcp://127.0.0.1:1", "p0", "prefill")
     assert command[command.index("--reserve-ahead-tokens") + 1] == "512"
     assert "--reserve-ahead-tokens" not in worker_command(ServeConfig(), "tcp://127.0.0.1:1", "w0")
+
+
+def test_the_startup_heap_is_frozen_out_of_the_collectors_reach() -> None:
+    # In a fresh interpreter, so this test process's collector is left as it was.
+    code = ("import gc; from kvbaton.server.launcher import freeze_startup_heap; "
+            "before = gc.get_freeze_count(); freeze_startup_heap(); print(before, gc.get_freeze_count())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    before, after = map(int, done.stdout.split())
+    assert before == 0 and after > 10_000  # the imported router stack alone is tens of thousands of objects

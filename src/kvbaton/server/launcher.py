@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import socket
 import os
@@ -205,6 +206,7 @@ class Launcher:
                 return 0  # stopped during startup
             app = create_app(cluster, tokenizer, config.model, max_model_len=model_config.max_position_embeddings,
                              tokenizer_cache_chars=config.tokenizer_cache_chars)
+            freeze_startup_heap()
             self._server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                   timeout_graceful_shutdown=int(config.drain_timeout_s)))
             serving = asyncio.create_task(self._server.serve(sockets=[http_socket]))
@@ -298,6 +300,16 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=5.0)
+
+
+def freeze_startup_heap() -> None:
+    """Once the router is built: what it holds to start (modules, tokenizer, app, cluster state, ~230k objects)
+    lives as long as the process, so it is moved out of the cyclic collector's reach (`gc.freeze`, as vLLM does
+    after startup) and full collections scan only what serving allocates. Measured with
+    benchmarks/router_overhead.py's router (preble, pre-tokenized prompts): the two full collections of 3,000
+    requests took 0.16-0.23 s before (~60 us a request, each a pause of ~0.1 s), 0.007 s after."""
+    gc.collect()
+    gc.freeze()
 
 
 def _bind_http(host: str, port: int) -> socket.socket:

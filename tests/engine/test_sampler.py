@@ -93,3 +93,27 @@ def test_greedy_with_repetition_penalty_equals_a_transformers_loop() -> None:
     assert list(penalised) == ids[len(prompt):]
     plain = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert list(plain.token_ids) != list(penalised)  # the penalty did change the continuation
+
+
+def test_min_tokens_holds_off_the_end_of_sequence_then_lets_it_end() -> None:
+    # A +100 bias on tiny-random's end-of-sequence token makes greedy end at once; min_tokens keeps it out of the
+    # first 5 tokens (the sampler masks it), and the 6th is the end-of-sequence token again.
+    llm = LLM("tiny-random", dtype="float32", block_size=4)
+    eos = llm.engine.tokenizer.eos_token_id
+    biased = {"max_tokens": 20, "temperature": 0.0, "logit_bias": ((eos, 100.0),)}
+    (at_once,) = llm.generate([5, 6, 7], SamplingParams(**biased))[0].outputs  # type: ignore[arg-type]
+    assert list(at_once.token_ids) == [eos] and at_once.finish_reason.value == "stop"
+    (held,) = llm.generate([5, 6, 7], SamplingParams(**biased, min_tokens=5))[0].outputs  # type: ignore[arg-type]
+    assert len(held.token_ids) == 6 and eos not in held.token_ids[:5] and held.token_ids[5] == eos
+    assert held.finish_reason.value == "stop"
+
+
+def test_min_tokens_keeps_stop_strings_from_ending_the_first_tokens() -> None:
+    llm = LLM("tiny-random", dtype="float32", block_size=4)
+    greedy = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    text = llm.generate([5, 6, 7], SamplingParams(**greedy))[0].outputs[0].text  # type: ignore[arg-type]
+    stop = text[1]  # a character of the first tokens' text
+    (early,) = llm.generate([5, 6, 7], SamplingParams(**greedy, stop=(stop,)))[0].outputs  # type: ignore[arg-type]
+    assert early.finish_reason.value == "stop" and stop not in early.text and len(early.token_ids) < 12
+    (late,) = llm.generate([5, 6, 7], SamplingParams(**greedy, stop=(stop,), min_tokens=12))[0].outputs  # type: ignore[arg-type]
+    assert late.text == text and late.finish_reason.value == "length"

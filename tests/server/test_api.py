@@ -72,11 +72,12 @@ def test_completion_prompt_forms(client: TestClient, cluster: FakeCluster, promp
 def test_penalties_and_logit_bias_reach_the_call(client: TestClient, cluster: FakeCluster, path: str) -> None:
     body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
     r = client.post(path, json={**body, "max_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.25,
-                                "repetition_penalty": 1.1, "logit_bias": {"7": -100, "42": 3.5}, "min_p": 0.1})
+                                "repetition_penalty": 1.1, "logit_bias": {"7": -100, "42": 3.5}, "min_p": 0.1,
+                                "min_tokens": 2})
     assert r.status_code == 200, r.text
     sampling = cluster.calls[0].sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -0.25, 1.1)
-    assert sampling.logit_bias == ((7, -100.0), (42, 3.5)) and sampling.min_p == 0.1
+    assert sampling.logit_bias == ((7, -100.0), (42, 3.5)) and sampling.min_p == 0.1 and sampling.min_tokens == 2
 
 
 def test_completion_batch_numbers_choices_prompt_by_prompt(client: TestClient, cluster: FakeCluster,

@@ -144,7 +144,7 @@ def test_unsupported_parameters_are_refused(client: TestClient, field: str, valu
     ("presence_penalty", 2.5), ("presence_penalty", "1"), ("frequency_penalty", -3), ("repetition_penalty", 0),
     ("repetition_penalty", True), ("logit_bias", [5, 1]), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}),
     ("logit_bias", {"5": 101}), ("logit_bias", {"5": "1"}), ("logit_bias", {"384": 1}),  # tiny-random: 384 tokens
-    ("min_p", -0.1), ("min_p", 2),
+    ("min_p", -0.1), ("min_p", 2), ("min_tokens", -1), ("min_tokens", 1000), ("min_tokens", 1.5),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_penalties_and_logit_bias(client: TestClient, cluster: FakeCluster, path: str, field: str,

@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
     logprobs: int | None = None  # also return the top-N logprobs per sampled token (0 = only the sampled one)
     n: int = 1  # samples per prompt (each becomes its own engine request)
+    min_tokens: int = 0  # vLLM's: no end-of-sequence, stop token or stop string ends the output before this many
     # Logit adjustments before sampling (as vLLM applies them; logprobs stay those of the raw model):
     presence_penalty: float = 0.0  # OpenAI's: minus this for every token already in the output
     frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
@@ -42,9 +43,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether any penalty or bias changes this request's logits before sampling."""
+        """Whether any penalty, bias or min_tokens changes this request's logits before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
@@ -65,6 +66,9 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers")
+        if self.min_tokens != 0 and (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
+                                     or not 0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         # The logit adjustments and min_p, checked only when one is set (most requests set none; the router
         # validates every request at ingress).
         if (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

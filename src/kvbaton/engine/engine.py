@@ -52,6 +52,7 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     text: str = ""  # all output text so far (after stop-string truncation)
     num_emitted_chars: int = 0
+    stop_floor: int = 0  # a stop string may only start here or later (the text of the first min_tokens is kept)
 
 
 class Engine:
@@ -198,15 +199,17 @@ class Engine:
         stops = request.sampling.stop
         tracked.text += tracked.detokenizer.push(token.token_id)
         finished = finish_reason is not None
-        if stops:
-            hit = _find_stop(tracked.text, stops, tracked.num_emitted_chars)
+        if stops and len(request.output_token_ids) <= request.sampling.min_tokens:
+            tracked.stop_floor = len(tracked.text)  # min_tokens: no stop string ends the output yet
+        elif stops:
+            hit = _find_stop(tracked.text, stops, tracked.num_emitted_chars, tracked.stop_floor)
             if hit >= 0:
                 tracked.text = tracked.text[:hit]
                 if not finished:
                     self.scheduler.finish_request(request.request_id, FinishReason.STOP, self._clock())
                 finished, finish_reason = True, FinishReason.STOP
         # Hold back a tail that could still become a stop string, so no stop text is ever streamed.
-        holdback = 0 if finished or not stops else max(len(s) for s in stops) - 1
+        holdback = 0 if finished or not stops or tracked.stop_floor == len(tracked.text) else max(map(len, stops)) - 1
         emit_to = max(tracked.num_emitted_chars, len(tracked.text) - holdback)
         new_text = tracked.text[tracked.num_emitted_chars:emit_to]
         tracked.num_emitted_chars = emit_to
@@ -238,11 +241,11 @@ class Engine:
             )
 
 
-def _find_stop(text: str, stops: Sequence[str], num_emitted_chars: int) -> int:
-    """Earliest index where a stop string starts, looking only where a new match can begin."""
+def _find_stop(text: str, stops: Sequence[str], num_emitted_chars: int, floor: int = 0) -> int:
+    """Earliest index where a stop string starts, looking only where a new match can begin (not before `floor`)."""
     best = -1
     for stop in stops:
-        start = max(0, num_emitted_chars - len(stop) + 1)
+        start = max(floor, num_emitted_chars - len(stop) + 1)
         idx = text.find(stop, start)
         if idx >= 0 and (best < 0 or idx < best):
             best = idx

@@ -1,7 +1,8 @@
 """Turns the logits of sampling positions into tokens: logit bias and penalties, greedy, temperature, min-p,
 top-k, top-p, seeds, logprobs.
 
-Adjustments come first, in vLLM v1's order: the logit bias, then the repetition penalty over the prompt's and
+Adjustments come first, in vLLM v1's order: below `min_tokens` outputs the end-of-sequence and stop tokens are
+masked out, then the logit bias, then the repetition penalty over the prompt's and
 the output's tokens (HF/CTRL: a positive logit divided by it, a negative one multiplied), then the frequency and
 presence penalties over the output's tokens (OpenAI: minus frequency x count, minus presence once). Greedy
 and sampled tokens are drawn from the adjusted logits; logprobs are of the raw model distribution (before
@@ -20,8 +21,13 @@ from kvbaton.core.step import SampledToken
 
 
 def adjust_logits(row: torch.Tensor, p: SamplingParams, prompt_token_ids: Sequence[int],
-                  output_token_ids: Sequence[int]) -> None:
-    """`row` (one request's logits) in place: `p`'s logit bias, then its penalties (see the module docstring)."""
+                  output_token_ids: Sequence[int], eos_token_id: int | None = None) -> None:
+    """`row` (one request's logits) in place: `p`'s logit bias, then its penalties (see the module docstring);
+    below `min_tokens` outputs, the end-of-sequence token (unless ignored) and the stop tokens cannot be drawn."""
+    if len(output_token_ids) < p.min_tokens:
+        banned = [*p.stop_token_ids, *([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])]
+        if banned:
+            row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
     for token_id, bias in p.logit_bias:
         row[token_id] += bias
     if p.repetition_penalty != 1.0:
@@ -56,7 +62,9 @@ class Sampler:
             logits = logits.clone()
             for i, p in enumerate(params):
                 if p.adjusts_logits:
-                    adjust_logits(logits[i], p, requests[i].prompt_token_ids, requests[i].output_token_ids)
+                    request = requests[i]
+                    adjust_logits(logits[i], p, request.prompt_token_ids, request.output_token_ids,
+                                  request.eos_token_id)
         greedy_ids = torch.argmax(logits, dim=-1)
         tokens: list[int] = greedy_ids.tolist()
         for i, p in enumerate(params):

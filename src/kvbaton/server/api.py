@@ -264,7 +264,11 @@ class OpenAIServer:
         sampling = req.sampling
         self._check_logit_bias(sampling)
         if not req.max_tokens_given:  # "as long as the context allows"
-            sampling = replace(sampling, max_tokens=max(self.max_model_len - len(prompt_ids), 1))
+            max_tokens = max(self.max_model_len - len(prompt_ids), 1)
+            if sampling.min_tokens > max_tokens:
+                raise bad_request(f"min_tokens {sampling.min_tokens} exceeds the {max_tokens} tokens the context "
+                                  f"leaves after the prompt", param="min_tokens")
+            sampling = replace(sampling, max_tokens=max_tokens)
         self._check_context(len(prompt_ids), sampling, "messages")
         api_id = f"chatcmpl-{os.urandom(16).hex()}"
         calls = self._calls(api_id, [prompt_ids], sampling, req.user, request, arrival_at)

@@ -23,7 +23,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions batch
 MAX_BATCH_SAMPLES = 256  # completions one request may ask for (prompts x n): each is a call on the cluster
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "n",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens")
 
 
 class ApiError(Exception):
@@ -213,6 +213,7 @@ def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | No
             top_p=_float(body, "top_p", 1.0),
             top_k=0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
             min_p=_float(body, "min_p", 0.0),
+            min_tokens=_int(body, "min_tokens", 0),  # type: ignore[arg-type]
             seed=_int(body, "seed", None),
             stop=_stop(body),
             stop_token_ids=_stop_token_ids(body),

@@ -117,3 +117,13 @@ def test_min_tokens_keeps_stop_strings_from_ending_the_first_tokens() -> None:
     assert early.finish_reason.value == "stop" and stop not in early.text and len(early.token_ids) < 12
     (late,) = llm.generate([5, 6, 7], SamplingParams(**greedy, stop=(stop,), min_tokens=12))[0].outputs  # type: ignore[arg-type]
     assert late.text == text and late.finish_reason.value == "length"
+
+
+def test_min_tokens_masks_stop_tokens_and_skips_ids_past_the_vocabulary() -> None:
+    row = torch.zeros(8)
+    params = SamplingParams(min_tokens=2, stop_token_ids=(3, 50))  # 50 is past this vocabulary: ignored, no error
+    adjust_logits(row, params, [1], [4], eos_token_id=7)
+    assert row[3] == float("-inf") and row[7] == float("-inf") and int(torch.isinf(row).sum()) == 2
+    after = torch.zeros(8)
+    adjust_logits(after, params, [1], [4, 5], eos_token_id=7)  # two outputs: min_tokens reached
+    assert not torch.isinf(after).any()

@@ -26,6 +26,7 @@ def adjust_logits(row: torch.Tensor, p: SamplingParams, prompt_token_ids: Sequen
     below `min_tokens` outputs, the end-of-sequence token (unless ignored) and the stop tokens cannot be drawn."""
     if len(output_token_ids) < p.min_tokens:
         banned = [*p.stop_token_ids, *([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])]
+        banned = [t for t in banned if t < row.numel()]  # a stop token id past the vocabulary is never drawn anyway
         if banned:
             row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
     for token_id, bias in p.logit_bias:

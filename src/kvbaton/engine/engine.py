@@ -199,7 +199,8 @@ class Engine:
         stops = request.sampling.stop
         tracked.text += tracked.detokenizer.push(token.token_id)
         finished = finish_reason is not None
-        if stops and len(request.output_token_ids) <= request.sampling.min_tokens:
+        holding_off = bool(stops) and len(request.output_token_ids) <= request.sampling.min_tokens
+        if holding_off:
             tracked.stop_floor = len(tracked.text)  # min_tokens: no stop string ends the output yet
         elif stops:
             hit = _find_stop(tracked.text, stops, tracked.num_emitted_chars, tracked.stop_floor)
@@ -209,7 +210,7 @@ class Engine:
                     self.scheduler.finish_request(request.request_id, FinishReason.STOP, self._clock())
                 finished, finish_reason = True, FinishReason.STOP
         # Hold back a tail that could still become a stop string, so no stop text is ever streamed.
-        holdback = 0 if finished or not stops or tracked.stop_floor == len(tracked.text) else max(map(len, stops)) - 1
+        holdback = 0 if finished or not stops or holding_off else max(map(len, stops)) - 1
         emit_to = max(tracked.num_emitted_chars, len(tracked.text) - holdback)
         new_text = tracked.text[tracked.num_emitted_chars:emit_to]
         tracked.num_emitted_chars = emit_to

@@ -7,6 +7,7 @@ its prefix cache after the ack, and failures end by the kv_load_failure_policy w
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -18,6 +19,7 @@ from kvbaton.engine.engine import Engine, RequestOutput
 from kvbaton.engine.handoff import kv_layout_for, numpy_kv
 from kvbaton.engine.handoff_decode import DecodeHandoffs
 from kvbaton.engine.handoff_prefill import PrefillHandoffs
+from kvbaton.engine.structured import grammar_for
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.transfer.faults import FaultAction, FaultRule, FaultyTransport
 from kvbaton.transfer.messages import LayerChunk, ReserveRequest
@@ -145,6 +147,22 @@ def test_penalties_and_logit_bias_carry_across_the_handoff(tiny: LoadedModel) ->
     for i, prompt in enumerate(PROMPTS):
         expected = colocated_tokens(tiny, prompt, params)
         assert pair.tokens(f"r{i}") == expected and expected != colocated_tokens(tiny, prompt, greedy()), i
+    pair.assert_nothing_held()
+
+
+def test_a_grammar_carries_across_the_handoff(tiny: LoadedModel) -> None:
+    # The prefill engine's matcher takes the first token it samples; the decode engine builds its own and takes
+    # that token again before masking its first decode: the output equals a colocated engine's and fits.
+    params = SamplingParams(max_tokens=24, temperature=0.0, grammar=grammar_for("regex", "(ab|ba){2,}c"))
+    pair = Pair(tiny)
+    for i, prompt in enumerate(PROMPTS):
+        pair.submit(f"r{i}", prompt, params)
+    pair.run()
+    for i, prompt in enumerate(PROMPTS):
+        tokens = pair.tokens(f"r{i}")
+        assert tokens == colocated_tokens(tiny, prompt, params), i
+        text = tiny.tokenizer.decode(tokens)
+        assert re.fullmatch("(ab|ba){2,}c", text) and pair.final(f"r{i}").finish_reason.value == "stop", text
     pair.assert_nothing_held()
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
+from kvbaton.engine.structured import grammar_for
 from kvbaton.model.registry import load_model
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.server.api import create_app
@@ -78,6 +79,30 @@ def test_penalties_and_logit_bias_reach_the_call(client: TestClient, cluster: Fa
     sampling = cluster.calls[0].sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -0.25, 1.1)
     assert sampling.logit_bias == ((7, -100.0), (42, 3.5)) and sampling.min_p == 0.1 and sampling.min_tokens == 2
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("fields", "kind", "spec"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     "json_schema", SCHEMA),
+    ({"response_format": {"type": "json_object"}}, "json_object", None),
+    ({"structured_outputs": {"json": SCHEMA}}, "json_schema", SCHEMA),
+    ({"structured_outputs": {"regex": "[ab]{2}"}}, "regex", "[ab]{2}"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
+    ({"structured_outputs": {"grammar": 'start: "a" | "b"'}}, "grammar", 'start: "a" | "b"'),
+    ({"structured_outputs": {"json_object": True}}, "json_object", None),
+    ({"response_format": {"type": "text"}}, None, None),
+])
+def test_structured_outputs_reach_the_call_as_one_grammar(client: TestClient, cluster: FakeCluster, path: str,
+                                                          fields: dict, kind: str | None, spec: object) -> None:
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = client.post(path, json={**body, "max_tokens": 2, "n": 2, **fields})
+    assert r.status_code == 200, r.text
+    expected = grammar_for(kind, spec) if kind is not None else ""
+    assert [call.sampling.grammar for call in cluster.calls] == [expected, expected]
 
 
 def test_completion_batch_numbers_choices_prompt_by_prompt(client: TestClient, cluster: FakeCluster,

@@ -10,13 +10,16 @@ worker's block accounting at its idle baseline (only the prefix cache holds bloc
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from tests.server.serve_helpers import Served, serve_process
@@ -83,6 +86,26 @@ def test_shared_prefix_reports_cached_tokens(client: openai.OpenAI) -> None:
                                        temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens >= len(system) // 16 * 16 - 16
+
+
+class Order(pydantic.BaseModel):
+    paid: bool
+    quantity: int = pydantic.Field(ge=1, le=9)
+    size: Literal["small", "large"]
+
+
+def test_openai_clients_structured_parse_gets_a_valid_object(client: openai.OpenAI, served: Served) -> None:
+    # The client sends the pydantic model as a strict JSON schema (response_format json_schema) and parses the
+    # answer into it: the grammar makes tiny-random's output fit, sampled or greedy.
+    for temperature in (0.0, 1.0):
+        parsed = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "One order."}],
+                                               response_format=Order, max_tokens=48, temperature=temperature)
+        choice = parsed.choices[0]
+        assert isinstance(choice.message.parsed, Order) and choice.finish_reason == "stop"
+    regex = client.completions.create(model=MODEL, prompt="Code:", max_tokens=16, temperature=1.0,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", regex.choices[0].text)
+    _wait_idle_baseline(served.url)
 
 
 def test_bad_inputs_and_disconnect_leave_block_accounting_at_baseline(served: Served) -> None:

@@ -133,8 +133,7 @@ def test_context_overflow(client: TestClient, cluster: FakeCluster) -> None:
     assert client.post("/v1/completions", json={"prompt": "x" * 59, "max_tokens": 5}).status_code == 200
 
 
-@pytest.mark.parametrize(("field", "value"), [("tools", [{"type": "function"}]), ("best_of", 3), ("suffix", "x"),
-                                              ("response_format", {"type": "json_object"})])
+@pytest.mark.parametrize(("field", "value"), [("tools", [{"type": "function"}]), ("best_of", 3), ("suffix", "x")])
 def test_unsupported_parameters_are_refused(client: TestClient, field: str, value: object) -> None:
     assert_error(client.post("/v1/completions", json={"prompt": "Hi", field: value}), 400, param=field,
                  code="unsupported_parameter")
@@ -151,6 +150,31 @@ def test_bad_penalties_and_logit_bias(client: TestClient, cluster: FakeCluster, 
                                       value: object) -> None:
     body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
     assert_error(client.post(path, json={**body, field: value}), 400, param=field)
+    assert cluster.calls == []
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format",
+     "invalid json schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", "must be"),
+    ({"response_format": "json"}, "response_format", "must be"),
+    ({"structured_outputs": {"regex": "(a"}}, "structured_outputs", "invalid regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "does not support structural_tag"),
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", "must be true"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
+    ({"structured_outputs": {"grammar": "start: missing"}}, "structured_outputs", "invalid grammar"),
+    ({"structured_outputs": ["json"]}, "structured_outputs", "must be an object"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format",
+     "cannot both"),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_structured_outputs(client: TestClient, cluster: FakeCluster, path: str, fields: dict, param: str,
+                                message: str) -> None:
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    assert message in assert_error(client.post(path, json={**body, **fields}), 400, param=param)
     assert cluster.calls == []
 
 
@@ -213,7 +237,8 @@ _json_values = st.recursive(
 )
 _fields = st.sampled_from(["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature",
                            "top_p", "top_k", "n", "stop", "seed", "logprobs", "top_logprobs", "stream",
-                           "stream_options", "echo", "ignore_eos", "user", "best_of", "response_format"])
+                           "stream_options", "echo", "ignore_eos", "user", "best_of", "response_format",
+                           "structured_outputs"])
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -8,6 +8,7 @@ worker's prefix cache and still hands the whole prompt over. tiny-random runs in
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -47,15 +48,41 @@ def _check(model: str, url: str, max_tokens: int) -> None:
         assert re.search(r"^kvbaton:kv_transfer_bytes [1-9]", metrics, re.MULTILINE)
 
 
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 150}}}
+
+
+def _check_structured(model: str, url: str) -> dict[str, object]:
+    """A JSON-schema chat request through the handoff (stream and not): the prefill worker's grammar picks the
+    first token, the decode worker's goes on from it; the JSON parses and fits, and every block comes back."""
+    body = {"model": model, "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": "Describe Ann, who is 31 years old, as JSON."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    with httpx.Client(timeout=300) as http:
+        got = http.post(url + "/v1/chat/completions", json=body).json()
+        with http.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        wait_pd_idle(http, url)
+    text = got["choices"][0]["message"]["content"]
+    assert got["choices"][0]["finish_reason"] == "stop", got
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == text
+    person = json.loads(text)
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and 0 <= person["age"] <= 150
+    return person
+
+
 @pytest.mark.parametrize("served_pd", ["tiny-random"], indirect=True)
 def test_1p1d_serve_equals_generate_tiny(served_pd: tuple[str, str]) -> None:
     _check(*served_pd, max_tokens=12)
+    _check_structured(*served_pd)
 
 
 @pytest.mark.smollm2
 @pytest.mark.parametrize("served_pd", ["smollm2-135m"], indirect=True)
 def test_1p1d_serve_equals_generate_smollm2(served_pd: tuple[str, str]) -> None:
     _check(*served_pd, max_tokens=24)
+    assert _check_structured(*served_pd) == {"name": "Ann", "age": 31}  # the real model reads the question
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -8,6 +8,7 @@ from kvbaton.core.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar's serialized size at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
     repetition_penalty: float = 1.0  # HF/CTRL's: a token of the prompt or output has its logit divided by it (> 0)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's logit_bias
+    # Structured output: an llguidance grammar (`kvbaton.engine.structured.grammar_for` builds one from a JSON
+    # schema, regex, choice list or Lark grammar) that masks every step's logits; "" for none.
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -69,6 +73,8 @@ class SamplingParams:
         if self.min_tokens != 0 and (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
                                      or not 0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.grammar and (not isinstance(self.grammar, str) or len(self.grammar) > MAX_GRAMMAR_CHARS):
+            raise InvalidRequestError(f"grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters")
         # The logit adjustments and min_p, checked only when one is set (most requests set none; the router
         # validates every request at ingress).
         if (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -25,6 +25,7 @@ from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.engine.kv_storage import KVStorage
 from kvbaton.engine.model_runner import ModelRunner
 from kvbaton.engine.sampler import Sampler
+from kvbaton.engine.structured import RequestGrammar, grammar_tokenizer
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.model.tokenizer import IncrementalDetokenizer
 from kvbaton.scheduler.local_scheduler import LocalScheduler
@@ -53,6 +54,7 @@ class _Tracked:
     text: str = ""  # all output text so far (after stop-string truncation)
     num_emitted_chars: int = 0
     stop_floor: int = 0  # a stop string may only start here or later (the text of the first min_tokens is kept)
+    grammar: RequestGrammar | None = None  # structured output: has consumed exactly the request's output tokens
 
 
 class Engine:
@@ -85,6 +87,7 @@ class Engine:
         # Called after each layer of a step's forward (the serving loop's look at its messages mid-step).
         self.between_layers: Callable[[], None] | None = None
         self.last_plan: StepPlan | None = None  # the plan of the latest step (serving workers log its shape)
+        self._grammar_tokenizer = None  # llguidance's view of the tokenizer, built for the first structured request
 
     @property
     def tokenizer(self):  # noqa: ANN201 - kvbaton.model.tokenizer.Tokenizer
@@ -103,12 +106,21 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        grammar = self._grammar(params)
         request = Request(request_id, token_ids, params, self._clock() if arrival_at is None else arrival_at,
                           tenant=tenant, slo_class=slo_class, eos_token_id=self.tokenizer.eos_token_id,
                           max_model_len=self.max_model_len)
         self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer))
+        self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer), grammar=grammar)
         return request_id
+
+    def _grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        """A fresh matcher for a structured-output request (InvalidRequestError if its grammar does not build)."""
+        if not params.grammar:
+            return None
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.loaded.config.vocab_size)
+        return RequestGrammar(self._grammar_tokenizer, params.grammar)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -135,6 +147,7 @@ class Engine:
         self.validate_prompt(token_ids)
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        grammar = self._grammar(params)  # it consumes the first token in _on_token, as the prefill's did
         now = self._clock()
         request = Request(request_id, token_ids, params, now if arrival_at is None else arrival_at,
                           tenant=tenant, slo_class=slo_class, eos_token_id=self.tokenizer.eos_token_id,
@@ -144,7 +157,7 @@ class Engine:
         if not self.scheduler.admit_prefilled(request, len(token_ids), now, block_ids=block_ids):
             return None
         request.first_token_at = now
-        tracked = _Tracked(request, IncrementalDetokenizer(self.tokenizer))
+        tracked = _Tracked(request, IncrementalDetokenizer(self.tokenizer), grammar=grammar)
         self._tracked[request_id] = tracked
         reason = self.scheduler.stop_reason(request, first_token.token_id)
         if reason is not None:
@@ -175,9 +188,12 @@ class Engine:
             if self.on_executed is not None:
                 self.on_executed(plan)
             if row_ids:
-                requests = [self._tracked[rid].request for rid in row_ids]
+                tracked = [self._tracked[rid] for rid in row_ids]
+                requests = [t.request for t in tracked]
                 params = [request.sampling for request in requests]
-                sampled = dict(zip(row_ids, self.sampler.sample(logits, row_ids, params, requests)))
+                allowed = ([None if t.grammar is None else t.grammar.allowed() for t in tracked]
+                           if any(t.grammar is not None for t in tracked) else None)
+                sampled = dict(zip(row_ids, self.sampler.sample(logits, row_ids, params, requests, allowed)))
         self._step_id += 1
         result = StepResult(plan.step_id, sampled, time.perf_counter() - started)
         token_outputs = self.scheduler.update(plan, result, self._clock())
@@ -199,6 +215,9 @@ class Engine:
         stops = request.sampling.stop
         tracked.text += tracked.detokenizer.push(token.token_id)
         finished = finish_reason is not None
+        if tracked.grammar is not None and not finished:
+            finish_reason = self._advance_grammar(tracked.grammar, request, token.token_id)
+            finished = finish_reason is not None
         holding_off = bool(stops) and len(request.output_token_ids) <= request.sampling.min_tokens
         if holding_off:
             tracked.stop_floor = len(tracked.text)  # min_tokens: no stop string ends the output yet
@@ -215,7 +234,21 @@ class Engine:
         new_text = tracked.text[tracked.num_emitted_chars:emit_to]
         tracked.num_emitted_chars = emit_to
         return RequestOutput(request.request_id, (token.token_id,), new_text, (token,), finished, finish_reason,
-                             request.num_prompt_tokens, max(request.num_cached_tokens, 0))
+                             request.num_prompt_tokens, max(request.num_cached_tokens, 0),
+                             request.finish_message if finish_reason is FinishReason.ERROR else "")
+
+    def _advance_grammar(self, grammar: RequestGrammar, request: Request, token_id: int) -> FinishReason | None:
+        """The grammar takes the request's new token: the request ends (stop) once the grammar is complete, or
+        fails if the token does not fit (only a token sampled elsewhere can: the mask keeps it from ours)."""
+        error = grammar.consume(token_id)
+        if error:
+            self.scheduler.finish_request(request.request_id, FinishReason.ERROR, self._clock(),
+                                          f"structured output: {error}")
+            return FinishReason.ERROR
+        if grammar.complete:
+            self.scheduler.finish_request(request.request_id, FinishReason.STOP, self._clock())
+            return FinishReason.STOP
+        return None
 
     def _final_output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request

@@ -1,12 +1,14 @@
-"""Turns the logits of sampling positions into tokens: logit bias and penalties, greedy, temperature, min-p,
-top-k, top-p, seeds, logprobs.
+"""Turns the logits of sampling positions into tokens: structured-output masks, logit bias and penalties, greedy,
+temperature, min-p, top-k, top-p, seeds, logprobs.
 
-Adjustments come first, in vLLM v1's order: below `min_tokens` outputs the end-of-sequence and stop tokens are
+A structured-output request's grammar mask (`kvbaton.engine.structured`) comes first, as vLLM applies it to the
+logits before its sampler: tokens the grammar forbids can be neither drawn nor reported. Adjustments come next,
+in vLLM v1's order: below `min_tokens` outputs the end-of-sequence and stop tokens are
 masked out, then the logit bias, then the repetition penalty over the prompt's and
 the output's tokens (HF/CTRL: a positive logit divided by it, a negative one multiplied), then the frequency and
 presence penalties over the output's tokens (OpenAI: minus frequency x count, minus presence once). Greedy
 and sampled tokens are drawn from the adjusted logits; logprobs are of the raw model distribution (before
-any adjustment, temperature, top-k or top-p), as vLLM v1 reports them by default.
+any adjustment, temperature, top-k or top-p, but after the grammar mask), as vLLM v1 reports them by default.
 """
 
 from __future__ import annotations
@@ -51,16 +53,24 @@ class Sampler:
 
     def sample(
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
-        requests: Sequence[Request] | None = None,
+        requests: Sequence[Request] | None = None, allowed: Sequence[torch.Tensor | None] | None = None,
     ) -> list[SampledToken]:
-        """logits: [N, vocab] float32, row i for request_ids[i]; `requests[i]` is that request (its prompt and
-        output so far, for the penalties), needed when any of `params` adjusts its logits."""
+        """logits: [N, vocab] float32, row i for request_ids[i] (left as they are: masks and adjustments go to a copy);
+        `requests[i]` is that request (its prompt and output so far, for the penalties), needed when any of
+        `params` adjusts its logits; `allowed[i]`, when not None, is row i's [vocab] bool grammar mask."""
+        owned = allowed is not None  # logits are the model's (inference tensors): adjust a copy
+        if allowed is not None:
+            logits = logits.clone()
+            for i, mask in enumerate(allowed):
+                if mask is not None:
+                    logits[i].masked_fill_(~mask, float("-inf"))
         need_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # of the raw logits
         if any(p.adjusts_logits for p in params):
             if requests is None:
                 raise ValueError("penalties and logit_bias need each row's request")
-            logits = logits.clone()
+            if not owned:
+                logits = logits.clone()
             for i, p in enumerate(params):
                 if p.adjusts_logits:
                     request = requests[i]
@@ -85,6 +95,10 @@ class Sampler:
         return out
 
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
+        if p.grammar and bool(torch.isneginf(row).all()):
+            # Nothing is left to draw (a grammar mask and min_tokens' bans together): greedy's token 0, which
+            # the grammar then refuses, so the request fails with a reason instead of the step raising.
+            return 0
         scaled = row / p.temperature
         if p.min_p > 0.0:  # as vLLM v1: on the tempered distribution, before top-k and top-p
             probs = torch.softmax(scaled, dim=-1)

@@ -18,6 +18,7 @@ from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import MAX_LOGPROBS, SamplingParams
 from kvbaton.model.tokenizer import Tokenizer, bytes_to_unicode
 from kvbaton.server.base import TokenLogprob
+from kvbaton.server.protocol_structured import structured_grammar
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions batch
@@ -193,10 +194,6 @@ def _refuse_unsupported(body: Mapping[str, object]) -> None:
                           code="unsupported_parameter")
     if body.get("suffix"):
         raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format",
-                          code="unsupported_parameter")
 
 
 def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -206,6 +203,12 @@ def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | No
     if best_of is not None and best_of != n:
         raise bad_request("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
     top_k = _int(body, "top_k", 0)
+    try:
+        grammar, _ = structured_grammar(body)
+    except InvalidRequestError as exc:
+        message = str(exc)
+        field = "structured_outputs" if message.startswith("structured_outputs") else "response_format"
+        raise bad_request(message, param=field) from None
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -224,6 +227,7 @@ def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | No
             frequency_penalty=_float(body, "frequency_penalty", 0.0),
             repetition_penalty=_float(body, "repetition_penalty", 1.0),
             logit_bias=_logit_bias(body),
+            grammar=grammar,
         )
     except InvalidRequestError as exc:
         message = str(exc)

@@ -36,7 +36,7 @@ def llm() -> LLM:
 
 
 def _check_schema(value: object) -> None:
-    assert isinstance(value, dict) and set(value) == {"ok", "size", "color"}
+    assert isinstance(value, dict) and list(value) == ["ok", "size", "color"]  # the schema's order
     assert isinstance(value["ok"], bool) and 0 <= value["size"] <= 99 and value["color"] in SCHEMA["properties"]["color"]["enum"]
 
 

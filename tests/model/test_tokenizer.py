@@ -106,6 +106,26 @@ def test_template_raise_exception_becomes_invalid_request() -> None:
         tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}])
 
 
+def test_tools_and_tool_calls_reach_the_template() -> None:
+    # As transformers renders them: `tools` is the OpenAI function list, an assistant message that only calls
+    # tools has content null (given to the template as ""), and its tool_calls stay on the message.
+    tokenizer = Tokenizer.byte_level()
+    tokenizer.chat_template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}{% endif %}"
+        "{% for m in messages %}|{{ m['role'] }}:{{ m['content'] }}"
+        "{% for c in m.get('tool_calls', []) %}<call {{ c['function']['name'] }}>{% endfor %}{% endfor %}")
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    assert tokenizer.apply_chat_template(messages, tools=tools) == (
+        "TOOLS:get_weather;|user:Weather?|assistant:<call get_weather>|tool:sunny")
+    assert not tokenizer.apply_chat_template(messages).startswith("TOOLS")
+    with pytest.raises(InvalidRequestError, match="content"):  # null content without tool calls is still refused
+        tokenizer.apply_chat_template([{"role": "assistant", "content": None}])
+
+
 def test_byte_level_tokenizer_layout() -> None:
     tokenizer = Tokenizer.byte_level(384)
     assert tokenizer.vocab_size == 384

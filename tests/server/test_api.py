@@ -105,6 +105,32 @@ def test_structured_outputs_reach_the_call_as_one_grammar(client: TestClient, cl
     assert [call.sampling.grammar for call in cluster.calls] == [expected, expected]
 
 
+def test_a_forced_tool_call_reaches_the_call_as_its_grammar_and_the_template_sees_the_tools(
+        client: TestClient, cluster: FakeCluster, tokenizer: Tokenizer) -> None:
+    params = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    tools = [{"type": "function", "function": {"name": "search", "parameters": params}},
+             {"type": "function", "function": {"name": "noop"}}]
+    messages = [{"role": "user", "content": "Find cats"}]
+    named = {"type": "function", "function": {"name": "search"}}
+    r = client.post("/v1/chat/completions", json={"messages": messages, "tools": tools, "tool_choice": named,
+                                                  "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert cluster.calls[0].sampling.grammar == grammar_for("json_schema", params)
+    # The fake's reply is not JSON and was cut at max_tokens: no call is made of it; the text comes back as content.
+    assert r.json()["choices"][0]["message"]["content"] == REPLY[:4]
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = client.post("/v1/chat/completions", json={"messages": messages, "tools": tools, "tool_choice": "required",
+                                                  "parallel_tool_calls": False, "max_tokens": 4})
+    required = json.loads(cluster.calls[1].sampling.grammar)["grammars"][0]["json_schema"]
+    assert required["maxItems"] == 1 and [item["properties"]["name"] for item in required["items"]["anyOf"]] == [
+        {"const": "search"}, {"const": "noop"}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "tools": tools, "tool_choice": "none",
+                                                  "max_tokens": 4})
+    assert cluster.calls[2].sampling.grammar == ""
+    # The chat template is given the tools (tiny-random's ignores them; the prompt is the plain chat's).
+    assert cluster.calls[0].prompt_token_ids == tuple(tokenizer.encode(tokenizer.apply_chat_template(messages)))
+
+
 def test_completion_batch_numbers_choices_prompt_by_prompt(client: TestClient, cluster: FakeCluster,
                                                            tokenizer: Tokenizer) -> None:
     prompts = ["Say hi", "And bye"]

@@ -108,6 +108,69 @@ def test_openai_clients_structured_parse_gets_a_valid_object(client: openai.Open
     _wait_idle_baseline(served.url)
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                 "maximum": 7}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+
+def _check_weather(arguments: str) -> None:
+    args = json.loads(arguments)
+    assert args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 7
+
+
+def test_forced_tool_calls_through_the_openai_client(client: openai.OpenAI, served: Served) -> None:
+    messages = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for temperature in (0.0, 1.0):
+        resp = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                              max_tokens=48, temperature=temperature)
+        choice = resp.choices[0]
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("call_") and choice.message.content is None
+        _check_weather(call.function.arguments)
+        assert choice.finish_reason == "stop"  # as OpenAI answers a forced call
+    # Streamed, the client's deltas add up to one call.
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice=named,
+                                            max_tokens=48, temperature=0, stream=True)
+    name, arguments, ids = "", "", set()
+    for chunk in stream:
+        for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            name += delta_call.function.name or ""
+            arguments += delta_call.function.arguments or ""
+            ids.add(delta_call.id) if delta_call.id else None
+    assert name == "get_weather" and len(ids) == 1
+    _check_weather(arguments)
+    # "required": one or more calls of the given tools (one when parallel calls are off).
+    for parallel in (True, False):
+        resp = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                              tool_choice="required", parallel_tool_calls=parallel, max_tokens=96,
+                                              temperature=1.0, seed=5)
+        calls = resp.choices[0].message.tool_calls
+        assert resp.choices[0].finish_reason == "tool_calls" and calls and (parallel or len(calls) == 1)
+        for call in calls:
+            assert call.function.name in ("get_weather", "get_time")
+            if call.function.name == "get_weather":
+                _check_weather(call.function.arguments)
+            else:
+                assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    # A conversation that carries the call and its result goes on as a chat.
+    history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    follow = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=8, temperature=0)
+    assert follow.choices[0].message.tool_calls is None and follow.usage.completion_tokens == 8
+    with pytest.raises(openai.BadRequestError, match="auto"):
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=8)
+    _wait_idle_baseline(served.url)
+
+
 def test_bad_inputs_and_disconnect_leave_block_accounting_at_baseline(served: Served) -> None:
     _wait_idle_baseline(served.url)
     bad_bodies = [

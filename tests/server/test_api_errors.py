@@ -178,6 +178,40 @@ def test_bad_structured_outputs(client: TestClient, cluster: FakeCluster, path: 
     assert cluster.calls == []
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"tools": [TOOL]}, "tool_choice", "auto"),  # the default with tools: no parser for the model's syntax
+    ({"tools": [TOOL], "tool_choice": "auto"}, "tool_choice", "auto"),
+    ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", "must be"),
+    ({"tools": {"f": 1}, "tool_choice": "required"}, "tools", "must be a list"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"}, "tools", "name"),
+    ({"tools": [TOOL, TOOL], "tool_choice": "required"}, "tools", "twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tool_choice": "required"},
+     "tools", "parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools", "not a usable JSON schema"),
+    ({"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "forced tool call"),
+    ({"functions": [{"name": "f"}]}, "functions", "legacy"),
+])
+def test_bad_tool_use(client: TestClient, cluster: FakeCluster, fields: dict, param: str, message: str) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], **fields}
+    assert message in assert_error(client.post("/v1/chat/completions", json=body), 400, param=param)
+    assert cluster.calls == []
+
+
+def test_tools_are_refused_on_completions(client: TestClient) -> None:
+    assert_error(client.post("/v1/completions", json={"prompt": "Hi", "tools": [TOOL], "tool_choice": "required"}),
+                 400, param="tools", code="unsupported_parameter")
+
+
 def test_stream_options_without_stream(client: TestClient) -> None:
     assert_error(client.post("/v1/completions", json={"prompt": "Hi", "stream_options": {"include_usage": True}}),
                  400, param="stream_options")
@@ -238,7 +272,7 @@ _json_values = st.recursive(
 _fields = st.sampled_from(["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature",
                            "top_p", "top_k", "n", "stop", "seed", "logprobs", "top_logprobs", "stream",
                            "stream_options", "echo", "ignore_eos", "user", "best_of", "response_format",
-                           "structured_outputs"])
+                           "structured_outputs", "tools", "tool_choice"])
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

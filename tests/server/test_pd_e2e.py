@@ -72,10 +72,29 @@ def _check_structured(model: str, url: str) -> dict[str, object]:
     return person
 
 
+def _check_tool_call(model: str, url: str) -> dict[str, object]:
+    """A forced tool call through the handoff: its arguments parse and fit the function's parameters."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 30}}}}}
+    body = {"model": model, "max_tokens": 64, "temperature": 0, "tools": [weather],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+    with httpx.Client(timeout=300) as http:
+        got = http.post(url + "/v1/chat/completions", json=body).json()
+        wait_pd_idle(http, url)
+    (call,) = got["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and got["choices"][0]["finish_reason"] == "stop"
+    arguments = json.loads(call["function"]["arguments"])
+    assert set(arguments) == {"city"}
+    return arguments
+
+
 @pytest.mark.parametrize("served_pd", ["tiny-random"], indirect=True)
 def test_1p1d_serve_equals_generate_tiny(served_pd: tuple[str, str]) -> None:
     _check(*served_pd, max_tokens=12)
     _check_structured(*served_pd)
+    _check_tool_call(*served_pd)
 
 
 @pytest.mark.smollm2
@@ -83,6 +102,7 @@ def test_1p1d_serve_equals_generate_tiny(served_pd: tuple[str, str]) -> None:
 def test_1p1d_serve_equals_generate_smollm2(served_pd: tuple[str, str]) -> None:
     _check(*served_pd, max_tokens=24)
     assert _check_structured(*served_pd) == {"name": "Ann", "age": 31}  # the real model reads the question
+    assert _check_tool_call(*served_pd) == {"city": "Paris"}
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -102,7 +102,8 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 def _validated_messages(messages: object) -> list[dict[str, object]]:
-    """OpenAI-style messages with string contents; text parts (`[{"type": "text", ...}]`) are joined."""
+    """OpenAI-style messages with string contents; text parts (`[{"type": "text", ...}]`) are joined, and an
+    assistant message that only makes tool calls (content null) gets "" (its `tool_calls` go to the template)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects")
     validated: list[dict[str, object]] = []
@@ -113,6 +114,8 @@ def _validated_messages(messages: object) -> list[dict[str, object]]:
         if not isinstance(role, str) or not role:
             raise InvalidRequestError(f"messages[{index}].role must be a non-empty string")
         content = message.get("content")
+        if content is None and message.get("tool_calls"):
+            content = ""
         if isinstance(content, list):
             texts = [part.get("text") for part in content if isinstance(part, Mapping) and part.get("type") == "text"]
             if len(texts) != len(content) or not all(isinstance(text, str) for text in texts):
@@ -196,17 +199,20 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation; InvalidRequestError for a malformed message list."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, object]] = ()) -> str:
+        """The prompt text for a conversation; InvalidRequestError for a malformed message list. `tools` (OpenAI's
+        function list) are given to the template as transformers gives them; a template may ignore them."""
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use a completion request instead")
         validated = _validated_messages(messages)
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
         try:
+            extra = {"tools": list(tools)} if tools else {}
             return _compile_template(self.chat_template).render(
-                messages=validated, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-            )
+                messages=validated, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
+                **extra)
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
 

@@ -36,6 +36,7 @@ from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api_run import DisconnectWatch, SampleRun
 from kvbaton.server.base import ClusterClient, GenerateCall, SubmittingClusterClient, TokenDelta
 from kvbaton.server.metrics import ApiMetrics
+from kvbaton.server.tool_calls import ToolCallStream, message_of
 from kvbaton.server.protocol import (
     ApiError,
     ChatRequest,
@@ -257,7 +258,7 @@ class OpenAIServer:
         req = parse_chat_request(parse_json_body(await request.body()), self.model_name,
                                  max_model_len=self.max_model_len)
         try:
-            prompt_text = self.tokenizer.apply_chat_template(list(req.messages))
+            prompt_text = self.tokenizer.apply_chat_template(list(req.messages), tools=req.tools)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param="messages") from None
         prompt_ids = tuple(self.tokenizer.encode(prompt_text))
@@ -278,16 +279,13 @@ class OpenAIServer:
             stream = self._chat_stream(run, req, api_id, created, len(prompt_ids))
             return self._stream_response(run, stream, request)
         run = await self._run_to_end(request, calls)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": sample.text, "refusal": None},
-                "logprobs": chat_logprobs_json(self.token_text, sample.logprobs, req.top_logprobs)
-                if req.logprobs else None,
-                "finish_reason": sample.finish_reason,
-            }
-            for i, sample in enumerate(run.samples)
-        ]
+        choices = []
+        for i, sample in enumerate(run.samples):
+            message, finish_reason = ({"role": "assistant", "content": sample.text, "refusal": None},
+                                      sample.finish_reason) if req.tool_use is None \
+                else message_of(req.tool_use, sample.text, sample.finish_reason)
+            logprobs = chat_logprobs_json(self.token_text, sample.logprobs, req.top_logprobs) if req.logprobs else None
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         body = {"id": api_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "system_fingerprint": None, "usage": run.usage([len(prompt_ids)])}
         return FastJSONResponse(body, headers=self._headers(request))
@@ -300,6 +298,7 @@ class OpenAIServer:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return _sse({**head, "choices": [choice]})
 
+        tool_stream = ToolCallStream(req.tool_use) if req.tool_use is not None else None
         try:
             for index in range(len(run.samples)):
                 yield chunk(index, {"role": "assistant", "content": ""}, None, None)
@@ -307,6 +306,17 @@ class OpenAIServer:
                 if delta.finish_reason == "error":
                     yield _sse(ApiError(500, delta.error, type="server_error", code="generation_failed").to_json())
                     break
+                if tool_stream is not None:
+                    # A named call streams each delta's logprobs with its text; a list of calls all of them at once.
+                    held = delta.logprobs if tool_stream.use.mode == "named" else (
+                        run.samples[index].logprobs if delta.finished else ())
+                    logprobs = chat_logprobs_json(self.token_text, held, req.top_logprobs) \
+                        if req.logprobs and held else None
+                    for piece, reason in tool_stream.pieces(index, delta.new_text, delta.finished,
+                                                            delta.finish_reason, run.samples[index].text):
+                        yield chunk(index, piece, logprobs if reason is None else None, reason)
+                        logprobs = None
+                    continue
                 text = self._chat_delta_chunks(chunk, index, delta, req)
                 if text:
                     yield text

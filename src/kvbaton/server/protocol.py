@@ -9,6 +9,7 @@ are refused rather than silently dropped.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from kvbaton.core.sampling import MAX_LOGPROBS, SamplingParams
 from kvbaton.model.tokenizer import Tokenizer, bytes_to_unicode
 from kvbaton.server.base import TokenLogprob
 from kvbaton.server.protocol_structured import structured_grammar
+from kvbaton.server.tool_calls import ToolUse, parse_tool_use
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions batch
@@ -71,6 +73,8 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     user: str
+    tools: tuple[Mapping[str, object], ...] = ()  # for the chat template
+    tool_use: ToolUse | None = None  # a forced tool call: its grammar is the sampling's
 
 
 _DIGITS_AND_COMMAS = b"0123456789,"
@@ -188,27 +192,35 @@ def _logit_bias(body: Mapping[str, object]) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _refuse_unsupported(body: Mapping[str, object]) -> None:
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tool calling is not supported by this server", param="tools",
-                          code="unsupported_parameter")
+def _refuse_unsupported(body: Mapping[str, object], chat: bool = False) -> None:
+    if body.get("functions") or body.get("function_call"):
+        raise bad_request("the legacy functions/function_call are not supported; use tools and tool_choice",
+                          param="functions", code="unsupported_parameter")
+    if not chat and (body.get("tools") or body.get("tool_choice")):
+        raise bad_request("tools are for /v1/chat/completions", param="tools", code="unsupported_parameter")
     if body.get("suffix"):
         raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
 
 
-def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """Builds SamplingParams; its InvalidRequestError becomes a 400 naming the parameter it is about."""
+def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | None,
+              tool_use: ToolUse | None = None) -> SamplingParams:
+    """Builds SamplingParams; its InvalidRequestError becomes a 400 naming the parameter it is about. A forced
+    tool call's grammar is the output's constraint, which response_format and structured_outputs may not add to."""
     n = _int(body, "n", 1)
     best_of = _int(body, "best_of", None)
     if best_of is not None and best_of != n:
         raise bad_request("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
     top_k = _int(body, "top_k", 0)
     try:
-        grammar, _ = structured_grammar(body)
+        grammar, field = structured_grammar(body)
     except InvalidRequestError as exc:
         message = str(exc)
         field = "structured_outputs" if message.startswith("structured_outputs") else "response_format"
         raise bad_request(message, param=field) from None
+    if tool_use is not None:
+        if grammar:
+            raise bad_request(f"{field} cannot constrain a forced tool call's output", param=field)
+        grammar = tool_use.grammar
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -345,7 +357,12 @@ def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_mod
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {'role', 'content'} objects", param="messages")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat=True)
+    try:
+        tools, tool_use = parse_tool_use(body)
+    except InvalidRequestError as exc:
+        message = str(exc)
+        raise bad_request(message, param=re.match(r"[a-z_]+", message).group()) from None  # type: ignore[union-attr]
     stream = _bool(body, "stream", False)
     logprobs = _bool(body, "logprobs", False)
     top_logprobs = _int(body, "top_logprobs", 0)
@@ -360,13 +377,15 @@ def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_mod
         model=model,
         messages=tuple(messages),
         sampling=_sampling(body, max_tokens=max_tokens if max_tokens is not None else max_model_len,
-                           logprobs=top_logprobs if logprobs else None),
+                           logprobs=top_logprobs if logprobs else None, tool_use=tool_use),
         max_tokens_given=max_tokens is not None,
         stream=stream,
         include_usage=_stream_options(body, stream),
         logprobs=logprobs,
         top_logprobs=top_logprobs,  # type: ignore[arg-type]
         user=_str(body, "user", ""),
+        tools=tools,
+        tool_use=tool_use,
     )
 
 

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvbaton.core.errors import KvbatonError
 from kvbaton.router.admission import ADMISSION_POLICIES
@@ -27,6 +28,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    constraint = p.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="SCHEMA", help="constrain the output to this JSON schema "
+                            "(JSON text, or @FILE)")
+    constraint.add_argument("--regex", help="constrain the output to match this regex in full")
+    constraint.add_argument("--choice", action="append", help="the output is one of these (repeatable)")
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-cache", action="store_true")
@@ -38,7 +44,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from kvbaton.engine.llm import LLM
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), grammar=_grammar_of(args))
     llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, enable_prefix_cache=not args.no_prefix_cache)
     prompt = args.prompt
     if args.chat:
@@ -60,6 +66,25 @@ def _run_generate(args: argparse.Namespace) -> int:
     else:
         print(out.text)
     return 0
+
+
+def _grammar_of(args: argparse.Namespace) -> str:
+    """The structured-output grammar `generate` was asked for ("" for none)."""
+    from kvbaton.engine.structured import grammar_for
+
+    if args.json_schema is not None:
+        schema = args.json_schema
+        if schema.startswith("@"):
+            try:
+                schema = Path(schema[1:]).read_text()
+            except OSError as exc:
+                raise KvbatonError(f"--json-schema: cannot read {schema[1:]}: {exc.strerror}") from None
+        return grammar_for("json_schema", schema)
+    if args.regex is not None:
+        return grammar_for("regex", args.regex)
+    if args.choice:
+        return grammar_for("choice", args.choice)
+    return ""
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

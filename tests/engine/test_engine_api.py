@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -135,12 +136,30 @@ def test_cli_generate_json() -> None:
     assert out["cached_tokens"] == 0
 
 
+def test_cli_generate_constrained(tmp_path) -> None:  # noqa: ANN001
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    for flags, check in [
+        (["--regex", "[ab]{4}!"], lambda text: re.fullmatch("[ab]{4}!", text)),
+        (["--choice", "left", "--choice", "right"], lambda text: text in ("left", "right")),
+        (["--json-schema", f"@{schema}"], lambda text: isinstance(json.loads(text)["ok"], bool)),
+    ]:
+        proc = _cli("generate", "--model", "tiny-random", "--prompt", "go", "--max-tokens", "16", "--json", *flags)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert check(out["text"]) and out["finish_reason"] == "stop", out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--prompt", ""], "empty"),
         (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
         (["--prompt", "x" * 2100], "context"),
+        (["--prompt", "hi", "--regex", "(a"], "invalid regex"),
+        (["--prompt", "hi", "--json-schema", "@/nonexistent/schema.json"], "cannot read"),
+        (["--prompt", "hi", "--json-schema", "{"], "invalid json schema"),
     ],
 )
 def test_cli_bad_input_is_one_clear_line(args: list[str], message: str) -> None:

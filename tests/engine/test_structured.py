@@ -153,3 +153,15 @@ def test_an_adopted_first_token_that_does_not_fit_fails_the_request_and_frees_it
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_invariants()
+
+
+def test_outputs_still_fit_when_requests_are_preempted_and_recomputed() -> None:
+    # Preemption keeps a request's output tokens and its matcher (which has consumed exactly them); the recompute
+    # samples the next token under the same grammar state.
+    small = LLM("tiny-random", dtype="float32", num_blocks=24, block_size=4)
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=0, grammar=grammar_for("regex", "[a-z]{30}!"))
+    results = small.generate(["one", "two", "three", "four"], params)
+    assert small.engine.stats().num_preemptions > 0
+    for result in results:
+        assert re.fullmatch("[a-z]{30}!", result.outputs[0].text) and result.outputs[0].finish_reason is FinishReason.STOP
+    small.engine.check_invariants()

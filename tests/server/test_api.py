@@ -295,6 +295,30 @@ def test_stop_string(client: TestClient, cluster: FakeCluster) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_lists_the_prompts_tokens_first(client: TestClient, cluster: FakeCluster,
+                                                           tokenizer: Tokenizer, stream: bool) -> None:
+    # lm-eval's loglikelihood request: the prompt's tokens with their logprobs (the first has none), then the
+    # completion's, in one set of parallel lists whose text offsets run through the echoed prompt.
+    r = client.post("/v1/completions", json={"prompt": "Cats", "max_tokens": 2, "echo": True, "logprobs": 1,
+                                             "stream": stream})
+    assert r.status_code == 200, r.text
+    assert cluster.calls[0].sampling.prompt_logprobs == 1
+    if stream:
+        chunks = [e for e in sse_events(r.text) if isinstance(e, dict)]
+        first = chunks[0]["choices"][0]["logprobs"]
+        logprobs = {key: [v for c in chunks for v in c["choices"][0]["logprobs"][key]] for key in first}
+    else:
+        logprobs = r.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["C", "a", "t", "s", *REPLY[:2]]
+    assert logprobs["token_logprobs"][:4] == [None, -0.1, -0.2, -0.3] and len(logprobs["token_logprobs"]) == 6
+    assert logprobs["top_logprobs"][0] is None and logprobs["top_logprobs"][1] == {"a": -0.1}
+    assert logprobs["text_offset"] == [0, 1, 2, 3, 4, 5]
+    plain = client.post("/v1/completions", json={"prompt": "Cats", "max_tokens": 2, "logprobs": 1}).json()
+    assert cluster.calls[1].sampling.prompt_logprobs is None and plain["choices"][0]["logprobs"]["tokens"] == list(
+        REPLY[:2])
+
+
 def test_echo_and_request_id_header(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "echo": True},
                     headers={"x-request-id": "client-42"})

@@ -171,6 +171,23 @@ def test_forced_tool_calls_through_the_openai_client(client: openai.OpenAI, serv
     _wait_idle_baseline(served.url)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client: openai.OpenAI, served: Served) -> None:
+    # lm-evaluation-harness's loglikelihood request (max_tokens 1, echo, logprobs 1) through the cluster: the
+    # prompt's logprobs equal the in-process engine's, though the first request already cached the prompt.
+    from kvbaton import LLM, SamplingParams
+
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    logprobs = resp.choices[0].logprobs
+    expected = LLM(MODEL, num_blocks=64).generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    num_prompt = len(expected.prompt_token_ids)
+    assert len(logprobs.tokens) == num_prompt + 1 and logprobs.token_logprobs[0] is None
+    assert logprobs.token_logprobs[1:num_prompt] == pytest.approx(
+        [entry.logprob for entry in expected.prompt_logprobs[1:]], abs=1e-4)
+    assert resp.choices[0].text.startswith(PROMPT) and resp.usage.prompt_tokens_details.cached_tokens == 0
+    _wait_idle_baseline(served.url)
+
+
 def test_bad_inputs_and_disconnect_leave_block_accounting_at_baseline(served: Served) -> None:
     _wait_idle_baseline(served.url)
     bad_bodies = [

@@ -90,11 +90,27 @@ def _check_tool_call(model: str, url: str) -> dict[str, object]:
     return arguments
 
 
+def _check_prompt_logprobs(model: str, url: str) -> None:
+    """Echo with logprobs on a prefill/decode cluster: the call stays on one worker (only its prefill sees every
+    prompt position) and the answer lists the prompt's logprobs."""
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    with httpx.Client(timeout=300) as http:
+        decisions = http.get(url + "/cluster").json()["router_decisions"]
+        got = http.post(url + "/v1/completions", json=body).json()
+        info, _ = wait_pd_idle(http, url)
+    logprobs = got["choices"][0]["logprobs"]
+    num_prompt = got["usage"]["prompt_tokens"]
+    assert len(logprobs["tokens"]) == num_prompt + 1 and logprobs["token_logprobs"][0] is None
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"][1:])
+    assert info["router_decisions"].get("local_prefill", 0) == decisions.get("local_prefill", 0) + 1
+
+
 @pytest.mark.parametrize("served_pd", ["tiny-random"], indirect=True)
 def test_1p1d_serve_equals_generate_tiny(served_pd: tuple[str, str]) -> None:
     _check(*served_pd, max_tokens=12)
     _check_structured(*served_pd)
     _check_tool_call(*served_pd)
+    _check_prompt_logprobs(*served_pd)
 
 
 @pytest.mark.smollm2
@@ -103,6 +119,7 @@ def test_1p1d_serve_equals_generate_smollm2(served_pd: tuple[str, str]) -> None:
     _check(*served_pd, max_tokens=24)
     assert _check_structured(*served_pd) == {"name": "Ann", "age": 31}  # the real model reads the question
     assert _check_tool_call(*served_pd) == {"city": "Paris"}
+    _check_prompt_logprobs(*served_pd)
 
 
 @pytest.mark.parametrize("flags, message", [

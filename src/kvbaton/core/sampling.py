@@ -23,6 +23,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (returned)
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
     logprobs: int | None = None  # also return the top-N logprobs per sampled token (0 = only the sampled one)
+    # Also return each prompt token's logprob given the tokens before it, with the top-N (0 = only its own), as
+    # vLLM's prompt_logprobs; such a request computes its whole prompt (it reads nothing from the prefix cache).
+    prompt_logprobs: int | None = None
     n: int = 1  # samples per prompt (each becomes its own engine request)
     min_tokens: int = 0  # vLLM's: no end-of-sequence, stop token or stop string ends the output before this many
     # Logit adjustments before sampling (as vLLM applies them; logprobs stay those of the raw model):
@@ -64,6 +67,10 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= 16:
             raise InvalidRequestError(f"n must be an integer in [1, 16], got {self.n!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

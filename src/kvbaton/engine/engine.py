@@ -23,7 +23,7 @@ from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.engine.kv_storage import KVStorage
-from kvbaton.engine.model_runner import ModelRunner
+from kvbaton.engine.model_runner import ModelRunner, PromptLogprobsWanted
 from kvbaton.engine.sampler import Sampler
 from kvbaton.engine.structured import RequestGrammar, grammar_tokenizer
 from kvbaton.model.registry import LoadedModel, load_model
@@ -45,6 +45,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prefix-cache hit at admission (0 on a miss)
     error: str = ""  # set when finish_reason is ERROR
+    # With SamplingParams.prompt_logprobs, on the output of the first token: prompt tokens 1.. given those before.
+    prompt_logprobs: tuple[SampledToken, ...] = ()
 
 
 @dataclass(slots=True)
@@ -55,6 +57,7 @@ class _Tracked:
     num_emitted_chars: int = 0
     stop_floor: int = 0  # a stop string may only start here or later (the text of the first min_tokens is kept)
     grammar: RequestGrammar | None = None  # structured output: has consumed exactly the request's output tokens
+    prompt_logprobs: list[SampledToken] | None = None  # collected so far, when the request asks for them
 
 
 class Engine:
@@ -111,7 +114,8 @@ class Engine:
                           tenant=tenant, slo_class=slo_class, eos_token_id=self.tokenizer.eos_token_id,
                           max_model_len=self.max_model_len)
         self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer), grammar=grammar)
+        self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer), grammar=grammar,
+                                             prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         return request_id
 
     def _grammar(self, params: SamplingParams) -> RequestGrammar | None:
@@ -184,7 +188,10 @@ class Engine:
         sampled: dict[str, SampledToken] = {}
         started = time.perf_counter()
         if plan.chunks:
-            logits, row_ids = self.runner.execute(plan, self.between_layers)
+            logits, row_ids, prompt_logprobs = self.runner.execute(plan, self.between_layers,
+                                                                   self._prompt_logprobs_wanted(plan))
+            for rid, entries in prompt_logprobs.items():
+                self._tracked[rid].prompt_logprobs.extend(entries)  # type: ignore[union-attr]
             if self.on_executed is not None:
                 self.on_executed(plan)
             if row_ids:
@@ -210,6 +217,22 @@ class Engine:
                 outputs.append(self._final_output(tracked))
         return outputs
 
+    def _prompt_logprobs_wanted(self, plan: StepPlan) -> dict[str, PromptLogprobsWanted] | None:
+        """The plan's requests whose prompt logprobs are not all collected yet (a recompute after preemption
+        computes the prompt again; what was collected stays)."""
+        wanted: dict[str, PromptLogprobsWanted] | None = None
+        for chunk in plan.chunks:
+            tracked = self._tracked.get(chunk.request_id)
+            if tracked is None or tracked.prompt_logprobs is None:
+                continue
+            request = tracked.request
+            first = len(tracked.prompt_logprobs) + 1
+            if first < request.num_prompt_tokens and chunk.start_pos < request.num_prompt_tokens:
+                wanted = wanted if wanted is not None else {}
+                wanted[chunk.request_id] = PromptLogprobsWanted(request.sampling.prompt_logprobs or 0,
+                                                                request.prompt_token_ids, first)
+        return wanted
+
     def _on_token(self, tracked: _Tracked, token: SampledToken, finish_reason: FinishReason | None) -> RequestOutput:
         request = tracked.request
         stops = request.sampling.stop
@@ -233,9 +256,12 @@ class Engine:
         emit_to = max(tracked.num_emitted_chars, len(tracked.text) - holdback)
         new_text = tracked.text[tracked.num_emitted_chars:emit_to]
         tracked.num_emitted_chars = emit_to
+        prompt_logprobs: tuple[SampledToken, ...] = ()
+        if tracked.prompt_logprobs is not None and len(request.output_token_ids) == 1:
+            prompt_logprobs = tuple(tracked.prompt_logprobs)
         return RequestOutput(request.request_id, (token.token_id,), new_text, (token,), finished, finish_reason,
                              request.num_prompt_tokens, max(request.num_cached_tokens, 0),
-                             request.finish_message if finish_reason is FinishReason.ERROR else "")
+                             request.finish_message if finish_reason is FinishReason.ERROR else "", prompt_logprobs)
 
     def _advance_grammar(self, grammar: RequestGrammar, request: Request, token_id: int) -> FinishReason | None:
         """The grammar takes the request's new token: the request ends (stop) once the grammar is complete, or

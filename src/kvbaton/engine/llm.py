@@ -32,6 +32,9 @@ class GenerateResult:
     outputs: list[CompletionOutput]
     num_cached_tokens: int  # prefix-cache hit of the first sample
     arrival_at: float
+    # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing precedes it), then each
+    # prompt token's logprob given those before it, as vLLM's RequestOutput.prompt_logprobs.
+    prompt_logprobs: list[SampledToken | None] | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -91,6 +94,8 @@ class LLM:
                         out.first_token_at = now
                         if out.index == 0:
                             result.num_cached_tokens = delta.num_cached_tokens
+                            if params.prompt_logprobs is not None:
+                                result.prompt_logprobs = [None, *delta.prompt_logprobs]
                     out.token_ids.extend(delta.new_token_ids)
                     out.logprobs.extend(delta.new_logprobs)
                     out.text += delta.new_text

@@ -72,7 +72,10 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _max_hit_blocks(self, request: Request) -> int:
-        # At least one token must be computed so the step that finishes the prefill samples.
+        # At least one token must be computed so the step that finishes the prefill samples. A request that asks
+        # for its prompt's logprobs computes every prompt position (as vLLM: it reads nothing from the cache).
+        if request.sampling.prompt_logprobs is not None:
+            return 0
         return (request.num_tokens - 1) // self.block_size
 
     def peek_cached_tokens(self, request: Request) -> int:

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from array import array
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -34,7 +34,7 @@ from kvbaton.core.sampling import SamplingParams
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api_run import DisconnectWatch, SampleRun
-from kvbaton.server.base import ClusterClient, GenerateCall, SubmittingClusterClient, TokenDelta
+from kvbaton.server.base import ClusterClient, GenerateCall, SubmittingClusterClient, TokenDelta, TokenLogprob
 from kvbaton.server.metrics import ApiMetrics
 from kvbaton.server.tool_calls import ToolCallStream, message_of
 from kvbaton.server.protocol import (
@@ -45,6 +45,7 @@ from kvbaton.server.protocol import (
     bad_request,
     chat_logprobs_json,
     completion_logprobs_json,
+    echo_logprobs_json,
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
@@ -205,7 +206,7 @@ class OpenAIServer:
         created = int(time.time())
         if req.stream:
             run = await self._start(request, calls)
-            stream = self._completion_stream(run, req, api_id, created, num_prompt_tokens, echo_texts)
+            stream = self._completion_stream(run, req, api_id, created, prompts, echo_texts)
             return self._stream_response(run, stream, request)
         run = await self._run_to_end(request, calls)
         n = req.sampling.n
@@ -213,7 +214,8 @@ class OpenAIServer:
             {
                 "index": i,
                 "text": echo_texts[i // n] + sample.text,
-                "logprobs": completion_logprobs_json(self.token_text, sample.logprobs, len(echo_texts[i // n]))
+                "logprobs": self._completion_logprobs(req, sample.logprobs, len(echo_texts[i // n]), prompts[i // n],
+                                                      sample.prompt_logprobs)
                 if req.sampling.logprobs is not None else None,
                 "finish_reason": sample.finish_reason,
             }
@@ -223,8 +225,17 @@ class OpenAIServer:
                 "choices": choices, "system_fingerprint": None, "usage": run.usage(num_prompt_tokens)}
         return FastJSONResponse(body, headers=self._headers(request))
 
+    def _completion_logprobs(self, req: CompletionRequest, logprobs: Sequence[TokenLogprob], offset: int,
+                             prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob]) -> dict[str, object]:
+        """A whole choice's logprobs (its completion's start `offset` chars in); with echo, the prompt's first."""
+        completion = completion_logprobs_json(self.token_text, logprobs, offset)
+        if not req.echo:
+            return completion
+        return echo_logprobs_json(self.token_text, prompt_ids, prompt_logprobs, completion)
+
     async def _completion_stream(self, run: SampleRun, req: CompletionRequest, api_id: str, created: int,
-                                 num_prompt_tokens: list[int], echo_texts: list[str]) -> AsyncIterator[str]:
+                                 prompts: list[tuple[int, ...]], echo_texts: list[str]) -> AsyncIterator[str]:
+        num_prompt_tokens = [len(ids) for ids in prompts]
         head = {"id": api_id, "object": "text_completion", "created": created, "model": self.model_name}
         num_chars = [0] * len(run.samples)  # text sent so far per choice, for logprobs' text_offset
         n = req.sampling.n
@@ -234,10 +245,15 @@ class OpenAIServer:
                     yield _sse(ApiError(500, delta.error, type="server_error", code="generation_failed").to_json())
                     break
                 echo_text = echo_texts[index // n]
-                text = (echo_text if num_chars[index] == 0 and echo_text else "") + delta.new_text
+                first = num_chars[index] == 0
+                text = (echo_text if first and echo_text else "") + delta.new_text
                 logprobs = None
                 if req.sampling.logprobs is not None:
-                    logprobs = completion_logprobs_json(self.token_text, delta.logprobs, num_chars[index])
+                    offset = len(text) - len(delta.new_text) + num_chars[index]  # after the echoed prompt, if sent now
+                    logprobs = completion_logprobs_json(self.token_text, delta.logprobs, offset)
+                    if first and req.echo:
+                        logprobs = echo_logprobs_json(self.token_text, prompts[index // n], delta.prompt_logprobs,
+                                                      logprobs)
                 if not text and not delta.finished and not delta.logprobs:
                     continue
                 num_chars[index] += len(text)

@@ -40,6 +40,7 @@ class SampleState:
     texts: list[str] = field(default_factory=list)
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with echo and logprobs: the prompt's, from its first delta
     num_cached_tokens: int = 0
     finish_reason: str | None = None  # set by the finished delta; None while running
     error: str = ""
@@ -125,6 +126,8 @@ class SampleRun:
         sample.texts.append(delta.new_text)
         sample.num_output_tokens += len(delta.new_token_ids)
         sample.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs:
+            sample.prompt_logprobs = delta.prompt_logprobs
         sample.num_cached_tokens = max(sample.num_cached_tokens, delta.num_cached_tokens)
         if delta.finished:
             sample.finish_reason = delta.finish_reason or "stop"

@@ -46,6 +46,8 @@ class TokenDelta:
     error: str = ""  # reason when finish_reason == "error"
     worker_id: str = ""
     extra: dict[str, float] = field(default_factory=dict)  # e.g. transfer bytes/time in disaggregated mode
+    # With SamplingParams.prompt_logprobs, on the delta of the first token: prompt tokens 1.. given those before.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class RejectedError(Exception):

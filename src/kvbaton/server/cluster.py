@@ -308,7 +308,8 @@ class ClusterManager(WorkerMembership, ClusterReports):
                 self.state.commit(request, lent, matched.get(lent, 0), now)
                 return CallRecord(call, lent, sink, by_policy=False), "pool_lent"
         if decode_workers:
-            pair = self.pairs.choose(request, self._serving("prefill"), decode_workers, now)
+            pair = self.pairs.choose(request, self._serving("prefill"), decode_workers, now,
+                                     whole=call.sampling.prompt_logprobs is not None)
             if pair.prefill_worker:
                 return CallRecord(call, pair.decode_worker, sink, prefill_worker=pair.prefill_worker,
                              by_policy=False), "pair"

@@ -53,8 +53,9 @@ class PairChooser:
         self.config = config
 
     def choose(self, request: RouteRequest, prefill_workers: Sequence[WorkerId],
-               decode_workers: Mapping[WorkerId, str], now: float) -> PairDecision:
-        """`decode_workers` maps each decode worker to its link kind ("shm" | "tcp").
+               decode_workers: Mapping[WorkerId, str], now: float, whole: bool = False) -> PairDecision:
+        """`decode_workers` maps each decode worker to its link kind ("shm" | "tcp"); `whole` keeps the call on
+        one worker (a "local_prefill" decision: it wants its prompt's logprobs, which only its prefill sees).
 
         A "pair" decision is committed to the router state (the prefill worker gets the prefill work and,
         in the index, the prompt's blocks). A "local_prefill" one is not: the caller places it (on the decode
@@ -66,7 +67,7 @@ class PairChooser:
         decode_costs = {d: self._decode_s(request, d, kind) for d, kind in decode_workers.items()}
         decode_worker = min(sorted(decode_costs), key=decode_costs.__getitem__)
         uncached_on_decode = request.num_prompt_tokens - self._matched_tokens(request, matched, decode_worker)
-        if not prefill_workers or uncached_on_decode < self.config.local_prefill_threshold_tokens:
+        if not prefill_workers or whole or uncached_on_decode < self.config.local_prefill_threshold_tokens:
             num_matched = self._matched_tokens(request, matched, decode_worker)
             return PairDecision(decode_worker, "", "local_prefill", num_matched,
                                 self._prefill_s(request, decode_worker, matched), 0.0)

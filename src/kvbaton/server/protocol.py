@@ -203,7 +203,7 @@ def _refuse_unsupported(body: Mapping[str, object], chat: bool = False) -> None:
 
 
 def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | None,
-              tool_use: ToolUse | None = None) -> SamplingParams:
+              tool_use: ToolUse | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """Builds SamplingParams; its InvalidRequestError becomes a 400 naming the parameter it is about. A forced
     tool call's grammar is the output's constraint, which response_format and structured_outputs may not add to."""
     n = _int(body, "n", 1)
@@ -234,6 +234,7 @@ def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | No
             stop_token_ids=_stop_token_ids(body),
             ignore_eos=_bool(body, "ignore_eos", False),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             n=n,  # type: ignore[arg-type]
             presence_penalty=_float(body, "presence_penalty", 0.0),
             frequency_penalty=_float(body, "frequency_penalty", 0.0),
@@ -308,11 +309,8 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
     echo = _bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo",
-                          code="unsupported_parameter")
     sampling = _sampling(body, max_tokens=_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS),  # type: ignore[arg-type]
-                         logprobs=logprobs)
+                         logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
     if len(prompts) * sampling.n > MAX_BATCH_SAMPLES:
         raise bad_request(f"a batch of {len(prompts)} prompts with n={sampling.n} asks for {len(prompts) * sampling.n} "
                           f"completions; at most {MAX_BATCH_SAMPLES} per request", param="prompt")
@@ -436,6 +434,26 @@ def completion_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob],
         "token_logprobs": [entry.logprob for entry in logprobs],
         "top_logprobs": [{text.token_str(t): lp for t, lp in entry.top_logprobs} for entry in logprobs],
         "text_offset": offsets,
+    }
+
+
+def echo_logprobs_json(text: TokenText, prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob],
+                       completion: dict[str, object]) -> dict[str, object]:
+    """Echo with logprobs (lm-eval's loglikelihood request): the prompt's tokens first, each with its logprob
+    given those before it (the first has none: null, as OpenAI's), then `completion`'s (completion_logprobs_json
+    with its offsets after the echoed prompt)."""
+    tokens = [text.token_str(t) for t in prompt_ids]
+    offsets = [0]
+    for token in tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    missing = [None] * max(len(prompt_ids) - 1 - len(prompt_logprobs), 0)  # a call that ended before its first token
+    return {
+        "tokens": tokens + completion["tokens"],  # type: ignore[operator]
+        "token_logprobs": [None, *(entry.logprob for entry in prompt_logprobs), *missing]
+        + completion["token_logprobs"],  # type: ignore[operator]
+        "top_logprobs": [None, *({text.token_str(t): lp for t, lp in entry.top_logprobs} for entry in prompt_logprobs),
+                         *missing] + completion["top_logprobs"],  # type: ignore[operator]
+        "text_offset": offsets + completion["text_offset"],  # type: ignore[operator]
     }
 
 

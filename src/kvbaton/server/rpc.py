@@ -249,37 +249,44 @@ def sampling_to_wire(params: SamplingParams) -> list[object]:
     return [params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, list(params.stop),
             list(params.stop_token_ids), params.ignore_eos, params.logprobs, params.n, params.presence_penalty,
             params.frequency_penalty, params.repetition_penalty, [list(pair) for pair in params.logit_bias],
-            params.min_p, params.min_tokens, params.grammar]
+            params.min_p, params.min_tokens, params.grammar, params.prompt_logprobs]
 
 
 def sampling_from_wire(raw: list[object]) -> SamplingParams:
     (max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs, n, presence_penalty,
-     frequency_penalty, repetition_penalty, logit_bias, min_p, min_tokens, grammar) = raw
+     frequency_penalty, repetition_penalty, logit_bias, min_p, min_tokens, grammar, prompt_logprobs) = raw
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,  # type: ignore[arg-type]
                           seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),  # type: ignore[arg-type]
                           ignore_eos=bool(ignore_eos), logprobs=logprobs, n=n,  # type: ignore[arg-type]
                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,  # type: ignore[arg-type]
                           repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens,  # type: ignore[arg-type]
-                          grammar=grammar,  # type: ignore[arg-type]
+                          grammar=grammar, prompt_logprobs=prompt_logprobs,  # type: ignore[arg-type]
                           logit_bias=tuple((token_id, bias) for token_id, bias in logit_bias))  # type: ignore[union-attr]
 
 
+def _logprobs_to_wire(logprobs: Sequence[TokenLogprob]) -> list[object]:
+    return [[lp.token_id, lp.logprob, [list(pair) for pair in lp.top_logprobs]] for lp in logprobs]
+
+
+def _logprobs_from_wire(raw: object) -> tuple[TokenLogprob, ...]:
+    # Empty logprobs (the usual case) skip the generator; same value.
+    return () if raw == [] else tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
+                                      for t, lp, top in raw)  # type: ignore[union-attr]
+
+
 def delta_to_wire(delta: TokenDelta) -> list[object]:
-    logprobs = [[lp.token_id, lp.logprob, [list(pair) for pair in lp.top_logprobs]] for lp in delta.logprobs]
     return [delta.request_id, list(delta.new_token_ids), delta.new_text, delta.finished, delta.finish_reason,
-            delta.num_prompt_tokens, delta.num_cached_tokens, logprobs, delta.error, delta.worker_id,
-            dict(delta.extra)]
+            delta.num_prompt_tokens, delta.num_cached_tokens, _logprobs_to_wire(delta.logprobs), delta.error,
+            delta.worker_id, dict(delta.extra), _logprobs_to_wire(delta.prompt_logprobs)]
 
 
 def delta_from_wire(raw: list[object]) -> TokenDelta:
     (request_id, token_ids, text, finished, finish_reason, num_prompt, num_cached, logprobs, error, worker_id,
-     extra) = raw
-    # Empty logprobs and extras (the usual case) skip their generator and comprehension; same values.
-    lps = () if logprobs == [] else tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
-                                          for t, lp, top in logprobs)  # type: ignore[union-attr]
+     extra, prompt_logprobs) = raw
     return TokenDelta(str(request_id), tuple(map(int, token_ids)), str(text), bool(finished),  # type: ignore[arg-type]
-                      finish_reason, int(num_prompt), int(num_cached), lps, str(error), str(worker_id),  # type: ignore[arg-type]
-                      {} if extra == {} else {str(k): float(v) for k, v in extra.items()})  # type: ignore[union-attr]
+                      finish_reason, int(num_prompt), int(num_cached), _logprobs_from_wire(logprobs), str(error),  # type: ignore[arg-type]
+                      str(worker_id), {} if extra == {} else {str(k): float(v) for k, v in extra.items()},  # type: ignore[union-attr]
+                      _logprobs_from_wire(prompt_logprobs))
 
 
 # -- framing ------------------------------------------------------------------------------------

@@ -70,6 +70,24 @@ def test_stop_string_is_cut_and_never_returned(llm: LLM) -> None:
     llm.engine.check_invariants()
 
 
+def test_include_stop_str_in_output_and_special_tokens(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    text = llm.generate("abc", greedy)[0].outputs[0].text
+    stop = text[4:6]
+    cut = llm.generate("abc", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop,)))
+    kept = llm.generate("abc", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop,),
+                                              include_stop_str_in_output=True))
+    assert cut[0].outputs[0].text == text[:text.index(stop)]
+    assert kept[0].outputs[0].text == text[:text.index(stop) + len(stop)]
+    # tiny-random's end-of-sequence token is special: its text shows only when asked for.
+    eos = llm.engine.tokenizer.eos_token_id
+    forced = dict(max_tokens=1, temperature=0.0, logit_bias=((eos, 100.0),))
+    assert llm.generate("abc", SamplingParams(**forced))[0].outputs[0].text == ""
+    shown = llm.generate("abc", SamplingParams(**forced, skip_special_tokens=False))[0].outputs[0]
+    assert shown.token_ids == [eos] and shown.text == llm.engine.tokenizer.id_to_token(eos)
+    llm.engine.check_invariants()
+
+
 def test_logprobs(llm: LLM) -> None:
     out = llm.generate("abc", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0].outputs[0]
     assert len(out.logprobs) == 4

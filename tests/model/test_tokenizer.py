@@ -84,6 +84,29 @@ def test_smollm2_chat_template_matches_transformers(smollm2, reference, messages
     assert ours.startswith("<|im_start|>system\n")
 
 
+def test_continue_final_message_matches_transformers(smollm2, reference) -> None:
+    messages = [*CONVERSATION, {"role": "assistant", "content": "The answer is"}]
+    ours = smollm2.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    theirs = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                           continue_final_message=True)
+    assert ours == theirs and ours.endswith("<|im_start|>assistant\nThe answer is")
+    with pytest.raises(InvalidRequestError, match="cannot both"):
+        smollm2.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="continue_final_message"):
+        smollm2.apply_chat_template([*CONVERSATION, {"role": "assistant", "content": ""}], add_generation_prompt=False,
+                                    continue_final_message=True)
+
+
+def test_template_kwargs_reach_the_template() -> None:
+    tokenizer = Tokenizer.byte_level()
+    tokenizer.chat_template = "{% if think %}<think>{% endif %}{{ messages[0]['content'] }}"
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}], template_kwargs={"think": True}) == (
+        "<think>x")
+    # A template variable the server sets itself cannot be overridden by the client's kwargs.
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}],
+                                         template_kwargs={"messages": [{"role": "user", "content": "y"}]}) == "x"
+
+
 def test_chat_template_text_parts_are_joined(smollm2: Tokenizer) -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}]
     assert smollm2.apply_chat_template(parts) == smollm2.apply_chat_template(CONVERSATION[1:2])

@@ -319,6 +319,40 @@ def test_echo_with_logprobs_lists_the_prompts_tokens_first(client: TestClient, c
         REPLY[:2])
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_output_options_reach_the_call_and_usage_can_stream_continuously(client: TestClient, cluster: FakeCluster,
+                                                                             path: str) -> None:
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = client.post(path, json={**body, "max_tokens": 3, "include_stop_str_in_output": True,
+                                "skip_special_tokens": False, "stream": True,
+                                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert r.status_code == 200, r.text
+    sampling = cluster.calls[0].sampling
+    assert sampling.include_stop_str_in_output and not sampling.skip_special_tokens
+    chunks = [e for e in sse_events(r.text) if isinstance(e, dict)]
+    with_choices = [c for c in chunks if c["choices"]]
+    assert all("usage" in c for c in with_choices)
+    completion_tokens = [c["usage"]["completion_tokens"] for c in with_choices]
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 3  # cumulative
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_chat_template_options(client: TestClient, cluster: FakeCluster, tokenizer: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
+                                                  "add_generation_prompt": False, "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert expected.endswith("Hello, I am") and cluster.calls[0].prompt_token_ids == tuple(tokenizer.encode(expected))
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "add_generation_prompt": False})
+    assert cluster.calls[1].prompt_token_ids == tuple(tokenizer.encode(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=False)))
+    r = client.post("/v1/chat/completions", json={"messages": messages, "continue_final_message": True})
+    assert r.status_code == 400 and "cannot both" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "chat_template_kwargs": ["x"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_echo_and_request_id_header(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "echo": True},
                     headers={"x-request-id": "client-42"})

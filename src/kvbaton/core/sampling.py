@@ -19,9 +19,11 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 disables
     min_p: float = 0.0  # keep tokens at least this fraction as likely as the most likely one; 0 disables
     seed: int | None = None  # per-request RNG seed; None draws from the engine's RNG
-    stop: tuple[str, ...] = ()  # stop strings; the matched string is not returned
+    stop: tuple[str, ...] = ()  # stop strings; the matched string is not returned (unless include_stop_str_in_output)
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (returned)
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
+    include_stop_str_in_output: bool = False  # vLLM's: the output keeps the stop string that ended it
+    skip_special_tokens: bool = True  # vLLM's: special tokens (e.g. <|im_end|>) are left out of the text
     logprobs: int | None = None  # also return the top-N logprobs per sampled token (0 = only the sampled one)
     # Also return each prompt token's logprob given the tokens before it, with the top-N (0 = only its own), as
     # vLLM's prompt_logprobs; such a request computes its whole prompt (it reads nothing from the prefix cache).

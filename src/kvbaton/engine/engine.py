@@ -114,9 +114,12 @@ class Engine:
                           tenant=tenant, slo_class=slo_class, eos_token_id=self.tokenizer.eos_token_id,
                           max_model_len=self.max_model_len)
         self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer), grammar=grammar,
+        self._tracked[request_id] = _Tracked(request, self._detokenizer(params), grammar=grammar,
                                              prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         return request_id
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
 
     def _grammar(self, params: SamplingParams) -> RequestGrammar | None:
         """A fresh matcher for a structured-output request (InvalidRequestError if its grammar does not build)."""
@@ -161,7 +164,7 @@ class Engine:
         if not self.scheduler.admit_prefilled(request, len(token_ids), now, block_ids=block_ids):
             return None
         request.first_token_at = now
-        tracked = _Tracked(request, IncrementalDetokenizer(self.tokenizer), grammar=grammar)
+        tracked = _Tracked(request, self._detokenizer(params), grammar=grammar)
         self._tracked[request_id] = tracked
         reason = self.scheduler.stop_reason(request, first_token.token_id)
         if reason is not None:
@@ -245,9 +248,9 @@ class Engine:
         if holding_off:
             tracked.stop_floor = len(tracked.text)  # min_tokens: no stop string ends the output yet
         elif stops:
-            hit = _find_stop(tracked.text, stops, tracked.num_emitted_chars, tracked.stop_floor)
+            hit, stop = _find_stop(tracked.text, stops, tracked.num_emitted_chars, tracked.stop_floor)
             if hit >= 0:
-                tracked.text = tracked.text[:hit]
+                tracked.text = tracked.text[:hit + (len(stop) if request.sampling.include_stop_str_in_output else 0)]
                 if not finished:
                     self.scheduler.finish_request(request.request_id, FinishReason.STOP, self._clock())
                 finished, finish_reason = True, FinishReason.STOP
@@ -301,12 +304,13 @@ class Engine:
             )
 
 
-def _find_stop(text: str, stops: Sequence[str], num_emitted_chars: int, floor: int = 0) -> int:
-    """Earliest index where a stop string starts, looking only where a new match can begin (not before `floor`)."""
-    best = -1
+def _find_stop(text: str, stops: Sequence[str], num_emitted_chars: int, floor: int = 0) -> tuple[int, str]:
+    """Earliest index where a stop string starts, looking only where a new match can begin (not before `floor`),
+    and that stop string; (-1, "") when none does."""
+    best, found = -1, ""
     for stop in stops:
         start = max(floor, num_emitted_chars - len(stop) + 1)
         idx = text.find(stop, start)
         if idx >= 0 and (best < 0 or idx < best):
-            best = idx
-    return best
+            best, found = idx, stop
+    return best, found

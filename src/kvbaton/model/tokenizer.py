@@ -200,21 +200,34 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, object]] = ()) -> str:
+                            tools: Sequence[Mapping[str, object]] = (), continue_final_message: bool = False,
+                            template_kwargs: Mapping[str, object] | None = None) -> str:
         """The prompt text for a conversation; InvalidRequestError for a malformed message list. `tools` (OpenAI's
-        function list) are given to the template as transformers gives them; a template may ignore them."""
+        function list) are given to the template as transformers gives them; a template may ignore them.
+        `continue_final_message` leaves the last message open (the text ends where its content ends, as
+        transformers cuts it), so the model continues it; `template_kwargs` are extra template variables."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use a completion request instead")
         validated = _validated_messages(messages)
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
         try:
-            extra = {"tools": list(tools)} if tools else {}
-            return _compile_template(self.chat_template).render(
-                messages=validated, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
-                **extra)
+            extra = {**(template_kwargs or {}), **({"tools": list(tools)} if tools else {})}
+            rendered = _compile_template(self.chat_template).render(
+                **{**extra, "messages": validated, "add_generation_prompt": add_generation_prompt, "bos_token": bos,
+                   "eos_token": eos})
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
+        if not continue_final_message:
+            return rendered
+        final = str(validated[-1]["content"])
+        for text in (final, final.strip()):
+            if text and text in rendered:
+                return rendered[: rendered.rindex(text) + len(text)]
+        raise InvalidRequestError("continue_final_message: the final message's content is empty or does not appear "
+                                  "in the chat template's output")
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write tokenizer.json + tokenizer_config.json, the files `from_hf_dir` reads back."""

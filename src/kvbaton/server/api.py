@@ -259,7 +259,10 @@ class OpenAIServer:
                 num_chars[index] += len(text)
                 choice = {"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": delta.finish_reason if delta.finished else None}
-                yield _sse({**head, "choices": [choice]})
+                if req.continuous_usage:
+                    yield _sse({**head, "choices": [choice], "usage": run.usage(num_prompt_tokens)})
+                else:
+                    yield _sse({**head, "choices": [choice]})
             else:
                 if req.include_usage:
                     yield _sse({**head, "choices": [], "usage": run.usage(num_prompt_tokens)})
@@ -274,7 +277,9 @@ class OpenAIServer:
         req = parse_chat_request(parse_json_body(await request.body()), self.model_name,
                                  max_model_len=self.max_model_len)
         try:
-            prompt_text = self.tokenizer.apply_chat_template(list(req.messages), tools=req.tools)
+            prompt_text = self.tokenizer.apply_chat_template(
+                list(req.messages), req.add_generation_prompt, tools=req.tools,
+                continue_final_message=req.continue_final_message, template_kwargs=req.template_kwargs)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param="messages") from None
         prompt_ids = tuple(self.tokenizer.encode(prompt_text))
@@ -312,6 +317,8 @@ class OpenAIServer:
 
         def chunk(index: int, delta: dict[str, object], logprobs: object, finish_reason: str | None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            if req.continuous_usage:
+                return _sse({**head, "choices": [choice], "usage": run.usage([num_prompt_tokens])})
             return _sse({**head, "choices": [choice]})
 
         tool_stream = ToolCallStream(req.tool_use) if req.tool_use is not None else None

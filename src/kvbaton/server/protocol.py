@@ -58,6 +58,7 @@ class CompletionRequest:
     sampling: SamplingParams  # n not yet expanded
     stream: bool
     include_usage: bool  # stream_options.include_usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM's): usage so far in every chunk
     echo: bool
     user: str
 
@@ -70,11 +71,15 @@ class ChatRequest:
     max_tokens_given: bool  # False: the caller lowers max_tokens to the context left after the prompt
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     logprobs: bool
     top_logprobs: int
     user: str
     tools: tuple[Mapping[str, object], ...] = ()  # for the chat template
     tool_use: ToolUse | None = None  # a forced tool call: its grammar is the sampling's
+    add_generation_prompt: bool = True  # vLLM's chat template options
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, object] | None = None  # chat_template_kwargs
 
 
 _DIGITS_AND_COMMAS = b"0123456789,"
@@ -163,16 +168,17 @@ def _stop_token_ids(body: Mapping[str, object]) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _stream_options(body: Mapping[str, object], stream: bool) -> bool:
-    """include_usage; OpenAI refuses stream_options on a non-streaming request, and so do we."""
+def _stream_options(body: Mapping[str, object], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); OpenAI refuses stream_options on a non-streaming request, and so
+    do we."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", param="stream_options")
-    return _bool(options, "include_usage", False)
+    return _bool(options, "include_usage", False), _bool(options, "continuous_usage_stats", False)
 
 
 def _logit_bias(body: Mapping[str, object]) -> tuple[tuple[int, float], ...]:
@@ -233,6 +239,8 @@ def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | No
             stop=_stop(body),
             stop_token_ids=_stop_token_ids(body),
             ignore_eos=_bool(body, "ignore_eos", False),
+            include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+            skip_special_tokens=_bool(body, "skip_special_tokens", True),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             n=n,  # type: ignore[arg-type]
@@ -309,6 +317,7 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
     echo = _bool(body, "echo", False)
+    include_usage, continuous_usage = _stream_options(body, stream)
     sampling = _sampling(body, max_tokens=_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS),  # type: ignore[arg-type]
                          logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
     if len(prompts) * sampling.n > MAX_BATCH_SAMPLES:
@@ -319,7 +328,8 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
         prompts=prompts,
         sampling=sampling,
         stream=stream,
-        include_usage=_stream_options(body, stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         echo=echo,
         user=_str(body, "user", ""),
     )
@@ -362,6 +372,7 @@ def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_mod
         message = str(exc)
         raise bad_request(message, param=re.match(r"[a-z_]+", message).group()) from None  # type: ignore[union-attr]
     stream = _bool(body, "stream", False)
+    include_usage, continuous_usage = _stream_options(body, stream)
     logprobs = _bool(body, "logprobs", False)
     top_logprobs = _int(body, "top_logprobs", 0)
     if not 0 <= top_logprobs <= MAX_LOGPROBS:  # type: ignore[operator]
@@ -378,13 +389,26 @@ def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_mod
                            logprobs=top_logprobs if logprobs else None, tool_use=tool_use),
         max_tokens_given=max_tokens is not None,
         stream=stream,
-        include_usage=_stream_options(body, stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         logprobs=logprobs,
         top_logprobs=top_logprobs,  # type: ignore[arg-type]
         user=_str(body, "user", ""),
         tools=tools,
         tool_use=tool_use,
+        add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        continue_final_message=_bool(body, "continue_final_message", False),
+        template_kwargs=_template_kwargs(body),
     )
+
+
+def _template_kwargs(body: Mapping[str, object]) -> Mapping[str, object] | None:
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise bad_request("chat_template_kwargs must be an object of template variables", param="chat_template_kwargs")
+    return value
 
 
 # -- response pieces (shapes as OpenAI's, so the official client parses them) -------------------------

@@ -273,24 +273,26 @@ def _logprobs_to_wire(logprobs: Sequence[TokenLogprob]) -> list[object]:
 
 
 def _logprobs_from_wire(raw: object) -> tuple[TokenLogprob, ...]:
-    # Empty logprobs (the usual case) skip the generator; same value.
-    return () if raw == [] else tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
-                                      for t, lp, top in raw)  # type: ignore[union-attr]
+    return tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
+                 for t, lp, top in raw)  # type: ignore[union-attr]
 
 
 def delta_to_wire(delta: TokenDelta) -> list[object]:
+    # Empty logprobs (the usual case) skip the call; same value.
     return [delta.request_id, list(delta.new_token_ids), delta.new_text, delta.finished, delta.finish_reason,
-            delta.num_prompt_tokens, delta.num_cached_tokens, _logprobs_to_wire(delta.logprobs), delta.error,
-            delta.worker_id, dict(delta.extra), _logprobs_to_wire(delta.prompt_logprobs)]
+            delta.num_prompt_tokens, delta.num_cached_tokens,
+            _logprobs_to_wire(delta.logprobs) if delta.logprobs else [], delta.error, delta.worker_id,
+            dict(delta.extra), _logprobs_to_wire(delta.prompt_logprobs) if delta.prompt_logprobs else []]
 
 
 def delta_from_wire(raw: list[object]) -> TokenDelta:
     (request_id, token_ids, text, finished, finish_reason, num_prompt, num_cached, logprobs, error, worker_id,
      extra, prompt_logprobs) = raw
     return TokenDelta(str(request_id), tuple(map(int, token_ids)), str(text), bool(finished),  # type: ignore[arg-type]
-                      finish_reason, int(num_prompt), int(num_cached), _logprobs_from_wire(logprobs), str(error),  # type: ignore[arg-type]
-                      str(worker_id), {} if extra == {} else {str(k): float(v) for k, v in extra.items()},  # type: ignore[union-attr]
-                      _logprobs_from_wire(prompt_logprobs))
+                      finish_reason, int(num_prompt), int(num_cached),  # type: ignore[arg-type]
+                      () if logprobs == [] else _logprobs_from_wire(logprobs), str(error), str(worker_id),
+                      {} if extra == {} else {str(k): float(v) for k, v in extra.items()},  # type: ignore[union-attr]
+                      () if prompt_logprobs == [] else _logprobs_from_wire(prompt_logprobs))
 
 
 # -- framing ------------------------------------------------------------------------------------

@@ -249,6 +249,31 @@ def test_an_exit_reported_after_the_worker_was_dropped_is_added_to_why_it_was_lo
     assert cluster.lost_workers == {"w0": "unreachable (Host unreachable); its process exited with code -9"}
 
 
+def test_a_lost_connection_waits_a_moment_for_its_processs_exit_code() -> None:
+    # A killed worker's sockets close a moment before it can be reaped: the send that finds it unreachable waits
+    # briefly for the exit, so the reason names it (an exit that never comes leaves "unreachable").
+    class _DyingProcess(_ExitedProcess):
+        def __init__(self, polls_before_exit: int) -> None:
+            super().__init__()
+            self.polls_left = polls_before_exit
+
+        def poll(self) -> int | None:
+            self.polls_left -= 1
+            return -9 if self.polls_left < 0 else None
+
+    class _GoneSocket:
+        def send(self, worker_id: str, message: object) -> OSError:
+            return OSError(113, "Host unreachable")
+
+    for polls, reason in ((3, "process 4321 exited with code -9"), (10**9, "unreachable (Host unreachable)")):
+        cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4), clock=lambda: 0.0)
+        cluster._handle("w0", register("w0"))
+        cluster.watch_process("w0", _DyingProcess(polls))
+        cluster._socket = _GoneSocket()  # type: ignore[assignment]
+        cluster._send("w0", rpc.Ping(0.0))
+        assert cluster.lost_workers["w0"].startswith(reason), cluster.lost_workers
+
+
 def test_kv_event_gap_requests_a_snapshot_and_the_index_follows_it() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
         worker = ScriptedWorker(context, cluster.address, "w0")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # for annotations only: cluster.py imports this module
 
 log = logging.getLogger("kvbaton.cluster")
 
+EXIT_GRACE_S = 0.05  # how long a lost connection waits for its watched process's exit code (blocking the loop)
 _STALL_GRACE_S = 1.0  # a gap between worker checks longer than this (plus the check interval) is a router stall
 
 
@@ -68,7 +70,10 @@ class WorkerMembership:
         error = self._socket.send(worker_id, message) if self._socket is not None else None
         if error is not None:  # EHOSTUNREACH: the worker's connection is gone
             if worker_id in self.workers:
-                self._remove_worker(worker_id, self._exit_reason(worker_id) or f"unreachable ({error.strerror})")
+                # A dying process closes its sockets a moment before it can be reaped: give a watched one that
+                # moment, so the reason (and its calls' errors) name the exit, not just the lost connection.
+                reason = self._exit_reason(worker_id, grace_s=EXIT_GRACE_S)
+                self._remove_worker(worker_id, reason or f"unreachable ({error.strerror})")
 
     def _handle(self, sender: str, message: rpc.Message) -> None:
         if isinstance(message, rpc.Register):
@@ -185,10 +190,15 @@ class WorkerMembership:
                 record.last_pinged_at = now
                 self._send(worker_id, rpc.Ping(now))
 
-    def _exit_reason(self, worker_id: str) -> str:
-        """Why a watched worker process is gone ("" while it runs or when it is not watched)."""
+    def _exit_reason(self, worker_id: str, grace_s: float = 0.0) -> str:
+        """Why a watched worker process is gone ("" while it runs, for up to `grace_s`, or when it is not
+        watched)."""
         process = self._processes.get(worker_id)
         code = process.poll() if process is not None else None
+        deadline = time.monotonic() + grace_s
+        while process is not None and code is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+            code = process.poll()
         if code is None:
             return ""
         record = self.workers.get(worker_id)

@@ -1,5 +1,5 @@
-"""The HTTP layer end to end: the official openai client against `kvbaton serve --model tiny-random --workers 2`
-in a subprocess (killed by pid at the end). Slow-ish: one server start plus two `kvbaton generate` runs,
+"""The HTTP layer end to end: the official openai client against `kvbaton serve --model tiny-random --workers 2
+--speculative-tokens 3` in a subprocess (killed by pid at the end). Slow-ish: one server start plus two `kvbaton generate` runs,
 about 30-60 s on a loaded 2-core machine.
 
 Checks: greedy output through the server equals `kvbaton generate`'s (completion and chat); a second request
@@ -31,8 +31,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Then"
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    with serve_process(["--model", MODEL, "--workers", "2", "--num-blocks", "256", "--drain-timeout", "5"],
-                       STARTUP_TIMEOUT_S) as server:
+    # Workers speculate (prompt lookup, 3 drafts): greedy answers must still equal `kvbaton generate`'s.
+    with serve_process(["--model", MODEL, "--workers", "2", "--num-blocks", "256", "--drain-timeout", "5",
+                        "--speculative-tokens", "3"], STARTUP_TIMEOUT_S) as server:
         yield server
 
 
@@ -77,6 +78,17 @@ def test_greedy_output_equals_kvbaton_generate(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there!"}],
                                             max_tokens=16, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected_chat["text"]
+
+
+def test_speculating_workers_report_their_drafts(client: openai.OpenAI, served: Served) -> None:
+    # A prompt of repeated words: its last words recur, so a worker proposes the words that followed them.
+    prompt = "one two three four five six " * 8
+    expected = _generate("--prompt", prompt, "--max-tokens", "16")
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text == (
+        expected["text"])
+    workers = _wait_idle_baseline(served.url)
+    assert sum(w["spec_decode"]["num_draft_tokens"] for w in workers) > 0
+    assert all(0 <= w["spec_decode"]["num_accepted_tokens"] <= w["spec_decode"]["num_draft_tokens"] for w in workers)
 
 
 def test_shared_prefix_reports_cached_tokens(client: openai.OpenAI) -> None:

@@ -33,12 +33,21 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # cap one request's chunk per step; 0 = the whole budget
     queue_policy: str = "fcfs"  # fcfs | lpm | preble
     lpm_fallback_waiting: int = 128  # lpm falls back to fcfs above this many waiting requests
+    # Speculative decoding by prompt lookup (scheduler/spec_decode.py): up to this many draft tokens per decode;
+    # 0 turns it off. Drafts come from n-grams of min..max tokens, and only while at most spec_max_running
+    # requests run (a large batch is compute-bound: drafts would cost what they save).
+    num_speculative_tokens: int = 0
+    spec_ngram_min: int = 2
+    spec_ngram_max: int = 4
+    spec_max_running: int = 8
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:
             raise InvalidRequestError("max_num_batched_tokens must be positive")
         if self.max_num_seqs <= 0:
             raise InvalidRequestError("max_num_seqs must be positive")
+        if self.num_speculative_tokens < 0 or not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            raise InvalidRequestError("num_speculative_tokens must be >= 0 and 1 <= spec_ngram_min <= spec_ngram_max")
         if self.queue_policy not in QUEUE_POLICIES:
             raise InvalidRequestError(f"queue_policy must be one of {QUEUE_POLICIES}, got {self.queue_policy!r}")
 

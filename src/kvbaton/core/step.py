@@ -52,3 +52,6 @@ class StepResult:
     step_id: int
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # one per chunk with samples=True
     duration_s: float = 0.0  # executor time for the batch (wall clock live, cost model simulated)
+    # Speculative chunks (draft tokens after the request's known ones): the drafts the model agreed with, in
+    # order; `sampled` holds the token after them (the model's own). A chunk absent here accepted none.
+    accepted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)

@@ -189,36 +189,77 @@ class Engine:
         plan = self.scheduler.schedule(now)
         self.last_plan = plan
         sampled: dict[str, SampledToken] = {}
+        accepted: dict[str, tuple[SampledToken, ...]] = {}
         started = time.perf_counter()
         if plan.chunks:
+            drafts = self._drafts_of(plan)
             logits, row_ids, prompt_logprobs = self.runner.execute(plan, self.between_layers,
-                                                                   self._prompt_logprobs_wanted(plan))
+                                                                   self._prompt_logprobs_wanted(plan), drafts)
             for rid, entries in prompt_logprobs.items():
                 self._tracked[rid].prompt_logprobs.extend(entries)  # type: ignore[union-attr]
             if self.on_executed is not None:
                 self.on_executed(plan)
+            if drafts:
+                logits, row_ids = self._verify(logits, row_ids, drafts, sampled, accepted)
             if row_ids:
                 tracked = [self._tracked[rid] for rid in row_ids]
                 requests = [t.request for t in tracked]
                 params = [request.sampling for request in requests]
                 allowed = ([None if t.grammar is None else t.grammar.allowed() for t in tracked]
                            if any(t.grammar is not None for t in tracked) else None)
-                sampled = dict(zip(row_ids, self.sampler.sample(logits, row_ids, params, requests, allowed)))
+                sampled.update(zip(row_ids, self.sampler.sample(logits, row_ids, params, requests, allowed)))
         self._step_id += 1
-        result = StepResult(plan.step_id, sampled, time.perf_counter() - started)
+        result = StepResult(plan.step_id, sampled, time.perf_counter() - started, accepted)
         token_outputs = self.scheduler.update(plan, result, self._clock())
         outputs: list[RequestOutput] = []
+        ended: set[str] = set()
         for out in token_outputs:
             tracked = self._tracked.get(out.request_id)
-            if tracked is not None:
-                outputs.append(self._on_token(tracked, out.token, out.finish_reason))
-        ended = {o.request_id for o in outputs if o.finished}
+            if tracked is not None and out.request_id not in ended:  # a stop string may end it before its drafts
+                output = self._on_token(tracked, out.token, out.finish_reason)
+                outputs.append(output)
+                if output.finished:
+                    ended.add(out.request_id)
         for request in self.scheduler.take_finished():
             tracked = self._tracked.pop(request.request_id, None)
             self.sampler.forget(request.request_id)
             if tracked is not None and request.request_id not in ended:
                 outputs.append(self._final_output(tracked))
         return outputs
+
+    def _drafts_of(self, plan: StepPlan) -> dict[str, tuple[int, ...]]:
+        """The draft tokens of the plan's speculative chunks (those reaching past their request's known tokens)."""
+        drafts: dict[str, tuple[int, ...]] = {}
+        if self.scheduler.proposer is None:
+            return drafts
+        for chunk in plan.chunks:
+            tracked = self._tracked.get(chunk.request_id)
+            if tracked is not None and chunk.num_tokens > 1:
+                num_drafts = chunk.end_pos - tracked.request.num_tokens
+                if num_drafts > 0:
+                    drafts[chunk.request_id] = chunk.token_ids[-num_drafts:]
+        return drafts
+
+    def _verify(self, logits: torch.Tensor, row_ids: list[str], drafts: dict[str, tuple[int, ...]],
+                sampled: dict[str, SampledToken], accepted: dict[str, tuple[SampledToken, ...]],
+                ) -> tuple[torch.Tensor, list[str]]:
+        """The speculative chunks' verdicts (their rows, one per position, in `logits`) into `sampled` and
+        `accepted`; returns the other rows and their ids, sampled as usual."""
+        spans: dict[str, list[int]] = {}
+        plain: list[int] = []
+        for i, rid in enumerate(row_ids):
+            if rid in drafts:
+                spans.setdefault(rid, []).append(i)
+            else:
+                plain.append(i)
+        for rid, rows in spans.items():
+            tokens = self.sampler.verify(logits[rows[0]:rows[-1] + 1], drafts[rid],
+                                         self._tracked[rid].request.sampling, rid)
+            accepted[rid] = tuple(tokens[:-1])
+            sampled[rid] = tokens[-1]
+        if not plain:
+            return logits[:0], []
+        return logits[plain], [row_ids[i] for i in plain]
 
     def _prompt_logprobs_wanted(self, plan: StepPlan) -> dict[str, PromptLogprobsWanted] | None:
         """The plan's requests whose prompt logprobs are not all collected yet (a recompute after preemption

@@ -8,7 +8,7 @@ prompt never holds all its [rows, vocab] logits at once).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -38,11 +38,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, between_layers: Callable[[], None] | None = None,
                 prompt_logprobs: Mapping[str, PromptLogprobsWanted] | None = None,
+                speculative: Collection[str] = (),
                 ) -> tuple[torch.Tensor, list[str], dict[str, list[SampledToken]]]:
         """Returns (logits [N, vocab] float32, request ids of those N rows in plan order, the prompt logprobs
         this step computed for the requests in `prompt_logprobs`: position p's entry is prompt token p's
         logprob given the tokens before it, from `first_position` on); `between_layers` is called after each
-        layer of the forward (`LlamaModel.forward`)."""
+        layer of the forward (`LlamaModel.forward`). The chunks of `speculative` requests (a decode and its
+        drafts) have every row projected, in order: their request id repeats once per row."""
         token_ids: list[int] = []
         positions: list[int] = []
         seqs: list[SequenceSlice] = []
@@ -54,7 +56,10 @@ class ModelRunner:
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, chunk.end_pos))
             seqs.append(SequenceSlice(chunk.start_pos, chunk.num_tokens, chunk.block_ids))
-            if chunk.samples:
+            if chunk.samples and chunk.request_id in speculative:
+                sample_rows.extend(range(len(token_ids) - chunk.num_tokens, len(token_ids)))
+                sample_ids.extend([chunk.request_id] * chunk.num_tokens)
+            elif chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
                 sample_ids.append(chunk.request_id)
         meta = AttentionMetadata.build(seqs, self.storage.block_size, self.device)

@@ -81,24 +81,50 @@ class Sampler:
         for i, p in enumerate(params):
             if not p.greedy:
                 tokens[i] = self._sample_row(logits[i], p, request_ids[i])
-        out: list[SampledToken] = []
-        for i, p in enumerate(params):
-            if logprobs is None or p.logprobs is None:
-                out.append(SampledToken(tokens[i]))
-                continue
-            row = logprobs[i]
-            top: tuple[tuple[int, float], ...] = ()
-            if p.logprobs > 0:
-                values, ids = torch.topk(row, p.logprobs)
-                top = tuple(zip(ids.tolist(), values.tolist()))
-            out.append(SampledToken(tokens[i], float(row[tokens[i]]), top))
-        return out
+        return [_sampled(tokens[i], None if logprobs is None else logprobs[i], p) for i, p in enumerate(params)]
+
+    def verify(self, rows: torch.Tensor, drafts: Sequence[int], p: SamplingParams,
+               request_id: str) -> list[SampledToken]:
+        """A speculative chunk's verdict. rows: [1 + k, vocab] float32 logits, row i the distribution that follows
+        the request's tokens and `drafts[:i]`. Returns the drafts the model agrees with, in order, then one token
+        of its own: greedy, the drafts while they equal its argmax and then its argmax, so the tokens are
+        exactly those plain decodes would give; sampled, each draft x kept with probability p(x) (p after
+        temperature, min-p, top-k and top-p) and else replaced by a draw from p without x, renormalised, which
+        leaves every token distributed as p (speculative sampling with a draft that is certain of its token)."""
+        logprobs = torch.log_softmax(rows, dim=-1) if p.logprobs is not None else None
+        tokens: list[int] = []
+        if p.greedy:
+            best = torch.argmax(rows, dim=-1).tolist()
+            for i, draft in enumerate(drafts):
+                if best[i] != draft:
+                    break
+                tokens.append(draft)
+            tokens.append(best[len(tokens)])
+        else:
+            generator = self._generator_for(request_id, p)
+            for i, draft in enumerate(drafts):
+                probs = self._probs(rows[i], p)
+                if float(torch.rand((), generator=generator)) < float(probs[draft]):
+                    tokens.append(draft)
+                    continue
+                residual = probs.clone()
+                residual[draft] = 0.0  # p(draft) < 1 here, so something else is left to draw
+                tokens.append(int(torch.multinomial(residual, 1, generator=generator).item()))
+                break
+            else:
+                probs = self._probs(rows[len(drafts)], p)
+                tokens.append(int(torch.multinomial(probs, 1, generator=generator).item()))
+        return [_sampled(t, None if logprobs is None else logprobs[i], p) for i, t in enumerate(tokens)]
 
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
         if p.grammar and bool(torch.isneginf(row).all()):
             # Nothing is left to draw (a grammar mask and min_tokens' bans together): greedy's token 0, which
             # the grammar then refuses, so the request fails with a reason instead of the step raising.
             return 0
+        return int(torch.multinomial(self._probs(row, p), 1, generator=self._generator_for(request_id, p)).item())
+
+    def _probs(self, row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """The distribution a sampled token is drawn from: tempered, then min-p, top-k and top-p."""
         scaled = row / p.temperature
         if p.min_p > 0.0:  # as vLLM v1: on the tempered distribution, before top-k and top-p
             probs = torch.softmax(scaled, dim=-1)
@@ -114,7 +140,7 @@ class Sampler:
             drop = cumulative - sorted_probs >= p.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self._generator_for(request_id, p)).item())
+        return probs
 
     def _generator_for(self, request_id: str, p: SamplingParams) -> torch.Generator:
         if p.seed is None:
@@ -124,3 +150,14 @@ class Sampler:
             gen = torch.Generator().manual_seed(p.seed)
             self._request_generators[request_id] = gen
         return gen
+
+
+def _sampled(token_id: int, row_logprobs: torch.Tensor | None, p: SamplingParams) -> SampledToken:
+    """`token_id` with its logprob and the top ones from `row_logprobs` when the request asked for logprobs."""
+    if row_logprobs is None or p.logprobs is None:
+        return SampledToken(token_id)
+    top: tuple[tuple[int, float], ...] = ()
+    if p.logprobs > 0:
+        values, ids = torch.topk(row_logprobs, p.logprobs)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return SampledToken(token_id, float(row_logprobs[token_id]), top)

@@ -155,6 +155,15 @@ class BlockManager:
             hold.node = match.node  # the hold moves deeper in place (it is the request's own record)
             hold.num_blocks = num_full
 
+    def trim(self, request: Request) -> None:
+        """Release the blocks past what `request`'s tokens need (a speculative step's rejected drafts grew the
+        table beyond them). The table becomes a new list, as every table change but `extend` does."""
+        keep = self.num_blocks_for(request.num_tokens)
+        if len(request.block_ids) > keep:
+            extra = request.block_ids[keep:]
+            request.block_ids = request.block_ids[:keep]
+            self.pool.release(extra)
+
     def free(self, request: Request) -> None:
         """Drop every ref and lock `request` holds; its table becomes empty and nothing is computed."""
         # Release before unlocking: an unlocked cached block must be held by the cache alone.

@@ -17,14 +17,15 @@ from kvbaton.core.step import SampledToken, ScheduledChunk, StepPlan, StepResult
 
 CHUNK_FIELDS = ("request_id", "start_pos", "token_ids", "block_ids", "samples")
 PLAN_FIELDS = ("step_id", "chunks", "num_batched_tokens", "preempted_ids", "finished_ids")
-RESULT_FIELDS = ("step_id", "sampled", "duration_s")
+RESULT_FIELDS = ("step_id", "sampled", "duration_s", "accepted")
+_NO_DRAFTS: dict[str, tuple[SampledToken, ...]] = {}  # shared by every result built here; nothing writes to it
 
 _new = object.__new__
 _set_request_id, _set_start_pos, _set_token_ids, _set_block_ids, _set_samples = slot_setters(
     ScheduledChunk, CHUNK_FIELDS)
 _set_plan_step_id, _set_chunks, _set_num_batched_tokens, _set_preempted_ids, _set_finished_ids = slot_setters(
     StepPlan, PLAN_FIELDS)
-_set_result_step_id, _set_sampled, _set_duration_s = slot_setters(StepResult, RESULT_FIELDS)
+_set_result_step_id, _set_sampled, _set_duration_s, _set_accepted = slot_setters(StepResult, RESULT_FIELDS)
 
 
 def make_chunk(request_id: str, start_pos: int, token_ids: tuple[int, ...], block_ids: tuple[int, ...],
@@ -52,9 +53,10 @@ def make_plan(step_id: int, chunks: tuple[ScheduledChunk, ...], num_batched_toke
 
 
 def make_result(step_id: int, sampled: dict[str, SampledToken], duration_s: float) -> StepResult:
-    """`StepResult(step_id, sampled, duration_s)`."""
+    """`StepResult(step_id, sampled, duration_s)` (no speculative chunks)."""
     result = _new(StepResult)
     _set_result_step_id(result, step_id)
     _set_sampled(result, sampled)
     _set_duration_s(result, duration_s)
+    _set_accepted(result, _NO_DRAFTS)
     return result

@@ -34,10 +34,11 @@ from kvbaton.scheduler.decode_fast_path import DecodeFastPath
 from kvbaton.scheduler.fast_values import make_plan
 from kvbaton.scheduler.outputs import SchedulerStats, TokenOutput, new_output
 from kvbaton.scheduler.queue_policies import create_queue_policy
+from kvbaton.scheduler.spec_decode import NgramProposer, SpeculativeDecodes
 from kvbaton.scheduler.step_planning import StepBuilder, StepPlanning
 
 
-class LocalScheduler(StepPlanning, DecodeFastPath):
+class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
     """Iteration-level scheduler of one worker (see the module docstring for the step rules)."""
 
     def __init__(
@@ -63,7 +64,12 @@ class LocalScheduler(StepPlanning, DecodeFastPath):
         self._tables: dict[str, tuple[list[int], tuple[int, ...]]] = {}
         self._step_id = 0
         self._num_steps = 0
-        self.steady_fast_path = True  # False forces the general path (tests compare the two)
+        # Speculative decoding (scheduler/spec_decode.py) when configured: drafts go through the general path.
+        self.proposer = (NgramProposer(config.num_speculative_tokens, config.spec_ngram_min, config.spec_ngram_max)
+                         if config.num_speculative_tokens > 0 else None)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.steady_fast_path = self.proposer is None  # False forces the general path (tests compare the two)
         # Σ (start_pos + 1) over the last plan's chunks when it came from the steady-decode path (every
         # chunk a one-token decode past position 0, i.e. a decode by `BatchShape.of_plan`'s rule), else -1:
         # lets an executor price the batch (`CostModel.decode_s`) without reading the plan again.
@@ -164,6 +170,8 @@ class LocalScheduler(StepPlanning, DecodeFastPath):
         request.finished_at = now
         del self._requests[request.request_id]
         self._finished.append(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
 
     def take_finished(self) -> list[Request]:
         finished, self._finished = self._finished, []
@@ -233,11 +241,15 @@ class LocalScheduler(StepPlanning, DecodeFastPath):
         holds = self.blocks._holds
         block_size = self.block_size
         append_token = self._append_token
+        speculating = self.proposer is not None
         for chunk in plan.chunks:
             request_id = chunk.request_id
             request = requests.get(request_id)
             start_pos = chunk.start_pos
             if request is None or request.status is not running or request.num_computed_tokens != start_pos:
+                continue
+            if speculating and start_pos + len(chunk.token_ids) > request.num_tokens:  # it carries drafts
+                self._apply_speculative(request, chunk, result, now, outputs)
                 continue
             num_computed = request.num_computed_tokens = start_pos + len(chunk.token_ids)
             if cache_computed_blocks is not None:

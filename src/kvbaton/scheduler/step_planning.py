@@ -18,6 +18,7 @@ from kvbaton.core.step import ScheduledChunk
 from kvbaton.scheduler.block_manager import BlockManager
 from kvbaton.scheduler.fast_values import make_chunk
 from kvbaton.scheduler.queue_policies import QueuePolicy
+from kvbaton.scheduler.spec_decode import NgramProposer
 
 
 class StepBuilder:
@@ -63,7 +64,7 @@ class StepPlanning:
     """The general step path of `LocalScheduler` (a mixin: no state of its own, no `__init__`).
 
     It works on the scheduler's state, declared here and set by `LocalScheduler.__init__`, and calls the
-    scheduler's `_block_table` and `_finish`.
+    scheduler's `_block_table` and `_finish`, and `SpeculativeDecodes`' drafts when speculation is on.
     """
 
     config: SchedulerConfig
@@ -76,6 +77,7 @@ class StepPlanning:
     _num_preemptions: int
     _queries_tokens: int
     _hits_tokens: int
+    proposer: NgramProposer | None  # speculative decoding's drafts (SpeculativeDecodes), when configured
 
     def _chunk_tokens(self, request: Request, budget_left_tokens: int) -> int:
         n = min(request.num_uncomputed_tokens, budget_left_tokens)
@@ -104,6 +106,7 @@ class StepPlanning:
         block_size = self.block_size
         chunks = step.chunks
         running = RequestStatus.RUNNING
+        speculating = self.proposer is not None
         for request in list(self._running):
             # num_uncomputed_tokens, without two property calls per request per step
             output = request.output_token_ids
@@ -117,6 +120,13 @@ class StepPlanning:
                 return
             if request.status is not running:  # preempted earlier in this step
                 continue
+            if speculating:
+                drafts = self._drafts(request, budget_tokens - step.num_tokens - 1)
+                chunk = self._speculative_chunk(request, drafts) if drafts else None
+                if chunk is not None:
+                    chunks[request.request_id] = chunk
+                    step.num_tokens += chunk.num_tokens
+                    continue
             block_ids = request.block_ids
             if len(block_ids) * block_size <= start:
                 self._schedule_running(request, step, now)  # needs a new block

@@ -85,6 +85,8 @@ def worker_info(record: WorkerRecord, state: RouterState, now: float) -> dict[st
             "num_steps": stats.num_steps,
             "invariant_error": stats.invariant_error,
             "transfers": transfer_info(stats),
+            "spec_decode": {"num_draft_tokens": stats.num_draft_tokens,
+                            "num_accepted_tokens": stats.num_accepted_tokens},
         })
     return info
 

@@ -93,6 +93,9 @@ class Stats:
     transfer_queue_s: float = 0.0
     num_live_transfers: int = 0
     num_transfer_held_blocks: int = 0  # blocks held by transfer legs (source refs or destination reservations)
+    # Speculative decoding, cumulative: draft tokens proposed, and those the model accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

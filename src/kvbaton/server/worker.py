@@ -54,6 +54,7 @@ class WorkerConfig:
     block_size: int = 16
     num_blocks: int = 2048
     max_num_batched_tokens: int = 512
+    num_speculative_tokens: int = 0  # prompt-lookup speculative decoding (scheduler/spec_decode.py); 0 = off
     enable_prefix_cache: bool = True
     seed: int = 0
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default (all cores)
@@ -169,7 +170,8 @@ class Worker:
         engine_config = EngineConfig(
             model=cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
             cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_cache),
-            scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, queue_policy=queue_policy),
+            scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, queue_policy=queue_policy,
+                                      num_speculative_tokens=cfg.num_speculative_tokens),
         )
         kv_cache = self._decode_kv.kv_cache if self._decode_kv is not None else None
         engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache)
@@ -375,7 +377,8 @@ class Worker:
         socket.send(rpc.encode(rpc.Stats(
             self.config.worker_id, s.num_waiting, s.num_running, s.num_queued_prefill_tokens, s.num_used_blocks,
             s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens,
-            s.num_preemptions, s.num_steps, now, self._invariant_error, *self._transfer_stats())))
+            s.num_preemptions, s.num_steps, now, self._invariant_error, *self._transfer_stats(),
+            engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens)))
 
     def _has_work(self) -> bool:
         assert self.engine is not None

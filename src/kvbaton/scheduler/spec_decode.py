@@ -1,0 +1,141 @@
+"""Speculative decoding by prompt lookup (vLLM's "ngram" method): draft tokens copied from the request's own text.
+
+When the last n tokens of a running request (n from `max_n` down to `min_n`) occurred earlier in its
+prompt or output, the tokens that followed that occurrence (the latest one) are proposed as the next
+ones. The scheduler sends them with the request's decode as one chunk (`1 + k` positions); the
+executor checks them against the model in that single forward and keeps the longest agreeing prefix
+plus one token of its own (`LocalScheduler.update`), so a greedy request outputs exactly the tokens it
+would have without drafts, several per step where its output copies its context (RAG answers, code
+edits, multi-turn agents re-quoting tool output). A decode step on a memory-bound CPU or GPU costs about
+the same for 1 or 5 positions, so accepted drafts are nearly free tokens.
+
+The index of each request's n-grams grows by the tokens it appended since its last proposal, so a
+proposal costs O(new tokens), not O(context).
+"""
+
+from __future__ import annotations
+
+from kvbaton.core.config import SchedulerConfig
+from kvbaton.core.request import FinishReason, Request
+from kvbaton.core.step import ScheduledChunk, StepResult
+from kvbaton.scheduler.block_manager import BlockManager
+from kvbaton.scheduler.fast_values import make_chunk
+from kvbaton.scheduler.outputs import TokenOutput, new_output
+
+
+class NgramProposer:
+    def __init__(self, num_tokens: int, min_n: int = 2, max_n: int = 4) -> None:
+        if num_tokens < 1 or not 1 <= min_n <= max_n:
+            raise ValueError(f"need num_tokens >= 1 and 1 <= min_n <= max_n, got {num_tokens}, {min_n}, {max_n}")
+        self.num_tokens = num_tokens
+        self.min_n = min_n
+        self.max_n = max_n
+        # request id -> (n-gram -> latest start among those indexed, per n: the first start not indexed yet)
+        self._index: dict[str, tuple[dict[tuple[int, ...], int], list[int]]] = {}
+
+    def propose(self, request: Request, max_tokens: int) -> tuple[int, ...]:
+        """Up to min(num_tokens, max_tokens) drafts to follow `request`'s tokens; () when no n-gram recurs."""
+        limit = min(self.num_tokens, max_tokens)
+        if limit <= 0:
+            return ()
+        tokens = _Tokens(request)
+        length = len(tokens)
+        entry = self._index.get(request.request_id)
+        if entry is None:
+            entry = self._index[request.request_id] = ({}, [0] * (self.max_n + 1))
+        index, next_start = entry
+        # Index each n-gram that some token follows (start + n < length): a lookup of the final n tokens then
+        # finds an earlier occurrence and what came after it.
+        for n in range(self.min_n, self.max_n + 1):
+            for start in range(next_start[n], length - n):
+                index[tokens.slice(start, start + n)] = start
+            next_start[n] = max(next_start[n], length - n)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = index.get(tokens.slice(length - n, length))
+            if start is not None:
+                return tokens.slice(start + n, min(start + n + limit, length))
+        return ()
+
+    def forget(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+class _Tokens:
+    """A request's prompt then output, read without concatenating them."""
+
+    __slots__ = ("_prompt", "_output", "_num_prompt")
+
+    def __init__(self, request: Request) -> None:
+        self._prompt = request.prompt_token_ids
+        self._output = request.output_token_ids
+        self._num_prompt = len(self._prompt)
+
+    def __len__(self) -> int:
+        return self._num_prompt + len(self._output)
+
+    def slice(self, start: int, end: int) -> tuple[int, ...]:
+        n = self._num_prompt
+        if end <= n:
+            return tuple(self._prompt[start:end])
+        if start >= n:
+            return tuple(self._output[start - n:end - n])
+        return tuple(self._prompt[start:]) + tuple(self._output[:end - n])
+
+
+class SpeculativeDecodes:
+    """The speculative part of `LocalScheduler` (a mixin: its state, declared here, is set by
+    `LocalScheduler.__init__`, and it calls the scheduler's `_block_table`, `_append_token` and `_finish`): a
+    decode's drafts in its step's chunk, and what the executor's verdict makes of them."""
+
+    config: SchedulerConfig
+    blocks: BlockManager
+    proposer: NgramProposer | None
+    _running: list[Request]
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    def _drafts(self, request: Request, budget_left_tokens: int) -> tuple[int, ...]:
+        """Drafts for `request`'s next decode, within its limits and the step's token budget (after its own
+        token); () when it may not speculate: its logits are adjusted or masked (penalties, bias, min_tokens,
+        a grammar), it wants its prompt's logprobs, or the batch is too large."""
+        sampling = request.sampling
+        if (self.proposer is None or len(self._running) > self.config.spec_max_running or sampling.adjusts_logits
+                or sampling.grammar or sampling.prompt_logprobs is not None):
+            return ()
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        room = min(sampling.max_tokens - len(request.output_token_ids) - 1,
+                   request.max_model_len - num_tokens - 1, budget_left_tokens)
+        return self.proposer.propose(request, room)
+
+    def _speculative_chunk(self, request: Request, drafts: tuple[int, ...]) -> ScheduledChunk | None:
+        """The decode of `request`'s last token followed by `drafts`, its table grown to hold them; None when the
+        pool cannot (drafts never evict a running request: the caller schedules a plain decode)."""
+        start = request.num_computed_tokens
+        if not self.blocks.try_grow(request, start + 1 + len(drafts)):
+            return None
+        output = request.output_token_ids
+        last = output[-1] if output else request.prompt_token_ids[-1]
+        self.num_draft_tokens += len(drafts)
+        return make_chunk(request.request_id, start, (last, *drafts), self._block_table(request), True)
+
+    def _apply_speculative(self, request: Request, chunk: ScheduledChunk, result: StepResult, now: float,
+                           outputs: list[TokenOutput]) -> None:
+        """The verdict on a speculative chunk: KV is kept for the last token and the accepted drafts, which are
+        output in order with the model's own next token, as plain decodes would have output them (each may end
+        the request); the blocks past the request's tokens, which hold rejected drafts, go back to the pool."""
+        accepted = result.accepted.get(chunk.request_id, ())
+        request.num_computed_tokens = chunk.start_pos + 1 + len(accepted)
+        self.num_accepted_tokens += len(accepted)
+        token = result.sampled.get(chunk.request_id)
+        if token is None:
+            self._running.remove(request)
+            self._finish(request, FinishReason.ERROR, now, "executor returned no token for a speculative chunk")
+            return
+        for out in (*accepted, token):
+            reason = self._append_token(request, out, now)
+            outputs.append(new_output(TokenOutput, (request.request_id, out, reason)))
+            if reason is not None:
+                return
+        if self.blocks.cache is not None:
+            self.blocks.cache_computed_blocks(request)
+        self.blocks.trim(request)

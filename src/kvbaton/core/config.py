@@ -35,11 +35,12 @@ class SchedulerConfig:
     lpm_fallback_waiting: int = 128  # lpm falls back to fcfs above this many waiting requests
     # Speculative decoding by prompt lookup (scheduler/spec_decode.py): up to this many draft tokens per decode;
     # 0 turns it off. Drafts come from n-grams of min..max tokens, and only while at most spec_max_running
-    # requests run (a large batch is compute-bound: drafts would cost what they save).
+    # requests run: with more, the draft rows cost what they save (SmolLM2 on 2 cores: 4 free-text streams 1.03x,
+    # 8 streams 0.95x; benchmarks/spec_decode.py).
     num_speculative_tokens: int = 0
     spec_ngram_min: int = 2
     spec_ngram_max: int = 4
-    spec_max_running: int = 8
+    spec_max_running: int = 4
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0:

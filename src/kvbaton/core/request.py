@@ -78,3 +78,12 @@ class Request:
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """all_token_ids[start:end] without building the whole sequence (a decode reads 1 token, drafts a few)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return tuple(self.prompt_token_ids[start:end])
+        if start >= n:
+            return tuple(self.output_token_ids[start - n:end - n])
+        return tuple(self.prompt_token_ids[start:]) + tuple(self.output_token_ids[:end - n])

@@ -38,8 +38,7 @@ class NgramProposer:
         limit = min(self.num_tokens, max_tokens)
         if limit <= 0:
             return ()
-        tokens = _Tokens(request)
-        length = len(tokens)
+        length = request.num_tokens
         entry = self._index.get(request.request_id)
         if entry is None:
             entry = self._index[request.request_id] = ({}, [0] * (self.max_n + 1))
@@ -48,38 +47,16 @@ class NgramProposer:
         # finds an earlier occurrence and what came after it.
         for n in range(self.min_n, self.max_n + 1):
             for start in range(next_start[n], length - n):
-                index[tokens.slice(start, start + n)] = start
+                index[request.token_slice(start, start + n)] = start
             next_start[n] = max(next_start[n], length - n)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = index.get(tokens.slice(length - n, length))
+            start = index.get(request.token_slice(length - n, length))
             if start is not None:
-                return tokens.slice(start + n, min(start + n + limit, length))
+                return request.token_slice(start + n, min(start + n + limit, length))
         return ()
 
     def forget(self, request_id: str) -> None:
         self._index.pop(request_id, None)
-
-
-class _Tokens:
-    """A request's prompt then output, read without concatenating them."""
-
-    __slots__ = ("_prompt", "_output", "_num_prompt")
-
-    def __init__(self, request: Request) -> None:
-        self._prompt = request.prompt_token_ids
-        self._output = request.output_token_ids
-        self._num_prompt = len(self._prompt)
-
-    def __len__(self) -> int:
-        return self._num_prompt + len(self._output)
-
-    def slice(self, start: int, end: int) -> tuple[int, ...]:
-        n = self._num_prompt
-        if end <= n:
-            return tuple(self._prompt[start:end])
-        if start >= n:
-            return tuple(self._output[start - n:end - n])
-        return tuple(self._prompt[start:]) + tuple(self._output[:end - n])
 
 
 class SpeculativeDecodes:

@@ -50,16 +50,6 @@ class StepBuilder:
             self.num_tokens -= chunk.num_tokens
 
 
-def _token_slice(request: Request, start: int, end: int) -> tuple[int, ...]:
-    """request.all_token_ids[start:end] without copying the whole sequence (decodes are 1 token)."""
-    n = request.num_prompt_tokens
-    if end <= n:
-        return tuple(request.prompt_token_ids[start:end])
-    if start >= n:
-        return tuple(request.output_token_ids[start - n : end - n])
-    return tuple(request.prompt_token_ids[start:]) + tuple(request.output_token_ids[: end - n])
-
-
 class StepPlanning:
     """The general step path of `LocalScheduler` (a mixin: no state of its own, no `__init__`).
 
@@ -88,7 +78,7 @@ class StepPlanning:
     def _make_chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_tokens
-        return make_chunk(request.request_id, start, _token_slice(request, start, end), self._block_table(request),
+        return make_chunk(request.request_id, start, request.token_slice(start, end), self._block_table(request),
                           end == request.num_tokens)
 
     def _schedule_running_requests(self, step: StepBuilder, now: float) -> None:

@@ -26,7 +26,8 @@ from fastapi import Request
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.server.base import ClusterClient, DeltaSink, GenerateCall, RejectedError, TokenDelta, TokenLogprob
 from kvbaton.server.metrics import ApiMetrics
-from kvbaton.server.protocol import ApiError, usage_json
+from kvbaton.server.protocol import ApiError
+from kvbaton.server.protocol_responses import usage_json
 
 logger = logging.getLogger(__name__)
 

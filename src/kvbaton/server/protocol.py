@@ -17,8 +17,6 @@ import orjson
 
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import MAX_LOGPROBS, SamplingParams
-from kvbaton.model.tokenizer import Tokenizer, bytes_to_unicode
-from kvbaton.server.base import TokenLogprob
 from kvbaton.server.protocol_structured import structured_grammar
 from kvbaton.server.tool_calls import ToolUse, parse_tool_use
 
@@ -409,87 +407,3 @@ def _template_kwargs(body: Mapping[str, object]) -> Mapping[str, object] | None:
     if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
         raise bad_request("chat_template_kwargs must be an object of template variables", param="chat_template_kwargs")
     return value
-
-
-# -- response pieces (shapes as OpenAI's, so the official client parses them) -------------------------
-
-
-def usage_json(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, object]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
-    }
-
-
-class TokenText:
-    """Spells token ids for logprobs: the token's own bytes (not a decode of the whole text)."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._id_to_token = tokenizer.id_to_token
-        self._byte_of_char = {char: byte for byte, char in bytes_to_unicode().items()}
-
-    def token_bytes(self, token_id: int) -> bytes:
-        piece = self._id_to_token(token_id)
-        if piece is None:
-            return b""
-        if all(char in self._byte_of_char for char in piece):  # byte-level BPE spelling
-            return bytes(self._byte_of_char[char] for char in piece)
-        return piece.encode("utf-8")
-
-    def token_str(self, token_id: int) -> str:
-        return self.token_bytes(token_id).decode("utf-8", errors="replace")
-
-
-def completion_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob],
-                             text_offset_chars: int) -> dict[str, object]:
-    """The legacy completions shape: parallel lists, text_offset counting chars from the choice's start."""
-    tokens: list[str] = []
-    offsets: list[int] = []
-    offset = text_offset_chars
-    for entry in logprobs:
-        token = text.token_str(entry.token_id)
-        tokens.append(token)
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [entry.logprob for entry in logprobs],
-        "top_logprobs": [{text.token_str(t): lp for t, lp in entry.top_logprobs} for entry in logprobs],
-        "text_offset": offsets,
-    }
-
-
-def echo_logprobs_json(text: TokenText, prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob],
-                       completion: dict[str, object]) -> dict[str, object]:
-    """Echo with logprobs (lm-eval's loglikelihood request): the prompt's tokens first, each with its logprob
-    given those before it (the first has none: null, as OpenAI's), then `completion`'s (completion_logprobs_json
-    with its offsets after the echoed prompt)."""
-    tokens = [text.token_str(t) for t in prompt_ids]
-    offsets = [0]
-    for token in tokens[:-1]:
-        offsets.append(offsets[-1] + len(token))
-    missing = [None] * max(len(prompt_ids) - 1 - len(prompt_logprobs), 0)  # a call that ended before its first token
-    return {
-        "tokens": tokens + completion["tokens"],  # type: ignore[operator]
-        "token_logprobs": [None, *(entry.logprob for entry in prompt_logprobs), *missing]
-        + completion["token_logprobs"],  # type: ignore[operator]
-        "top_logprobs": [None, *({text.token_str(t): lp for t, lp in entry.top_logprobs} for entry in prompt_logprobs),
-                         *missing] + completion["top_logprobs"],  # type: ignore[operator]
-        "text_offset": offsets + completion["text_offset"],  # type: ignore[operator]
-    }
-
-
-def chat_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob], num_top: int) -> dict[str, object]:
-    def one(token_id: int, logprob: float) -> dict[str, object]:
-        return {"token": text.token_str(token_id), "logprob": logprob, "bytes": list(text.token_bytes(token_id))}
-
-    return {
-        "content": [
-            {**one(entry.token_id, entry.logprob),
-             "top_logprobs": [one(t, lp) for t, lp in entry.top_logprobs[:num_top]]}
-            for entry in logprobs
-        ],
-        "refusal": None,
-    }

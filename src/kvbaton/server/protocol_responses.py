@@ -1,0 +1,107 @@
+"""Response pieces of the OpenAI-compatible API, in OpenAI's shapes so the official client parses them: usage,
+the logprobs objects of completions (echoed prompt included) and chat, with tokens spelled by their bytes, a
+server-sent event, and the orjson-rendered JSON response."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import orjson
+from fastapi.responses import JSONResponse
+
+from kvbaton.model.tokenizer import Tokenizer, bytes_to_unicode
+from kvbaton.server.base import TokenLogprob
+
+
+class FastJSONResponse(JSONResponse):
+    """JSONResponse rendered by orjson (several times faster than json.dumps for a completion body)."""
+
+    def render(self, content: object) -> bytes:
+        return orjson.dumps(content)
+
+
+def sse(payload: dict[str, object]) -> str:
+    """One server-sent event carrying `payload`."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage_json(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, object]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+class TokenText:
+    """Spells token ids for logprobs: the token's own bytes (not a decode of the whole text)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._id_to_token = tokenizer.id_to_token
+        self._byte_of_char = {char: byte for byte, char in bytes_to_unicode().items()}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._id_to_token(token_id)
+        if piece is None:
+            return b""
+        if all(char in self._byte_of_char for char in piece):  # byte-level BPE spelling
+            return bytes(self._byte_of_char[char] for char in piece)
+        return piece.encode("utf-8")
+
+    def token_str(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def completion_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob],
+                             text_offset_chars: int) -> dict[str, object]:
+    """The legacy completions shape: parallel lists, text_offset counting chars from the choice's start."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    offset = text_offset_chars
+    for entry in logprobs:
+        token = text.token_str(entry.token_id)
+        tokens.append(token)
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [entry.logprob for entry in logprobs],
+        "top_logprobs": [{text.token_str(t): lp for t, lp in entry.top_logprobs} for entry in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def echo_logprobs_json(text: TokenText, prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob],
+                       completion: dict[str, object]) -> dict[str, object]:
+    """Echo with logprobs (lm-eval's loglikelihood request): the prompt's tokens first, each with its logprob
+    given those before it (the first has none: null, as OpenAI's), then `completion`'s (completion_logprobs_json
+    with its offsets after the echoed prompt)."""
+    tokens = [text.token_str(t) for t in prompt_ids]
+    offsets = [0]
+    for token in tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    missing = [None] * max(len(prompt_ids) - 1 - len(prompt_logprobs), 0)  # a call that ended before its first token
+    return {
+        "tokens": tokens + completion["tokens"],  # type: ignore[operator]
+        "token_logprobs": [None, *(entry.logprob for entry in prompt_logprobs), *missing]
+        + completion["token_logprobs"],  # type: ignore[operator]
+        "top_logprobs": [None, *({text.token_str(t): lp for t, lp in entry.top_logprobs} for entry in prompt_logprobs),
+                         *missing] + completion["top_logprobs"],  # type: ignore[operator]
+        "text_offset": offsets + completion["text_offset"],  # type: ignore[operator]
+    }
+
+
+def chat_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob], num_top: int) -> dict[str, object]:
+    def one(token_id: int, logprob: float) -> dict[str, object]:
+        return {"token": text.token_str(token_id), "logprob": logprob, "bytes": list(text.token_bytes(token_id))}
+
+    return {
+        "content": [
+            {**one(entry.token_id, entry.logprob),
+             "top_logprobs": [one(t, lp) for t, lp in entry.top_logprobs[:num_top]]}
+            for entry in logprobs
+        ],
+        "refusal": None,
+    }

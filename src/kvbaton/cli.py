@@ -115,6 +115,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
+    p.add_argument("--tool-call-parser", default="", choices=("", "hermes"),
+                   help="read the model's own tool calls for tool_choice auto: hermes = <tool_call> blocks (Qwen2.5)")
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
     p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
@@ -168,6 +170,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
         adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
         tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens,
+        tool_call_parser=args.tool_call_parser,
         ray_address=args.ray, gpus_per_worker=args.gpus_per_worker))
 
 

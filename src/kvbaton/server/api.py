@@ -35,6 +35,7 @@ from kvbaton.server.api_run import DisconnectWatch, SampleRun
 from kvbaton.server.base import ClusterClient, GenerateCall, SubmittingClusterClient, TokenLogprob
 from kvbaton.server.metrics import ApiMetrics
 from kvbaton.server.api_chat import ChatEndpoint
+from kvbaton.server.tool_calls import TOOL_CALL_PARSERS
 from kvbaton.server.protocol import (
     ApiError,
     CompletionRequest,
@@ -84,7 +85,7 @@ class OpenAIServer(ChatEndpoint):
     """Request handling shared by the routes; one per app, holding no global state."""
 
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 metrics: ApiMetrics, clock: Callable[[], float]) -> None:
+                 metrics: ApiMetrics, clock: Callable[[], float], tool_call_parser: str = "") -> None:
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -97,6 +98,7 @@ class OpenAIServer(ChatEndpoint):
         self.background: set[asyncio.Task[None]] = set()  # pump tasks outliving an aborted request
         # Callback calls when the cluster takes them (no task, queue or stream per call), else generate() pumps.
         self.submit = cluster.submit if isinstance(cluster, SubmittingClusterClient) else None
+        self.tool_call_parser = tool_call_parser
 
     # -- ingress: prompt -> token ids, sampling -> one call per sample ----------------------------------
 
@@ -315,17 +317,20 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *, max_model_len: int,
                metrics: ApiMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-               tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS) -> FastAPI:
+               tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS, tool_call_parser: str = "") -> FastAPI:
     """The router's FastAPI app; the tokenizer is the model's (the cluster only ever sees token ids).
 
     `tokenizer_cache_chars` > 0 turns on the tokenizer's ingress cache (`TokenizationCache`), bounded
-    by that many characters; 0 tokenizes every prompt from scratch."""
+    by that many characters; 0 tokenizes every prompt from scratch. `tool_call_parser` ("hermes") reads the
+    model's own tool calls for tool_choice "auto" (`server/tool_calls.py`)."""
+    if tool_call_parser and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise InvalidRequestError(f"unknown tool call parser {tool_call_parser!r}; one of {', '.join(TOOL_CALL_PARSERS)}")
     metrics = metrics if metrics is not None else ApiMetrics()
     metrics.attach_cluster(cluster.cluster_info)
     if tokenizer_cache_chars > 0:
         cache = tokenizer.cache or tokenizer.enable_cache(tokenizer_cache_chars)
         metrics.attach_token_cache(cache.stats)
-    server = OpenAIServer(cluster, tokenizer, model_name, max_model_len, metrics, clock)
+    server = OpenAIServer(cluster, tokenizer, model_name, max_model_len, metrics, clock, tool_call_parser)
     app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, openapi_url=None, telemetry=fastapi_telemetry())
     app.state.server = server
     _install_error_handlers(app)

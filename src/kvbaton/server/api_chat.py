@@ -30,11 +30,12 @@ class ChatEndpoint:
     max_model_len: int
     token_text: TokenText
     clock: Callable[[], float]
+    tool_call_parser: str  # "" or one of tool_calls.TOOL_CALL_PARSERS, for tool_choice "auto"
 
     async def chat_completions(self, request: Request) -> Response:
         arrival_at = self.clock()
         req = parse_chat_request(parse_json_body(await request.body()), self.model_name,
-                                 max_model_len=self.max_model_len)
+                                 max_model_len=self.max_model_len, tool_call_parser=self.tool_call_parser)
         try:
             prompt_text = self.tokenizer.apply_chat_template(
                 list(req.messages), req.add_generation_prompt, tools=req.tools,

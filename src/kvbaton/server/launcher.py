@@ -84,6 +84,7 @@ class ServeConfig:
     adaptive_pools: bool = False  # lend a worker of the idle pool to mixed duty (kvbaton.router.pools)
     step_log_dir: str = ""  # each worker logs its step shapes and periods to <dir>/<worker id>.steps.jsonl
     tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS  # ingress tokenization cache bound (0: off)
+    tool_call_parser: str = ""  # "hermes": tool_choice "auto" reads the model's <tool_call> blocks
     reserve_ahead_tokens: int | None = None  # prefill workers' late KV reservation (None: on arrival)
     # Place the workers on a Ray cluster (server/ray_workers.py): "local" | "auto" | its address; "" = local processes.
     ray_address: str = ""
@@ -207,7 +208,8 @@ class Launcher:
             if not await self._wait_for_workers(cluster):
                 return 0  # stopped during startup
             app = create_app(cluster, tokenizer, config.model, max_model_len=model_config.max_position_embeddings,
-                             tokenizer_cache_chars=config.tokenizer_cache_chars)
+                             tokenizer_cache_chars=config.tokenizer_cache_chars,
+                             tool_call_parser=config.tool_call_parser)
             freeze_startup_heap()
             self._server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                   timeout_graceful_shutdown=int(config.drain_timeout_s)))

@@ -221,7 +221,7 @@ def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | No
         message = str(exc)
         field = "structured_outputs" if message.startswith("structured_outputs") else "response_format"
         raise bad_request(message, param=field) from None
-    if tool_use is not None:
+    if tool_use is not None and tool_use.grammar:
         if grammar:
             raise bad_request(f"{field} cannot constrain a forced tool call's output", param=field)
         grammar = tool_use.grammar
@@ -357,15 +357,17 @@ def parse_detokenize_request(body: Mapping[str, object], served_model: str) -> t
     return ids
 
 
-def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_model_len: int) -> ChatRequest:
-    """max_tokens left out means "up to the context"; the caller clamps it once the prompt length is known."""
+def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_model_len: int,
+                       tool_call_parser: str = "") -> ChatRequest:
+    """max_tokens left out means "up to the context"; the caller clamps it once the prompt length is known.
+    `tool_call_parser` is the server's (`server/tool_calls.py`), which tool_choice "auto" needs."""
     model = _model(body, served_model)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {'role', 'content'} objects", param="messages")
     _refuse_unsupported(body, chat=True)
     try:
-        tools, tool_use = parse_tool_use(body)
+        tools, tool_use = parse_tool_use(body, tool_call_parser)
     except InvalidRequestError as exc:
         message = str(exc)
         raise bad_request(message, param=re.match(r"[a-z_]+", message).group()) from None  # type: ignore[union-attr]

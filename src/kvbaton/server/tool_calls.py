@@ -1,14 +1,16 @@
-"""Tool calling on the chat endpoint, as vLLM serves it without a model-specific parser: the call is forced.
+"""Tool calling on the chat endpoint, as vLLM serves it: forced calls for any model, "auto" with a parser.
 
 `tools` (OpenAI's function list) go to the chat template, which may render them. With `tool_choice`
 naming a function, the output is constrained to that function's `parameters` schema and returned as
 one tool call whose `arguments` are the generated JSON (finish reason "stop", as OpenAI's forced calls);
 with "required", to a JSON array of one or more {"name", "parameters"} objects of the given tools
 (at most one when `parallel_tool_calls` is false), returned as tool calls (finish reason "tool_calls").
-"none" (the default without tools) ignores the tools. "auto" — the default with tools — needs a parser
-for the model's own tool-call syntax, which kvbaton does not have: it is refused, as vLLM refuses it
-without `--tool-call-parser`. The constraint is a structured-output grammar (`engine/structured.py`), so
-it also holds through a prefill -> decode handoff.
+Those constraints are structured-output grammars (`engine/structured.py`), so they also hold through a
+prefill -> decode handoff. "none" (the default without tools) ignores the tools. "auto" (the default with
+tools) lets the model decide in its own tool-call syntax, which only a parser for that syntax can read:
+`kvbaton serve --tool-call-parser hermes` reads `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+blocks (Hermes, Qwen2.5), as vLLM's parser of that name; without a parser "auto" is refused, as vLLM
+refuses it without `--tool-call-parser`.
 """
 
 from __future__ import annotations
@@ -30,24 +32,33 @@ class ToolUse:
     """What a chat request asks of its tools: the grammar that forces the call, and how to read the output."""
 
     tools: tuple[Mapping[str, object], ...]  # as the client sent them, for the chat template
-    mode: str  # "named" | "required"
+    mode: str  # "named" | "required" | "auto" (read by the parser)
     name: str  # the forced function (mode "named")
-    grammar: str
+    grammar: str  # "" in mode "auto"
 
 
-def parse_tool_use(body: Mapping[str, object]) -> tuple[tuple[Mapping[str, object], ...], ToolUse | None]:
-    """(tools for the chat template, the forced call or None); InvalidRequestError names the field first."""
+TOOL_CALL_PARSERS = ("hermes",)
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_use(body: Mapping[str, object], parser: str = "") -> tuple[tuple[Mapping[str, object], ...],
+                                                                        ToolUse | None]:
+    """(tools for the chat template, how the output is read or None); InvalidRequestError names the field first.
+    `parser`: the server's tool-call parser ("" for none), which "auto" needs."""
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice is not None and not tools:
         raise InvalidRequestError("tool_choice is only allowed when tools are given")
     if not tools or choice == "none":
         return (), None
+    if (choice is None or choice == "auto") and parser:
+        return tools, ToolUse(tools, "auto", "", "")
     if choice is None or choice == "auto":
         raise InvalidRequestError(
-            "tool_choice 'auto' (the default with tools) needs a parser for the model's own tool-call syntax, "
-            "which this server does not have; set tool_choice to 'required' or to "
-            "{'type': 'function', 'function': {'name': ...}}")
+            "tool_choice 'auto' (the default with tools) needs a parser for the model's own tool-call syntax "
+            "(kvbaton serve --tool-call-parser hermes, for models that write <tool_call> blocks); set tool_choice "
+            "to 'required' or to {'type': 'function', 'function': {'name': ...}}")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise InvalidRequestError("parallel_tool_calls must be a boolean")
@@ -68,6 +79,8 @@ def parse_tool_use(body: Mapping[str, object]) -> tuple[tuple[Mapping[str, objec
 def tool_calls_of(use: ToolUse, text: str) -> list[dict[str, object]] | None:
     """The tool calls the output `text` makes, in OpenAI's shape; None when it is not a complete call (the
     output was cut by max_tokens), which the caller returns as plain content."""
+    if use.mode == "auto":
+        return hermes_tool_calls(text)[1]
     if use.mode == "named":
         try:
             json.loads(text)
@@ -79,6 +92,30 @@ def tool_calls_of(use: ToolUse, text: str) -> list[dict[str, object]] | None:
     except ValueError:
         return None
     return [_call(call["name"], json.dumps(call["parameters"])) for call in calls]
+
+
+def hermes_tool_calls(text: str) -> tuple[str | None, list[dict[str, object]] | None]:
+    """(content, calls) of a Hermes-style answer: the text before the first `<tool_call>` block (None when
+    blank), and each block's {"name", "arguments"} JSON as a call. (text, None) when the text holds no
+    block, or a block that is not a complete call (cut by max_tokens, or not JSON), as vLLM's parser does."""
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return text, None
+    calls = []
+    blocks = _HERMES_BLOCK.findall(text, start)
+    if text.count(_HERMES_OPEN) != len(blocks):
+        return text, None
+    for block in blocks:
+        try:
+            call = json.loads(block)
+        except ValueError:
+            return text, None
+        name, arguments = (call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else (None, None)
+        if not isinstance(name, str):
+            return text, None
+        calls.append(_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    content = text[:start].strip()
+    return content or None, calls
 
 
 def new_call_id() -> str:
@@ -129,7 +166,13 @@ def _grammar(schema: Mapping[str, object]) -> str:
 
 def message_of(use: ToolUse, text: str, finish_reason: str | None) -> tuple[dict[str, object], str | None]:
     """A finished sample's chat message and finish reason: its tool calls when the output is a complete call,
-    else (cut by max_tokens) its text as content."""
+    else (cut by max_tokens; in mode "auto", an answer without complete calls) its text as content. Parsed
+    calls end with "tool_calls", as vLLM reports them."""
+    if use.mode == "auto":
+        content, calls = hermes_tool_calls(text)
+        if calls is None:
+            return {"role": "assistant", "content": text, "refusal": None}, finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": calls, "refusal": None}, "tool_calls"
     calls = tool_calls_of(use, text) if finish_reason == "stop" else None
     if calls is None:
         return {"role": "assistant", "content": text, "refusal": None}, finish_reason
@@ -138,17 +181,22 @@ def message_of(use: ToolUse, text: str, finish_reason: str | None) -> tuple[dict
 
 
 class ToolCallStream:
-    """The streamed deltas of forced calls, per choice. A named call opens with its id and name, then each
+    """The streamed deltas of tool calls, per choice. A named call opens with its id and name, then each
     piece of text extends its arguments (as vLLM streams one); a "required" list is sent whole when the
-    choice ends, since which calls it holds is known only then. `pieces` returns (delta, finish reason)."""
+    choice ends, since which calls it holds is known only then. In mode "auto" the text streams as content
+    up to the first `<tool_call>` (a tail that could be its start is held back), and the calls after it are
+    sent whole at the end. `pieces` returns (delta, finish reason)."""
 
     def __init__(self, use: ToolUse) -> None:
         self.use = use
         self._call_ids: dict[int, str] = {}
+        self._num_sent_chars: dict[int, int] = {}  # mode "auto": content sent per choice
 
     def pieces(self, index: int, new_text: str, finished: bool, finish_reason: str | None,
                full_text: str) -> list[tuple[dict[str, object], str | None]]:
         out: list[tuple[dict[str, object], str | None]] = []
+        if self.use.mode == "auto":
+            return self._auto_pieces(index, finished, finish_reason, full_text)
         if self.use.mode == "named":
             if new_text:
                 first = index not in self._call_ids
@@ -170,4 +218,26 @@ class ToolCallStream:
             elif full_text:
                 out.append(({"content": full_text}, None))
             out.append(({}, reason))
+        return out
+
+    def _auto_pieces(self, index: int, finished: bool, finish_reason: str | None,
+                     full_text: str) -> list[tuple[dict[str, object], str | None]]:
+        out: list[tuple[dict[str, object], str | None]] = []
+        sent = self._num_sent_chars.get(index, 0)
+        start = full_text.find(_HERMES_OPEN)
+        if finished:
+            _, calls = hermes_tool_calls(full_text)
+            end = start if calls is not None else len(full_text)
+        elif start >= 0:
+            end = start
+        else:  # hold back a tail that may be the start of "<tool_call>"
+            end = len(full_text) - next((n for n in range(len(_HERMES_OPEN) - 1, 0, -1)
+                                         if full_text.endswith(_HERMES_OPEN[:n])), 0)
+        if end > sent:
+            out.append(({"content": full_text[sent:end]}, None))
+            self._num_sent_chars[index] = end
+        if finished:
+            if calls is not None:
+                out.append(({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, None))
+            out.append(({}, "tool_calls" if calls is not None else finish_reason))
         return out

@@ -208,8 +208,13 @@ def stream(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
 @given(st.text(max_size=30))
 def test_incremental_detokenizer_never_splits_a_character(text: str) -> None:
     tokenizer = Tokenizer.byte_level()  # one token per byte: every multi-byte character is split
-    deltas = stream(tokenizer, tokenizer.encode(text))
-    assert "".join(deltas) == text
+    ids = tokenizer.encode(text)
+    deltas = stream(tokenizer, ids)
+    # Special tokens' text (e.g. "<|im_end|>", which Hypothesis draws from the code's own strings) is skipped,
+    # as the whole decode skips it; every other character comes back whole.
+    assert "".join(deltas) == tokenizer.decode(ids)
+    if not any(token_id in tokenizer.special_token_ids for token_id in ids):
+        assert "".join(deltas) == text
     assert all("\ufffd" not in delta for delta in deltas)
 
 

@@ -257,8 +257,6 @@ class Engine:
                                          self._tracked[rid].request.sampling, rid)
             accepted[rid] = tuple(tokens[:-1])
             sampled[rid] = tokens[-1]
-        if not plain:
-            return logits[:0], []
         return logits[plain], [row_ids[i] for i in plain]
 
     def _prompt_logprobs_wanted(self, plan: StepPlan) -> dict[str, PromptLogprobsWanted] | None:

@@ -25,7 +25,7 @@ from kvbaton.core.errors import InvalidRequestError
 from kvbaton.model.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-# JSON without free whitespace between tokens: ", " and ": " as separators (vLLM's --disable-any-whitespace).
+# JSON without free whitespace between tokens, "," and ":" as separators (vLLM's --disable-any-whitespace).
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 

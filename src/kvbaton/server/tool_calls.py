@@ -31,14 +31,13 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 class ToolUse:
     """What a chat request asks of its tools: the grammar that forces the call, and how to read the output."""
 
-    tools: tuple[Mapping[str, object], ...]  # as the client sent them, for the chat template
     mode: str  # "named" | "required" | "auto" (read by the parser)
     name: str  # the forced function (mode "named")
     grammar: str  # "" in mode "auto"
 
 
 TOOL_CALL_PARSERS = ("hermes",)
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_OPEN = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -53,7 +52,7 @@ def parse_tool_use(body: Mapping[str, object], parser: str = "") -> tuple[tuple[
     if not tools or choice == "none":
         return (), None
     if (choice is None or choice == "auto") and parser:
-        return tools, ToolUse(tools, "auto", "", "")
+        return tools, ToolUse("auto", "", "")
     if choice is None or choice == "auto":
         raise InvalidRequestError(
             "tool_choice 'auto' (the default with tools) needs a parser for the model's own tool-call syntax "
@@ -69,18 +68,17 @@ def parse_tool_use(body: Mapping[str, object], parser: str = "") -> tuple[tuple[
                            "required": ["name", "parameters"], "additionalProperties": False}
                           for name, schema in schemas.items()]}
         array = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-        return tools, ToolUse(tools, "required", "", _grammar(array))
+        return tools, ToolUse("required", "", _grammar(array))
     name = _named(choice)
     if name not in schemas:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools")
-    return tools, ToolUse(tools, "named", name, _grammar(schemas[name]))
+    return tools, ToolUse("named", name, _grammar(schemas[name]))
 
 
 def tool_calls_of(use: ToolUse, text: str) -> list[dict[str, object]] | None:
-    """The tool calls the output `text` makes, in OpenAI's shape; None when it is not a complete call (the
-    output was cut by max_tokens), which the caller returns as plain content."""
-    if use.mode == "auto":
-        return hermes_tool_calls(text)[1]
+    """The forced calls (mode "named" or "required") the output `text` makes, in OpenAI's shape; None when it is
+    not a complete call (the output was cut by max_tokens), which the caller returns as plain content. Mode
+    "auto" is read by `hermes_tool_calls`."""
     if use.mode == "named":
         try:
             json.loads(text)

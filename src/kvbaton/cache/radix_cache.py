@@ -32,6 +32,10 @@ mixin base class of `RadixCache`; matching, locking, inserting, events and the i
 Events: `insert` emits one STORED event for the blocks it adopted; `evict` emits one EVICTED event
 per call listing the hashes in eviction order; `clear` emits CLEARED when the cache ends up empty
 and EVICTED (with the hashes) when locked blocks survive. Sequence numbers are 1, 2, 3, ...
+
+Host tier: with a `HostTier` (`kvbaton.cache.host_tier`), evicted blocks are demoted there and
+EVICTED lists only what left both tiers; a block adopted by an insert leaves the tier (exclusive);
+a snapshot lists the tier's blocks after the tree's. `BlockManager.attach_prefix` promotes them.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from collections.abc import Iterator, Sequence
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.events import KVEvent, KVEventKind, make_kv_event
 from kvbaton.cache.hashing import CacheKey, chain_hashes, hash_block
+from kvbaton.cache.host_tier import HostTier
 from kvbaton.cache.radix_eviction import RadixEviction
 from kvbaton.cache.radix_node import BlockTokens, PrefixMatch, RadixNode, make_prefix_match
 
@@ -49,11 +54,12 @@ from kvbaton.cache.radix_node import BlockTokens, PrefixMatch, RadixNode, make_p
 class RadixCache(RadixEviction):
     """Prefix cache over full blocks; see the module docstring for the ownership and lock rules."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, tier: HostTier | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.pool = pool
         self.block_size = block_size
+        self.tier = tier
         self._roots: dict[CacheKey, RadixNode] = {}
         self._tick = 0
         self._serials = itertools.count()
@@ -211,6 +217,8 @@ class RadixCache(RadixEviction):
             node = self._add_child(node, token_blocks[num_path:], new_ids, known_hashes)
             path_ids.extend(new_ids)
             path_hashes.extend(node.block_hashes)
+            if self.tier is not None:
+                self.tier.discard(node.block_hashes)  # computed again on the device: one tier holds a block
             self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
         self._touch(node)
         return make_prefix_match(tuple(path_ids), tuple(path_hashes), node)
@@ -233,10 +241,14 @@ class RadixCache(RadixEviction):
 
         A consumer resyncing from it ignores later events with seq <= that number.
         """
-        return [
+        events = [
             KVEvent(self._seq, KVEventKind.STORED, tuple(node.block_hashes), node.parent_hash, self.block_size)
             for node in self._iter_nodes(ordered=True)
         ]
+        if self.tier is not None:  # blocks the worker can load back count as held
+            events.extend(KVEvent(self._seq, KVEventKind.STORED, (block_hash,), parent_hash, self.block_size)
+                          for block_hash, parent_hash in self.tier.stored())
+        return events
 
     def check_invariants(self) -> None:
         """Raise AssertionError on any inconsistency between tree, counters, heap, events and pool."""
@@ -274,6 +286,8 @@ class RadixCache(RadixEviction):
             if not node.children and node.lock_ref == 0:
                 assert (node.last_access, node.serial) in heap_entries, "evictable leaf missing from heap"
         assert seen_ids == self._cached_block_ids, "cached block id set out of date"
+        if self.tier is not None:
+            self.tier.check_invariants({h for node in self._iter_nodes(ordered=False) for h in node.block_hashes})
         assert len(seen_ids) == self._num_cached_blocks, "num_cached_blocks out of date"
         assert num_nodes == self._num_nodes, "node count out of date"
         assert num_locked_blocks == self._num_locked_blocks, "locked block count out of date"

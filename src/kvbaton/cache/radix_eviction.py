@@ -14,6 +14,8 @@ evictable).
 
 Events: `evict` emits one EVICTED event per call listing the hashes in eviction order; `clear`
 emits CLEARED when the cache ends up empty and EVICTED (with the hashes) when locked blocks survive.
+With a host tier (`kvbaton.cache.host_tier`), `evict` demotes the blocks it trims there instead, and
+its EVICTED event lists only the hashes that left both tiers; `clear` empties both.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterator
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.events import KVEventKind
+from kvbaton.cache.host_tier import EvictedBlock, HostTier
 from kvbaton.cache.radix_node import RadixNode
 
 
@@ -38,6 +41,7 @@ class RadixEviction:
     _num_nodes: int
     _num_cached_blocks: int
     _cached_block_ids: set[int]
+    tier: HostTier | None  # where evicted blocks go, if anywhere
     _emit: Callable[[KVEventKind, tuple[int, ...], int | None], None]
     _iter_nodes: Callable[..., Iterator[RadixNode]]
 
@@ -49,8 +53,15 @@ class RadixEviction:
         return num_freed
 
     def clear(self) -> int:
-        """Drop every unlocked block (LRU order); returns how many went back to the free queue."""
-        num_freed, evicted_hashes = self._evict(None)
+        """Drop every unlocked block (LRU order), and the host tier's; returns how many device blocks went back
+        to the free queue."""
+        tier, self.tier = self.tier, None  # nothing is demoted by a clear
+        try:
+            num_freed, evicted_hashes = self._evict(None)
+        finally:
+            self.tier = tier
+        if tier is not None:
+            evicted_hashes.extend(tier.clear())
         if evicted_hashes:
             if self._num_cached_blocks == 0:
                 self._emit(KVEventKind.CLEARED, (), None)
@@ -95,19 +106,28 @@ class RadixEviction:
         """Trim LRU leaves block by block until `num_blocks` are free (None: all unlocked)."""
         num_freed = 0
         evicted_hashes: list[int] = []
+        tier = self.tier
+        demoted: list[EvictedBlock] = []
         while num_blocks is None or num_freed < num_blocks:
             node = self._lru_leaf()
             if node is None:
                 break
             block_id = node.block_ids.pop()
-            node.token_blocks.pop()
-            evicted_hashes.append(node.block_hashes.pop())
+            token_block = node.token_blocks.pop()
+            block_hash = node.block_hashes.pop()
             self._cached_block_ids.discard(block_id)
             self._num_cached_blocks -= 1
             self.pool.release([block_id])
             num_freed += self.pool.ref_count(block_id) == 0
+            if tier is None:
+                evicted_hashes.append(block_hash)
+            else:  # its KV stays in the freed block until the next allocation: `demote` copies it out first
+                parent_hash = node.block_hashes[-1] if node.block_hashes else node.parent_hash
+                demoted.append(EvictedBlock(block_hash, token_block, parent_hash, block_id))
             if not node.block_ids:
                 self._detach(node)
+        if demoted:
+            evicted_hashes = tier.demote(demoted)  # type: ignore[union-attr]
         return num_freed, evicted_hashes
 
     def _detach(self, node: RadixNode) -> None:

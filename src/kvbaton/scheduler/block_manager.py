@@ -84,8 +84,15 @@ class BlockManager:
             return 0
         num_blocks = self._max_hit_blocks(request)
         key = self.cache_key.with_tenant(request.tenant)
-        match = self.cache.match_prefix_blocks(key, self._blocks_of(request, num_blocks), touch=False)
-        return match.num_blocks * self.block_size
+        token_blocks = self._blocks_of(request, num_blocks)
+        match = self.cache.match_prefix_blocks(key, token_blocks, touch=False)
+        num_hit = match.num_blocks
+        tier = self.cache.tier
+        if tier is not None and num_hit < num_blocks:  # the host tier supplies blocks too, at a copy's cost
+            parent_hash = match.block_hashes[-1] if num_hit else key.root_hash
+            num_hit += tier.match(parent_hash, token_blocks[num_hit:],
+                                  self._prompt_hashes.get(request.request_id, ())[num_hit:])
+        return num_hit * self.block_size
 
     def attach_prefix(self, request: Request) -> int:
         """Seed an empty block table with the cached prefix of `request`; returns the hit in tokens.
@@ -100,15 +107,53 @@ class BlockManager:
         if num_blocks == 0:
             return 0
         key = self.cache_key.with_tenant(request.tenant)
-        match = self.cache.match_prefix_blocks(key, self._blocks_of(request, num_blocks))
-        if match.num_blocks == 0:
-            return 0
-        self.pool.ref(match.block_ids)
-        self.cache.lock(match.node)
-        self._holds[request.request_id] = _CacheHold(match.node, match.num_blocks)
-        request.block_ids = list(match.block_ids)
-        request.num_computed_tokens = match.num_blocks * self.block_size
+        token_blocks = self._blocks_of(request, num_blocks)
+        match = self.cache.match_prefix_blocks(key, token_blocks)
+        if match.num_blocks:
+            self.pool.ref(match.block_ids)
+            self.cache.lock(match.node)
+            self._holds[request.request_id] = _CacheHold(match.node, match.num_blocks)
+            request.block_ids = list(match.block_ids)
+            request.num_computed_tokens = match.num_blocks * self.block_size
+        if self.cache.tier is not None and match.num_blocks < num_blocks:
+            self._promote(request, key, match.block_hashes[-1] if match.num_blocks else key.root_hash,
+                          token_blocks[match.num_blocks :])
         return request.num_computed_tokens
+
+    def _promote(self, request: Request, key: CacheKey, parent_hash: int, token_blocks: list[tuple[int, ...]]) -> None:
+        """`attach_prefix` past the device match: the blocks the host tier holds next are copied into fresh device
+        blocks (as many as the pool can give, evicting cached ones if short), cached on the device as if computed
+        there, and join the request's table and hold."""
+        cache, tier = self.cache, self.cache.tier  # type: ignore[union-attr]
+        assert cache is not None and tier is not None
+        num_device = len(request.block_ids)
+        taken = tier.take(parent_hash, token_blocks, self._prompt_hashes.get(request.request_id, ())[num_device:])
+        if not taken:
+            return
+        # Taken out of the tier's LRU first, so the blocks this eviction demotes cannot push them out.
+        shortfall = len(taken) - self.pool.num_free_blocks
+        if shortfall > 0:
+            cache.evict(shortfall)
+        num_loaded = min(len(taken), self.pool.num_free_blocks)
+        tier.put_back(taken[num_loaded:])
+        if not num_loaded:
+            return
+        block_ids = self.pool.allocate(num_loaded)  # the request's references
+        tier.load(taken[:num_loaded], block_ids)
+        hold = self._holds.get(request.request_id)
+        if hold is None:
+            match = cache.insert_blocks(key, token_blocks[:num_loaded], block_ids, taken)
+        else:
+            match = cache.insert_from_blocks(hold.node, token_blocks[:num_loaded], block_ids, taken)
+        cache.lock(match.node)  # the new node before the old one is unlocked: no evictable gap
+        if hold is None:
+            self._holds[request.request_id] = _CacheHold(match.node, num_device + num_loaded)
+        else:
+            cache.unlock(hold.node)
+            hold.node = match.node
+            hold.num_blocks = num_device + num_loaded
+        request.block_ids = request.block_ids + block_ids
+        request.num_computed_tokens = (num_device + num_loaded) * self.block_size
 
     def try_grow(self, request: Request, end_pos: int) -> bool:
         """Make the table cover positions [0, end_pos), evicting cached blocks if the pool is short.

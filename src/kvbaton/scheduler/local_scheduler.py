@@ -299,6 +299,7 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
 
     def stats(self) -> SchedulerStats:
         cache = self.blocks.cache
+        tier = cache.tier if cache is not None else None
         return SchedulerStats(
             num_waiting=len(self._waiting),
             num_running=len(self._running),
@@ -310,6 +311,9 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
             prefix_cache_hits_tokens=self._hits_tokens,
             num_preemptions=self._num_preemptions,
             num_steps=self._num_steps,
+            num_host_cached_blocks=tier.num_cached_blocks if tier is not None else 0,
+            num_host_loaded_blocks=tier.num_loaded_blocks if tier is not None else 0,
+            num_host_saved_blocks=tier.num_saved_blocks if tier is not None else 0,
         )
 
     def num_queued_prefill_tokens(self) -> int:

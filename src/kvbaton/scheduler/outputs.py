@@ -35,3 +35,8 @@ class SchedulerStats:
     prefix_cache_hits_tokens: int  # of which the cache supplied
     num_preemptions: int
     num_steps: int  # plans with at least one chunk
+    # The prefix cache's host tier (kvbaton.cache.host_tier), when there is one: blocks held now, and blocks
+    # copied back to the device (promoted) and out to host memory (demoted) so far.
+    num_host_cached_blocks: int = 0
+    num_host_loaded_blocks: int = 0
+    num_host_saved_blocks: int = 0

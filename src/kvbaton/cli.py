@@ -113,6 +113,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
+    p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
     p.add_argument("--tool-call-parser", default="", choices=("", "hermes"),
@@ -164,6 +165,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         local_prefill_threshold_tokens=DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS if threshold is None else threshold,
         policy=args.policy, host=args.host, port=args.port,
         rpc_address=args.rpc_address, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        host_num_blocks=args.host_num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         num_speculative_tokens=args.speculative_tokens,
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
@@ -185,6 +187,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048)
+    p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
     p.add_argument("--seed", type=int, default=0)
@@ -211,7 +214,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     worker = Worker(WorkerConfig(
         router_address=args.router, worker_id=worker_id, role=args.role, model=args.model, dtype=args.dtype,
-        device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
+        device=args.device, block_size=args.block_size, num_blocks=args.num_blocks, host_num_blocks=args.host_num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.threads,
         num_speculative_tokens=args.speculative_tokens,
         queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,

@@ -1,5 +1,5 @@
 """The HTTP layer end to end: the official openai client against `kvbaton serve --model tiny-random --workers 2
---speculative-tokens 3 --tool-call-parser hermes` in a subprocess (killed by pid at the end). Slow-ish: one server start plus two `kvbaton generate` runs,
+--speculative-tokens 3 --tool-call-parser hermes --host-num-blocks 512` in a subprocess (killed by pid at the end). Slow-ish: one server start plus two `kvbaton generate` runs,
 about 30-60 s on a loaded 2-core machine.
 
 Checks: greedy output through the server equals `kvbaton generate`'s (completion and chat); a second request
@@ -33,7 +33,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Then"
 def served() -> Iterator[Served]:
     # Workers speculate (prompt lookup, 3 drafts): greedy answers must still equal `kvbaton generate`'s.
     with serve_process(["--model", MODEL, "--workers", "2", "--num-blocks", "256", "--drain-timeout", "5",
-                        "--speculative-tokens", "3", "--tool-call-parser", "hermes"], STARTUP_TIMEOUT_S) as server:
+                        "--speculative-tokens", "3", "--tool-call-parser", "hermes", "--host-num-blocks", "512"],
+                       STARTUP_TIMEOUT_S) as server:
         yield server
 
 
@@ -107,6 +108,24 @@ class Order(pydantic.BaseModel):
     paid: bool
     quantity: int = pydantic.Field(ge=1, le=9)
     size: Literal["small", "large"]
+
+
+def test_host_tier_brings_an_evicted_prefix_back(client: openai.OpenAI, served: Served) -> None:
+    """Eight ~1,000-token prompts of distinct words fill both workers' 256-block pools several times over; the
+    first prompt sent again is served from the host tier (cached tokens, blocks loaded) with the same answer."""
+    prompts = [" ".join(f"w{group}x{i}" for i in range(300)) for group in range(8)]
+    first = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
+    for prompt in prompts[1:]:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens > 512  # more than a pool can keep next to the other prompts
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
+    workers = _wait_idle_baseline(served.url)
+    loaded = sum(w["host_kv_cache"]["num_loaded_blocks"] for w in workers)
+    assert loaded > 0 and sum(w["host_kv_cache"]["num_saved_blocks"] for w in workers) >= loaded
+    metrics = httpx.get(served.url + "/metrics", timeout=10).text
+    assert f"kvbaton:host_kv_cache_num_loaded_blocks {float(loaded)}" in metrics
 
 
 def test_openai_clients_structured_parse_gets_a_valid_object(client: openai.OpenAI, served: Served) -> None:

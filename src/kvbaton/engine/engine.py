@@ -16,13 +16,14 @@ import torch
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.host_tier import HostTier
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.config import EngineConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
-from kvbaton.engine.kv_storage import KVStorage
+from kvbaton.engine.kv_storage import HostKVStorage, KVStorage
 from kvbaton.engine.model_runner import ModelRunner, PromptLogprobsWanted
 from kvbaton.engine.sampler import Sampler
 from kvbaton.engine.structured import RequestGrammar, grammar_tokenizer
@@ -73,11 +74,15 @@ class Engine:
         self.kv_layout = model_config.kv_layout_id(dtype_name, cache_cfg.block_size)
         self.cache_key = CacheKey(self.loaded.revision, self.kv_layout)
         self.pool = BlockPool(cache_cfg.num_blocks)
-        self.prefix_cache = RadixCache(self.pool, cache_cfg.block_size) if cache_cfg.enable_prefix_cache else None
-        self.scheduler = LocalScheduler(config.scheduler, cache_cfg.block_size, self.pool, self.prefix_cache,
-                                        self.cache_key)
         self.storage = KVStorage(model_config, cache_cfg.num_blocks, cache_cfg.block_size, self.loaded.dtype,
                                  config.device, kv_cache)
+        # The prefix cache's host tier: what the device cache evicts is copied there and back (cache.host_tier).
+        self.host_storage = HostKVStorage(self.storage, cache_cfg.host_num_blocks) if cache_cfg.host_num_blocks else None
+        tier = HostTier(cache_cfg.host_num_blocks, self.host_storage) if self.host_storage is not None else None
+        self.prefix_cache = (RadixCache(self.pool, cache_cfg.block_size, tier) if cache_cfg.enable_prefix_cache
+                             else None)
+        self.scheduler = LocalScheduler(config.scheduler, cache_cfg.block_size, self.pool, self.prefix_cache,
+                                        self.cache_key)
         self.runner = ModelRunner(self.loaded.model, self.storage, config.device)
         self.sampler = Sampler(config.seed)
         self._clock = clock

@@ -59,6 +59,7 @@ class ServeConfig:
     dtype: str = "auto"
     block_size: int = 16
     num_blocks: int = 2048  # per worker
+    host_num_blocks: int = 0  # per worker: the prefix cache's host tier (kvbaton.cache.host_tier); 0 = off
     max_num_batched_tokens: int = 512
     num_speculative_tokens: int = 0  # prompt-lookup drafts per decode on every worker (0: off)
     max_num_waiting: int = 256
@@ -145,6 +146,7 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
     return ["--role", role, "--router", router_address,
             "--model", config.model, "--worker-id", worker_id, "--dtype", config.dtype,
             "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
+            "--host-num-blocks", str(config.host_num_blocks),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
             "--speculative-tokens", str(config.num_speculative_tokens),
             "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport,

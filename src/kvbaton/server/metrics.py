@@ -71,6 +71,10 @@ class ClusterCollector(Collector):
             total = sum(_number((w.get("spec_decode") or {}).get(name)) for w in workers)  # type: ignore[union-attr]
             yield GaugeMetricFamily(f"{PREFIX}spec_decode_{name}", f"Speculative decoding: {name.replace('_', ' ')} "
                                     "(summed over the live workers).", value=total)
+        for name in ("num_cached_blocks", "num_loaded_blocks", "num_saved_blocks"):  # the prefix cache's host tier
+            total = sum(_number((w.get("host_kv_cache") or {}).get(name)) for w in workers)  # type: ignore[union-attr]
+            yield GaugeMetricFamily(f"{PREFIX}host_kv_cache_{name}", f"Host KV tier: {name.replace('_', ' ')} "
+                                    "(summed over the live workers).", value=total)
         transfers = info.get("transfers", {}) or {}
         for name, value in sorted(transfers.items()):  # type: ignore[union-attr]
             yield GaugeMetricFamily(f"{PREFIX}kv_transfer_{name}", f"KV handoffs: {name} (summed over workers).",

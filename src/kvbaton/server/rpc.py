@@ -96,6 +96,10 @@ class Stats:
     # Speculative decoding, cumulative: draft tokens proposed, and those the model accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # The prefix cache's host tier: blocks held now, blocks loaded back and saved out so far (0 without one).
+    num_host_cached_blocks: int = 0
+    num_host_loaded_blocks: int = 0
+    num_host_saved_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,7 @@ class WorkerConfig:
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int = 2048
+    host_num_blocks: int = 0  # the prefix cache's host tier (kvbaton.cache.host_tier); 0 = off
     max_num_batched_tokens: int = 512
     num_speculative_tokens: int = 0  # prompt-lookup speculative decoding (scheduler/spec_decode.py); 0 = off
     enable_prefix_cache: bool = True
@@ -169,7 +170,7 @@ class Worker:
         cfg = self.config
         engine_config = EngineConfig(
             model=cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
-            cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_cache),
+            cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_cache, cfg.host_num_blocks),
             scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, queue_policy=queue_policy,
                                       num_speculative_tokens=cfg.num_speculative_tokens),
         )
@@ -378,7 +379,8 @@ class Worker:
             self.config.worker_id, s.num_waiting, s.num_running, s.num_queued_prefill_tokens, s.num_used_blocks,
             s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens,
             s.num_preemptions, s.num_steps, now, self._invariant_error, *self._transfer_stats(),
-            engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens)))
+            engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens, s.num_host_cached_blocks,
+            s.num_host_loaded_blocks, s.num_host_saved_blocks)))
 
     def _has_work(self) -> bool:
         assert self.engine is not None

@@ -1,8 +1,9 @@
 """Named GPUs and model architectures the simulator can price (the `--gpu` and `--model` CLI names).
 
 Figures are public datasheet values (dense 16-bit tensor FLOPs, HBM bandwidth, memory, the
-GPU-to-GPU link inside a node) and the architectures of the published checkpoints. The sim layer
-cannot import `kvbaton.model`, so architectures are restated here as plain values.
+GPU-to-GPU link inside a node, the PCIe generation of the link to host memory) and the
+architectures of the published checkpoints. The sim layer cannot import `kvbaton.model`, so
+architectures are restated here as plain values.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class GpuSpec:
     mem_bytes_per_s: float  # HBM/GDDR bandwidth
     mem_bytes: int  # device memory
     intra_node_link: str  # link preset between GPUs of one node (kvbaton.sim.links)
+    host_link: str  # link preset between one GPU and host memory (the host KV tier's copies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +60,12 @@ class ModelSpec:
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    GpuSpec("a100", 312e12, 2.039e12, 80 * 2**30, "nvlink-a100"),
-    GpuSpec("a100-40gb", 312e12, 1.555e12, 40 * 2**30, "nvlink-a100"),
-    GpuSpec("h100", 989e12, 3.35e12, 80 * 2**30, "nvlink"),
-    GpuSpec("h200", 989e12, 4.8e12, 141 * 2**30, "nvlink"),
-    GpuSpec("l40s", 362e12, 0.864e12, 48 * 2**30, "pcie"),
-    GpuSpec("a6000", 155e12, 0.768e12, 48 * 2**30, "pcie"),
+    GpuSpec("a100", 312e12, 2.039e12, 80 * 2**30, "nvlink-a100", "host-pcie4"),
+    GpuSpec("a100-40gb", 312e12, 1.555e12, 40 * 2**30, "nvlink-a100", "host-pcie4"),
+    GpuSpec("h100", 989e12, 3.35e12, 80 * 2**30, "nvlink", "host-pcie5"),
+    GpuSpec("h200", 989e12, 4.8e12, 141 * 2**30, "nvlink", "host-pcie5"),
+    GpuSpec("l40s", 362e12, 0.864e12, 48 * 2**30, "pcie", "host-pcie4"),
+    GpuSpec("a6000", 155e12, 0.768e12, 48 * 2**30, "pcie", "host-pcie4"),
 )}
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (

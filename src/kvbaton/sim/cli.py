@@ -50,6 +50,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=0, help="0: the model's context length")
     parser.add_argument("--no-prefix-cache", action="store_true")
+    parser.add_argument("--host-kv-gb", type=float, default=0.0, metavar="G",
+                        help="host memory per worker (GB) for a host KV tier: the prefix cache keeps what the GPU "
+                             "evicts there and copies it back over the GPU's PCIe link when the prefix returns, the "
+                             "copies adding to the step's time (0: no tier)")
     parser.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in seconds")
     parser.add_argument("--tpot-slo", type=float, default=None, help="TPOT SLO in seconds")
     parser.add_argument("--admission", choices=ADMISSION_POLICIES, default="none",
@@ -80,7 +84,7 @@ def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                     max_model_len=args.max_model_len, admission=args.admission, adaptive_pools=args.adaptive_pools,
                     admission_slo=(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None,
-                    reserve_ahead_tokens=args.reserve_ahead_tokens)
+                    reserve_ahead_tokens=args.reserve_ahead_tokens, host_kv_gb=args.host_kv_gb)
 
 
 def run_sim(args: argparse.Namespace) -> int:
@@ -123,7 +127,8 @@ def run_sim(args: argparse.Namespace) -> int:
     num_gpus = next(iter(results.values())).num_gpus
     extra: dict[str, Any] = {
         "simulator": {"model": args.model, "gpu": args.gpu, "cluster": args.cluster, "cost_model": args.cost_model,
-                      "num_blocks_per_worker": next(iter(results.values())).num_blocks_per_worker},
+                      "num_blocks_per_worker": next(iter(results.values())).num_blocks_per_worker,
+                      "host_kv_gb": args.host_kv_gb},
         "workload": args.workload, "params": {k: str(v) for k, v in params.items()}, "seed": args.seed,
         "workers": {name: [asdict(w) for w in r.workers] for name, r in results.items()},
     }

@@ -64,12 +64,13 @@ class ClusterSim(HandoffFlow):
         self.cost_model = cost_model
         self.config = config
         sched = config.scheduler or SchedulerConfig(queue_policy=local_queue_policy(config.policy))
-        # Decode workers keep no prefix cache: their KV arrives by handoff into reserved blocks, and a
-        # reservation cannot evict cached blocks (HandoffDestination allocates from free blocks only).
-        decode_cache = replace(config.cache, enable_prefix_cache=False)
+        # Decode workers keep no prefix cache (nor its host tier): their KV arrives by handoff into reserved blocks,
+        # and a reservation cannot evict cached blocks (HandoffDestination allocates from free blocks only).
+        decode_cache = replace(config.cache, enable_prefix_cache=False, host_num_blocks=0)
+        host_link = get_link(config.host_link)
         self.workers = {w.worker_id: SimWorker(w, sched, decode_cache if w.role == "decode" else config.cache,
                                                config.cache_key, cost_model, token_for,
-                                               random.Random(f"{config.seed}:{w.worker_id}"))
+                                               random.Random(f"{config.seed}:{w.worker_id}"), host_link)
                         for w in spec.workers}
         self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
         self.decode_ids = [w.worker_id for w in spec.workers if w.role == "decode"]
@@ -413,6 +414,9 @@ class ClusterSim(HandoffFlow):
         reports = []
         for w in self.workers.values():
             s = w.scheduler.stats()
+            tier = w.cache.tier if w.cache is not None else None
             reports.append(WorkerReport(w.worker_id, w.spec.role, w.num_steps, w.busy_s, s.num_preemptions,
-                                        s.prefix_cache_hits_tokens, s.prefix_cache_queries_tokens))
+                                        s.prefix_cache_hits_tokens, s.prefix_cache_queries_tokens,
+                                        tier.num_loaded_blocks if tier is not None else 0,
+                                        tier.num_saved_blocks if tier is not None else 0))
         return reports

@@ -30,6 +30,9 @@ class SimConfig:
     # adopts the KV, between its steps (kvbaton's live path); "prefill" — as the prefill worker samples it
     # (DistServe's metric, which the planner reproduces).
     first_token_at: str = "decode"
+    # One GPU's link to host memory (a kvbaton.sim.links preset), which the host KV tier's copies take when
+    # `cache.host_num_blocks` > 0; `build_sim` takes it from the GPU catalog.
+    host_link: str = "host-pcie5"
 
     def __post_init__(self) -> None:
         if self.first_token_at not in ("decode", "prefill"):
@@ -47,3 +50,5 @@ class WorkerReport:
     num_preemptions: int
     prefix_cache_hits_tokens: int
     prefix_cache_queries_tokens: int
+    host_loaded_blocks: int = 0  # host KV tier -> device copies (promotions), in blocks
+    host_saved_blocks: int = 0  # device -> host KV tier copies (demotions), in blocks

@@ -3,13 +3,15 @@
 `SimSetup` is what `kvbaton sim` and the benchmarks describe a run with; `simulate` builds the
 cost model, sizes each worker's KV pool from the GPU's memory (catalog models) unless
 `num_blocks` is given, runs `ClusterSim` and returns the records with per-worker figures.
+`host_kv_gb` gives each worker with a prefix cache a host-memory KV tier of that size, whose copies
+take the GPU's host link (`GpuSpec.host_link`, `kvbaton.sim.host_link`).
 """
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
@@ -52,6 +54,7 @@ class SimSetup:
     pools: PoolConfig = PoolConfig()
     first_token_at: str = "decode"  # "decode" (kvbaton's live PD path) | "prefill" (DistServe's); see SimConfig
     reserve_ahead_tokens: int | None = None  # late KV reservation (see SimConfig); None: on arrival
+    host_kv_gb: float = 0.0  # host memory per worker for the prefix cache's host tier (1e9 bytes); 0: no tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,20 +82,37 @@ def kv_blocks_for(setup: SimSetup, spec: ClusterSpec, cost_model: CostModel) -> 
     return num_blocks
 
 
+def host_kv_blocks_for(setup: SimSetup, cost_model: CostModel) -> int:
+    """Host-tier blocks one worker holds: `host_kv_gb` over the bytes of one block (0: no tier)."""
+    if setup.host_kv_gb < 0:
+        raise InvalidRequestError(f"host_kv_gb must be >= 0, got {setup.host_kv_gb}")
+    if setup.host_kv_gb == 0:
+        return 0
+    if cost_model.kv_bytes_per_token <= 0:
+        raise InvalidRequestError(f"a host KV tier needs the KV bytes per token, which {cost_model.name} lacks")
+    num_blocks = int(setup.host_kv_gb * 1e9 // (cost_model.kv_bytes_per_token * setup.block_size))
+    if num_blocks < 1:
+        raise InvalidRequestError(f"host_kv_gb {setup.host_kv_gb} holds no KV block of {setup.model}")
+    return num_blocks
+
+
 def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
     spec = parse_cluster_spec(setup.cluster)
     cost_model = create_cost_model(setup.cost_model, setup.model, setup.gpu)
     num_blocks = kv_blocks_for(setup, spec, cost_model)
+    host_num_blocks = host_kv_blocks_for(setup, cost_model)
     model = MODELS.get(setup.model)
     max_model_len = setup.max_model_len or (model.max_context_tokens if model else 8192)
     config = SimConfig(
         policy=setup.policy, seed=setup.seed,
         cache=CacheConfig(block_size=setup.block_size, num_blocks=num_blocks,
-                          enable_prefix_cache=setup.enable_prefix_cache),
+                          enable_prefix_cache=setup.enable_prefix_cache, host_num_blocks=host_num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=setup.max_num_batched_tokens,
                                   max_num_seqs=setup.max_num_seqs, queue_policy=local_queue_policy(setup.policy)),
         heartbeat_s=setup.heartbeat_s, max_model_len=max_model_len, first_token_at=setup.first_token_at,
         reserve_ahead_tokens=setup.reserve_ahead_tokens)
+    if host_num_blocks:
+        config = replace(config, host_link=get_gpu(setup.gpu).host_link)
     admission = pools = None
     if (setup.admission != "none" or setup.adaptive_pools) and setup.admission_slo is None:
         raise InvalidRequestError("admission and adaptive pools need admission_slo (TTFT s, TPOT s)")

@@ -10,6 +10,14 @@ scheduled knowing the running list did not change (`quiet_cycle`); while the sam
 the steps their limits leave quiet are counted once and applied untested. Sampled tokens are
 deterministic: `token_for(request_id, output_index)` (by default 100 + index mod 1000, never an
 end-of-sequence id in the workloads, which run with ignore_eos and an exact output length).
+
+With a host KV tier (`CacheConfig.host_num_blocks`), the radix cache demotes what it evicts into a
+`HostTier` whose copies a `HostLink` prices (`kvbaton.sim.host_link`); they are charged to the next
+general step, serial with its compute (the step-time noise scales the whole step). Only
+`scheduler.schedule` copies: its admissions promote blocks and its evictions demote them. The
+steady decode paths admit nothing and grow tables from free blocks only (they give way to
+`schedule` when the pool is short), so they copy nothing, and a handoff is adopted into blocks its
+reservation holds, with no eviction; any copy made elsewhere waits for the next general step.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from collections.abc import Callable
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.fast_init import slot_setters
 from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.host_tier import HostTier
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.request import Request, RequestStatus
@@ -33,6 +42,8 @@ from kvbaton.scheduler.outputs import TokenOutput
 from kvbaton.scheduler.steady_decodes import (advance_quiet_decodes, apply_quiet_decodes, batch_unchanged,
                                               num_quiet_steps_ahead, schedule_decodes_after_quiet)
 from kvbaton.sim.costs.base import CostModel
+from kvbaton.sim.host_link import HostLink
+from kvbaton.sim.links import LinkSpec
 from kvbaton.sim.spec import WorkerSpec
 
 # WorkerStats is built per heartbeat of every worker: its slots are written through their member descriptors
@@ -53,11 +64,21 @@ def default_token(request_id: str, output_index: int) -> int:
 class SimWorker:
     def __init__(self, spec: WorkerSpec, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  cache_key: CacheKey, cost_model: CostModel, token_for: TokenFn | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, host_link: LinkSpec | None = None) -> None:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.pool = BlockPool(cache_config.num_blocks)
-        self.cache = RadixCache(self.pool, cache_config.block_size) if cache_config.enable_prefix_cache else None
+        # The host tier's copies, counted and priced (None: no host tier); `host_link` is one GPU's link to host.
+        self.host_link: HostLink | None = None
+        tier = None
+        if cache_config.enable_prefix_cache and cache_config.host_num_blocks > 0:
+            if host_link is None:
+                raise ValueError("a host KV tier needs the host link it copies over")
+            self.host_link = HostLink(host_link, cost_model.kv_bytes_per_token * cache_config.block_size,
+                                      spec.parallel.num_gpus)
+            tier = HostTier(cache_config.host_num_blocks, self.host_link)
+        self.cache = (RadixCache(self.pool, cache_config.block_size, tier=tier) if cache_config.enable_prefix_cache
+                      else None)
         self.scheduler = LocalScheduler(scheduler_config, cache_config.block_size, self.pool, self.cache, cache_key)
         self.block_size = cache_config.block_size
         self.cost_model = cost_model
@@ -132,6 +153,8 @@ class SimWorker:
                 self.step_s = self._decode_price(len(plan.chunks), context_tokens)
             else:
                 self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
+            if self.host_link is not None:  # the host tier's copies since the last step, before this one's compute
+                self.step_s += self.host_link.take_copy_s()
         self.busy = True
         if self._rng is not None:
             self.step_s *= self._noise()

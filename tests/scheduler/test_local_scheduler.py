@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from kvbaton.core.errors import CapacityError, InvalidRequestError
-from kvbaton.core.request import FinishReason, RequestStatus
+from kvbaton.core.request import FinishReason, Request, RequestStatus
+from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken, StepResult
 from tests.scheduler.helpers import chunk_spans, fake_execute, make_request, make_scheduler, step
 
@@ -109,17 +110,20 @@ def test_prefix_hit_leaves_one_token_to_compute_and_respects_tenant() -> None:
 
 
 def test_concurrent_requests_share_cached_blocks() -> None:
+    """Two requests computing the same prefix at once end up sharing one copy of it (as in SGLang)."""
     sched = make_scheduler(prefix_cache=True, max_num_batched_tokens=32)
     prompt = list(range(200, 212))
     sched.add_request(make_request("a", prompt, max_tokens=3))
     sched.add_request(make_request("b", prompt, max_tokens=3))
     plan, _ = step(sched)
     assert [c.block_ids for c in plan.chunks] == [(0, 1, 2), (3, 4, 5)]
-    assert sched.stats().num_cached_blocks == 3  # a's blocks; b keeps its duplicates privately
+    # a's blocks are cached; b computed the same prefix in the same step, takes the cache's blocks and frees its own.
+    assert sched.stats().num_cached_blocks == 3
+    assert sched.blocks.pool.num_used_blocks == 3
     sched.add_request(make_request("c", prompt + [9], max_tokens=1))
     plan, _ = step(sched)
     assert chunk_spans(plan) == [("a", 12, 13, True), ("b", 12, 13, True), ("c", 12, 13, True)]
-    assert [c.block_ids for c in plan.chunks] == [(0, 1, 2, 6), (3, 4, 5, 7), (0, 1, 2, 8)]
+    assert [c.block_ids for c in plan.chunks] == [(0, 1, 2, 6), (0, 1, 2, 7), (0, 1, 2, 8)]
     while sched.has_unfinished_requests():
         step(sched)
     assert sched.blocks.pool.num_used_blocks == sched.stats().num_cached_blocks == 3
@@ -317,3 +321,22 @@ def test_scheduler_imports_no_torch_fastapi_or_zmq() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_request_recomputing_a_cached_prefix_fits_a_pool_of_exactly_its_size() -> None:
+    """A request that computes a block the cache already holds (here: one asking for prompt logprobs, which reads
+    nothing from the cache) swaps its copy for the cache's, so it never holds a position twice: alone in a pool of
+    exactly its size it finishes, where holding both copies made it preempt itself forever."""
+    sched = make_scheduler(6, prefix_cache=True, max_num_batched_tokens=16)
+    sched.add_request(make_request("a", [100, 101, 102, 103], max_tokens=1))
+    step(sched)
+    sched.take_finished()  # the block [100..103] is cached
+    prompt = [100, 101, 102, 103] + list(range(12))  # 16 tokens; with 6 outputs, 6 blocks: the whole pool
+    sched.add_request(Request("b", prompt, SamplingParams(max_tokens=6, prompt_logprobs=1, ignore_eos=True), 0.0))
+    for _ in range(20):
+        if not sched.has_unfinished_requests():
+            break
+        step(sched)
+    assert not sched.has_unfinished_requests() and sched.stats().num_preemptions == 0
+    assert [r.finish_reason for r in sched.take_finished()] == [FinishReason.LENGTH]
+    assert sched.blocks.pool.num_used_blocks == sched.stats().num_cached_blocks

@@ -179,7 +179,7 @@ class BlockManager:
         hold = self._holds.get(request.request_id)
         if num_full <= (hold.num_blocks if hold else 0):
             return
-        # Positions already cached keep the cache's block; our duplicate stays in our table.
+        # Positions already cached keep the cache's block, and the request swaps its duplicate for it below.
         hashes = self._prompt_hashes.get(request.request_id, ())
         if hold is None:
             key = self.cache_key.with_tenant(request.tenant)
@@ -199,6 +199,25 @@ class BlockManager:
             self.cache.unlock(hold.node)
             hold.node = match.node  # the hold moves deeper in place (it is the request's own record)
             hold.num_blocks = num_full
+        first = num_full - len(match.block_ids)
+        if match.block_ids != tuple(request.block_ids[first:num_full]):
+            self._share_cached_blocks(request, first, match.block_ids)
+
+    def _share_cached_blocks(self, request: Request, first: int, cached_ids: tuple[int, ...]) -> None:
+        """The cache already held some of the blocks the request just computed (another request computed the same
+        prefix first): the request takes the cache's blocks at those positions and frees its duplicates, as
+        SGLang's radix cache does. Its locked path is then exactly its own table's blocks, so one request never
+        holds a position twice (a request alone in a full pool could otherwise never fit: its copy and the cache's
+        locked one both count)."""
+        table = list(request.block_ids)
+        duplicates = []
+        for position, cached_id in enumerate(cached_ids, first):
+            if table[position] != cached_id:
+                duplicates.append(table[position])
+                table[position] = cached_id
+        self.pool.ref([cached_id for cached_id, own in zip(cached_ids, request.block_ids[first:]) if cached_id != own])
+        self.pool.release(duplicates)
+        request.block_ids = table  # a new list: the scheduler's table cache sees the change
 
     def trim(self, request: Request) -> None:
         """Release the blocks past what `request`'s tokens need (a speculative step's rejected drafts grew the

@@ -71,11 +71,15 @@ class HostTier:
         self._taken: dict[int, HostEntry] = {}  # taken out of the LRU for a promotion, not yet loaded or returned
         self.num_saved_blocks = 0  # copies device -> host
         self.num_loaded_blocks = 0  # copies host -> device
-        self.num_dropped_blocks = 0  # entries dropped to make room (their KV is gone from both tiers)
+        self.num_dropped_blocks = 0  # blocks dropped for want of room (their KV is gone from both tiers)
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._entries)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._entries
@@ -93,6 +97,7 @@ class HostTier:
             if not free:
                 if not entries:
                     dropped.append(block.block_hash)  # everything here is taken for a promotion
+                    self.num_dropped_blocks += 1
                     continue
                 old_hash, old = entries.popitem(last=False)
                 pending.pop(old.host_block_id, None)  # dropped before its copy ran: no copy

@@ -54,6 +54,16 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host memory per worker (GB) for a host KV tier: the prefix cache keeps what the GPU "
                              "evicts there and copies it back over the GPU's PCIe link when the prefix returns, the "
                              "copies adding to the step's time (0: no tier)")
+    parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                        help="speculative decoding by prompt lookup, K drafts per decode (the live scheduler's); "
+                             "drafts find something only with --output-copy-fraction > 0")
+    parser.add_argument("--spec-max-running", type=int, default=None, metavar="N",
+                        help="speculate only while at most N requests run (default: the live default, tuned on CPU)")
+    parser.add_argument("--output-copy-fraction", type=float, default=0.0, metavar="F",
+                        help="share of output tokens copied from spans of the prompt (quoting, RAG, code edits); "
+                             "0: synthetic tokens that never repeat the prompt")
+    parser.add_argument("--output-copy-span", type=float, default=16.0, metavar="L",
+                        help="mean length of a copied span, in tokens")
     parser.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in seconds")
     parser.add_argument("--tpot-slo", type=float, default=None, help="TPOT SLO in seconds")
     parser.add_argument("--admission", choices=ADMISSION_POLICIES, default="none",
@@ -84,7 +94,9 @@ def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                     max_model_len=args.max_model_len, admission=args.admission, adaptive_pools=args.adaptive_pools,
                     admission_slo=(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None,
-                    reserve_ahead_tokens=args.reserve_ahead_tokens, host_kv_gb=args.host_kv_gb)
+                    reserve_ahead_tokens=args.reserve_ahead_tokens, host_kv_gb=args.host_kv_gb,
+                    num_speculative_tokens=args.speculative_tokens, spec_max_running=args.spec_max_running,
+                    output_copy_fraction=args.output_copy_fraction, output_copy_span=args.output_copy_span)
 
 
 def run_sim(args: argparse.Namespace) -> int:
@@ -128,7 +140,9 @@ def run_sim(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {
         "simulator": {"model": args.model, "gpu": args.gpu, "cluster": args.cluster, "cost_model": args.cost_model,
                       "num_blocks_per_worker": next(iter(results.values())).num_blocks_per_worker,
-                      "host_kv_gb": args.host_kv_gb},
+                      "host_kv_gb": args.host_kv_gb, "speculative_tokens": args.speculative_tokens,
+                      "spec_max_running": args.spec_max_running, "output_copy_fraction": args.output_copy_fraction,
+                      "output_copy_span": args.output_copy_span},
         "workload": args.workload, "params": {k: str(v) for k, v in params.items()}, "seed": args.seed,
         "workers": {name: [asdict(w) for w in r.workers] for name, r in results.items()},
     }

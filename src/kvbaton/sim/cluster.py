@@ -101,6 +101,11 @@ class ClusterSim(HandoffFlow):
         self._params: dict[int, SamplingParams] = {}
         self.prompts = SimPrompts(config.cache_key, config.cache.block_size)
         self._on_record: Callable[[RequestRecord], None] | None = None
+        # Output tokens that copy their prompt (kvbaton.sim.outputs.CopyingOutputs) read it here and forget a
+        # request once it ends.
+        if token_for is not None and hasattr(token_for, "prompt_of"):
+            token_for.prompt_of = self.prompt_of  # type: ignore[attr-defined]
+        self._forget_tokens: Callable[[str], None] | None = getattr(token_for, "forget", None)
 
     # ---- the loop ------------------------------------------------------------------------------------
 
@@ -392,8 +397,14 @@ class ClusterSim(HandoffFlow):
             output_tokens=len(times), first_token_s=times[0] if times else None, token_times_s=times,
             finish_s=now, worker_ids=(flight.front,)))
 
+    def prompt_of(self, request_id: str) -> list[int]:
+        """The prompt token ids of a request in flight."""
+        return self._flights[request_id].prompt
+
     def _emit(self, record: RequestRecord) -> None:
         del self._flights[record.request_id]
+        if self._forget_tokens is not None:
+            self._forget_tokens(record.request_id)
         self._records.append(record)
         if self._on_record is not None:
             self._on_record(record)
@@ -418,5 +429,6 @@ class ClusterSim(HandoffFlow):
             reports.append(WorkerReport(w.worker_id, w.spec.role, w.num_steps, w.busy_s, s.num_preemptions,
                                         s.prefix_cache_hits_tokens, s.prefix_cache_queries_tokens,
                                         tier.num_loaded_blocks if tier is not None else 0,
-                                        tier.num_saved_blocks if tier is not None else 0))
+                                        tier.num_saved_blocks if tier is not None else 0,
+                                        w.scheduler.num_draft_tokens, w.scheduler.num_accepted_tokens))
         return reports

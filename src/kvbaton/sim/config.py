@@ -52,3 +52,5 @@ class WorkerReport:
     prefix_cache_queries_tokens: int
     host_loaded_blocks: int = 0  # host KV tier -> device copies (promotions), in blocks
     host_saved_blocks: int = 0  # device -> host KV tier copies (demotions), in blocks
+    num_draft_tokens: int = 0  # speculative decoding: drafts proposed
+    num_accepted_tokens: int = 0  # and accepted

@@ -23,6 +23,7 @@ from kvbaton.router.pools import PoolBalancer, PoolConfig
 from kvbaton.sim.catalog import MODELS, get_gpu
 from kvbaton.sim.cluster import ClusterSim
 from kvbaton.sim.config import SimConfig, WorkerReport
+from kvbaton.sim.outputs import CopyingOutputs
 from kvbaton.sim.stage_loads import stage_time_models
 from kvbaton.sim.costs import CostModel, create_cost_model
 from kvbaton.sim.spec import ClusterSpec, parse_cluster_spec
@@ -54,6 +55,14 @@ class SimSetup:
     pools: PoolConfig = PoolConfig()
     first_token_at: str = "decode"  # "decode" (kvbaton's live PD path) | "prefill" (DistServe's); see SimConfig
     reserve_ahead_tokens: int | None = None  # late KV reservation (see SimConfig); None: on arrival
+    # Speculative decoding by prompt lookup (SchedulerConfig.num_speculative_tokens; 0 = off) while at most
+    # spec_max_running requests run (None: SchedulerConfig's default, tuned on a 2-core CPU). Drafts only find
+    # something when outputs repeat their prompts: output_copy_fraction > 0 makes each output copy spans of its
+    # prompt (kvbaton.sim.outputs.CopyingOutputs, spans of output_copy_span tokens on average).
+    num_speculative_tokens: int = 0
+    spec_max_running: int | None = None
+    output_copy_fraction: float = 0.0
+    output_copy_span: float = 16.0
     host_kv_gb: float = 0.0  # host memory per worker for the prefix cache's host tier (1e9 bytes); 0: no tier
 
 
@@ -108,7 +117,10 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
         cache=CacheConfig(block_size=setup.block_size, num_blocks=num_blocks,
                           enable_prefix_cache=setup.enable_prefix_cache, host_num_blocks=host_num_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=setup.max_num_batched_tokens,
-                                  max_num_seqs=setup.max_num_seqs, queue_policy=local_queue_policy(setup.policy)),
+                                  max_num_seqs=setup.max_num_seqs, queue_policy=local_queue_policy(setup.policy),
+                                  num_speculative_tokens=setup.num_speculative_tokens,
+                                  **({} if setup.spec_max_running is None
+                                     else {"spec_max_running": setup.spec_max_running})),
         heartbeat_s=setup.heartbeat_s, max_model_len=max_model_len, first_token_at=setup.first_token_at,
         reserve_ahead_tokens=setup.reserve_ahead_tokens)
     if host_num_blocks:
@@ -124,7 +136,12 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
             raise InvalidRequestError(f"adaptive pools need prefill and decode workers; {setup.cluster!r} has not")
         pools = PoolBalancer(AdmissionSLO(*setup.admission_slo), stage_time_models(spec, cost_model),
                              config=setup.pools)
-    return ClusterSim(spec, cost_model, config, admission=admission, pools=pools), spec, num_blocks
+    # The default tokens count up from 100, so drafts from a prompt holding such a run would be accepted by accident:
+    # a speculating run draws its tokens from CopyingOutputs, fresh ones only with a copy fraction of 0.
+    token_for = (CopyingOutputs(setup.output_copy_fraction, setup.output_copy_span, setup.seed)
+                 if setup.output_copy_fraction > 0 or setup.num_speculative_tokens > 0 else None)
+    return (ClusterSim(spec, cost_model, config, token_for=token_for, admission=admission, pools=pools), spec,
+            num_blocks)
 
 
 def simulate(requests: Sequence[WorkloadRequest], setup: SimSetup,

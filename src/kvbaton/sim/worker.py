@@ -257,6 +257,7 @@ class SimWorker:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         sampled: dict[str, SampledToken] = {}
+        accepted: dict[str, tuple[SampledToken, ...]] | None = None  # speculative chunks' accepted drafts, if any
         get = self.scheduler.get_request
         token_for = self.token_for
         for chunk in plan.chunks:
@@ -266,12 +267,38 @@ class SimWorker:
             request = get(request_id)
             if request is None:
                 continue  # aborted while the step ran; update() ignores its chunk
+            num_drafts = chunk.start_pos + len(chunk.token_ids) - request.num_tokens
+            if num_drafts > 0:  # speculative decoding: the request's decode carries draft tokens
+                if accepted is None:
+                    accepted = {}
+                sampled[request_id] = self._verify(request, chunk.token_ids[-num_drafts:], accepted)
+                continue
             index = chunk.start_pos + len(chunk.token_ids) - len(request.prompt_token_ids)  # output index
             if token_for is None:
                 sampled[request_id] = _TOKENS[index % 1000]
             else:
                 sampled[request_id] = SampledToken(token_for(request_id, index))
-        return make_result(plan.step_id, sampled, self.step_s)
+        if accepted is None:
+            return make_result(plan.step_id, sampled, self.step_s)
+        return StepResult(plan.step_id, sampled, self.step_s, accepted)
+
+    def _verify(self, request: Request, drafts: tuple[int, ...], accepted: dict[str, tuple[SampledToken, ...]]
+                ) -> SampledToken:
+        """A greedy model's verdict on `request`'s drafts: it keeps those equal to the tokens the request outputs next
+        (`token_for` knows them), in `accepted`, and samples the one after them; returns that token."""
+        index = len(request.output_token_ids)  # output index of the first draft
+        token_for = self.token_for
+        kept: list[SampledToken] = []
+        for draft in drafts:
+            token = _TOKENS[(index + len(kept)) % 1000] if token_for is None else SampledToken(
+                token_for(request.request_id, index + len(kept)))
+            if token.token_id != draft:
+                break
+            kept.append(token)
+        if kept:
+            accepted[request.request_id] = tuple(kept)
+        index += len(kept)
+        return _TOKENS[index % 1000] if token_for is None else SampledToken(token_for(request.request_id, index))
 
     def _decode_tokens(self, decodes: list[Request]) -> list[SampledToken]:
         """What `_execute` samples for the one-token decode of each of `decodes` (its output index is the

@@ -116,6 +116,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
+    p.add_argument("--scheduling-policy", default="", choices=("", "fcfs", "priority"),
+                   help="the workers' waiting queue: priority = vLLM's (a request's `priority` field, lower first, "
+                        "orders admission and preemption); fcfs; default: the one --policy pairs with")
     p.add_argument("--tool-call-parser", default="", choices=("", "hermes"),
                    help="read the model's own tool calls for tool_choice auto: hermes = <tool_call> blocks (Qwen2.5)")
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
@@ -172,7 +175,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
         adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
         tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, scheduling_policy=args.scheduling_policy,
         ray_address=args.ray, gpus_per_worker=args.gpus_per_worker))
 
 
@@ -182,7 +185,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--router", required=True, help="the router's zmq address, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--worker-id", default="", help="unique id in the cluster (default: host-pid)")
-    p.add_argument("--policy", default="", help="local queue policy fcfs | lpm | preble (default: the router's)")
+    p.add_argument("--policy", default="", help="local queue policy fcfs | lpm | preble | priority (default: the router's)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvbaton.core.errors import InvalidRequestError
@@ -10,6 +12,7 @@ from kvbaton.scheduler.queue_policies import (
     FcfsPolicy,
     LongestPrefixPolicy,
     PreblePriorityPolicy,
+    PriorityPolicy,
     create_queue_policy,
     preble_group,
 )
@@ -90,3 +93,40 @@ def test_scheduler_admits_in_policy_order(policy: str, expected: list[str]) -> N
     sched.add_request(make_request("warm", shared + [2], max_tokens=1))
     admitted = [step(sched)[0].chunks[0].request_id for _ in range(2)]
     assert admitted == expected
+
+
+def _prioritized(priorities: dict[str, int], preempted: tuple[str, ...] = ()) -> list[Request]:
+    requests = _waiting(dict.fromkeys(priorities, 0), preempted=preempted)
+    return [replace(r, sampling=replace(r.sampling, priority=priorities[r.request_id])) for r in requests]
+
+
+def test_priority_orders_lowest_value_first_then_preempted_then_arrival() -> None:
+    waiting = _prioritized({"a": 1, "b": 0, "c": 1, "p": 1, "d": -5}, preempted=("p",))
+    assert _ids(PriorityPolicy().order(waiting, lambda r: 0)) == ["d", "b", "p", "a", "c"]
+    assert create_queue_policy("priority").name == "priority"
+
+
+def test_priority_scheduler_admits_by_priority_and_preempts_the_least_important() -> None:
+    """max_num_seqs 1: the waiting request of priority -1 goes before the earlier one of priority 0. Then, with a
+    pool too small for both running requests to grow, the one of the higher priority value is preempted, though
+    it was admitted first (fcfs would preempt the last admitted)."""
+    sched = make_scheduler(queue_policy="priority", max_num_seqs=1)
+    for rid, priority in (("low", 0), ("high", -1)):
+        request = make_request(rid, 4, max_tokens=1)
+        sched.add_request(replace(request, sampling=replace(request.sampling, priority=priority)))
+    plan, _ = step(sched)
+    assert [c.request_id for c in plan.chunks] == ["high"]
+
+    sched = make_scheduler(5, queue_policy="priority", max_num_batched_tokens=64)
+    for rid, priority, arrival in (("first", 2, 0.0), ("second", 0, 1.0)):
+        request = make_request(rid, 8, max_tokens=8, arrival_at=arrival)
+        sched.add_request(replace(request, sampling=replace(request.sampling, priority=priority)))
+    step(sched)  # both prefill 2 blocks each (4 of 5 blocks)
+    preempted = []
+    for _ in range(8):
+        plan, _ = step(sched)
+        preempted += plan.preempted_ids
+    assert preempted and set(preempted) == {"first"}
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert sched.blocks.pool.num_used_blocks == 0

@@ -81,6 +81,24 @@ def test_penalties_and_logit_bias_reach_the_call(client: TestClient, cluster: Fa
     assert sampling.logit_bias == ((7, -100.0), (42, 3.5)) and sampling.min_p == 0.1 and sampling.min_tokens == 2
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_priority_needs_priority_scheduling_and_then_reaches_the_call(cluster: FakeCluster, tokenizer: Tokenizer,
+                                                                     path: str) -> None:
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    with TestClient(create_app(cluster, tokenizer, MODEL, max_model_len=MAX_MODEL_LEN)) as plain:
+        r = plain.post(path, json={**body, "max_tokens": 2, "priority": 3})
+        assert r.status_code == 400 and "--scheduling-policy priority" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "priority"
+        assert plain.post(path, json={**body, "max_tokens": 2, "priority": 0}).status_code == 200
+    with TestClient(create_app(cluster, tokenizer, MODEL, max_model_len=MAX_MODEL_LEN,
+                               priority_scheduling=True)) as prioritized:
+        assert prioritized.post(path, json={**body, "max_tokens": 2, "priority": -7}).status_code == 200
+        for bad in ("high", 1.5, True, 1 << 40):
+            r = prioritized.post(path, json={**body, "max_tokens": 2, "priority": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "priority", (bad, r.text)
+    assert [c.sampling.priority for c in cluster.calls] == [0, -7]
+
+
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 

@@ -1,5 +1,5 @@
 """The HTTP layer end to end: the official openai client against `kvbaton serve --model tiny-random --workers 2
---speculative-tokens 3 --tool-call-parser hermes --host-num-blocks 512` in a subprocess (killed by pid at the end). Slow-ish: one server start plus two `kvbaton generate` runs,
+--speculative-tokens 3 --tool-call-parser hermes --host-num-blocks 512 --scheduling-policy priority` in a subprocess (killed by pid at the end). Slow-ish: one server start plus two `kvbaton generate` runs,
 about 30-60 s on a loaded 2-core machine.
 
 Checks: greedy output through the server equals `kvbaton generate`'s (completion and chat); a second request
@@ -33,7 +33,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Then"
 def served() -> Iterator[Served]:
     # Workers speculate (prompt lookup, 3 drafts): greedy answers must still equal `kvbaton generate`'s.
     with serve_process(["--model", MODEL, "--workers", "2", "--num-blocks", "256", "--drain-timeout", "5",
-                        "--speculative-tokens", "3", "--tool-call-parser", "hermes", "--host-num-blocks", "512"],
+                        "--speculative-tokens", "3", "--tool-call-parser", "hermes", "--host-num-blocks", "512",
+                        "--scheduling-policy", "priority"],
                        STARTUP_TIMEOUT_S) as server:
         yield server
 
@@ -108,6 +109,15 @@ class Order(pydantic.BaseModel):
     paid: bool
     quantity: int = pydantic.Field(ge=1, le=9)
     size: Literal["small", "large"]
+
+
+def test_priority_scheduling_takes_the_priority_field(client: openai.OpenAI, served: Served) -> None:
+    info = httpx.get(served.url + "/cluster", timeout=10).json()
+    assert info["worker_queue_policy"] == "priority"
+    expected = _generate("--prompt", PROMPT, "--max-tokens", "8")
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                     extra_body={"priority": -2})
+    assert resp.choices[0].text == expected["text"]
 
 
 def test_host_tier_brings_an_evicted_prefix_back(client: openai.OpenAI, served: Served) -> None:

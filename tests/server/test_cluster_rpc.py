@@ -37,7 +37,7 @@ MESSAGES: list[rpc.Message] = [
     rpc.AddRequest("r2", (9,), SamplingParams()),
     rpc.AddRequest("r5", (9,), SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
                                               logit_bias=((3, -100.0), (7, 2.5)), min_p=0.05, min_tokens=3,
-                                              grammar=grammar_for("regex", "[ab]+"))),
+                                              grammar=grammar_for("regex", "[ab]+"), priority=-3)),
     rpc.AddRequest("r3", (9, 8), SamplingParams(), "", "default", "", "d0", "shm://127.0.0.1:5601", "fail"),
     rpc.AddRequest("r4", (9, 8), SamplingParams(), "", "default", "p0", "", "", "recompute"),
     rpc.HandoffEnded("p0", "r3", "d0", "refused", "need 4 KV blocks, 1 free"),

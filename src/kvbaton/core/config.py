@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvbaton.core.errors import InvalidRequestError
 
-QUEUE_POLICIES = ("fcfs", "lpm", "preble")
+QUEUE_POLICIES = ("fcfs", "lpm", "preble", "priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
     max_num_seqs: int = 128  # running requests at most
     long_prefill_token_threshold: int = 0  # cap one request's chunk per step; 0 = the whole budget
-    queue_policy: str = "fcfs"  # fcfs | lpm | preble
+    queue_policy: str = "fcfs"  # fcfs | lpm | preble | priority (SamplingParams.priority, as vLLM's)
     lpm_fallback_waiting: int = 128  # lpm falls back to fcfs above this many waiting requests
     # Speculative decoding by prompt lookup (scheduler/spec_decode.py): up to this many draft tokens per decode;
     # 0 turns it off. Drafts come from n-grams of min..max tokens, and only while at most spec_max_running

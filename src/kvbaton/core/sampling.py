@@ -9,6 +9,7 @@ from kvbaton.core.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar's serialized size at most
+MAX_PRIORITY = (1 << 31) - 1  # |priority| at most (a 32-bit int, so it stays one msgpack int everywhere)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,10 @@ class SamplingParams:
     # Structured output: an llguidance grammar (`kvbaton.engine.structured.grammar_for` builds one from a JSON
     # schema, regex, choice list or Lark grammar) that masks every step's logits; "" for none.
     grammar: str = ""
+    # vLLM's request priority: under the "priority" queue policy (kvbaton serve --scheduling-policy priority) a
+    # lower value is admitted first and preempted last; other policies ignore it. Not a sampling parameter, but it
+    # travels with them to every worker that schedules the request.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -82,6 +87,10 @@ class SamplingParams:
         if self.min_tokens != 0 and (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
                                      or not 0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.priority != 0 and (isinstance(self.priority, bool) or not isinstance(self.priority, int)
+                                   or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY):
+            raise InvalidRequestError(f"priority must be an integer in [{-MAX_PRIORITY}, {MAX_PRIORITY}], "
+                                      f"got {self.priority!r}")
         if self.grammar and (not isinstance(self.grammar, str) or len(self.grammar) > MAX_GRAMMAR_CHARS):
             raise InvalidRequestError(f"grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters")
         # The logit adjustments and min_p, checked only when one is set (most requests set none; the router

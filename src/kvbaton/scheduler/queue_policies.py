@@ -116,6 +116,20 @@ class PreblePriorityPolicy:
         return ordered
 
 
+class PriorityPolicy:
+    """vLLM's priority scheduling: the lowest `SamplingParams.priority` first; among equals, preempted requests
+    first, then arrival order. The scheduler also preempts the running request of the highest priority value (the
+    latest arrival among equals) first (`StepPlanning._preemption_victim`)."""
+
+    name = "priority"
+
+    def order(self, waiting: Sequence[Request], cached_tokens: CachedTokensFn) -> list[Request]:
+        preempted = RequestStatus.PREEMPTED
+        ranked = sorted(range(len(waiting)), key=lambda i: (waiting[i].sampling.priority,
+                                                             waiting[i].status is not preempted, i))
+        return [waiting[i] for i in ranked]
+
+
 def create_queue_policy(name: str, *, lpm_fallback_waiting: int = 128) -> QueuePolicy:
     """The policy named by `SchedulerConfig.queue_policy`."""
     if name == "fcfs":
@@ -124,4 +138,6 @@ def create_queue_policy(name: str, *, lpm_fallback_waiting: int = 128) -> QueueP
         return LongestPrefixPolicy(lpm_fallback_waiting)
     if name == "preble":
         return PreblePriorityPolicy()
-    raise InvalidRequestError(f"unknown queue policy {name!r}; expected fcfs, lpm or preble")
+    if name == "priority":
+        return PriorityPolicy()
+    raise InvalidRequestError(f"unknown queue policy {name!r}; expected fcfs, lpm, preble or priority")

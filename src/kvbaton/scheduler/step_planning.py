@@ -135,7 +135,7 @@ class StepPlanning:
         num_tokens = self._chunk_tokens(request, step.budget_left_tokens)
         end_pos = request.num_computed_tokens + num_tokens
         while not self.blocks.try_grow(request, end_pos):
-            victim = self._running[-1]
+            victim = self._preemption_victim()
             # Alone and still short: fail only what the whole pool cannot hold. Otherwise blocks are held outside
             # the scheduler (KV handoff reservations, released within their lease): wait for them, preempted.
             if victim is request and len(self._running) == 1 and not self._fits_pool(end_pos):
@@ -187,6 +187,14 @@ class StepPlanning:
             step.add(self._make_chunk(request, num_tokens))
         if admitted:
             self._waiting = deque(r for r in self._waiting if r.request_id not in admitted)
+
+    def _preemption_victim(self) -> Request:
+        """The running request to preempt: the last admitted, or under the priority policy the one of the highest
+        priority value (the latest arrival among equals), as vLLM picks."""
+        running = self._running
+        if self.config.queue_policy != "priority":
+            return running[-1]
+        return max(reversed(running), key=lambda r: (r.sampling.priority, r.arrival_at))
 
     def _fits_pool(self, end_pos: int) -> bool:
         return self.blocks.num_blocks_for(end_pos) <= self.blocks.pool.num_blocks

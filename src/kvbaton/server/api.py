@@ -85,7 +85,8 @@ class OpenAIServer(ChatEndpoint):
     """Request handling shared by the routes; one per app, holding no global state."""
 
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 metrics: ApiMetrics, clock: Callable[[], float], tool_call_parser: str = "") -> None:
+                 metrics: ApiMetrics, clock: Callable[[], float], tool_call_parser: str = "",
+                 priority_scheduling: bool = False) -> None:
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -99,6 +100,7 @@ class OpenAIServer(ChatEndpoint):
         # Callback calls when the cluster takes them (no task, queue or stream per call), else generate() pumps.
         self.submit = cluster.submit if isinstance(cluster, SubmittingClusterClient) else None
         self.tool_call_parser = tool_call_parser
+        self.priority_scheduling = priority_scheduling  # workers order and preempt by the requests' `priority`
 
     # -- ingress: prompt -> token ids, sampling -> one call per sample ----------------------------------
 
@@ -119,8 +121,12 @@ class OpenAIServer(ChatEndpoint):
         return prompt
 
     def _check_logit_bias(self, sampling: SamplingParams) -> None:
+        """The logit_bias keys are the model's token ids; and a `priority` needs priority scheduling (as vLLM)."""
         if any(token_id >= self.vocab_size for token_id, _ in sampling.logit_bias):
             raise bad_request(f"logit_bias keys must be token ids in [0, {self.vocab_size})", param="logit_bias")
+        if sampling.priority and not self.priority_scheduling:
+            raise bad_request(f"priority {sampling.priority} needs priority scheduling: start the server with "
+                              "--scheduling-policy priority", param="priority")
 
     def _check_context(self, num_prompt_tokens: int, sampling: SamplingParams, param: str) -> None:
         if num_prompt_tokens == 0:
@@ -317,12 +323,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *, max_model_len: int,
                metrics: ApiMetrics | None = None, clock: Callable[[], float] = time.monotonic,
-               tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS, tool_call_parser: str = "") -> FastAPI:
+               tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS, tool_call_parser: str = "",
+               priority_scheduling: bool = False) -> FastAPI:
     """The router's FastAPI app; the tokenizer is the model's (the cluster only ever sees token ids).
 
     `tokenizer_cache_chars` > 0 turns on the tokenizer's ingress cache (`TokenizationCache`), bounded
     by that many characters; 0 tokenizes every prompt from scratch. `tool_call_parser` ("hermes") reads the
-    model's own tool calls for tool_choice "auto" (`server/tool_calls.py`)."""
+    model's own tool calls for tool_choice "auto" (`server/tool_calls.py`). `priority_scheduling`: the workers'
+    queues follow the requests' `priority` (else a non-zero one is a 400)."""
     if tool_call_parser and tool_call_parser not in TOOL_CALL_PARSERS:
         raise InvalidRequestError(f"unknown tool call parser {tool_call_parser!r}; one of {', '.join(TOOL_CALL_PARSERS)}")
     metrics = metrics if metrics is not None else ApiMetrics()
@@ -330,7 +338,8 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
     if tokenizer_cache_chars > 0:
         cache = tokenizer.cache or tokenizer.enable_cache(tokenizer_cache_chars)
         metrics.attach_token_cache(cache.stats)
-    server = OpenAIServer(cluster, tokenizer, model_name, max_model_len, metrics, clock, tool_call_parser)
+    server = OpenAIServer(cluster, tokenizer, model_name, max_model_len, metrics, clock, tool_call_parser,
+                          priority_scheduling)
     app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, openapi_url=None, telemetry=fastapi_telemetry())
     app.state.server = server
     _install_error_handlers(app)

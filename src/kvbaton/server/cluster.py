@@ -71,6 +71,10 @@ class ClusterConfig:
     kv_load_failure_policy: str = "recompute"  # recompute | fail, when a handoff's KV does not arrive
     kv_bytes_per_token: int = 0  # prices transfers in the pair choice (all layers, K and V)
     reserves_on_arrival: bool = True  # False: prefill workers reserve decode KV late (--reserve-ahead-tokens)
+    # The workers' local waiting-queue policy: "" pairs it with `policy` (preble's fairness queue under preble,
+    # else fcfs); "fcfs" or "priority" (vLLM's --scheduling-policy: SamplingParams.priority orders the queue
+    # and picks who is preempted) replace it.
+    scheduling_policy: str = ""
 
 
 class ClusterManager(WorkerMembership, ClusterReports):
@@ -82,7 +86,7 @@ class ClusterManager(WorkerMembership, ClusterReports):
         self.clock = clock
         self.state = RouterState(block_size=config.block_size)
         self.policy = create_policy(config.policy, self.state, random.Random(config.seed))
-        self.queue_policy = local_queue_policy(config.policy)
+        self.queue_policy = config.scheduling_policy or local_queue_policy(config.policy)
         self.identity: ClusterIdentity | None = None  # fixed by the first accepted worker
         self.workers: dict[str, WorkerRecord] = {}  # live workers
         self.lost_workers: dict[str, str] = {}  # worker id -> why it left

@@ -86,6 +86,8 @@ class ServeConfig:
     step_log_dir: str = ""  # each worker logs its step shapes and periods to <dir>/<worker id>.steps.jsonl
     tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS  # ingress tokenization cache bound (0: off)
     tool_call_parser: str = ""  # "hermes": tool_choice "auto" reads the model's <tool_call> blocks
+    # "" = the local queue the routing policy pairs with; "fcfs"; "priority" (vLLM's: requests' `priority` field)
+    scheduling_policy: str = ""
     reserve_ahead_tokens: int | None = None  # prefill workers' late KV reservation (None: on arrival)
     # Place the workers on a Ray cluster (server/ray_workers.py): "local" | "auto" | its address; "" = local processes.
     ray_address: str = ""
@@ -196,6 +198,7 @@ class Launcher:
                 local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
                 kv_load_failure_policy=config.kv_load_failure_policy,
                 reserves_on_arrival=config.reserve_ahead_tokens is None,
+                scheduling_policy=config.scheduling_policy,
                 kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)),
                 admission=admission, pools=pools)
             address = await cluster.start()
@@ -211,7 +214,8 @@ class Launcher:
                 return 0  # stopped during startup
             app = create_app(cluster, tokenizer, config.model, max_model_len=model_config.max_position_embeddings,
                              tokenizer_cache_chars=config.tokenizer_cache_chars,
-                             tool_call_parser=config.tool_call_parser)
+                             tool_call_parser=config.tool_call_parser,
+                             priority_scheduling=config.scheduling_policy == "priority")
             freeze_startup_heap()
             self._server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                                   timeout_graceful_shutdown=int(config.drain_timeout_s)))

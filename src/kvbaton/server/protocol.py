@@ -24,7 +24,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions batch
 MAX_BATCH_SAMPLES = 256  # completions one request may ask for (prompts x n): each is a call on the cluster
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "n",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens", "priority")
 
 
 class ApiError(Exception):
@@ -246,6 +246,7 @@ def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | No
             frequency_penalty=_float(body, "frequency_penalty", 0.0),
             repetition_penalty=_float(body, "repetition_penalty", 1.0),
             logit_bias=_logit_bias(body),
+            priority=_int(body, "priority", 0),  # type: ignore[arg-type]
             grammar=grammar,
         )
     except InvalidRequestError as exc:

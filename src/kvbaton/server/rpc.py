@@ -257,13 +257,13 @@ def sampling_to_wire(params: SamplingParams) -> list[object]:
             list(params.stop_token_ids), params.ignore_eos, params.logprobs, params.n, params.presence_penalty,
             params.frequency_penalty, params.repetition_penalty, [list(pair) for pair in params.logit_bias],
             params.min_p, params.min_tokens, params.grammar, params.prompt_logprobs,
-            params.include_stop_str_in_output, params.skip_special_tokens]
+            params.include_stop_str_in_output, params.skip_special_tokens, params.priority]
 
 
 def sampling_from_wire(raw: list[object]) -> SamplingParams:
     (max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs, n, presence_penalty,
      frequency_penalty, repetition_penalty, logit_bias, min_p, min_tokens, grammar, prompt_logprobs,
-     include_stop_str_in_output, skip_special_tokens) = raw
+     include_stop_str_in_output, skip_special_tokens, priority) = raw
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,  # type: ignore[arg-type]
                           seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),  # type: ignore[arg-type]
                           ignore_eos=bool(ignore_eos), logprobs=logprobs, n=n,  # type: ignore[arg-type]
@@ -271,7 +271,7 @@ def sampling_from_wire(raw: list[object]) -> SamplingParams:
                           repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens,  # type: ignore[arg-type]
                           grammar=grammar, prompt_logprobs=prompt_logprobs,  # type: ignore[arg-type]
                           include_stop_str_in_output=bool(include_stop_str_in_output),
-                          skip_special_tokens=bool(skip_special_tokens),
+                          skip_special_tokens=bool(skip_special_tokens), priority=priority,  # type: ignore[arg-type]
                           logit_bias=tuple((token_id, bias) for token_id, bias in logit_bias))  # type: ignore[union-attr]
 
 

@@ -219,3 +219,34 @@ def test_a_complete_transfer_survives_the_loss_of_its_prefill_worker() -> None:
     assert legs.destination.on_peer_lost("p0", now=2.0) == []
     assert legs.destination.adopt(TID, now=2.0).block_ids == (0, 1, 2)
     assert legs.source.on_peer_lost("d0", now=2.0) == [TID] and legs.source.num_held_blocks == 0
+
+
+def test_an_abort_that_overtakes_its_reservation_leaves_nothing_reserved() -> None:
+    legs = make_legs()
+    reserve = legs.source.start(TID, "d0", 10, now=0.0)
+    cancel = legs.source.cancel(TID, now=0.1, reason="client left")
+    assert legs.to_destination(cancel, now=0.2) == []  # arrives first (links may reorder)
+    assert legs.to_destination(reserve, now=0.3) == []  # stale: no grant, no blocks
+    assert legs.destination.outcome(TID) is Outcome.CANCELLED and legs.dst_pool.num_used_blocks == 0
+    legs.check()
+    legs.destination.expire(now=0.3 + legs.destination.tombstone_s)
+    assert not legs.destination.knows(TID)  # the tombstone goes like any ended leg's
+
+
+def test_a_reservation_makes_room_by_evicting_what_a_cache_holds_unused() -> None:
+    """A decode worker's prefix cache may hold the blocks a reservation needs; `make_room` (its cache's evict) frees
+    them, so the reservation is refused only when even the evictable cache cannot make room."""
+    legs = make_legs(num_dst_blocks=4)
+    cached = legs.dst_pool.allocate(3)  # held by a "cache" that lets go when asked
+
+    def evict(num_blocks: int) -> int:
+        freed = [cached.pop() for _ in range(min(num_blocks, len(cached)))]
+        legs.dst_pool.release(freed)
+        return len(freed)
+
+    legs.destination.make_room = evict
+    replies = legs.to_destination(legs.source.start(TID, "d0", 10, now=0.0), now=0.0)  # 3 blocks, 1 free
+    assert isinstance(replies[0].message, ReserveGranted) and len(cached) == 1
+    replies = legs.to_destination(legs.source.start(TransferId("other", 0), "d0", 10, now=0.0), now=0.0)
+    assert isinstance(replies[0].message, ReserveRefused)  # 1 cached + 0 free < 3: refused
+    legs.check()

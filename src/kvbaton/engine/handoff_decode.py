@@ -47,7 +47,10 @@ class DecodeHandoffs:
         self.transport = transport
         self.lease_s = lease_s
         self._clock = clock
-        self.destination = HandoffDestination(layout, engine.pool, lease_s)
+        # A reservation may evict what this worker's prefix cache holds unused, as any allocation here may.
+        cache = engine.prefix_cache
+        self.destination = HandoffDestination(layout, engine.pool, lease_s,
+                                              make_room=cache.evict if cache is not None else None)
         self.counters = TransferCounters()
         self._expected: dict[str, _Expected] = {}
         self._cancelled_at: dict[str, float] = {}  # cancelled before their reservation arrived

@@ -383,9 +383,12 @@ class Worker:
             s.num_host_loaded_blocks, s.num_host_saved_blocks)))
 
     def _has_work(self) -> bool:
+        """Anything running or in a handoff, including a reservation made before the router's expect arrived (or
+        after a cancel older than a lease): its blocks are held outside the engine until it ends."""
         assert self.engine is not None
         return self.engine.has_unfinished_requests() or any(
-            driver is not None and driver.num_live > 0 for driver in (self.prefill, self.decode))
+            driver is not None and driver.num_live > 0 for driver in (self.prefill, self.decode)) or (
+            self.decode is not None and self.decode.destination.num_reserved_blocks > 0)
 
     def _transfer_stats(self) -> tuple[int | float, ...]:
         counters, num_live, num_held = TransferCounters(), 0, 0

@@ -65,7 +65,7 @@ class ClusterSim(HandoffFlow):
         self.config = config
         sched = config.scheduler or SchedulerConfig(queue_policy=local_queue_policy(config.policy))
         # Decode workers keep no prefix cache (nor its host tier): their KV arrives by handoff into reserved blocks,
-        # and a reservation cannot evict cached blocks (HandoffDestination allocates from free blocks only).
+        # so a cache would only hold finished requests' blocks until reservations evict them.
         decode_cache = replace(config.cache, enable_prefix_cache=False, host_num_blocks=0)
         host_link = get_link(config.host_link)
         self.workers = {w.worker_id: SimWorker(w, sched, decode_cache if w.role == "decode" else config.cache,
@@ -86,6 +86,7 @@ class ClusterSim(HandoffFlow):
                                         config.handoff_lease_s, lambda at, d: self._push(at, DELIVERY, d))
             for worker in prefill.values():
                 worker.on_executed = self._stream_from(worker)
+                worker.scheduler.on_preempted = self.handoffs.on_preempted
         self._next_expiry_at = config.handoff_lease_s / 10
         self.now = 0.0
         self._heap: list[tuple[float, int, int, object]] = []
@@ -415,6 +416,7 @@ class ClusterSim(HandoffFlow):
         cyclic collector traversing the whole run. Nothing may use the sim afterwards."""
         for worker in self.workers.values():
             worker.on_executed = None
+            worker.scheduler.on_preempted = None
             if worker.cache is not None:
                 worker.cache.close()
         self.handoffs = None

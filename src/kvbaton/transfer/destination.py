@@ -1,7 +1,8 @@
 """The decode side of handoffs: reserve blocks or refuse, record per-layer completion, ack, hand the KV over.
 
 One `HandoffDestination` per decode worker. Time (`now`, seconds) is passed in. A reservation
-allocates the request's blocks from the worker's `BlockPool` up front — a prefill never computes
+allocates the request's blocks from the worker's `BlockPool` up front (evicting what the worker's
+prefix cache holds unused, through `make_room`, when free blocks are short) — a prefill never computes
 KV that has nowhere to land — and holds their single reference until the leg ends: `adopt` passes
 the reference to the decode engine, every other ending releases it. A layer is readable only when
 every position of the prompt has arrived for it; chunks that duplicate an earlier one are ignored,
@@ -10,6 +11,7 @@ chunks that contradict the reservation fail the transfer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbaton.cache.block_pool import BlockPool
@@ -94,9 +96,13 @@ class HandoffDestination(LegTable[_DestinationLeg]):
     # A COMPLETE leg keeps its KV when the source goes away: everything has arrived already.
     peer_lost_states = frozenset({DestinationState.RESERVED, DestinationState.RECEIVING})
 
-    def __init__(self, layout: KVLayout, pool: BlockPool, lease_s: float, tombstone_s: float = 600.0) -> None:
+    def __init__(self, layout: KVLayout, pool: BlockPool, lease_s: float, tombstone_s: float = 600.0,
+                 make_room: Callable[[int], object] | None = None) -> None:
         super().__init__(layout, pool, lease_s, tombstone_s)
         self.num_refusals = 0
+        # Frees up to n blocks the worker's prefix cache holds unused (RadixCache.evict), so that a reservation is
+        # refused only when even the evictable cache cannot make room; None: reserve from free blocks alone.
+        self.make_room = make_room
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -151,6 +157,13 @@ class HandoffDestination(LegTable[_DestinationLeg]):
         if isinstance(message, ReserveRequest):
             return self._on_reserve(peer, message, now)
         leg = self._legs.get(message.transfer_id)
+        if leg is None and isinstance(message, Abort):
+            # The abort overtook its own reservation (links may reorder): remember the transfer as ended, so the
+            # reservation, when it comes, is stale and reserves nothing (else its blocks sat idle a whole lease).
+            self._legs[message.transfer_id] = _DestinationLeg(
+                message.transfer_id, peer, 0, (), _END_STATE[message.cause], now, [], [], ended_at=now,
+                reason=f"peer: {message.reason} (before its reservation)")
+            return []
         if leg is None or leg.state not in DESTINATION_LIVE or leg.peer != peer:
             self.num_ignored_messages += 1
             return []
@@ -180,6 +193,9 @@ class HandoffDestination(LegTable[_DestinationLeg]):
             return []
         mismatch = self.layout.mismatch(message.layout)
         num_blocks = self.layout.num_blocks_for(message.num_tokens)
+        shortfall = num_blocks - self.pool.num_free_blocks
+        if not mismatch and message.num_tokens > 0 and shortfall > 0 and self.make_room is not None:
+            self.make_room(shortfall)
         if mismatch or message.num_tokens <= 0 or not self.pool.can_allocate(num_blocks):
             self.num_refusals += 1
             reason = mismatch or (f"need {num_blocks} KV blocks, {self.pool.num_free_blocks} free"

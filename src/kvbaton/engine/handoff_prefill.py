@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvbaton.core.errors import KvbatonError
+from kvbaton.core.request import Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import StepPlan
 from kvbaton.engine.engine import Engine, RequestOutput
@@ -84,6 +85,7 @@ class PrefillHandoffs:
         self._swallow: set[str] = set()  # aborted here: the engine's final ABORT output is not the client's
         self._source_kv = numpy_kv(engine.storage.kv_cache)
         engine.on_executed = self._on_executed
+        engine.scheduler.on_preempted = self._on_preempted
 
     @property
     def num_live(self) -> int:
@@ -194,6 +196,13 @@ class PrefillHandoffs:
                 leg.first_chunk_at = now
             leg.num_streamed_tokens = chunk.end_pos
             self.counters.num_bytes += self.layout.num_layers * self.layout.chunk_bytes(num)
+
+    def _on_preempted(self, request: Request) -> None:
+        """A prefilling handoff request was preempted: its leg lets go of the blocks it streamed from, which the
+        recompute may need (alone in a full pool it could otherwise never fit again, its own leg holding half of it,
+        until the lease ran out). What was streamed stays streamed: the recompute sends only the positions after."""
+        if request.request_id in self._legs:
+            self.source.release_held(transfer_id_of(request.request_id))
 
     # -- internals ------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ steady-decode fast path the one in `decode_fast_path`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.hashing import CacheKey, HashedBlocks
@@ -77,6 +77,9 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
         self._num_preemptions = 0
         self._queries_tokens = 0
         self._hits_tokens = 0
+        # Called with each request the scheduler preempts, after its blocks are freed: a prefill worker's handoff
+        # leg then lets go of the blocks it streamed from, which its recompute may need (engine/handoff_prefill.py).
+        self.on_preempted: Callable[[Request], None] | None = None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -356,4 +359,5 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
             assert 0 < r.num_uncomputed_tokens <= r.num_tokens, f"{r.request_id}: nothing left to compute"
         for r in self._finished:
             assert r.status is RequestStatus.FINISHED and not r.block_ids
-        self.blocks.check_invariants(self._running)
+        # Between schedule and update a speculating decode's table also covers its drafts (update trims it).
+        self.blocks.check_invariants(self._running, self.config.num_speculative_tokens)

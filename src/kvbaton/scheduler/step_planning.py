@@ -11,6 +11,7 @@ keeping its output tokens to recompute them. Admission never preempts.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from kvbaton.core.config import SchedulerConfig
 from kvbaton.core.request import FinishReason, Request, RequestStatus
@@ -68,6 +69,7 @@ class StepPlanning:
     _queries_tokens: int
     _hits_tokens: int
     proposer: NgramProposer | None  # speculative decoding's drafts (SpeculativeDecodes), when configured
+    on_preempted: Callable[[Request], None] | None  # told of each preemption (a handoff's leg lets go of its blocks)
 
     def _chunk_tokens(self, request: Request, budget_left_tokens: int) -> int:
         n = min(request.num_uncomputed_tokens, budget_left_tokens)
@@ -215,3 +217,5 @@ class StepPlanning:
         request.num_preemptions += 1
         self._num_preemptions += 1
         self._waiting.appendleft(request)
+        if self.on_preempted is not None:
+            self.on_preempted(request)

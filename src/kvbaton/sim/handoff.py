@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from kvbaton.core.request import Request
 from kvbaton.core.step import StepPlan
 from kvbaton.sim.links import Link, LinkSpec
 from kvbaton.sim.worker import SimWorker
@@ -86,6 +87,13 @@ class SimHandoffs:
             self.bytes_of[chunk.request_id] = self.bytes_of.get(chunk.request_id, 0) + num_bytes
             self._streamed[chunk.request_id] = chunk.end_pos
             self._send(worker.worker_id, out, now, num_bytes)
+
+    def on_preempted(self, request: Request) -> None:
+        """A prefill worker preempted a request mid-handoff: its leg lets go of the blocks it streamed from, as live
+        (`PrefillHandoffs._on_preempted`); the recompute streams only the positions not sent yet."""
+        leg = self._legs.get(request.request_id)
+        if leg is not None:
+            self.sources[leg[1]].release_held(leg[0])
 
     def on_first_token(self, request_id: str, token_id: int, now: float) -> bool:
         """The prefill sampled its token: send SourceDone. False when the leg has already ended."""

@@ -121,6 +121,14 @@ class HandoffSource(LegTable[_SourceLeg]):
         return make_outgoing(leg.peer, make_layer_chunk(transfer_id, self.layout, layer_index, first_position,
                                                         num_valid_tokens, tuple(src_block_ids), dst_block_ids))
 
+    def release_held(self, transfer_id: TransferId) -> None:
+        """The leg's request was preempted, and its recompute may need the blocks the leg streamed from: let go of
+        them, the leg staying live. Their KV has already left (every `KVTransport` reads a chunk's bytes before
+        its send returns), and the recompute streams only positions not sent yet, from its new blocks."""
+        leg = self._legs.get(transfer_id)
+        if leg is not None and leg.held_block_ids:
+            self._release_blocks(leg)
+
     def finish(self, transfer_id: TransferId, first_token: FirstToken, now: float) -> Outgoing:
         """Every chunk is sent: tell the destination, then wait (holding the blocks) for its ack."""
         leg = self._live_leg(transfer_id, SourceState.STREAMING)

@@ -256,15 +256,17 @@ class BlockManager:
         hold = self._holds.get(request_id)
         return hold.num_blocks if hold else 0
 
-    def check_invariants(self, running: list[Request]) -> None:
-        """Tables cover computed tokens, hold live refs, and only running requests hold locks."""
+    def check_invariants(self, running: list[Request], max_draft_tokens: int = 0) -> None:
+        """Tables cover computed tokens, hold live refs, and only running requests hold locks. A table may reach
+        `max_draft_tokens` past its request's tokens (a speculative decode's drafts, between schedule and update)."""
         running_ids = {r.request_id for r in running}
         assert set(self._holds) <= running_ids, "a non-running request still holds a cache lock"
         held: set[int] = set()
         for r in running:
             assert len(set(r.block_ids)) == len(r.block_ids), f"{r.request_id}: duplicate block ids"
             assert len(r.block_ids) >= self.num_blocks_for(r.num_computed_tokens), f"{r.request_id}: table short"
-            assert len(r.block_ids) <= self.num_blocks_for(r.num_tokens), f"{r.request_id}: table too long"
+            assert len(r.block_ids) <= self.num_blocks_for(r.num_tokens + max_draft_tokens), (
+                f"{r.request_id}: table too long")
             for b in r.block_ids:
                 assert self.pool.ref_count(b) >= 1, f"{r.request_id}: block {b} has no ref"
             assert self.num_cached_blocks_of(r.request_id) <= r.num_computed_tokens // self.block_size

@@ -85,15 +85,29 @@ class SpeculativeDecodes:
         return self.proposer.propose(request, room)
 
     def _speculative_chunk(self, request: Request, drafts: tuple[int, ...]) -> ScheduledChunk | None:
-        """The decode of `request`'s last token followed by `drafts`, its table grown to hold them; None when the
-        pool cannot (drafts never evict a running request: the caller schedules a plain decode)."""
+        """The decode of `request`'s last token followed by `drafts`, its table grown to hold them; None when they
+        would need blocks others need (the caller schedules a plain decode). Drafts take a new block only from the
+        free ones left after what the running prefills still need: never one a cache eviction would have to free,
+        nor the last ones a prefill scheduled after this decode would then preempt someone for."""
         start = request.num_computed_tokens
-        if not self.blocks.try_grow(request, start + 1 + len(drafts)):
+        blocks = self.blocks
+        num_extra = blocks.num_blocks_for(start + 1 + len(drafts)) - max(len(request.block_ids),
+                                                                           blocks.num_blocks_for(start + 1))
+        if num_extra > 0 and num_extra > blocks.pool.num_free_blocks - self._blocks_prefills_need():
+            return None
+        if not blocks.try_grow(request, start + 1 + len(drafts)):
             return None
         output = request.output_token_ids
         last = output[-1] if output else request.prompt_token_ids[-1]
         self.num_draft_tokens += len(drafts)
         return make_chunk(request.request_id, start, (last, *drafts), self._block_table(request), True)
+
+    def _blocks_prefills_need(self) -> int:
+        """Blocks the running requests still prefilling need to finish their prompts (a few running: speculation
+        stops above spec_max_running)."""
+        num_blocks_for = self.blocks.num_blocks_for
+        return sum(max(0, num_blocks_for(r.num_tokens) - len(r.block_ids)) for r in self._running
+                   if r.num_tokens - r.num_computed_tokens > 1)
 
     def _apply_speculative(self, request: Request, chunk: ScheduledChunk, result: StepResult, now: float,
                            outputs: list[TokenOutput]) -> None:

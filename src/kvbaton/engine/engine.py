@@ -77,7 +77,8 @@ class Engine:
         self.storage = KVStorage(model_config, cache_cfg.num_blocks, cache_cfg.block_size, self.loaded.dtype,
                                  config.device, kv_cache)
         # The prefix cache's host tier: what the device cache evicts is copied there and back (cache.host_tier).
-        self.host_storage = HostKVStorage(self.storage, cache_cfg.host_num_blocks) if cache_cfg.host_num_blocks else None
+        self.host_storage = (HostKVStorage(self.storage, cache_cfg.host_num_blocks) if cache_cfg.host_num_blocks
+                             else None)
         tier = HostTier(cache_cfg.host_num_blocks, self.host_storage) if self.host_storage is not None else None
         self.prefix_cache = (RadixCache(self.pool, cache_cfg.block_size, tier) if cache_cfg.enable_prefix_cache
                              else None)

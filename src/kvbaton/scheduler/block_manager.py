@@ -199,8 +199,10 @@ class BlockManager:
             self.cache.unlock(hold.node)
             hold.node = match.node  # the hold moves deeper in place (it is the request's own record)
             hold.num_blocks = num_full
+        # The blocks the cache already held come first in the inserted range (the walk matches from its start), so
+        # the first one tells whether there are any.
         first = num_full - len(match.block_ids)
-        if match.block_ids != tuple(request.block_ids[first:num_full]):
+        if match.block_ids and match.block_ids[0] != request.block_ids[first]:
             self._share_cached_blocks(request, first, match.block_ids)
 
     def _share_cached_blocks(self, request: Request, first: int, cached_ids: tuple[int, ...]) -> None:

@@ -9,6 +9,7 @@ from kvbaton.core.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar's serialized size at most
+MAX_STOP_TOKEN_IDS = 1024  # each is checked against every output token
 MAX_PRIORITY = (1 << 31) - 1  # |priority| at most (a 32-bit int, so it stays one msgpack int everywhere)
 
 
@@ -82,8 +83,9 @@ class SamplingParams:
             raise InvalidRequestError(f"n must be an integer in [1, 16], got {self.n!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not isinstance(t, int) or t < 0
+                                                                for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative integers")
         if self.min_tokens != 0 and (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
                                      or not 0 <= self.min_tokens <= self.max_tokens):
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")

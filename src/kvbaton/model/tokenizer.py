@@ -123,8 +123,25 @@ def _validated_messages(messages: object) -> list[dict[str, object]]:
             content = "".join(texts)  # type: ignore[arg-type]
         if not isinstance(content, str):
             raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts")
+        _check_tool_calls(message.get("tool_calls"), index)
         validated.append({**message, "content": content})
     return validated
+
+
+def _check_tool_calls(tool_calls: object, index: int) -> None:
+    """An assistant message's earlier tool calls, as chat templates read them: a list of
+    {"function": {"name": str, "arguments": str or object}} (None or absent: no calls)."""
+    if tool_calls is None:
+        return
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(tool_calls, list):
+        raise InvalidRequestError(f"{where} must be a list of tool calls")
+    for number, tool_call in enumerate(tool_calls):
+        function = tool_call.get("function") if isinstance(tool_call, Mapping) else None
+        if (not isinstance(function, Mapping) or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments"), str | Mapping)):
+            raise InvalidRequestError(f"{where}[{number}] must be {{'type': 'function', 'function': {{'name': str, "
+                                      "'arguments': str or object}}}")
 
 
 class Tokenizer:
@@ -218,7 +235,7 @@ class Tokenizer:
             rendered = _compile_template(self.chat_template).render(
                 **{**extra, "messages": validated, "add_generation_prompt": add_generation_prompt, "bos_token": bos,
                    "eos_token": eos})
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:  # a template may also trip over odd values
             raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
         if not continue_final_message:
             return rendered

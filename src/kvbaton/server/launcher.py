@@ -27,6 +27,7 @@ import uvicorn
 import uvloop
 
 from kvbaton.core.errors import KvbatonError
+from kvbaton.model.config import ModelConfig
 from kvbaton.model.registry import read_model_source, resolve_model_source
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api import create_app
@@ -143,6 +144,12 @@ def worker_command(config: ServeConfig, router_address: str, worker_id: str, rol
     return [sys.executable, "-m", "kvbaton.cli", "worker", *worker_args(config, router_address, worker_id, role)]
 
 
+def serving_max_model_len(config: ServeConfig, model_config: ModelConfig) -> int:
+    """The longest prompt + output the router accepts: the model's context, or one worker's KV pool if smaller (a
+    request the pool cannot hold would fail on the worker, a 500, where the router answers a 400 at ingress)."""
+    return min(model_config.max_position_embeddings, config.num_blocks * config.block_size)
+
+
 def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: str = "mixed") -> list[str]:
     """The arguments of `kvbaton worker` for one worker of `config`."""
     return ["--role", role, "--router", router_address,
@@ -212,7 +219,8 @@ class Launcher:
                 cluster.watch_process(worker_id, process)
             if not await self._wait_for_workers(cluster):
                 return 0  # stopped during startup
-            app = create_app(cluster, tokenizer, config.model, max_model_len=model_config.max_position_embeddings,
+            app = create_app(cluster, tokenizer, config.model, max_model_len=serving_max_model_len(config,
+                                                                                              model_config),
                              tokenizer_cache_chars=config.tokenizer_cache_chars,
                              tool_call_parser=config.tool_call_parser,
                              priority_scheduling=config.scheduling_policy == "priority")

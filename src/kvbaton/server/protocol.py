@@ -25,7 +25,7 @@ MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions batch
 MAX_BATCH_SAMPLES = 256  # completions one request may ask for (prompts x n): each is a call on the cluster
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "n",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-                    "priority")
+                    "priority", "stop_token_ids")
 
 
 class ApiError(Exception):

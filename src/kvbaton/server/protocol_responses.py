@@ -54,6 +54,15 @@ class TokenText:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
+MIN_LOGPROB = -9999.0  # what a token a grammar masks out (logprob -inf) is reported as, as vLLM reports it
+
+
+def _logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (a masked token) becomes MIN_LOGPROB; JSON has no infinities, and OpenAI's
+    schema wants a number."""
+    return value if value > MIN_LOGPROB else MIN_LOGPROB
+
+
 def completion_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob],
                              text_offset_chars: int) -> dict[str, object]:
     """The legacy completions shape: parallel lists, text_offset counting chars from the choice's start."""
@@ -67,8 +76,8 @@ def completion_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob],
         offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [entry.logprob for entry in logprobs],
-        "top_logprobs": [{text.token_str(t): lp for t, lp in entry.top_logprobs} for entry in logprobs],
+        "token_logprobs": [_logprob(entry.logprob) for entry in logprobs],
+        "top_logprobs": [{text.token_str(t): _logprob(lp) for t, lp in entry.top_logprobs} for entry in logprobs],
         "text_offset": offsets,
     }
 
@@ -85,17 +94,19 @@ def echo_logprobs_json(text: TokenText, prompt_ids: Sequence[int], prompt_logpro
     missing = [None] * max(len(prompt_ids) - 1 - len(prompt_logprobs), 0)  # a call that ended before its first token
     return {
         "tokens": tokens + completion["tokens"],  # type: ignore[operator]
-        "token_logprobs": [None, *(entry.logprob for entry in prompt_logprobs), *missing]
+        "token_logprobs": [None, *(_logprob(entry.logprob) for entry in prompt_logprobs), *missing]
         + completion["token_logprobs"],  # type: ignore[operator]
-        "top_logprobs": [None, *({text.token_str(t): lp for t, lp in entry.top_logprobs} for entry in prompt_logprobs),
-                         *missing] + completion["top_logprobs"],  # type: ignore[operator]
+        "top_logprobs": [None, *({text.token_str(t): _logprob(lp) for t, lp in entry.top_logprobs}
+                                 for entry in prompt_logprobs), *missing]
+        + completion["top_logprobs"],  # type: ignore[operator]
         "text_offset": offsets + completion["text_offset"],  # type: ignore[operator]
     }
 
 
 def chat_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob], num_top: int) -> dict[str, object]:
     def one(token_id: int, logprob: float) -> dict[str, object]:
-        return {"token": text.token_str(token_id), "logprob": logprob, "bytes": list(text.token_bytes(token_id))}
+        return {"token": text.token_str(token_id), "logprob": _logprob(logprob),
+                "bytes": list(text.token_bytes(token_id))}
 
     return {
         "content": [

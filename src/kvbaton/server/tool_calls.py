@@ -58,7 +58,8 @@ def parse_tool_use(body: Mapping[str, object], parser: str = "") -> tuple[tuple[
             "tool_choice 'auto' (the default with tools) needs a parser for the model's own tool-call syntax "
             "(kvbaton serve --tool-call-parser hermes, for models that write <tool_call> blocks); set tool_choice "
             "to 'required' or to {'type': 'function', 'function': {'name': ...}}")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel  # null is the default, as everywhere in the API
     if not isinstance(parallel, bool):
         raise InvalidRequestError("parallel_tool_calls must be a boolean")
     schemas = {tool["function"]["name"]: tool["function"].get("parameters") or {"type": "object"}  # type: ignore[index]

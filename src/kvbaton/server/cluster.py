@@ -256,6 +256,8 @@ class ClusterManager(WorkerMembership, ClusterReports):
         prefill, decode, mixed = self._serving("prefill"), self._serving("decode"), self._serving("mixed")
         pairs = ([(p, d) for p in prefill for d in decode] + [(d, d) for d in decode if not prefill]
                  + [(w, w) for w in mixed])
+        if not pairs:  # only prefill workers serve: placement runs calls whole on them, so price them so
+            pairs = [(p, p) for p in prefill]
         decision = self.tally.check(call.request_id, len(call.prompt_token_ids), call.sampling.max_tokens,
                                     matched, pairs, now)
         if not decision.admitted:
@@ -328,6 +330,11 @@ class ClusterManager(WorkerMembership, ClusterReports):
         entry.finished = True
         if entry.num_tokens_seen == 0:
             self._num_waiting -= 1
+            # Ended before its first token: what routing put in the prefix index for it may never be stored.
+            for worker_id in (entry.worker_id, entry.prefill_worker):
+                record = self.workers.get(worker_id)
+                if record is not None and record.index_dirty_at is None:
+                    record.index_dirty_at = self.clock()
         request_id = entry.call.request_id
         self._calls.pop(request_id, None)
         if self.tally is not None:

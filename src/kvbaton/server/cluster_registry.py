@@ -24,6 +24,10 @@ class WorkerRecord:
     stats: rpc.Stats | None = None  # latest heartbeat
     in_flight: set[str] = field(default_factory=set)  # request ids routed here and not finished
     snapshot_pending: bool = False  # KV events are ignored until the requested snapshot arrives
+    # When a call routed here ended before its first token (aborted while queued, refused by the engine): the prefix
+    # index's optimistic entries for it may never be stored, so its entries for this worker are resynced from a
+    # snapshot once the worker is idle, or INDEX_RESYNC_S later at the latest. None: nothing to resync.
+    index_dirty_at: float | None = None
     last_pinged_at: float = float("-inf")
 
 

@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # for annotations only: cluster.py imports this module
 log = logging.getLogger("kvbaton.cluster")
 
 EXIT_GRACE_S = 0.05  # how long a lost connection waits for its watched process's exit code (blocking the loop)
+# A worker busy since a call routed to it ended before its first token has its prefix-index entries resynced from a
+# snapshot this long after, at the latest (an idle one at its next heartbeat); see WorkerRecord.index_dirty_at.
+INDEX_RESYNC_S = 5.0
 _STALL_GRACE_S = 1.0  # a gap between worker checks longer than this (plus the check interval) is a router stall
 
 
@@ -96,6 +99,11 @@ class WorkerMembership:
                 sender, message.num_queued_prefill_tokens, max(message.num_used_blocks - message.num_cached_blocks, 0),
                 message.num_free_blocks, message.num_running, message.num_waiting, message.num_cached_blocks,
                 self.config.block_size), record.last_heard_at)
+            dirty_at = record.index_dirty_at
+            if dirty_at is not None and (not record.in_flight or record.last_heard_at - dirty_at > INDEX_RESYNC_S):
+                record.index_dirty_at = None
+                if not record.snapshot_pending:
+                    self._request_snapshot(record, "a call ended before its first token")
         elif isinstance(message, rpc.KVEvents):
             if record.snapshot_pending:
                 return  # the snapshot on its way covers these

@@ -4,6 +4,7 @@ names the bug it guards, which it showed on the code it was written against."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import zmq.asyncio
@@ -91,3 +92,31 @@ def test_a_call_that_ended_before_caching_leaves_no_blocks_in_the_index(ending: 
         assert cluster.state.index.match(hashes) == {}, "the index claims blocks the worker never cached"
 
     run_cluster(body)
+
+
+# Was a bug: when the send of a disaggregated call to its decode worker found that worker unreachable, the worker
+# left the pool and failed the call (aborting it on the prefill worker), and then the prefill leg's AddRequest went
+# out anyway: the prefill worker started a handoff for a call already over, held until it failed or its lease ran
+# out. Fixed: _route sends the prefill leg only while the call is still live.
+def test_an_unreachable_decode_worker_gets_no_prefill_leg_started_after_the_call_failed() -> None:
+    sent: list[tuple[str, rpc.Message]] = []
+
+    class _DecodeGone:
+        def send(self, worker_id: str, message: rpc.Message) -> OSError | None:
+            if worker_id == "d0":
+                return OSError(113, "Host unreachable")
+            sent.append((worker_id, message))
+            return None
+
+    cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4, local_prefill_threshold_tokens=0),
+                             clock=lambda: 0.0)
+    for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
+        cluster._handle(worker_id, replace(register(worker_id, role=role),
+                                           kv_address="shm://127.0.0.1:1" if role == "decode" else ""))
+        cluster._handle(worker_id, rpc.Stats(worker_id, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, 0.0))
+    cluster._socket = _DecodeGone()  # type: ignore[assignment]
+    deltas: list[TokenDelta] = []
+    cluster.submit(call("r0", tuple(range(1, 40))), deltas.append)
+    assert "d0" in cluster.lost_workers and [d.finish_reason for d in deltas] == ["error"]
+    assert [type(m).__name__ for worker, m in sent if worker == "p0"] == ["Abort"], sent
+    assert cluster.num_in_flight == 0

@@ -246,6 +246,8 @@ class ClusterManager(WorkerMembership, ClusterReports):
         self.workers[entry.prefill_worker].in_flight.add(call.request_id)
         self._send(entry.worker_id, replace(add, prefill_worker=entry.prefill_worker,
                                             kv_load_failure_policy=self.config.kv_load_failure_policy))
+        if entry.finished:  # the decode worker was unreachable: it left the pool and failed this call with it
+            return entry
         self._send(entry.prefill_worker, replace(add, decode_worker=entry.worker_id,
                                                  decode_address=self.workers[entry.worker_id].register.kv_address))
         return entry

@@ -110,7 +110,8 @@ def test_driver_records_tokens_cache_rejections_and_timeouts(server: tuple[str, 
     body = next(b for b in received if b["request_id"] == "req-0")
     assert body["model"] == "fake-model" and body["stream"] is True
     assert body["max_tokens"] == body["min_tokens"] == 4 and body["ignore_eos"] is True
-    assert body["temperature"] == 0.0 and body["stream_options"] == {"include_usage": True}
+    assert body["temperature"] == 0.0
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert body["prompt"] == list(range(17, 49))
 
 

@@ -2,10 +2,13 @@
 
 Open loop: request i is sent at its `arrival_s` after the start whatever the server is doing, as
 `POST {url}/v1/completions` with the prompt as a token-id list, a fixed output length
-(`max_tokens` = `min_tokens`, `ignore_eos`), temperature 0 and streaming with usage. Every
-streamed chunk that carries a choice with text (or no finish reason yet) is one output token; its
-arrival time is recorded. The final usage chunk gives `completion_tokens` and
-`prompt_tokens_details.cached_tokens`. HTTP 429/503 become `rejected` records, other errors and
+(`max_tokens` = `min_tokens`, `ignore_eos`), temperature 0 and streaming with usage. The record keeps
+one arrival time per output token, as the simulator's do: a chunk may carry several tokens (a step's
+accepted speculative drafts, or tokens whose text the server held back), so the driver asks for vLLM's
+`continuous_usage_stats` and gives each chunk's new tokens (the growth of its cumulative
+`completion_tokens`) that chunk's time. A server that sends no per-chunk usage gets one token per chunk
+with text, and the final usage's extra tokens spread over the chunks by their text length (an
+estimate). The final usage chunk gives `completion_tokens` and `prompt_tokens_details.cached_tokens`. HTTP 429/503 become `rejected` records, other errors and
 timeouts `failed`, each with the server's reason.
 
 A server may add an optional object `"kvbaton": {"worker_ids": [...], "queue_s": s,
@@ -45,6 +48,23 @@ class _StreamState:
     usage: dict[str, Any] | None = None
     extension: dict[str, Any] | None = None
     error: str = ""
+    exact: bool = False  # the server sends cumulative usage with every chunk: token_times_s is one per token
+    text_lengths: list[int] | None = None  # without it: the text length of each chunk counted as one token
+
+    def times_per_token(self, num_tokens: int) -> tuple[float, ...]:
+        """One time per output token: the recorded ones, or with per-chunk usage missing, the `num_tokens` the
+        final usage counts spread over the chunks in proportion to their text (largest remainders first)."""
+        times = self.token_times_s
+        if self.exact or num_tokens <= len(times) or not times or self.text_lengths is None:
+            return tuple(times)
+        lengths = [max(n, 1) for n in self.text_lengths]
+        total = sum(lengths)
+        shares = [num_tokens * n / total for n in lengths]
+        counts = [max(1, int(share)) for share in shares]
+        by_remainder = sorted(range(len(times)), key=lambda i: counts[i] - shares[i])
+        for i in by_remainder[: max(num_tokens - sum(counts), 0)]:
+            counts[i] += 1
+        return tuple(t for t, count in zip(times, counts) for _ in range(count))
 
 
 def request_body(request: WorkloadRequest, config: DriverConfig) -> dict[str, Any]:
@@ -54,7 +74,7 @@ def request_body(request: WorkloadRequest, config: DriverConfig) -> dict[str, An
         "max_tokens": request.output_tokens,
         "temperature": 0.0,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     if config.ignore_eos:
         body["min_tokens"] = request.output_tokens
@@ -81,11 +101,20 @@ def _on_event(data: str, now_s: float, state: _StreamState) -> None:
         error = chunk["error"]
         state.error = str(error.get("message", error) if isinstance(error, dict) else error)
         return
-    for choice in chunk.get("choices") or ():
-        if choice.get("text") or choice.get("finish_reason") is None:
-            state.token_times_s.append(now_s)
-    if chunk.get("usage"):
-        state.usage = chunk["usage"]
+    choices = chunk.get("choices") or ()
+    usage = chunk.get("usage")
+    if choices and usage and isinstance(usage.get("completion_tokens"), int):
+        state.exact = True  # cumulative usage per chunk: its growth is this chunk's tokens
+        state.token_times_s.extend([now_s] * (usage["completion_tokens"] - len(state.token_times_s)))
+    else:
+        for choice in choices:
+            if choice.get("text") or choice.get("finish_reason") is None:
+                state.token_times_s.append(now_s)
+                if state.text_lengths is None:
+                    state.text_lengths = []
+                state.text_lengths.append(len(choice.get("text") or ""))
+    if usage:
+        state.usage = usage
     if isinstance(chunk.get("kvbaton"), dict):
         state.extension = chunk["kvbaton"]
 
@@ -124,7 +153,7 @@ async def _send(client: httpx.AsyncClient, request: WorkloadRequest, config: Dri
     usage = state.usage or {}
     details = usage.get("prompt_tokens_details") or {}
     ext = state.extension or {}
-    times = tuple(state.token_times_s)
+    times = state.times_per_token(int(usage.get("completion_tokens", 0)))
     if state.error or not times:
         reason = state.error or "stream ended without tokens"
         return RequestRecord(arrival_s=sent_s, status="failed", reason=reason, finish_s=finish_s,

@@ -133,6 +133,10 @@ class ClusterSim(HandoffFlow):
         finally:
             if gc_was_enabled:
                 gc.enable()
+        if self._flights:  # every request ends with exactly one record: one left in flight is a simulator bug
+            stuck = sorted(self._flights)
+            raise AssertionError(f"{len(stuck)} request(s) ended the simulation without a record: "
+                                 f"{', '.join(stuck[:5])}{', ...' if len(stuck) > 5 else ''}")
         order = {r.request_id: r.index for r in requests}
         return sorted(self._records, key=lambda r: order[r.request_id])
 
@@ -210,6 +214,9 @@ class ClusterSim(HandoffFlow):
             if not decision.admitted:
                 self._reject(flight, decision.reason, now)
                 return
+        if wr.output_tokens < 1:  # malformed (SamplingParams refuses max_tokens < 1): fail it, never drop it
+            self._fail(flight, f"output_tokens must be at least 1, got {wr.output_tokens}", now)
+            return
         handoff = front.spec.role == "prefill" and not flight.whole
         max_tokens = 1 if handoff else wr.output_tokens
         request = Request(rid, prompt, self._sampling(max_tokens), now, tenant=wr.tenant, slo_class=wr.slo_class,
@@ -403,12 +410,14 @@ class ClusterSim(HandoffFlow):
         return self._flights[request_id].prompt
 
     def _emit(self, record: RequestRecord) -> None:
-        del self._flights[record.request_id]
+        flight = self._flights.pop(record.request_id)
         if self._forget_tokens is not None:
             self._forget_tokens(record.request_id)
         self._records.append(record)
         if self._on_record is not None:
             self._on_record(record)
+        if self._unreserved:  # late reservation: its front's FIFO may move on now (its head, or tokens ahead, ended)
+            self._reserve_in_turn(flight.front, record.finish_s)
 
     def close(self) -> None:
         """The sim is being dropped: cut its reference cycles (the hooks that call back into it, the workers' radix

@@ -40,12 +40,25 @@ class HandoffFlow:
 
     def _reserve_in_turn(self, worker_id: str, now: float) -> None:
         """Late reservation: the FIFO's head reserves while its prefill worker has at most `reserve_ahead_tokens`
-        prompt tokens to compute ahead of it (queued in its scheduler, or of handoffs asking for blocks now)."""
+        prompt tokens to compute ahead of it (queued in its scheduler, or of handoffs asking for blocks now); a
+        handoff that waited a whole lease for its turn fails, as live (`PrefillHandoffs._reserve_in_turn`).
+
+        Runs whenever that can change: an arrival, a grant, the prefill worker's step end, and any request of that
+        worker ending (`ClusterSim._emit`), so that the FIFO moves on when its head fails."""
         unreserved = self._unreserved.get(worker_id)
         if not unreserved:
             return
         limit = self.config.reserve_ahead_tokens
         assert limit is not None
+        lease_s = self.config.handoff_lease_s
+        expired = []  # the FIFO is in arrival order: its head waited longest
+        while unreserved and now - unreserved[0].workload.arrival_s > lease_s:
+            expired.append(unreserved.popleft())
+        for flight in expired:  # each _fail asks again for the FIFO as it now stands (no expired head left)
+            if self._flights.get(flight.workload.request_id) is flight:
+                self._fail(flight, f"no turn to reserve KV on {flight.decode} within the {lease_s:g} s lease", now)
+        if not unreserved:
+            return
         ahead_tokens = self.workers[worker_id].scheduler.num_queued_prefill_tokens() + sum(
             f.workload.num_prompt_tokens for f in self._flights.values()
             if f.front == worker_id and f.reserving and f.prefill_request is not None)

@@ -39,6 +39,33 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Hugging Face name -> shape of every tensor this architecture needs (a tied model has no lm_head)."""
+        hidden, q_rows, kv_rows = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (self.vocab_size, hidden),
+            "model.norm.weight": (hidden,),
+        }
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, hidden)
+        per_layer: dict[str, tuple[int, ...]] = {
+            "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,),
+            "self_attn.q_proj.weight": (q_rows, hidden),
+            "self_attn.k_proj.weight": (kv_rows, hidden),
+            "self_attn.v_proj.weight": (kv_rows, hidden),
+            "self_attn.o_proj.weight": (hidden, q_rows),
+            "mlp.gate_proj.weight": (self.intermediate_size, hidden),
+            "mlp.up_proj.weight": (self.intermediate_size, hidden),
+            "mlp.down_proj.weight": (hidden, self.intermediate_size),
+        }
+        if self.attention_bias:
+            per_layer |= {"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
+                          "self_attn.v_proj.bias": (kv_rows,)}
+        for i in range(self.num_layers):
+            shapes.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
+        return shapes
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) x layers x KV heads x head dim x bytes (seed 000 section 2)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -49,3 +76,16 @@ class ModelConfig:
             f"{self.architecture}-L{self.num_layers}-kvh{self.num_kv_heads}-hd{self.head_dim}"
             f"-{dtype_name}-bs{block_size}"
         )
+
+
+def head_counts_problem(num_heads: int, num_kv_heads: int, heads_key: str, kv_heads_key: str) -> str | None:
+    """Why a checkpoint's attention head counts (named by its own keys) cannot describe a model, or None.
+
+    Each KV head serves a whole group of query heads, so the KV head count must divide the query head count."""
+    if num_heads <= 0:
+        return f"{heads_key} must be positive, got {num_heads}"
+    if num_kv_heads <= 0:
+        return f"{kv_heads_key} must be positive, got {num_kv_heads}"
+    if num_heads % num_kv_heads:
+        return f"{kv_heads_key}={num_kv_heads} does not divide {heads_key}={num_heads}"
+    return None

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from kvbaton.core.errors import ModelNotFoundError, UnsupportedModelError
-from kvbaton.model.config import ModelConfig, RopeScaling
+from kvbaton.model.config import ModelConfig, RopeScaling, head_counts_problem
 from kvbaton.model.llama import rope_inv_freq
 from kvbaton.model.tokenizer import Tokenizer
 
@@ -176,6 +176,9 @@ def _config(metadata: dict[str, object], num_tokens: int, tensor_names: set[str]
     hidden = int(_require(metadata, p + "embedding_length", path))  # type: ignore[call-overload]
     num_heads = int(_require(metadata, p + "attention.head_count", path))  # type: ignore[call-overload]
     num_kv_heads = int(metadata.get(p + "attention.head_count_kv", num_heads))  # type: ignore[call-overload]
+    problem = head_counts_problem(num_heads, num_kv_heads, p + "attention.head_count", p + "attention.head_count_kv")
+    if problem is not None:
+        raise UnsupportedModelError(f"{path}: {problem}")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -256,29 +259,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
 
 def _check_complete(config: ModelConfig, state_dict: dict[str, torch.Tensor], path: Path) -> None:
     """Every tensor a llama model needs is present with the shape the config implies."""
-    expected = {
-        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
-        "model.norm.weight": (config.hidden_size,),
-    }
-    if not config.tie_word_embeddings:
-        expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    q_rows = config.num_heads * config.head_dim
-    kv_rows = config.num_kv_heads * config.head_dim
-    for i in range(config.num_layers):
-        layer = f"model.layers.{i}."
-        expected[layer + "input_layernorm.weight"] = (config.hidden_size,)
-        expected[layer + "post_attention_layernorm.weight"] = (config.hidden_size,)
-        expected[layer + "self_attn.q_proj.weight"] = (q_rows, config.hidden_size)
-        expected[layer + "self_attn.k_proj.weight"] = (kv_rows, config.hidden_size)
-        expected[layer + "self_attn.v_proj.weight"] = (kv_rows, config.hidden_size)
-        expected[layer + "self_attn.o_proj.weight"] = (config.hidden_size, q_rows)
-        expected[layer + "mlp.gate_proj.weight"] = (config.intermediate_size, config.hidden_size)
-        expected[layer + "mlp.up_proj.weight"] = (config.intermediate_size, config.hidden_size)
-        expected[layer + "mlp.down_proj.weight"] = (config.hidden_size, config.intermediate_size)
-        if config.attention_bias:
-            expected[layer + "self_attn.q_proj.bias"] = (q_rows,)
-            expected[layer + "self_attn.k_proj.bias"] = (kv_rows,)
-            expected[layer + "self_attn.v_proj.bias"] = (kv_rows,)
+    expected = config.tensor_shapes()
     for name, shape in expected.items():
         if name not in state_dict:
             raise UnsupportedModelError(f"{path}: missing tensor for {name}")

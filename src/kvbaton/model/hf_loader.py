@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from kvbaton.core.errors import ModelNotFoundError, UnsupportedModelError
-from kvbaton.model.config import ModelConfig, RopeScaling
+from kvbaton.model.config import ModelConfig, RopeScaling, head_counts_problem
 from kvbaton.model.tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -67,6 +67,10 @@ def config_from_hf(raw: dict, source: Path) -> ModelConfig:
     try:
         hidden = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        problem = head_counts_problem(num_heads, num_kv_heads, "num_attention_heads", "num_key_value_heads")
+        if problem is not None:
+            raise UnsupportedModelError(f"{source}: config.json: {problem}")
         theta, scaling = _rope(raw)
         max_positions = int(raw.get("max_position_embeddings", 2048))
         # Sliding-window attention is not implemented: cap the context at the window so that every
@@ -80,7 +84,7 @@ def config_from_hf(raw: dict, source: Path) -> ModelConfig:
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
             num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            num_kv_heads=num_kv_heads,
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             vocab_size=int(raw["vocab_size"]),
             rope_theta=theta,
@@ -102,6 +106,8 @@ def safetensors_files(directory: Path) -> list[Path]:
     index = directory / _INDEX_FILE
     if index.is_file():
         weight_map = _read_json(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise UnsupportedModelError(f"{index}: weight_map must be an object mapping tensor names to file names")
         files = sorted({directory / name for name in weight_map.values()})
     else:
         files = sorted(directory.glob("*.safetensors"))
@@ -145,4 +151,14 @@ def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
     if tokenizer.bos_token_id is None and config.bos_token_id is not None:
         tokenizer.bos_token_id = config.bos_token_id
     state_dict = _load_state_dict(safetensors_files(directory), config)
+    _check_shapes(config, state_dict, directory)
     return config, state_dict, tokenizer, raw
+
+
+def _check_shapes(config: ModelConfig, state_dict: dict[str, torch.Tensor], directory: Path) -> None:
+    """Every tensor config.json implies has that shape (missing or extra names are LlamaModel's to report)."""
+    for name, shape in config.tensor_shapes().items():
+        if name in state_dict and tuple(state_dict[name].shape) != shape:
+            raise UnsupportedModelError(
+                f"{directory}: {name} has shape {tuple(state_dict[name].shape)}, config.json implies {shape}"
+            )

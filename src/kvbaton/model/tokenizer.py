@@ -144,6 +144,14 @@ def _check_tool_calls(tool_calls: object, index: int) -> None:
                                       "'arguments': str or object}}}")
 
 
+def _unused_sentinel(text: str) -> str:
+    """A marker that occurs nowhere in `text`; its trailing space shows whether a template trimmed it."""
+    sentinel = "<|kvbaton_final_message_ends|>"
+    while sentinel in text:
+        sentinel = sentinel.replace("|>", "_|>")
+    return sentinel + " "
+
+
 class Tokenizer:
     """A `tokenizers` tokenizer plus what a server needs around it: BOS policy, EOS, specials, chat template."""
 
@@ -228,23 +236,41 @@ class Tokenizer:
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use a completion request instead")
         validated = _validated_messages(messages)
+        if not continue_final_message:
+            return self._render(self.chat_template, validated, add_generation_prompt, tools, template_kwargs)
+        final = str(validated[-1]["content"])
+        if not final:
+            raise InvalidRequestError("continue_final_message: the final message's content is empty")
+        # As transformers does: mark where the final message's content ends, render, and cut at the mark.
+        # Searching the rendering for the content itself could match template text after the message.
+        sentinel = _unused_sentinel(repr((validated, tools, template_kwargs)) + self.chat_template)
+        validated[-1] = {**validated[-1], "content": final + sentinel}
+        rendered = self._render(self.chat_template, validated, add_generation_prompt, tools, template_kwargs)
+        mark = sentinel.rstrip()
+        if rendered.count(mark) != 1:
+            raise InvalidRequestError("continue_final_message: the chat template does not render the final message's "
+                                      "content exactly once")
+        cut = rendered.index(mark)
+        prompt, content_end = rendered[:cut], final
+        if not rendered.startswith(sentinel, cut):
+            # The template trimmed the content, and with it the mark's trailing space: trim before the mark too.
+            prompt, content_end = prompt.rstrip(), final.strip()
+        if not prompt.endswith(content_end):
+            raise InvalidRequestError("continue_final_message: the chat template changes the end of the final "
+                                      "message's content")
+        return prompt
+
+    def _render(self, template: str, messages: list[dict[str, object]], add_generation_prompt: bool,
+                tools: Sequence[Mapping[str, object]], template_kwargs: Mapping[str, object] | None) -> str:
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
         try:
             extra = {**(template_kwargs or {}), **({"tools": list(tools)} if tools else {})}
-            rendered = _compile_template(self.chat_template).render(
-                **{**extra, "messages": validated, "add_generation_prompt": add_generation_prompt, "bos_token": bos,
+            return _compile_template(template).render(
+                **{**extra, "messages": messages, "add_generation_prompt": add_generation_prompt, "bos_token": bos,
                    "eos_token": eos})
         except (jinja2.TemplateError, TypeError, ValueError) as exc:  # a template may also trip over odd values
             raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
-        if not continue_final_message:
-            return rendered
-        final = str(validated[-1]["content"])
-        for text in (final, final.strip()):
-            if text and text in rendered:
-                return rendered[: rendered.rindex(text) + len(text)]
-        raise InvalidRequestError("continue_final_message: the final message's content is empty or does not appear "
-                                  "in the chat template's output")
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write tokenizer.json + tokenizer_config.json, the files `from_hf_dir` reads back."""
@@ -321,6 +347,8 @@ class Tokenizer:
             config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
             raise UnsupportedModelError(f"cannot read the tokenizer in {directory}: {exc}") from exc
+        if not isinstance(config, dict):
+            raise UnsupportedModelError(f"{config_file} does not hold a JSON object")
         template = config.get("chat_template")
         template_file = directory / "chat_template.jinja"
         if template is None and template_file.is_file():
@@ -328,6 +356,8 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
             template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise UnsupportedModelError(f"{directory}: chat_template must be a string or a list of named templates")
         add_bos = config.get("add_bos_token")
         if add_bos is None:
             # No flag: the tokenizer.json post-processor decides; probe whether it inserts a BOS.

@@ -51,15 +51,25 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` items as generator keyword parameters (VALUE parsed as JSON, else kept as a string)."""
+    import inspect
+
+    from kvbaton.bench.workloads import RESERVED_PARAMS, create_workload
+
+    # create_workload's own arguments (seed, rate, arrival, ...) have options of their own.
+    reserved = set(RESERVED_PARAMS) | set(inspect.signature(create_workload).parameters) - {"params"}
     params: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
         if not sep or not key:
             raise InvalidRequestError(f"--param expects KEY=VALUE, got {item!r}")
+        if key in reserved:
+            raise InvalidRequestError(f"--param {key} is not a workload parameter: it has an option of its own")
         try:
-            params[key.replace("-", "_")] = json.loads(value)
+            params[key] = json.loads(value)
         except json.JSONDecodeError:
-            params[key.replace("-", "_")] = value
+            params[key] = value
     return params
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.core.errors import InvalidRequestError
 
 _CHUNK_TOKENS = 128  # any size gives the same exact answer; larger walks faster
 _TOKEN_BYTES = 4  # int32
@@ -114,7 +115,7 @@ def measure_sharing(requests: Sequence[WorkloadRequest]) -> tuple[int, int]:
 
 def describe_workload(requests: Sequence[WorkloadRequest]) -> WorkloadStats:
     if not requests:
-        raise ValueError("cannot describe an empty workload")
+        raise InvalidRequestError("cannot describe an empty workload")
     shared, total = measure_sharing(requests)
     arrivals = [r.arrival_s for r in requests]
     duration_s = max(arrivals) - min(arrivals)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,8 +72,10 @@ def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:
 
     if args.num_gpus <= 0 or args.num_requests <= 0:
         raise InvalidRequestError("--num-gpus and --num-requests must be positive")
-    if args.ttft_slo <= 0 or args.tpot_slo <= 0:
-        raise InvalidRequestError("--ttft-slo and --tpot-slo must be positive")
+    if not all(math.isfinite(s) and s > 0 for s in (args.ttft_slo, args.tpot_slo)):
+        raise InvalidRequestError("--ttft-slo and --tpot-slo must be positive finite seconds")
+    if not all(math.isfinite(x) for x in (args.attainment, args.rate_step, args.max_rate, args.first_ceiling)):
+        raise InvalidRequestError("--attainment, --rate-step, --max-rate and --first-ceiling must be finite numbers")
     settings = SearchSettings(SLO(args.ttft_slo, args.tpot_slo), args.attainment, args.joint, args.rate_step,
                               args.max_rate, min(args.first_ceiling, args.max_rate))
     params = parse_params(args.param)
@@ -87,8 +90,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from kvbaton.plan.planner import GoodputPlanner
     from kvbaton.plan.report import plan_json, plan_text, plot_goodput
 
-    if args.rate is not None and args.rate <= 0:
-        raise InvalidRequestError("--rate must be positive")
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        raise InvalidRequestError(f"--rate must be a positive finite number, got {args.rate}")
     planner = GoodputPlanner(plan_request_from_args(args))
     plan = planner.run()
     payload = plan_json(plan, args.rate)

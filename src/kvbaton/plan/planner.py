@@ -78,13 +78,16 @@ class Plan:
 
 def plan_requests(request: PlanRequest, max_model_len: int) -> list[WorkloadRequest]:
     """The search's request mix: `num_requests` that fit the context, Poisson arrivals at 1 req/s."""
+    # An explicit Poisson process: a self-timed workload (mooncake, hot-prefix-burst) would otherwise keep its own
+    # times, whose mean rate is not 1, and the probes, which rescale these times, would run slower than they claim.
     drawn = create_workload(request.workload, num_requests=request.num_requests * 2, seed=request.seed, rate=1.0,
-                            **dict(request.workload_params))
+                            arrival="poisson", **dict(request.workload_params))
     fitting = [r for r in drawn if r.num_prompt_tokens + r.output_tokens <= max_model_len][:request.num_requests]
     if not fitting:
         raise InvalidRequestError(f"no request of {request.workload} fits the {max_model_len}-token context")
-    # Re-index so arrivals stay a rate-1 process over the kept requests.
-    return [replace(r, index=i) for i, r in enumerate(fitting)]
+    # Dropping requests thins the process; the kept ones take the first arrival times of the drawn rate-1 process
+    # in order (unchanged when nothing was dropped), so they too arrive at 1 req/s.
+    return [replace(r, index=i, arrival_s=drawn[i].arrival_s) for i, r in enumerate(fitting)]
 
 
 def bound_per_gpu_rps(placement: Placement, cost: CostModel, prompt_tokens: float, output_tokens: float,
@@ -96,6 +99,9 @@ def bound_per_gpu_rps(placement: Placement, cost: CostModel, prompt_tokens: floa
     """
     def prefill_rps(par: Parallelism) -> float:
         service_s = cost.prefill_s(int(prompt_tokens), 0, par)
+        if not service_s > 0:
+            raise InvalidRequestError(f"cost model {cost.name} gives a {int(prompt_tokens)}-token prefill no time; "
+                                      "the planner needs one that prices steps (roofline, distserve, a profile)")
         if service_s >= slo.ttft_s:
             return 0.0
         # M/D/1: TTFT = t + rho t / (2 (1 - rho)) <= S  <=>  rho <= 2 (S - t) / (2 S - t)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict
 from typing import Any
@@ -20,7 +21,7 @@ from kvbaton.bench.records import RequestRecord
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.sim.catalog import GPUS, MODELS
 from kvbaton.sim.costs import COST_MODELS
-from kvbaton.sim.run import SimResult, SimSetup, simulate
+from kvbaton.sim.run import SimResult, SimSetup, check_setup, simulate
 
 _TRACE_PARAM = {"mooncake": "trace", "sharegpt-like": "sharegpt_path"}
 
@@ -82,9 +83,12 @@ def _rates(text: str | None) -> list[float | None]:
     if text is None:
         return [None]
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise InvalidRequestError(f"--rate expects numbers separated by commas, got {text!r}") from None
+    if not rates or not all(math.isfinite(r) and r > 0 for r in rates):
+        raise InvalidRequestError(f"--rate expects positive finite numbers separated by commas, got {text!r}")
+    return rates
 
 
 def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
@@ -112,6 +116,9 @@ def run_sim(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"unknown policy {unknown}; choose from {', '.join(POLICY_NAMES)}")
     if (args.ttft_slo is None) != (args.tpot_slo is None):
         raise InvalidRequestError("give both --ttft-slo and --tpot-slo, or neither")
+    if args.ttft_slo is not None and not all(math.isfinite(s) and s > 0 for s in (args.ttft_slo, args.tpot_slo)):
+        raise InvalidRequestError("--ttft-slo and --tpot-slo must be positive finite seconds")
+    check_setup(_setup(args, policies[0]))
     slo = SLO(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None
     params = parse_params(args.param)
     if args.trace:

@@ -10,6 +10,7 @@ take the GPU's host link (`GpuSpec.host_link`, `kvbaton.sim.host_link`).
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -75,6 +76,30 @@ class SimResult:
     cost_model: str
 
 
+def check_setup(setup: SimSetup) -> None:
+    """Refuses a setup whose numbers are out of range, before anything is built from it."""
+    counts = {"block_size": setup.block_size, "max_num_batched_tokens": setup.max_num_batched_tokens,
+              "max_num_seqs": setup.max_num_seqs}
+    for name, value in counts.items():
+        if value < 1:
+            raise InvalidRequestError(f"{name} must be at least 1, got {value}")
+    non_negative = {"seed": setup.seed, "num_blocks": setup.num_blocks, "max_model_len": setup.max_model_len,
+                    "num_speculative_tokens": setup.num_speculative_tokens}
+    for name, value in non_negative.items():
+        if value < 0:
+            raise InvalidRequestError(f"{name} must be >= 0, got {value}")
+    if not (math.isfinite(setup.host_kv_gb) and setup.host_kv_gb >= 0):
+        raise InvalidRequestError(f"host_kv_gb must be a finite number >= 0, got {setup.host_kv_gb}")
+    if not 0.0 <= setup.output_copy_fraction <= 1.0:
+        raise InvalidRequestError(f"output_copy_fraction must be in [0, 1], got {setup.output_copy_fraction}")
+    if not (math.isfinite(setup.output_copy_span) and setup.output_copy_span >= 1.0):
+        raise InvalidRequestError(f"output_copy_span must be a finite number >= 1, got {setup.output_copy_span}")
+    if not (math.isfinite(setup.heartbeat_s) and setup.heartbeat_s > 0):
+        raise InvalidRequestError(f"heartbeat_s must be a positive finite number, got {setup.heartbeat_s}")
+    if setup.admission_slo is not None and not all(math.isfinite(s) and s > 0 for s in setup.admission_slo):
+        raise InvalidRequestError(f"admission_slo must be positive finite seconds, got {setup.admission_slo}")
+
+
 def kv_blocks_for(setup: SimSetup, spec: ClusterSpec, cost_model: CostModel) -> int:
     """KV blocks one worker holds: (memory x GPUs x fraction - weights) / block bytes, per worker of the spec."""
     if setup.num_blocks > 0:
@@ -106,6 +131,7 @@ def host_kv_blocks_for(setup: SimSetup, cost_model: CostModel) -> int:
 
 
 def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
+    check_setup(setup)
     spec = parse_cluster_spec(setup.cluster)
     cost_model = create_cost_model(setup.cost_model, setup.model, setup.gpu)
     num_blocks = kv_blocks_for(setup, spec, cost_model)

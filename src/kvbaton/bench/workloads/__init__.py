@@ -7,8 +7,14 @@ so changing the arrival process never changes the prompts) and assigns arrival t
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import random
+import types
+import typing
 import zlib
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,6 +61,9 @@ WORKLOADS: dict[str, WorkloadFamily] = {f.name: f for f in (
 
 PREBLE_WORKLOADS = ("tool-use", "agent", "programming", "video-qa", "long-doc-qa")
 
+# Keyword arguments create_workload passes to every generator itself: a workload parameter may not set them.
+RESERVED_PARAMS = ("num_requests", "vocab_size", "rng", "arrival_rng", "rate")
+
 
 def create_workload(name: str, *, num_requests: int | None = None, seed: int = 0,
                     vocab_size: int = DEFAULT_VOCAB_SIZE, rate: float | None = None, arrival: str | None = None,
@@ -74,7 +83,12 @@ def create_workload(name: str, *, num_requests: int | None = None, seed: int = 0
         raise InvalidRequestError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if num_requests is not None and num_requests <= 0:
         raise InvalidRequestError(f"num_requests must be positive, got {num_requests}")
+    if seed < 0:
+        raise InvalidRequestError(f"seed must be >= 0, got {seed}")
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise InvalidRequestError(f"rate must be a positive finite number, got {rate}")
     check_vocab_size(vocab_size)
+    _check_params(family, params)
     stream = zlib.crc32(name.encode())
     content_rng = np.random.default_rng([seed, stream, 0])
     arrival_rng = random.Random(seed * 1_000_003 + stream)  # int seeds are stable across processes
@@ -97,10 +111,60 @@ def create_workload(name: str, *, num_requests: int | None = None, seed: int = 0
             raise InvalidRequestError(f"workload {name!r} with arrival {kind!r} needs --rate")
         times_s = create_arrivals(kind, arrival_rng, len(drafts), mean_rate, cv=arrival_cv, on_s=arrival_on_s,
                                   off_s=arrival_off_s)
-    return _finish(drafts, times_s)
+    return _finish(name, drafts, times_s)
 
 
-def _finish(drafts: list[Draft], times_s: list[float]) -> list[WorkloadRequest]:
+def _check_params(family: WorkloadFamily, params: dict[str, Any]) -> None:
+    """Refuses reserved names and values of the wrong type (a name the generator lacks fails its bind)."""
+    hints = typing.get_type_hints(family.generate)
+    for key, value in params.items():
+        if key in RESERVED_PARAMS:
+            raise InvalidRequestError(f"workload {family.name!r}: {key!r} is set by its own option, not a parameter")
+        hint = hints.get(key)
+        if hint is not None and not _accepts(hint, value):
+            raise InvalidRequestError(f"workload {family.name!r}: parameter {key} takes {_type_name(hint)}, "
+                                      f"got {value!r}")
+
+
+def _accepts(hint: Any, value: Any) -> bool:
+    """Whether `value` fits the annotation `hint` (types this check does not know are left to the generator)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_accepts(h, value) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                and math.isfinite(value))
+    if hint in (str, Path):
+        return isinstance(value, (str, Path))
+    if typing.get_origin(hint) is Callable:
+        return callable(value)
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in typing.get_args(hint))
+    names = {type(None): "null", bool: "true or false", int: "an integer", float: "a finite number",
+             str: "a string", Path: "a path"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _finish(name: str, drafts: list[Draft], times_s: list[float]) -> list[WorkloadRequest]:
+    # Every request asks for at least one token of a non-empty prompt: the engine and the simulator assume so.
+    for i, draft in enumerate(drafts):
+        if draft.output_tokens < 1:
+            raise InvalidRequestError(f"workload {name!r}: request {i} has {draft.output_tokens} output tokens; "
+                                      "check the workload's parameters")
+        if not any(len(part) for part in draft.prompt_parts):
+            raise InvalidRequestError(f"workload {name!r}: request {i} has an empty prompt; "
+                                      "check the workload's parameters")
+        if not math.isfinite(times_s[i]):
+            raise InvalidRequestError(f"workload {name!r}: request {i} has arrival time {times_s[i]}")
     # Stable sort: equal arrival times keep generator order (an agent's turns stay ordered).
     order = sorted(range(len(drafts)), key=lambda i: times_s[i])
     return [WorkloadRequest(index=k, arrival_s=times_s[i], prompt_parts=drafts[i].prompt_parts,

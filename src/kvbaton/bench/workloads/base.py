@@ -9,6 +9,8 @@ prefix cache looks at.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,8 +86,10 @@ def lognormal_lengths(rng: np.random.Generator, num: int, mean: float, std: floa
     Log-normal because measured prompt/output lengths are positive and right-skewed; matching
     the first two moments is what papers report (Preble Table 1 gives mean ± std).
     """
-    if mean <= 0 or std < 0:
-        raise InvalidRequestError(f"length distribution needs mean > 0 and std >= 0, got {mean}, {std}")
+    if not (mean > 0 and std >= 0) or not math.isfinite(mean + std):
+        raise InvalidRequestError(f"length distribution needs finite mean > 0 and std >= 0, got {mean}, {std}")
+    if high is not None and high < low:
+        raise InvalidRequestError(f"length distribution needs a maximum >= {low}, got {high}")
     if std == 0:
         values = np.full(num, mean)
     else:
@@ -109,7 +113,7 @@ def choose_indices(rng: np.random.Generator, num: int, weights: np.ndarray) -> l
 
 def check_positive(**values: float) -> None:
     for name, value in values.items():
-        if not value > 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
             raise InvalidRequestError(f"{name} must be positive, got {value}")
 
 

@@ -15,6 +15,7 @@ mean output 149 tokens.
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -31,28 +32,45 @@ DEFAULT_MOONCAKE_TRACE = Path(__file__).resolve().parents[4].parent / "shared/da
 
 
 def read_mooncake_trace(path: str | Path, num_requests: int | None = None) -> list[dict]:
-    """The first `num_requests` rows of the trace (all when None), validated."""
+    """The first `num_requests` rows of the trace (all when None), validated and with their fields normalised
+    (int lengths and hash ids, a float timestamp)."""
     trace_path = Path(path)
     if not trace_path.is_file():
         raise InvalidRequestError(f"Mooncake trace not found: {trace_path} (pass --trace FILE)")
     rows = []
-    with trace_path.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if num_requests is not None and len(rows) >= num_requests:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                input_len, ids = int(row["input_length"]), [int(h) for h in row["hash_ids"]]
-                int(row["output_length"]), float(row["timestamp"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise InvalidRequestError(f"{trace_path}:{line_no}: not a Mooncake trace row ({exc})") from None
-            if not (len(ids) - 1) * MOONCAKE_BLOCK_TOKENS < input_len <= len(ids) * MOONCAKE_BLOCK_TOKENS:
-                raise InvalidRequestError(f"{trace_path}:{line_no}: input_length {input_len} does not fit "
-                                          f"{len(ids)} blocks of {MOONCAKE_BLOCK_TOKENS}")
-            rows.append(row)
+    try:
+        with trace_path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if num_requests is not None and len(rows) >= num_requests:
+                    break
+                if line.strip():
+                    rows.append(_parse_row(line, f"{trace_path}:{line_no}"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"cannot read Mooncake trace {trace_path}: {exc}") from None
+    if not rows:
+        raise InvalidRequestError(f"Mooncake trace {trace_path} has no rows")
     return rows
+
+
+def _parse_row(line: str, where: str) -> dict:
+    try:
+        row = json.loads(line)
+        ids = row["hash_ids"]
+        if not isinstance(ids, list):
+            raise TypeError(f"hash_ids must be a list, got {ids!r}")
+        parsed = {"timestamp": float(row["timestamp"]), "input_length": int(row["input_length"]),
+                  "output_length": int(row["output_length"]), "hash_ids": [int(h) for h in ids]}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidRequestError(f"{where}: not a Mooncake trace row ({exc})") from None
+    if not math.isfinite(parsed["timestamp"]):
+        raise InvalidRequestError(f"{where}: timestamp must be a finite number, got {parsed['timestamp']}")
+    input_len, num_blocks = parsed["input_length"], len(parsed["hash_ids"])
+    if input_len < 1:
+        raise InvalidRequestError(f"{where}: input_length must be at least 1, got {input_len}")
+    if not (num_blocks - 1) * MOONCAKE_BLOCK_TOKENS < input_len <= num_blocks * MOONCAKE_BLOCK_TOKENS:
+        raise InvalidRequestError(f"{where}: input_length {input_len} does not fit "
+                                  f"{num_blocks} blocks of {MOONCAKE_BLOCK_TOKENS}")
+    return parsed
 
 
 def generate_mooncake(*, num_requests: int | None, vocab_size: int, rng: np.random.Generator,

@@ -20,21 +20,24 @@ from pathlib import Path
 import numpy as np
 
 from kvbaton.bench.tokens import TokenIds, as_token_array, random_tokens, word_tokens
-from kvbaton.bench.workloads.base import Draft, lognormal_lengths
+from kvbaton.bench.workloads.base import Draft, check_positive, lognormal_lengths
 from kvbaton.core.errors import InvalidRequestError
 
 
 def read_sharegpt(path: str | Path) -> list[tuple[str, str]]:
     """(prompt, reply) pairs from the first exchange of each conversation that has one."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequestError(f"cannot read ShareGPT file {path}: {exc}") from None
     if not isinstance(data, list):
         raise InvalidRequestError(f"{path}: expected a JSON list of conversations")
     pairs = []
-    for item in data:
+    for number, item in enumerate(data):
         turns = item.get("conversations", []) if isinstance(item, dict) else []
+        if not isinstance(turns, list) or not all(isinstance(turn, dict) for turn in turns[:2]):
+            raise InvalidRequestError(f"{path}: conversation {number} is not a list of "
+                                      '{"from": ..., "value": ...} turns')
         if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
             pairs.append((str(turns[0].get("value", "")), str(turns[1].get("value", ""))))
     return pairs
@@ -46,6 +49,7 @@ def generate_sharegpt_like(*, num_requests: int | None, vocab_size: int, rng: np
                            prompt_std_tokens: float = 300, output_mean_tokens: float = 200,
                            output_std_tokens: float = 200, max_output_tokens: int = 2048,
                            tokenize: Callable[[str], Sequence[int]] | None = None) -> list[Draft]:
+    check_positive(max_output_tokens=max_output_tokens)
     path = sharegpt_path or trace
     if path is None:
         total = num_requests or 1000
@@ -85,6 +89,7 @@ def generate_shifting_mix(*, num_requests: int | None, vocab_size: int, rng: np.
     Lengths are lognormal with a std of a third of the mean; the group ("phase1"/"phase2") names the phase."""
     if not 0.0 < shift_fraction < 1.0:
         raise InvalidRequestError(f"shift_fraction must be in (0, 1), got {shift_fraction}")
+    check_positive(max_output_tokens=max_output_tokens)
     total = num_requests or 1000
     first = max(1, min(total - 1, round(total * shift_fraction)))
     drafts: list[Draft] = []

@@ -98,3 +98,19 @@ def _step_rows(duration_s: float) -> str:
 def test_profile_from_bad_step_logs(tmp_path: Path, make, capsys: pytest.CaptureFixture[str]) -> None:
     _exits_cleanly(["profile", "--model", "tiny-random", "--out", str(tmp_path / "p.json"), "--from-step-log",
                     make(tmp_path)], capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--spec-max-running", "-1"], "spec_max_running must be >= 0"),
+    (["--cluster", "1xmixed:pp=1000"], "pipeline stages"),
+    (["--rate", "1.0000001,1.0000002"], "may not repeat"),
+    (["--policy", "preble,preble"], "may not repeat"),
+])
+def test_sim_refuses_values_it_used_to_accept_silently(argv: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Odd values the hunt found silently accepted: a negative speculation bound turned speculation off, a pipeline
+    deeper than the model's layers ran, and sweep runs of rates equal at 6 digits (or a repeated policy) overwrote
+    each other's results."""
+    base = ["sim", "--workload", "tool-use", "--num-requests", "5", "--no-progress"]
+    assert main([*base, *argv]) == 2
+    assert message in capsys.readouterr().err

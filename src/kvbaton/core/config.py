@@ -53,8 +53,10 @@ class SchedulerConfig:
             raise InvalidRequestError("max_num_batched_tokens must be positive")
         if self.max_num_seqs <= 0:
             raise InvalidRequestError("max_num_seqs must be positive")
-        if self.num_speculative_tokens < 0 or not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
-            raise InvalidRequestError("num_speculative_tokens must be >= 0 and 1 <= spec_ngram_min <= spec_ngram_max")
+        if (self.num_speculative_tokens < 0 or not 1 <= self.spec_ngram_min <= self.spec_ngram_max
+                or self.spec_max_running < 0):
+            raise InvalidRequestError("num_speculative_tokens and spec_max_running must be >= 0, and "
+                                      "1 <= spec_ngram_min <= spec_ngram_max")
         if self.queue_policy not in QUEUE_POLICIES:
             raise InvalidRequestError(f"queue_policy must be one of {QUEUE_POLICIES}, got {self.queue_policy!r}")
 

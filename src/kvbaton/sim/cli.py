@@ -126,6 +126,10 @@ def run_sim(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"--trace applies to {', '.join(_TRACE_PARAM)}, not {args.workload}")
         params[_TRACE_PARAM[args.workload]] = args.trace
     rates = _rates(args.rate)
+    names = [f"{rate:g}" for rate in rates if rate is not None]
+    if len(set(names)) < len(names) or len(set(policies)) < len(policies):
+        raise InvalidRequestError("--rate and --policy may not repeat a value (rates are told apart to 6 significant "
+                                  f"digits: {', '.join(names)})")
     workloads = {rate: create_workload(args.workload, num_requests=args.num_requests, seed=args.seed, rate=rate,
                                        arrival=args.arrival, arrival_cv=args.cv, **params) for rate in rates}
     runs: dict[str, list[RequestRecord]] = {}

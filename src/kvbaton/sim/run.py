@@ -98,6 +98,8 @@ def check_setup(setup: SimSetup) -> None:
         raise InvalidRequestError(f"heartbeat_s must be a positive finite number, got {setup.heartbeat_s}")
     if setup.admission_slo is not None and not all(math.isfinite(s) and s > 0 for s in setup.admission_slo):
         raise InvalidRequestError(f"admission_slo must be positive finite seconds, got {setup.admission_slo}")
+    if setup.spec_max_running is not None and setup.spec_max_running < 0:
+        raise InvalidRequestError(f"spec_max_running must be >= 0, got {setup.spec_max_running}")
 
 
 def kv_blocks_for(setup: SimSetup, spec: ClusterSpec, cost_model: CostModel) -> int:
@@ -133,10 +135,14 @@ def host_kv_blocks_for(setup: SimSetup, cost_model: CostModel) -> int:
 def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
     check_setup(setup)
     spec = parse_cluster_spec(setup.cluster)
+    model = MODELS.get(setup.model)
+    deepest = max(w.parallel.pp for w in spec.workers)
+    if model is not None and deepest > model.num_layers:
+        raise InvalidRequestError(f"{setup.cluster!r}: {deepest} pipeline stages, but {setup.model} has only "
+                                  f"{model.num_layers} layers")
     cost_model = create_cost_model(setup.cost_model, setup.model, setup.gpu)
     num_blocks = kv_blocks_for(setup, spec, cost_model)
     host_num_blocks = host_kv_blocks_for(setup, cost_model)
-    model = MODELS.get(setup.model)
     max_model_len = setup.max_model_len or (model.max_context_tokens if model else 8192)
     config = SimConfig(
         policy=setup.policy, seed=setup.seed,

@@ -95,7 +95,7 @@ TOOL_TEMPLATE = (
 
 # Was a bug: Tokenizer.apply_chat_template (model/tokenizer.py) passes `tool_calls` to the template unvalidated and only
 # turns jinja2.TemplateError into InvalidRequestError; a malformed tool call (no "arguments", or tool_calls not a
-# list) makes the template raise TypeError (`_tojson(Undefined)`, iterating an int), which reaches the client as a
+# list) makes the template raise TypeError (`tojson(Undefined)`, iterating an int), which reaches the client as a
 # 500 "internal server error" on /v1/chat/completions and /tokenize instead of a 400 naming `messages`. Fixed:
 # tool_calls are validated with the messages, and a template's TypeError/ValueError is a 400 too.
 @pytest.mark.parametrize("tool_calls", [[{"type": "function", "function": {"name": "f"}}], 5])

@@ -4,18 +4,16 @@ the chat template, and incremental detokenization for streaming."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvbaton.core.errors import InvalidRequestError, UnsupportedModelError
+from kvbaton.model.chat_template import compile_chat_template, unused_sentinel, validated_messages
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS, TokenizationCache
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
@@ -75,81 +73,6 @@ def _pre_tokenizer_for(pre_name: str) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-
-
-def _raise_template_exception(message: str) -> None:
-    raise InvalidRequestError(f"chat template rejected the messages: {message}")
-
-
-def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False) -> str:
-    # Jinja's own tojson escapes HTML characters, which changes prompts; templates expect plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    # Some templates (Llama 3.x) print today's date; this is model-layer formatting, never policy.
-    return time.strftime(fmt)
-
-
-@lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-    """The environment transformers renders chat templates in, so prompts match it byte for byte."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_template_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
-
-
-def _validated_messages(messages: object) -> list[dict[str, object]]:
-    """OpenAI-style messages with string contents; text parts (`[{"type": "text", ...}]`) are joined, and an
-    assistant message that only makes tool calls (content null) gets "" (its `tool_calls` go to the template)."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects")
-    validated: list[dict[str, object]] = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise InvalidRequestError(f"messages[{index}] must be an object, got {type(message).__name__}")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequestError(f"messages[{index}].role must be a non-empty string")
-        content = message.get("content")
-        if content is None and message.get("tool_calls"):
-            content = ""
-        if isinstance(content, list):
-            texts = [part.get("text") for part in content if isinstance(part, Mapping) and part.get("type") == "text"]
-            if len(texts) != len(content) or not all(isinstance(text, str) for text in texts):
-                raise InvalidRequestError(f"messages[{index}].content parts must all be {{'type': 'text', 'text': str}}")
-            content = "".join(texts)  # type: ignore[arg-type]
-        if not isinstance(content, str):
-            raise InvalidRequestError(f"messages[{index}].content must be a string or a list of text parts")
-        _check_tool_calls(message.get("tool_calls"), index)
-        validated.append({**message, "content": content})
-    return validated
-
-
-def _check_tool_calls(tool_calls: object, index: int) -> None:
-    """An assistant message's earlier tool calls, as chat templates read them: a list of
-    {"function": {"name": str, "arguments": str or object}} (None or absent: no calls)."""
-    if tool_calls is None:
-        return
-    where = f"messages[{index}].tool_calls"
-    if not isinstance(tool_calls, list):
-        raise InvalidRequestError(f"{where} must be a list of tool calls")
-    for number, tool_call in enumerate(tool_calls):
-        function = tool_call.get("function") if isinstance(tool_call, Mapping) else None
-        if (not isinstance(function, Mapping) or not isinstance(function.get("name"), str)
-                or not isinstance(function.get("arguments"), str | Mapping)):
-            raise InvalidRequestError(f"{where}[{number}] must be {{'type': 'function', 'function': {{'name': str, "
-                                      "'arguments': str or object}}}")
-
-
-def _unused_sentinel(text: str) -> str:
-    """A marker that occurs nowhere in `text`; its trailing space shows whether a template trimmed it."""
-    sentinel = "<|kvbaton_final_message_ends|>"
-    while sentinel in text:
-        sentinel = sentinel.replace("|>", "_|>")
-    return sentinel + " "
 
 
 class Tokenizer:
@@ -235,7 +158,7 @@ class Tokenizer:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true")
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use a completion request instead")
-        validated = _validated_messages(messages)
+        validated = validated_messages(messages)
         if not continue_final_message:
             return self._render(self.chat_template, validated, add_generation_prompt, tools, template_kwargs)
         final = str(validated[-1]["content"])
@@ -243,7 +166,7 @@ class Tokenizer:
             raise InvalidRequestError("continue_final_message: the final message's content is empty")
         # As transformers does: mark where the final message's content ends, render, and cut at the mark.
         # Searching the rendering for the content itself could match template text after the message.
-        sentinel = _unused_sentinel(repr((validated, tools, template_kwargs)) + self.chat_template)
+        sentinel = unused_sentinel(repr((validated, tools, template_kwargs)) + self.chat_template)
         validated[-1] = {**validated[-1], "content": final + sentinel}
         rendered = self._render(self.chat_template, validated, add_generation_prompt, tools, template_kwargs)
         mark = sentinel.rstrip()
@@ -266,7 +189,7 @@ class Tokenizer:
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
         try:
             extra = {**(template_kwargs or {}), **({"tools": list(tools)} if tools else {})}
-            return _compile_template(template).render(
+            return compile_chat_template(template).render(
                 **{**extra, "messages": messages, "add_generation_prompt": add_generation_prompt, "bos_token": bos,
                    "eos_token": eos})
         except (jinja2.TemplateError, TypeError, ValueError) as exc:  # a template may also trip over odd values

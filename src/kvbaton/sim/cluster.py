@@ -43,6 +43,7 @@ from kvbaton.router.state import RouterState
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.flight import Flight
 from kvbaton.sim.cluster_handoffs import DELIVERY, RETRY, HandoffFlow
+from kvbaton.sim.cluster_records import FlightEndings
 from kvbaton.sim.config import SimConfig, WorkerReport
 from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs
 from kvbaton.sim.links import get_link
@@ -54,7 +55,7 @@ from kvbaton.sim.worker import SimWorker, TokenFn
 _ARRIVAL, _STEP_DONE = 0, 1  # and the handoff part's DELIVERY, RETRY
 
 
-class ClusterSim(HandoffFlow):
+class ClusterSim(HandoffFlow, FlightEndings):
     def __init__(self, spec: ClusterSpec, cost_model: CostModel, config: SimConfig = SimConfig(),
                  token_for: TokenFn | None = None, admission: AdmissionPolicy | None = None,
                  pools: PoolBalancer | None = None) -> None:
@@ -359,35 +360,6 @@ class ClusterSim(HandoffFlow):
                 if not state.index.on_kv_events(worker.worker_id, events):
                     state.index.apply_snapshot(worker.worker_id, worker.cache.snapshot())
 
-    def _finish_policies(self, flight: Flight, now: float) -> None:
-        if self.handoffs is not None:
-            self.handoffs.cancel(flight.workload.request_id, now)
-            self.handoffs.bytes_of.pop(flight.workload.request_id, None)
-        self.policy.on_finished(flight.workload.request_id, now)
-        if flight.decode:
-            self.decode_policy.on_finished(flight.workload.request_id, now)
-
-    def _complete(self, flight: Flight, now: float) -> None:
-        self._finish_policies(flight, now)
-        wr = flight.workload
-        times = tuple(flight.token_times_s)
-        handed_off = flight.decode and flight.decode != flight.front and len(times) > 1
-        workers = (flight.front, flight.decode) if handed_off else (flight.front,)
-        self._emit(RequestRecord(
-            request_id=wr.request_id, arrival_s=wr.arrival_s, status="completed", slo_class=wr.slo_class,
-            tenant=wr.tenant, prompt_tokens=wr.num_prompt_tokens, cached_tokens=flight.cached_tokens,
-            output_tokens=len(times), first_token_s=times[0], token_times_s=times, finish_s=now,
-            queue_s=flight.queue_s, worker_ids=workers, transfer_bytes=flight.transfer_bytes))
-
-    def _fail(self, flight: Flight, reason: str, now: float) -> None:
-        self._finish_policies(flight, now)
-        wr = flight.workload
-        self._emit(RequestRecord(
-            request_id=wr.request_id, arrival_s=wr.arrival_s, status="failed", reason=reason,
-            slo_class=wr.slo_class, tenant=wr.tenant, prompt_tokens=wr.num_prompt_tokens,
-            output_tokens=len(flight.token_times_s), finish_s=now, worker_ids=(flight.front,),
-            transfer_bytes=flight.transfer_bytes))
-
     def _prefill_load(self, worker_id: str) -> PrefillLoad:
         return prefill_load(self.workers[worker_id], self._flights.values())
 
@@ -395,29 +367,9 @@ class ClusterSim(HandoffFlow):
         return decode_load(decode_id, self._flights.values(), self.workers, self.cost_model,
                            self.config.reserve_ahead_tokens is None, exclude)
 
-    def _reject(self, flight: Flight, reason: str, now: float) -> None:
-        self._finish_policies(flight, now)
-        wr = flight.workload
-        times = tuple(flight.token_times_s)
-        self._emit(RequestRecord(
-            request_id=wr.request_id, arrival_s=wr.arrival_s, status="rejected", reason=reason,
-            slo_class=wr.slo_class, tenant=wr.tenant, prompt_tokens=wr.num_prompt_tokens,
-            output_tokens=len(times), first_token_s=times[0] if times else None, token_times_s=times,
-            finish_s=now, worker_ids=(flight.front,)))
-
     def prompt_of(self, request_id: str) -> list[int]:
         """The prompt token ids of a request in flight."""
         return self._flights[request_id].prompt
-
-    def _emit(self, record: RequestRecord) -> None:
-        flight = self._flights.pop(record.request_id)
-        if self._forget_tokens is not None:
-            self._forget_tokens(record.request_id)
-        self._records.append(record)
-        if self._on_record is not None:
-            self._on_record(record)
-        if self._unreserved:  # late reservation: its front's FIFO may move on now (its head, or tokens ahead, ended)
-            self._reserve_in_turn(flight.front, record.finish_s)
 
     def close(self) -> None:
         """The sim is being dropped: cut its reference cycles (the hooks that call back into it, the workers' radix

@@ -18,6 +18,7 @@ Definitions (the same for live runs, the simulator and the planner):
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,12 @@ from kvbaton.core.errors import InvalidRequestError
 class SLO:
     ttft_s: float  # time-to-first-token target
     tpot_s: float  # time-per-output-token target (first token excluded)
+
+    def __post_init__(self) -> None:
+        # Every command that takes --ttft-slo/--tpot-slo builds one: a NaN or infinite target would reach reports.
+        if not all(math.isfinite(s) and s > 0 for s in (self.ttft_s, self.tpot_s)):
+            raise InvalidRequestError(f"SLO targets (--ttft-slo, --tpot-slo) must be positive finite seconds, got "
+                                      f"{self.ttft_s}, {self.tpot_s}")
 
     def budget_s(self, output_tokens: int) -> float:
         """The latency the SLO allows a request with `output_tokens` tokens: TTFT + (n-1)*TPOT."""

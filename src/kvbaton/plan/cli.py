@@ -72,8 +72,6 @@ def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:
 
     if args.num_gpus <= 0 or args.num_requests <= 0:
         raise InvalidRequestError("--num-gpus and --num-requests must be positive")
-    if not all(math.isfinite(s) and s > 0 for s in (args.ttft_slo, args.tpot_slo)):
-        raise InvalidRequestError("--ttft-slo and --tpot-slo must be positive finite seconds")
     if not all(math.isfinite(x) for x in (args.attainment, args.rate_step, args.max_rate, args.first_ceiling)):
         raise InvalidRequestError("--attainment, --rate-step, --max-rate and --first-ceiling must be finite numbers")
     settings = SearchSettings(SLO(args.ttft_slo, args.tpot_slo), args.attainment, args.joint, args.rate_step,

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import StepPlan
 from kvbaton.engine.engine import Engine
@@ -174,24 +173,9 @@ def _kind(shape: BatchShape) -> str:
     return "prefill" if shape.prefill_new_tokens else "decode"
 
 
-def read_step_log(path: str) -> list[StepSample]:
-    """One serving worker's step log (`kvbaton worker --step-log`), every step timed (duration > 0)."""
-    if not Path(path).is_file():
-        raise InvalidRequestError(f"step log not found: {path}")
-    try:
-        samples = read_step_samples([path])
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"cannot read step log {path}: {exc}") from None
-    for number, sample in enumerate(samples, 1):
-        if not (math.isfinite(sample.duration_s) and sample.duration_s > 0):
-            raise InvalidRequestError(f"{path}: step {number} has duration_s {sample.duration_s}; a step log's "
-                                      "durations are positive seconds")
-    return samples
-
-
 def run_profile(args: argparse.Namespace) -> int:
     if args.from_step_log:
-        runs = [read_step_log(path) for path in args.from_step_log]
+        runs = [read_step_samples([path]) for path in args.from_step_log]
         samples = [sample for run in runs for sample in run]
         model_config, _, _ = read_model_source(resolve_model_source(args.model))
         itemsize = 4 if args.dtype == "float32" else 2  # the serving default is bf16

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,10 +89,17 @@ def write_step_samples(path: str | Path, samples: Sequence[StepSample]) -> None:
 
 
 def read_step_samples(paths: Sequence[str | Path]) -> list[StepSample]:
-    """The samples `write_step_samples` wrote, from every file in order."""
+    """The samples `write_step_samples` wrote, from every file in order; every step timed (a positive, finite
+    duration). A file that cannot be read, or a line that is not a sample, is an InvalidRequestError naming it."""
     samples: list[StepSample] = []
     for path in paths:
-        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not Path(path).is_file():
+            raise InvalidRequestError(f"step log not found: {path}")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(f"cannot read step log {path}: {exc}") from None
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -99,7 +107,11 @@ def read_step_samples(paths: Sequence[str | Path]) -> list[StepSample]:
                 shape = BatchShape(tuple(int(n) for n in row["prefill_new_tokens"]),
                                    tuple(int(n) for n in row["prefill_context_tokens"]),
                                    int(row["num_decodes"]), int(row["decode_context_tokens"]))
-                samples.append(StepSample(shape, float(row["duration_s"])))
+                duration_s = float(row["duration_s"])
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise InvalidRequestError(f"{path}:{number}: not a step sample ({exc})") from None
+            if not (math.isfinite(duration_s) and duration_s > 0):
+                raise InvalidRequestError(f"{path}:{number}: duration_s {duration_s}; a step log's durations are "
+                                          "positive seconds")
+            samples.append(StepSample(shape, duration_s))
     return samples

@@ -54,10 +54,11 @@ def parse_params(items: list[str]) -> dict[str, Any]:
     """`KEY=VALUE` items as generator keyword parameters (VALUE parsed as JSON, else kept as a string)."""
     import inspect
 
-    from kvbaton.bench.workloads import RESERVED_PARAMS, create_workload
+    from kvbaton.bench.workloads import create_workload
 
-    # create_workload's own arguments (seed, rate, arrival, ...) have options of their own.
-    reserved = set(RESERVED_PARAMS) | set(inspect.signature(create_workload).parameters) - {"params"}
+    # create_workload's own arguments (seed, rate, arrival, ...) have options of their own (it refuses the names it
+    # passes generators itself, RESERVED_PARAMS).
+    reserved = set(inspect.signature(create_workload).parameters) - {"params"}
     params: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")

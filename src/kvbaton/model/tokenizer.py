@@ -160,7 +160,7 @@ class Tokenizer:
             raise InvalidRequestError("this model has no chat template; use a completion request instead")
         validated = validated_messages(messages)
         if not continue_final_message:
-            return self._render(self.chat_template, validated, add_generation_prompt, tools, template_kwargs)
+            return self._render(validated, add_generation_prompt, tools, template_kwargs)
         final = str(validated[-1]["content"])
         if not final:
             raise InvalidRequestError("continue_final_message: the final message's content is empty")
@@ -168,7 +168,7 @@ class Tokenizer:
         # Searching the rendering for the content itself could match template text after the message.
         sentinel = unused_sentinel(repr((validated, tools, template_kwargs)) + self.chat_template)
         validated[-1] = {**validated[-1], "content": final + sentinel}
-        rendered = self._render(self.chat_template, validated, add_generation_prompt, tools, template_kwargs)
+        rendered = self._render(validated, add_generation_prompt, tools, template_kwargs)
         mark = sentinel.rstrip()
         if rendered.count(mark) != 1:
             raise InvalidRequestError("continue_final_message: the chat template does not render the final message's "
@@ -183,13 +183,13 @@ class Tokenizer:
                                       "message's content")
         return prompt
 
-    def _render(self, template: str, messages: list[dict[str, object]], add_generation_prompt: bool,
+    def _render(self, messages: list[dict[str, object]], add_generation_prompt: bool,
                 tools: Sequence[Mapping[str, object]], template_kwargs: Mapping[str, object] | None) -> str:
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
         try:
             extra = {**(template_kwargs or {}), **({"tools": list(tools)} if tools else {})}
-            return compile_chat_template(template).render(
+            return compile_chat_template(self.chat_template).render(  # type: ignore[arg-type]
                 **{**extra, "messages": messages, "add_generation_prompt": add_generation_prompt, "bos_token": bos,
                    "eos_token": eos})
         except (jinja2.TemplateError, TypeError, ValueError) as exc:  # a template may also trip over odd values

@@ -120,7 +120,7 @@ class OpenAIServer(ChatEndpoint):
                 raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return prompt
 
-    def _check_logit_bias(self, sampling: SamplingParams) -> None:
+    def _check_sampling(self, sampling: SamplingParams) -> None:
         """The logit_bias keys are the model's token ids; and a `priority` needs priority scheduling (as vLLM)."""
         if any(token_id >= self.vocab_size for token_id, _ in sampling.logit_bias):
             raise bad_request(f"logit_bias keys must be token ids in [0, {self.vocab_size})", param="logit_bias")
@@ -190,7 +190,7 @@ class OpenAIServer(ChatEndpoint):
         arrival_at = self.clock()
         req = parse_completion_request(parse_json_body(await request.body()), self.model_name)
         prompts = [self._prompt_token_ids(prompt) for prompt in req.prompts]
-        self._check_logit_bias(req.sampling)
+        self._check_sampling(req.sampling)
         for prompt_ids in prompts:
             self._check_context(len(prompt_ids), req.sampling, "prompt")
         api_id = f"cmpl-{os.urandom(16).hex()}"  # as random as uuid4().hex, without building a UUID

@@ -44,7 +44,7 @@ class ChatEndpoint:
             raise bad_request(str(exc), param="messages") from None
         prompt_ids = tuple(self.tokenizer.encode(prompt_text))
         sampling = req.sampling
-        self._check_logit_bias(sampling)
+        self._check_sampling(sampling)
         if not req.max_tokens_given:  # "as long as the context allows"
             max_tokens = max(self.max_model_len - len(prompt_ids), 1)
             if sampling.min_tokens > max_tokens:

@@ -16,7 +16,7 @@ from kvbaton.engine.handoff_decode import DecodeHandoffs
 from kvbaton.engine.handoff_prefill import PrefillHandoffs
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.transfer.transport_inproc import create_inproc_pair
-from tests.engine.test_handoff import Clock, Pair, greedy
+from tests.engine.test_handoff import PROMPTS, Clock, Pair, colocated_tokens, greedy
 
 BLOCK_SIZE = 4
 
@@ -102,3 +102,26 @@ def test_a_preempted_handoff_prefill_is_not_starved_by_its_own_leg(tiny: LoadedM
     assert {rid: out.finish_reason for rid, out in finals.items()} == {"a": FinishReason.LENGTH,
                                                                        "c": FinishReason.LENGTH}, finals
     assert ended_at < 0.5  # well within the 1 s lease
+
+
+def test_a_handoff_with_min_tokens_runs_and_keeps_the_first_tokens_bans(tiny: LoadedModel) -> None:
+    # Was a bug (engine/handoff_prefill.py `PrefillHandoffs.submit`): the prefill leg's one-token params were
+    # `replace(params, max_tokens=1, ...)`, which SamplingParams refuses when min_tokens > 1, and the error escaped
+    # the worker's message loop: one request with min_tokens >= 2 (every `kvbaton bench` request sends min_tokens =
+    # max_tokens) killed the prefill worker, and the router sent everything after to the decode worker alone.
+    # With min_tokens 1 the leg cleared the stop tokens, so its first token could be one that min_tokens bans.
+    # Fixed: `prefill_leg_params` keeps min_tokens (capped at 1) and, with it, the stop tokens.
+    prompt = PROMPTS[0]
+    first = colocated_tokens(tiny, prompt, greedy(1))[0]
+    long_params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.0)
+    banned_params = SamplingParams(max_tokens=6, min_tokens=1, temperature=0.0, stop_token_ids=(first,))
+    pair = Pair(tiny)
+    pair.submit("long", prompt, long_params)
+    pair.submit("banned", prompt, banned_params)
+    pair.run()
+    assert not pair.p.take_reports()
+    assert pair.tokens("long") == colocated_tokens(tiny, prompt, long_params) and len(pair.tokens("long")) == 10
+    expected = colocated_tokens(tiny, prompt, banned_params)
+    assert expected[0] != first and pair.tokens("banned") == expected
+    assert pair.p.counters.num_completed == 2 and pair.d.counters.num_recomputed == 0
+    pair.assert_nothing_held()

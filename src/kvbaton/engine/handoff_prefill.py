@@ -46,6 +46,15 @@ class HandoffReport:
     reason: str
 
 
+def prefill_leg_params(params: SamplingParams) -> SamplingParams:
+    """The prefill worker's own sampling for a handoff: one token, whatever the caller asked; the decode worker
+    applies max_tokens, stop strings, stop tokens and EOS from the second token on. A request with min_tokens
+    keeps its stop tokens and EOS banned for that first token (min_tokens 1: nothing stops a one-token leg early)."""
+    keeps_bans = params.min_tokens > 0
+    return replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=(),
+                   stop_token_ids=params.stop_token_ids if keeps_bans else (), n=1)
+
+
 @dataclass(slots=True)
 class _Outgoing:
     request_id: str
@@ -103,11 +112,10 @@ class PrefillHandoffs:
                decode_address: str, tenant: str = "", slo_class: str = "default") -> None:
         """Start a handoff: ask `decode_worker` for blocks. Failures show up in `take_reports`."""
         now = self._clock()
-        # One token, whatever the caller asked: the decode worker applies max_tokens, stops and EOS.
-        prefill_params = replace(params, max_tokens=1, stop=(), stop_token_ids=(), n=1)
-        leg = _Outgoing(request_id, decode_worker, list(prompt_token_ids), prefill_params, tenant, slo_class, now)
         transfer_id = transfer_id_of(request_id)
         try:
+            leg = _Outgoing(request_id, decode_worker, list(prompt_token_ids), prefill_leg_params(params), tenant,
+                            slo_class, now)
             self.engine.validate_prompt(leg.prompt_token_ids)
             self._connect(decode_worker, decode_address)
         except (KvbatonError, TransportError) as exc:

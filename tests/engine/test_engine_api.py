@@ -42,6 +42,25 @@ def test_n_samples_are_independent(llm: LLM) -> None:
     assert len({tuple(o.token_ids) for o in result.outputs}) > 1
 
 
+def test_seeded_n_samples_differ_and_sample_j_is_seed_plus_j(llm: LLM) -> None:
+    # Was a bug (engine/llm.py): every sample of a seeded n > 1 request ran with the request's seed, so all n were
+    # one sample repeated. Sample j now runs with seed + j (SamplingParams.for_sample), as vLLM seeds them.
+    params = SamplingParams(max_tokens=16, temperature=1.0, n=3, seed=11, ignore_eos=True)
+    samples = [o.token_ids for o in llm.generate("xyz", params)[0].outputs]
+    alone = [llm.generate("xyz", SamplingParams(max_tokens=16, temperature=1.0, seed=11 + j,
+                                                ignore_eos=True))[0].outputs[0].token_ids for j in range(3)]
+    assert samples == alone and len({tuple(s) for s in samples}) == 3
+
+
+def test_for_sample_seeds() -> None:
+    params = SamplingParams(n=4, seed=2**64 - 2)
+    assert [p.seed for p in (params.for_sample(j) for j in range(4))] == [2**64 - 2, 2**64 - 1, 0, 1]
+    assert {p.n for p in (params.for_sample(j) for j in range(4))} == {1}
+    unseeded = SamplingParams(n=2)
+    assert unseeded.for_sample(1) == SamplingParams(n=1)
+    assert SamplingParams().for_sample(0) is not None and SamplingParams(seed=-5, n=2).for_sample(1).seed == -4
+
+
 def test_top_k_one_is_greedy(llm: LLM) -> None:
     greedy = llm.generate("hello there", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     top1 = llm.generate("hello there", SamplingParams(max_tokens=12, temperature=0.8, top_k=1, ignore_eos=True))[0]

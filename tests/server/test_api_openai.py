@@ -68,7 +68,7 @@ def test_completions(client: openai.OpenAI) -> None:
 def test_chat(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, n=2, seed=3)
-    assert [c.message.content for c in resp.choices] == [REPLY[3:8]] * 2
+    assert [c.message.content for c in resp.choices] == [REPLY[3:8], REPLY[4:9]]  # sample j is seeded seed + j
     assert resp.usage.completion_tokens == 10
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5, stream=True,
                                             stream_options={"include_usage": True})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvbaton.core.errors import InvalidRequestError
 
@@ -61,6 +61,14 @@ class SamplingParams:
         """Whether any penalty, bias or min_tokens changes this request's logits before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """Sample `index` of this request's n, as its own engine request: n = 1 and, when seeded, seed + index (as
+        vLLM seeds parallel samples, so they differ); a seed past 2**64 - 1 wraps, as seeds travel as 64-bit ints."""
+        if self.seed is None or index == 0:
+            return self if self.n == 1 else replace(self, n=1)
+        seed = self.seed + index
+        return replace(self, n=1, seed=seed - 2**64 if seed >= 2**64 else seed)
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:

@@ -86,7 +86,7 @@ class LLM:
                 result = GenerateResult(ids, [CompletionOutput(i) for i in range(params.n)], 0, now)
                 results.append(result)
                 for out in result.outputs:
-                    rid = self.engine.add_request(ids, params, arrival_at=now)
+                    rid = self.engine.add_request(ids, params.for_sample(out.index), arrival_at=now)
                     owner[rid] = (result, out)
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():

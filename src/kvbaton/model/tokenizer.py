@@ -111,14 +111,16 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of a raw prompt; BOS is prepended only when the model's tokenizer says `add_bos_token`.
+        A chat template's output passes `add_bos=False`: the template writes its own `bos_token` (as
+        transformers and vLLM tokenize it, without special tokens).
 
         Special tokens written in the text (`<|im_start|>`) are recognised, as chat templates rely on it.
         """
         ids = self._cache.encode(text) if self._cache is not None else self._backend.encode(
             text, add_special_tokens=False).ids
-        if self.add_bos_token and self.bos_token_id is not None:
+        if add_bos and self.add_bos_token and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return list(ids)
 

@@ -17,7 +17,6 @@ import os
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -140,11 +139,12 @@ class OpenAIServer(ChatEndpoint):
 
     def _calls(self, api_id: str, prompts: list[tuple[int, ...]], sampling: SamplingParams, user: str,
                request: Request, arrival_at: float) -> list[GenerateCall]:
-        """One call per sample: prompt p's sample j is choice p * n + j, as vLLM numbers a batch's choices."""
+        """One call per sample: prompt p's sample j is choice p * n + j, as vLLM numbers a batch's choices. A
+        seeded request's sample j is seeded with seed + j (as vLLM seeds them), so its n samples differ."""
         tenant = user or request.headers.get("x-tenant", "")
         n = sampling.n
-        one = sampling if n == 1 else replace(sampling, n=1)
-        return [GenerateCall(f"{api_id}-{p * n + j}", prompt_token_ids, one, arrival_at, tenant=tenant)
+        per_sample = [sampling.for_sample(j) for j in range(n)]
+        return [GenerateCall(f"{api_id}-{p * n + j}", prompt_token_ids, per_sample[j], arrival_at, tenant=tenant)
                 for p, prompt_token_ids in enumerate(prompts) for j in range(n)]
 
     def _headers(self, request: Request) -> dict[str, str]:
@@ -209,16 +209,17 @@ class OpenAIServer(ChatEndpoint):
         choices = [
             {
                 "index": i,
-                "text": echo_texts[i // n] + sample.text,
-                "logprobs": self._completion_logprobs(req, sample.logprobs, len(echo_texts[i // n]), prompts[i // n],
-                                                      sample.prompt_logprobs)
+                "text": echo_texts[i // n] + ("" if req.echo_only else sample.text),
+                "logprobs": self._completion_logprobs(req, () if req.echo_only else sample.logprobs,
+                                                      len(echo_texts[i // n]), prompts[i // n], sample.prompt_logprobs)
                 if req.sampling.logprobs is not None else None,
-                "finish_reason": sample.finish_reason,
+                "finish_reason": "length" if req.echo_only else sample.finish_reason,
             }
             for i, sample in enumerate(run.samples)
         ]
         body = {"id": api_id, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "system_fingerprint": None, "usage": run.usage(num_prompt_tokens)}
+                "choices": choices, "system_fingerprint": None,
+                "usage": run.usage(num_prompt_tokens, with_output=not req.echo_only)}
         return FastJSONResponse(body, headers=self._headers(request))
 
     def _completion_logprobs(self, req: CompletionRequest, logprobs: Sequence[TokenLogprob], offset: int,
@@ -232,6 +233,7 @@ class OpenAIServer(ChatEndpoint):
     async def _completion_stream(self, run: SampleRun, req: CompletionRequest, api_id: str, created: int,
                                  prompts: list[tuple[int, ...]], echo_texts: list[str]) -> AsyncIterator[str]:
         num_prompt_tokens = [len(ids) for ids in prompts]
+        with_output = not req.echo_only
         head = {"id": api_id, "object": "text_completion", "created": created, "model": self.model_name}
         num_chars = [0] * len(run.samples)  # text sent so far per choice, for logprobs' text_offset
         n = req.sampling.n
@@ -242,26 +244,27 @@ class OpenAIServer(ChatEndpoint):
                     break
                 echo_text = echo_texts[index // n]
                 first = num_chars[index] == 0
-                text = (echo_text if first and echo_text else "") + delta.new_text
+                new_text, new_logprobs = ("", ()) if req.echo_only else (delta.new_text, delta.logprobs)
+                text = (echo_text if first and echo_text else "") + new_text
                 logprobs = None
                 if req.sampling.logprobs is not None:
-                    offset = len(text) - len(delta.new_text) + num_chars[index]  # after the echoed prompt, if sent now
-                    logprobs = completion_logprobs_json(self.token_text, delta.logprobs, offset)
+                    offset = len(text) - len(new_text) + num_chars[index]  # after the echoed prompt, if sent now
+                    logprobs = completion_logprobs_json(self.token_text, new_logprobs, offset)
                     if first and req.echo:
                         logprobs = echo_logprobs_json(self.token_text, prompts[index // n], delta.prompt_logprobs,
                                                       logprobs)
-                if not text and not delta.finished and not delta.logprobs:
+                if not text and not delta.finished and not new_logprobs:
                     continue
                 num_chars[index] += len(text)
-                choice = {"index": index, "text": text, "logprobs": logprobs,
-                          "finish_reason": delta.finish_reason if delta.finished else None}
+                finish_reason = ("length" if req.echo_only else delta.finish_reason) if delta.finished else None
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
                 if req.continuous_usage:
-                    yield sse({**head, "choices": [choice], "usage": run.usage(num_prompt_tokens)})
+                    yield sse({**head, "choices": [choice], "usage": run.usage(num_prompt_tokens, with_output)})
                 else:
                     yield sse({**head, "choices": [choice]})
             else:
                 if req.include_usage:
-                    yield sse({**head, "choices": [], "usage": run.usage(num_prompt_tokens)})
+                    yield sse({**head, "choices": [], "usage": run.usage(num_prompt_tokens, with_output)})
             yield "data: [DONE]\n\n"
         finally:
             await run.close()
@@ -272,13 +275,13 @@ class OpenAIServer(ChatEndpoint):
         """vLLM's /tokenize: the token ids the router would send for a prompt, or for a chat (template applied)."""
         what = parse_tokenize_request(parse_json_body(await request.body()), self.model_name)
         if isinstance(what, str):
-            text = what
+            ids = self.tokenizer.encode(what)
         else:
             try:
                 text = self.tokenizer.apply_chat_template(list(what))
             except InvalidRequestError as exc:
                 raise bad_request(str(exc), param="messages") from None
-        ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(text, add_bos=False)  # as the chat endpoint tokenizes it
         return FastJSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": list(ids)})
 
     async def detokenize(self, request: Request) -> Response:
@@ -314,6 +317,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error_response(ApiError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        # A body nested deeper than the recursion limit (orjson reads 1024 levels) trips json.dumps, the chat
+        # template or a schema check wherever they render it: the client's input, not a server fault.
+        request.app.state.server.metrics.observe_failure("invalid_request")
+        return _error_response(bad_request("the request body is nested too deeply"))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -42,7 +42,7 @@ class ChatEndpoint:
                 continue_final_message=req.continue_final_message, template_kwargs=req.template_kwargs)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param="messages") from None
-        prompt_ids = tuple(self.tokenizer.encode(prompt_text))
+        prompt_ids = tuple(self.tokenizer.encode(prompt_text, add_bos=False))  # the template writes its BOS
         sampling = req.sampling
         self._check_sampling(sampling)
         if not req.max_tokens_given:  # "as long as the context allows"

@@ -210,13 +210,15 @@ class SampleRun:
     def first_error(self) -> str:
         return next((s.error or "generation failed" for s in self.samples if s.finish_reason == "error"), "")
 
-    def usage(self, num_prompt_tokens: Sequence[int]) -> dict[str, object]:
+    def usage(self, num_prompt_tokens: Sequence[int], with_output: bool = True) -> dict[str, object]:
         """`num_prompt_tokens` of each prompt, whose samples follow one another (n each): a prompt counts once
-        for all its n samples (as OpenAI does), its cached tokens as the best hit of any of them; a batch sums."""
+        for all its n samples (as OpenAI does), its cached tokens as the best hit of any of them; a batch sums.
+        `with_output` False: the answer leaves the samples' output out (echo with max_tokens 0), and so does this."""
         n = len(self.samples) // len(num_prompt_tokens)
         cached = sum(max((s.num_cached_tokens for s in self.samples[p * n:(p + 1) * n]), default=0)
                      for p in range(len(num_prompt_tokens)))
-        return usage_json(sum(num_prompt_tokens), sum(s.num_output_tokens for s in self.samples), cached)
+        num_output_tokens = sum(s.num_output_tokens for s in self.samples) if with_output else 0
+        return usage_json(sum(num_prompt_tokens), num_output_tokens, cached)
 
 
 class DisconnectWatch:

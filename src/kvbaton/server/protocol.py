@@ -60,6 +60,7 @@ class CompletionRequest:
     continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM's): usage so far in every chunk
     echo: bool
     user: str
+    echo_only: bool = False  # echo with max_tokens 0: the answer is the prompt alone (one token runs, unreported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +319,10 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
         raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
     echo = _bool(body, "echo", False)
     include_usage, continuous_usage = _stream_options(body, stream)
-    sampling = _sampling(body, max_tokens=_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS),  # type: ignore[arg-type]
+    max_tokens = _int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    # OpenAI's (and vLLM's) way to score a prompt: echo it with max_tokens 0. The engine runs one token, not reported.
+    echo_only = echo and max_tokens == 0
+    sampling = _sampling(body, max_tokens=1 if echo_only else max_tokens,  # type: ignore[arg-type]
                          logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
     if len(prompts) * sampling.n > MAX_BATCH_SAMPLES:
         raise bad_request(f"a batch of {len(prompts)} prompts with n={sampling.n} asks for {len(prompts) * sampling.n} "
@@ -332,6 +336,7 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
         continuous_usage=continuous_usage,
         echo=echo,
         user=_str(body, "user", ""),
+        echo_only=echo_only,
     )
 
 

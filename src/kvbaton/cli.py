@@ -50,7 +50,8 @@ def _run_generate(args: argparse.Namespace) -> int:
               num_speculative_tokens=args.speculative_tokens)
     prompt = args.prompt
     if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = llm.tokenizer.encode(text, add_bos=False)  # the template writes its own BOS
     result = llm.generate(prompt, params)[0]
     out = result.outputs[0]
     if out.error:
@@ -161,6 +162,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise KvbatonError("give at least one worker: --workers N, or --prefill N --decode M")
     if args.gpus_per_worker < 0 or (args.gpus_per_worker and not args.ray):
         raise KvbatonError("--gpus-per-worker takes a non-negative number, with --ray")
+    _check_host_num_blocks(args)
     threshold = args.local_prefill_threshold
     return serve(ServeConfig(
         model=args.model, num_workers=num_workers, num_prefill=args.prefill, num_decode=args.decode,
@@ -205,6 +207,13 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
                    help="write each step's batch shape and period here at exit (kvbaton profile --from-step-log)")
 
 
+def _check_host_num_blocks(args: argparse.Namespace) -> None:
+    """Refuse a negative `--host-num-blocks` here: each worker's engine would, but only after loading the model and
+    registering with the router."""
+    if args.host_num_blocks < 0:
+        raise KvbatonError(f"--host-num-blocks must not be negative, got {args.host_num_blocks}")
+
+
 def _run_worker(args: argparse.Namespace) -> int:
     import os
     import signal
@@ -212,6 +221,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from kvbaton.server.worker import Worker, WorkerConfig
 
+    _check_host_num_blocks(args)
     # SIGTERM exits through the KeyboardInterrupt path (status 130) instead of dying mid-frame.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"

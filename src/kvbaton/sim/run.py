@@ -90,6 +90,9 @@ def check_setup(setup: SimSetup) -> None:
             raise InvalidRequestError(f"{name} must be >= 0, got {value}")
     if not (math.isfinite(setup.host_kv_gb) and setup.host_kv_gb >= 0):
         raise InvalidRequestError(f"host_kv_gb must be a finite number >= 0, got {setup.host_kv_gb}")
+    if setup.host_kv_gb and not setup.enable_prefix_cache:
+        raise InvalidRequestError(f"host_kv_gb {setup.host_kv_gb:g} needs the prefix cache (it holds what the prefix "
+                                  "cache evicts)")
     if not 0.0 <= setup.output_copy_fraction <= 1.0:
         raise InvalidRequestError(f"output_copy_fraction must be in [0, 1], got {setup.output_copy_fraction}")
     if not (math.isfinite(setup.output_copy_span) and setup.output_copy_span >= 1.0):

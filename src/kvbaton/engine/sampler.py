@@ -139,7 +139,8 @@ class Sampler:
             # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
             drop = cumulative - sorted_probs >= p.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+            # renormalised: `verify` accepts a draft with its probability, which must be its share of the nucleus
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs / sorted_probs.sum())
         return probs
 
     def _generator_for(self, request_id: str, p: SamplingParams) -> torch.Generator:

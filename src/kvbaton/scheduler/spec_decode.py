@@ -87,13 +87,14 @@ class SpeculativeDecodes:
     def _speculative_chunk(self, request: Request, drafts: tuple[int, ...]) -> ScheduledChunk | None:
         """The decode of `request`'s last token followed by `drafts`, its table grown to hold them; None when they
         would need blocks others need (the caller schedules a plain decode). Drafts take a new block only from the
-        free ones left after what the running prefills still need: never one a cache eviction would have to free,
-        nor the last ones a prefill scheduled after this decode would then preempt someone for."""
+        free ones left after what every running request's next tokens need (this decode's own included): never
+        one a cache eviction would have to free, nor the last ones a decode or prefill scheduled after this one
+        would then preempt someone for."""
         start = request.num_computed_tokens
         blocks = self.blocks
         num_extra = blocks.num_blocks_for(start + 1 + len(drafts)) - max(len(request.block_ids),
                                                                            blocks.num_blocks_for(start + 1))
-        if num_extra > 0 and num_extra > blocks.pool.num_free_blocks - self._blocks_prefills_need():
+        if num_extra > 0 and num_extra > blocks.pool.num_free_blocks - self._blocks_running_need():
             return None
         if not blocks.try_grow(request, start + 1 + len(drafts)):
             return None
@@ -102,12 +103,12 @@ class SpeculativeDecodes:
         self.num_draft_tokens += len(drafts)
         return make_chunk(request.request_id, start, (last, *drafts), self._block_table(request), True)
 
-    def _blocks_prefills_need(self) -> int:
-        """Blocks the running requests still prefilling need to finish their prompts (a few running: speculation
-        stops above spec_max_running)."""
+    def _blocks_running_need(self) -> int:
+        """Blocks the running requests still need to cover their tokens: a prefill's rest of the prompt, a decode's
+        next position (none for one already scheduled this step: its table covers it). A few run: speculation
+        stops above spec_max_running."""
         num_blocks_for = self.blocks.num_blocks_for
-        return sum(max(0, num_blocks_for(r.num_tokens) - len(r.block_ids)) for r in self._running
-                   if r.num_tokens - r.num_computed_tokens > 1)
+        return sum(max(0, num_blocks_for(r.num_tokens) - len(r.block_ids)) for r in self._running)
 
     def _apply_speculative(self, request: Request, chunk: ScheduledChunk, result: StepResult, now: float,
                            outputs: list[TokenOutput]) -> None:
@@ -115,18 +116,23 @@ class SpeculativeDecodes:
         output in order with the model's own next token, as plain decodes would have output them (each may end
         the request); the blocks past the request's tokens, which hold rejected drafts, go back to the pool."""
         accepted = result.accepted.get(chunk.request_id, ())
-        request.num_computed_tokens = chunk.start_pos + 1 + len(accepted)
         self.num_accepted_tokens += len(accepted)
         token = result.sampled.get(chunk.request_id)
         if token is None:
             self._running.remove(request)
             self._finish(request, FinishReason.ERROR, now, "executor returned no token for a speculative chunk")
             return
+        cache_computed_blocks = self.blocks.cache_computed_blocks if self.blocks.cache is not None else None
+        num_computed = chunk.start_pos + 1  # the last token's KV, then one more per accepted draft
         for out in (*accepted, token):
+            # As the plain decode that would have output `out`: the KV before it computed (its full blocks cached)
+            # before it is appended, which may end the request.
+            request.num_computed_tokens = num_computed
+            if cache_computed_blocks is not None:
+                cache_computed_blocks(request)
             reason = self._append_token(request, out, now)
             outputs.append(new_output(TokenOutput, (request.request_id, out, reason)))
             if reason is not None:
                 return
-        if self.blocks.cache is not None:
-            self.blocks.cache_computed_blocks(request)
+            num_computed += 1
         self.blocks.trim(request)

@@ -99,6 +99,9 @@ class StepPlanning:
         chunks = step.chunks
         running = RequestStatus.RUNNING
         speculating = self.proposer is not None
+        # Decodes not met yet in the pass: a decode's drafts leave each of them a token of the budget.
+        num_decodes_left = (sum(1 for r in self._running if r.num_tokens - r.num_computed_tokens == 1)
+                            if speculating else 0)
         for request in list(self._running):
             # num_uncomputed_tokens, without two property calls per request per step
             output = request.output_token_ids
@@ -110,10 +113,11 @@ class StepPlanning:
                 continue
             if step.num_tokens == budget_tokens:
                 return
+            num_decodes_left -= 1
             if request.status is not running:  # preempted earlier in this step
                 continue
             if speculating:
-                drafts = self._drafts(request, budget_tokens - step.num_tokens - 1)
+                drafts = self._drafts(request, budget_tokens - step.num_tokens - 1 - num_decodes_left)
                 chunk = self._speculative_chunk(request, drafts) if drafts else None
                 if chunk is not None:
                     chunks[request.request_id] = chunk

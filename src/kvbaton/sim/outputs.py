@@ -36,9 +36,9 @@ class CopyingOutputs:
         self.mean_span = mean_span
         self.seed = seed
         self._end_span = 1.0 / mean_span
-        # A fresh token is followed by a span's start with this probability (fresh runs: mean 1 / p tokens).
-        self._start_span = (1.0 if copy_fraction == 1.0
-                            else min(1.0, copy_fraction / (mean_span * (1.0 - copy_fraction))))
+        # Before each fresh token a span starts instead with this probability p, so fresh runs (perhaps empty) have
+        # (1 - p) / p = mean_span x (1 - f) / f tokens on average.
+        self._start_span = copy_fraction / (copy_fraction + mean_span * (1.0 - copy_fraction))
         # request id -> (its output tokens so far, its generator, the prompt position its copy span reads next or -1)
         self._outputs: dict[str, tuple[list[int], random.Random, list[int]]] = {}
         self.prompt_of: Callable[[str], Sequence[int]] | None = None  # set by the simulator that asks

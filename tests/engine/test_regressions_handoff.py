@@ -125,3 +125,22 @@ def test_a_handoff_with_min_tokens_runs_and_keeps_the_first_tokens_bans(tiny: Lo
     assert expected[0] != first and pair.tokens("banned") == expected
     assert pair.p.counters.num_completed == 2 and pair.d.counters.num_recomputed == 0
     pair.assert_nothing_held()
+
+
+def test_a_request_id_handed_off_again_is_refused_not_raised(tiny: LoadedModel) -> None:
+    # Was a bug (engine/handoff_prefill.py `PrefillHandoffs.submit`): `HandoffSource.start` raises ProtocolError for
+    # a transfer id it still keeps (an ended leg stays a tombstone for 10 minutes), and it escaped `submit` and the
+    # worker's loop: a request id used again (the router refuses one only while it is in flight) killed the prefill
+    # worker. Fixed: such a handoff is refused, and the decode worker, told by the router, runs it itself.
+    pair = Pair(tiny)
+    pair.submit("r", PROMPTS[0], greedy(4))
+    pair.run()
+    pair.outputs.clear()
+    pair.submit("r", PROMPTS[1], greedy(4))
+    [report] = pair.p.take_reports()
+    assert report.outcome == "refused" and "'r'" in report.reason
+    assert pair.d.on_prefill_failed("r", report.reason, refused=True) == []  # the router relays the refusal
+    pair.run()
+    assert pair.tokens("r") == colocated_tokens(tiny, PROMPTS[1], greedy(4))
+    assert pair.d.counters.num_recomputed == 1 and pair.p.counters.num_completed == 1
+    pair.assert_nothing_held()

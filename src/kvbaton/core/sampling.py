@@ -11,12 +11,14 @@ MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar's serialized size at most
 MAX_STOP_TOKEN_IDS = 1024  # each is checked against every output token
 MAX_PRIORITY = (1 << 31) - 1  # |priority| at most (a 32-bit int, so it stays one msgpack int everywhere)
+# A temperature below this samples greedily, as vLLM's: dividing float32 logits by a smaller one can overflow.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16  # number of output tokens to generate at most
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below MIN_SAMPLING_TEMPERATURE) means greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 disables
     min_p: float = 0.0  # keep tokens at least this fraction as likely as the most likely one; 0 disables
@@ -54,7 +56,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
 
     @property
     def adjusts_logits(self) -> bool:

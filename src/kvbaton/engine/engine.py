@@ -170,6 +170,7 @@ class Engine:
         if not self.scheduler.admit_prefilled(request, len(token_ids), now, block_ids=block_ids):
             return None
         request.first_token_at = now
+        self.sampler.skip_draw(request_id, params, self.loaded.config.vocab_size)  # the prefill worker's draw
         tracked = _Tracked(request, self._detokenizer(params), grammar=grammar)
         self._tracked[request_id] = tracked
         reason = self.scheduler.stop_reason(request, first_token.token_id)

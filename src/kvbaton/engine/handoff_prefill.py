@@ -113,6 +113,13 @@ class PrefillHandoffs:
         """Start a handoff: ask `decode_worker` for blocks. Failures show up in `take_reports`."""
         now = self._clock()
         transfer_id = transfer_id_of(request_id)
+        if request_id in self._legs or self.source.state_or_none(transfer_id) is not None:
+            # The id of a leg still live, or ended and kept as a tombstone (as on the decode worker) so that its
+            # late messages stay ignored: this handoff cannot have the id, and the decode worker runs the request.
+            self._reports.append(HandoffReport(request_id, decode_worker, "refused",
+                                               f"request id {request_id!r} was handed off from here within "
+                                               f"{self.source.tombstone_s:g} s"))
+            return
         try:
             leg = _Outgoing(request_id, decode_worker, list(prompt_token_ids), prefill_leg_params(params), tenant,
                             slo_class, now)

@@ -51,6 +51,13 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
 
+    def skip_draw(self, request_id: str, p: SamplingParams, vocab_size: int) -> None:
+        """A token of this request was drawn elsewhere (a handoff's first token, on the prefill worker): a seeded
+        request's generator moves past that draw, so the tokens drawn here are those one engine would draw. A draw
+        takes the same generator state whatever the distribution (one exponential per vocabulary entry)."""
+        if p.seed is not None and not p.greedy:
+            torch.multinomial(torch.ones(vocab_size), 1, generator=self._generator_for(request_id, p))
+
     def sample(
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
         requests: Sequence[Request] | None = None, allowed: Sequence[torch.Tensor | None] | None = None,
@@ -125,7 +132,8 @@ class Sampler:
 
     def _probs(self, row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         """The distribution a sampled token is drawn from: tempered, then min-p, top-k and top-p."""
-        scaled = row / p.temperature
+        # At most float32's max: a logit a repetition penalty near 0 divided into inf would make softmax NaN.
+        scaled = (row / p.temperature).clamp(max=torch.finfo(row.dtype).max)
         if p.min_p > 0.0:  # as vLLM v1: on the tempered distribution, before top-k and top-p
             probs = torch.softmax(scaled, dim=-1)
             scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))

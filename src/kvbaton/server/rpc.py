@@ -30,7 +30,12 @@ from kvbaton.server.base import TokenDelta, TokenLogprob
 
 
 class ProtocolError(ValueError):
-    """A frame that is not a well-formed kvbaton RPC message."""
+    """A frame that is not a well-formed kvbaton RPC message. `request_id`: the id of an AddRequest whose other fields
+    could not be read ("" otherwise), so its receiver can fail that one request."""
+
+    def __init__(self, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 # -- worker -> router --------------------------------------------------------------------------
@@ -328,6 +333,8 @@ def from_wire(raw: object) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message tag {raw[0]!r}")
     body = raw[1:]
+    # An AddRequest whose id reads but whose other fields do not fails that request, not the frame alone.
+    add_id = body[0] if cls is AddRequest and body and isinstance(body[0], str) else ""
     try:
         if cls is TokenDeltas:
             worker_id, deltas = body
@@ -347,10 +354,12 @@ def from_wire(raw: object) -> Message:
         if len(body) != len(fields(cls)):
             raise ProtocolError(f"{raw[0]} has {len(body)} fields, expected {len(fields(cls))}")
         return cls(*body)
-    except ProtocolError:
+    except ProtocolError as exc:
+        if add_id and not exc.request_id:
+            raise ProtocolError(str(exc), add_id) from exc
         raise
     except (TypeError, ValueError, AttributeError) as exc:
-        raise ProtocolError(f"malformed {raw[0]} message: {exc}") from exc
+        raise ProtocolError(f"malformed {raw[0]} message: {exc}", add_id) from exc
 
 
 _packers = threading.local()  # one reusable Packer per thread (packb builds and frees one, buffer included, per call)

@@ -16,6 +16,7 @@ worker sends no deltas for a handed-off request: the decode worker answers for i
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
 from kvbaton.transfer.faults import FaultRule
 
 ROLES = ("mixed", "prefill", "decode")
+
+log = logging.getLogger("kvbaton.worker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +225,9 @@ class Worker:
             except zmq.Again:
                 return
             self._last_router_at = self._clock()
-            self._handle(socket, rpc.decode(payload))
+            message = self._decode(socket, payload)
+            if message is not None:
+                self._handle(socket, message)
 
     def _read_mid_step(self, socket: zmq.Socket) -> None:
         """Between two layers of a prefill worker's step: a handoff routed here asks its decode worker for blocks
@@ -232,12 +237,31 @@ class Worker:
         handoff is the first message about its request, so taking it ahead of deferred ones reorders nothing
         that concerns one request."""
         while not self._stopping and socket.get(zmq.EVENTS) & zmq.POLLIN:
-            message = rpc.decode(socket.recv(zmq.NOBLOCK))
+            message = self._decode(socket, socket.recv(zmq.NOBLOCK))
             self._last_router_at = self._clock()
+            if message is None:
+                continue
             if isinstance(message, rpc.AddRequest) and message.decode_worker and self.prefill is not None:
                 self._add_handoff(socket, message)
             else:
                 self._deferred.append(message)
+
+    def _decode(self, socket: zmq.Socket, payload: bytes) -> rpc.Message | None:
+        """The router's message, or None for a frame this worker cannot read (a router of another version): it is
+        dropped, and the request it names, if any, fails with the reason, so one frame never stops the worker."""
+        try:
+            return rpc.decode(payload)
+        except rpc.ProtocolError as exc:
+            log.error("worker %s dropped an unreadable message: %s", self.config.worker_id, exc)
+            if exc.request_id:
+                self._send_failed(socket, exc.request_id, 0, f"worker {self.config.worker_id} cannot read it: {exc}")
+            return None
+
+    def _send_failed(self, socket: zmq.Socket, request_id: str, num_prompt_tokens: int, error: str) -> None:
+        """The final delta of a request this worker does not take."""
+        failed = TokenDelta(request_id, (), "", True, "error", num_prompt_tokens, error=error,
+                            worker_id=self.config.worker_id)
+        socket.send(rpc.encode(rpc.TokenDeltas(self.config.worker_id, (failed,))))
 
     def _handle(self, socket: zmq.Socket, message: rpc.Message) -> None:
         engine = self.engine
@@ -249,9 +273,7 @@ class Worker:
                 engine.add_request(list(message.prompt_token_ids), message.sampling, request_id=message.request_id,
                                    tenant=message.tenant, slo_class=message.slo_class)
             except KvbatonError as exc:
-                failed = TokenDelta(message.request_id, (), "", True, "error", len(message.prompt_token_ids),
-                                    error=str(exc), worker_id=self.config.worker_id)
-                socket.send(rpc.encode(rpc.TokenDeltas(self.config.worker_id, (failed,))))
+                self._send_failed(socket, message.request_id, len(message.prompt_token_ids), str(exc))
                 return
             self._in_flight.add(message.request_id)
             if message.sampling.logprobs is not None:
@@ -293,9 +315,7 @@ class Worker:
                 self._wants_logprobs.add(message.request_id)
             return
         error = f"worker {self.config.worker_id} has role {self.config.role!r} and cannot take this handoff leg"
-        failed = TokenDelta(message.request_id, (), "", True, "error", len(message.prompt_token_ids), error=error,
-                            worker_id=self.config.worker_id)
-        socket.send(rpc.encode(rpc.TokenDeltas(self.config.worker_id, (failed,))))
+        self._send_failed(socket, message.request_id, len(message.prompt_token_ids), error)
 
     def _pump_handoffs(self, socket: zmq.Socket) -> None:
         if self.prefill is not None:

@@ -422,12 +422,36 @@ def test_each_app_has_its_own_registry(client: TestClient, tokenizer: Tokenizer)
 def test_tokenize_and_detokenize(client: TestClient, cluster: FakeCluster, tokenizer: Tokenizer) -> None:
     r = client.post("/tokenize", json={"model": MODEL, "prompt": "Say hi"})
     ids = tokenizer.encode("Say hi")
-    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                                                 "token_strs": None}
+    strs = client.post("/tokenize", json={"prompt": "Say hi", "return_token_strs": True}).json()["token_strs"]
+    assert strs == [tokenizer.id_to_token(t) for t in ids] and "".join(strs).replace("Ġ", " ") == "Say hi"
     messages = [{"role": "user", "content": "Hi"}]
     chat = client.post("/tokenize", json={"messages": messages}).json()
     assert chat["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(messages))  # what the chat route sends
     assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "Say hi"}
     assert cluster.calls == []  # nothing reaches the workers
+
+
+def test_tokenize_takes_the_chat_endpoints_template_options(client: TestClient, tokenizer: Tokenizer) -> None:
+    # vLLM's /tokenize takes add_generation_prompt, continue_final_message, tools and chat_template_kwargs for a chat,
+    # so its count is what the chat endpoint would send; it once ignored them and always added the generation prompt.
+    # (tiny-random's template leaves tools out, so only their validation shows here.)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    for options, rendered in [
+        ({}, tokenizer.apply_chat_template(messages)),
+        ({"add_generation_prompt": False}, tokenizer.apply_chat_template(messages, False)),
+        ({"add_generation_prompt": False, "continue_final_message": True},
+         tokenizer.apply_chat_template(messages, False, continue_final_message=True)),
+    ]:
+        got = client.post("/tokenize", json={"messages": messages, **options}).json()
+        assert got["tokens"] == tokenizer.encode(rendered, add_bos=False), options
+    assert tokenizer.apply_chat_template(messages, False) != tokenizer.apply_chat_template(messages)
+    refused = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": True,
+                                             "continue_final_message": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+    bad_tools = client.post("/tokenize", json={"messages": messages, "tools": [{"type": "x"}]})
+    assert bad_tools.status_code == 400 and bad_tools.json()["error"]["param"] == "tools"
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

@@ -273,16 +273,13 @@ class OpenAIServer(ChatEndpoint):
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: the token ids the router would send for a prompt, or for a chat (template applied)."""
-        what = parse_tokenize_request(parse_json_body(await request.body()), self.model_name)
-        if isinstance(what, str):
-            ids = self.tokenizer.encode(what)
-        else:
-            try:
-                text = self.tokenizer.apply_chat_template(list(what))
-            except InvalidRequestError as exc:
-                raise bad_request(str(exc), param="messages") from None
-            ids = self.tokenizer.encode(text, add_bos=False)  # as the chat endpoint tokenizes it
-        return FastJSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": list(ids)})
+        req = parse_tokenize_request(parse_json_body(await request.body()), self.model_name)
+        ids = (self._chat_prompt_ids(req.messages, req.add_generation_prompt, req.tools, req.continue_final_message,
+                                     req.template_kwargs, add_bos=req.add_special_tokens)
+               if req.messages else self.tokenizer.encode(req.prompt, add_bos=req.add_special_tokens))
+        token_strs = [self.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
+        return FastJSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": list(ids),
+                                 "token_strs": token_strs})
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: token ids back to text."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 
 from fastapi import Request
@@ -32,17 +32,25 @@ class ChatEndpoint:
     clock: Callable[[], float]
     tool_call_parser: str  # "" or one of tool_calls.TOOL_CALL_PARSERS, for tool_choice "auto"
 
+    def _chat_prompt_ids(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool,
+                         tools: Sequence[Mapping[str, object]], continue_final_message: bool,
+                         template_kwargs: Mapping[str, object] | None, add_bos: bool = False) -> list[int]:
+        """The token ids of a chat as the chat template renders it (the template writes its own BOS, so the
+        tokenizer adds none unless asked); a malformed conversation is a 400 naming `messages`."""
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt, tools=tools,
+                                                      continue_final_message=continue_final_message,
+                                                      template_kwargs=template_kwargs)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
     async def chat_completions(self, request: Request) -> Response:
         arrival_at = self.clock()
         req = parse_chat_request(parse_json_body(await request.body()), self.model_name,
                                  max_model_len=self.max_model_len, tool_call_parser=self.tool_call_parser)
-        try:
-            prompt_text = self.tokenizer.apply_chat_template(
-                list(req.messages), req.add_generation_prompt, tools=req.tools,
-                continue_final_message=req.continue_final_message, template_kwargs=req.template_kwargs)
-        except InvalidRequestError as exc:
-            raise bad_request(str(exc), param="messages") from None
-        prompt_ids = tuple(self.tokenizer.encode(prompt_text, add_bos=False))  # the template writes its BOS
+        prompt_ids = tuple(self._chat_prompt_ids(req.messages, req.add_generation_prompt, req.tools,
+                                                 req.continue_final_message, req.template_kwargs))
         sampling = req.sampling
         self._check_sampling(sampling)
         if not req.max_tokens_given:  # "as long as the context allows"

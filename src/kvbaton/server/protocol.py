@@ -18,7 +18,7 @@ import orjson
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import MAX_LOGPROBS, SamplingParams
 from kvbaton.server.protocol_structured import structured_grammar
-from kvbaton.server.tool_calls import ToolUse, parse_tool_use
+from kvbaton.server.tool_calls import ToolUse, parse_tool_use, parse_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions batch
@@ -340,18 +340,40 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
     )
 
 
-def parse_tokenize_request(body: Mapping[str, object], served_model: str) -> str | tuple[Mapping[str, object], ...]:
-    """vLLM's /tokenize: {"prompt": text}, or {"messages": [...]} to count a chat as the chat template renders it."""
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    """vLLM's /tokenize: a prompt, or a chat rendered by the chat template with the chat endpoint's options."""
+
+    prompt: str  # "" when messages are given
+    messages: tuple[Mapping[str, object], ...]
+    add_special_tokens: bool  # vLLM's: the tokenizer's BOS (default: yes for a prompt, no for a chat: its template writes it)
+    add_generation_prompt: bool
+    continue_final_message: bool
+    tools: tuple[Mapping[str, object], ...]
+    template_kwargs: Mapping[str, object] | None
+    return_token_strs: bool  # also answer each token's vocabulary string
+
+
+def parse_tokenize_request(body: Mapping[str, object], served_model: str) -> TokenizeRequest:
+    """{"prompt": text}, or {"messages": [...]} to count a chat as the chat endpoint would send it (with its
+    add_generation_prompt, continue_final_message, tools and chat_template_kwargs), as vLLM's /tokenize takes them."""
     _model(body, served_model)
     messages = body.get("messages")
+    return_token_strs = _bool(body, "return_token_strs", False)
     if messages is not None:
         if not isinstance(messages, list) or not messages:
             raise bad_request("messages must be a non-empty list of {'role', 'content'} objects", param="messages")
-        return tuple(messages)
+        try:
+            tools = parse_tools(body.get("tools"))
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param="tools") from None
+        return TokenizeRequest("", tuple(messages), _bool(body, "add_special_tokens", False),
+                               _bool(body, "add_generation_prompt", True), _bool(body, "continue_final_message", False),
+                               tools, _template_kwargs(body), return_token_strs)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("give prompt (a string) or messages", param="prompt")
-    return prompt
+    return TokenizeRequest(prompt, (), _bool(body, "add_special_tokens", True), True, False, (), None, return_token_strs)
 
 
 def parse_detokenize_request(body: Mapping[str, object], served_model: str) -> tuple[int, ...]:

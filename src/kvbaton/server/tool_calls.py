@@ -45,7 +45,7 @@ def parse_tool_use(body: Mapping[str, object], parser: str = "") -> tuple[tuple[
                                                                         ToolUse | None]:
     """(tools for the chat template, how the output is read or None); InvalidRequestError names the field first.
     `parser`: the server's tool-call parser ("" for none), which "auto" needs."""
-    tools = _tools(body.get("tools"))
+    tools = parse_tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice is not None and not tools:
         raise InvalidRequestError("tool_choice is only allowed when tools are given")
@@ -125,7 +125,8 @@ def _call(name: str, arguments: str) -> dict[str, object]:
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _tools(value: object) -> tuple[Mapping[str, object], ...]:
+def parse_tools(value: object) -> tuple[Mapping[str, object], ...]:
+    """OpenAI's `tools` (function definitions) checked for the chat template; () for none."""
     if value is None:
         return ()
     if not isinstance(value, list):

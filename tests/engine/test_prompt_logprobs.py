@@ -39,6 +39,9 @@ def test_prompt_logprobs_equal_transformers(chunk: int) -> None:
         values, ids = torch.topk(expected[position - 1], 3)
         assert [t for t, _ in entry.top_logprobs] == ids.tolist()
         assert [lp for _, lp in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+        own = expected[position - 1, prompt[position]]
+        assert entry.rank == 1 + int((expected[position - 1] > own + 1e-4).sum())  # vLLM's rank: 1 + those above
+    assert {entry.rank for entry in entries[1:]} != {1}  # not every prompt token is the model's favourite
     llm.engine.check_invariants()
 
 

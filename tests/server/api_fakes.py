@@ -104,8 +104,8 @@ class FakeCluster:
             reason = ("stop" if stopped is not None else "length") if finished else None
             if finished:
                 self.finished[call.request_id] = reason  # type: ignore[assignment]
-            # Prompt logprobs, as a worker sends them with the first token: prompt token p gets -p / 10.
-            prompt_logprobs = tuple(TokenLogprob(t, -p / 10, ((t, -p / 10),) if params.prompt_logprobs else ())
+            # Prompt logprobs, as a worker sends them with the first token: prompt token p gets -p / 10, rank 1.
+            prompt_logprobs = tuple(TokenLogprob(t, -p / 10, ((t, -p / 10),) if params.prompt_logprobs else (), 1)
                                     for p, t in enumerate(call.prompt_token_ids[1:], start=1)) \
                 if i == 0 and params.prompt_logprobs is not None else ()
             yield TokenDelta(call.request_id, (token_id,), new_text, finished, reason,

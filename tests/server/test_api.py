@@ -337,6 +337,30 @@ def test_echo_with_logprobs_lists_the_prompts_tokens_first(client: TestClient, c
         REPLY[:2])
 
 
+def test_prompt_logprobs_as_vllm_answers_them(client: TestClient, cluster: FakeCluster, tokenizer: Tokenizer) -> None:
+    # vLLM's prompt_logprobs: null for the first prompt token, then {token id: {logprob, rank, decoded_token}} for each;
+    # on each completions choice, and once at the top of a chat response. Not with streaming (a 400, as vLLM).
+    r = client.post("/v1/completions", json={"prompt": "Cats", "max_tokens": 2, "prompt_logprobs": 1, "n": 2})
+    assert r.status_code == 200, r.text
+    assert [c.sampling.prompt_logprobs for c in cluster.calls] == [1, 1]
+    ids = tokenizer.encode("Cats")
+    expected = [None, *({str(t): {"logprob": -p / 10, "rank": 1, "decoded_token": ch}}
+                        for p, (t, ch) in enumerate(zip(ids[1:], "ats"), start=1))]
+    choices = r.json()["choices"]
+    assert [c["prompt_logprobs"] for c in choices] == [expected, expected] and choices[0]["text"] == REPLY[:2]
+    assert "prompt_logprobs" not in client.post("/v1/completions", json={"prompt": "Cats"}).json()["choices"][0]
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Cats"}],
+                                                     "max_tokens": 2, "prompt_logprobs": 0}).json()
+    scored, call = chat["prompt_logprobs"], cluster.calls[-1]
+    assert call.sampling.prompt_logprobs == 0 and scored[0] is None and len(scored) == len(call.prompt_token_ids)
+    assert [list(entry) for entry in scored[1:]] == [[str(t)] for t in call.prompt_token_ids[1:]]
+    for body, param in [({"prompt": "Cats", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                        ({"prompt": "Cats", "prompt_logprobs": 21}, "prompt_logprobs"),
+                        ({"prompt": "Cats", "prompt_logprobs": -1}, "prompt_logprobs")]:
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, body
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_vllm_output_options_reach_the_call_and_usage_can_stream_continuously(client: TestClient, cluster: FakeCluster,
                                                                              path: str) -> None:

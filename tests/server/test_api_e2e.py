@@ -235,6 +235,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client: openai.Ope
     _wait_idle_baseline(served.url)
 
 
+def test_prompt_logprobs_through_the_cluster_equal_the_engines(served: Served) -> None:
+    # vLLM's prompt_logprobs over the worker RPC: each prompt token's logprob, rank and top alternatives equal the
+    # in-process engine's.
+    from kvbaton import LLM, SamplingParams
+
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    scored = httpx.post(served.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["prompt_logprobs"]
+    expected = LLM(MODEL, num_blocks=64).generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert scored[0] is None and len(scored) == len(expected.prompt_token_ids)
+    for got, entry in zip(scored[1:], expected.prompt_logprobs[1:]):
+        own = got[str(entry.token_id)]
+        assert own["rank"] == entry.rank >= 1 and own["logprob"] == pytest.approx(entry.logprob, abs=1e-4)
+        assert {int(t) for t in got} == {entry.token_id, *(t for t, _ in entry.top_logprobs)}
+    assert any(entry.rank > 1 for entry in expected.prompt_logprobs[1:])
+    _wait_idle_baseline(served.url)
+
+
 def test_bad_inputs_and_disconnect_leave_block_accounting_at_baseline(served: Served) -> None:
     _wait_idle_baseline(served.url)
     bad_bodies = [

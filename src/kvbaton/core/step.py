@@ -45,6 +45,7 @@ class SampledToken:
     token_id: int
     logprob: float = 0.0  # log-probability of token_id under the (temperature-scaled) distribution
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    rank: int = 0  # token_id's 1-based rank in its distribution (prompt logprobs compute it); 0 when not computed
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,11 +91,13 @@ class ModelRunner:
             rows = hidden[first_row + lo - 1 - start_pos: first_row + hi - 1 - start_pos]
             logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
             targets = torch.tensor(prompt[lo:hi], dtype=torch.long, device=logprobs.device)
-            own = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            own_column = logprobs.gather(1, targets[:, None])
+            own = own_column[:, 0].tolist()
+            ranks = ((logprobs > own_column).sum(dim=1) + 1).tolist()  # as vLLM ranks a prompt token: 1 + those above
             if wanted.num_top > 0:
                 values, ids = torch.topk(logprobs, wanted.num_top, dim=-1)
                 tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
             else:
                 tops = [()] * (hi - lo)
-            out.extend(SampledToken(t, lp, top) for t, lp, top in zip(prompt[lo:hi], own, tops))
+            out.extend(SampledToken(t, lp, top, rank) for t, lp, top, rank in zip(prompt[lo:hi], own, tops, ranks))
         return out

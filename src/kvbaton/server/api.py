@@ -49,6 +49,7 @@ from kvbaton.server.protocol_responses import (
     TokenText,
     completion_logprobs_json,
     echo_logprobs_json,
+    prompt_logprobs_json,
     sse,
 )
 
@@ -214,6 +215,8 @@ class OpenAIServer(ChatEndpoint):
                                                       len(echo_texts[i // n]), prompts[i // n], sample.prompt_logprobs)
                 if req.sampling.logprobs is not None else None,
                 "finish_reason": "length" if req.echo_only else sample.finish_reason,
+                **({"prompt_logprobs": prompt_logprobs_json(self.token_text, sample.prompt_logprobs,
+                                                            len(prompts[i // n]))} if req.prompt_logprobs else {}),
             }
             for i, sample in enumerate(run.samples)
         ]

@@ -18,7 +18,13 @@ from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.server.api_run import SampleRun
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.protocol import ApiError, ChatRequest, bad_request, parse_chat_request, parse_json_body
-from kvbaton.server.protocol_responses import FastJSONResponse, TokenText, chat_logprobs_json, sse
+from kvbaton.server.protocol_responses import (
+    FastJSONResponse,
+    TokenText,
+    chat_logprobs_json,
+    prompt_logprobs_json,
+    sse,
+)
 from kvbaton.server.tool_calls import ToolCallStream, message_of
 
 
@@ -77,6 +83,9 @@ class ChatEndpoint:
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         body = {"id": api_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "system_fingerprint": None, "usage": run.usage([len(prompt_ids)])}
+        if req.prompt_logprobs:  # vLLM's: the conversation's prompt, once for all the choices
+            body["prompt_logprobs"] = prompt_logprobs_json(self.token_text, run.samples[0].prompt_logprobs,
+                                                           len(prompt_ids))
         return FastJSONResponse(body, headers=self._headers(request))
 
     async def _chat_stream(self, run: SampleRun, req: ChatRequest, api_id: str, created: int,

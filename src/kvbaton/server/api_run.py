@@ -41,7 +41,7 @@ class SampleState:
     texts: list[str] = field(default_factory=list)
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with echo and logprobs: the prompt's, from its first delta
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with prompt_logprobs (or echo and logprobs): from its first delta
     num_cached_tokens: int = 0
     finish_reason: str | None = None  # set by the finished delta; None while running
     error: str = ""

@@ -31,6 +31,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    rank: int = 0  # token_id's 1-based rank in its distribution, for prompt logprobs; 0 when not computed
 
 
 @dataclass(frozen=True, slots=True)

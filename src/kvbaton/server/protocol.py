@@ -61,6 +61,7 @@ class CompletionRequest:
     echo: bool
     user: str
     echo_only: bool = False  # echo with max_tokens 0: the answer is the prompt alone (one token runs, unreported)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs was asked: each choice carries the prompt's
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class ChatRequest:
     add_generation_prompt: bool = True  # vLLM's chat template options
     continue_final_message: bool = False
     template_kwargs: Mapping[str, object] | None = None  # chat_template_kwargs
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs was asked: the response carries the prompt's
 
 
 _DIGITS_AND_COMMAS = b"0123456789,"
@@ -208,6 +210,19 @@ def _refuse_unsupported(body: Mapping[str, object], chat: bool = False) -> None:
         raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
 
 
+def _prompt_logprobs(body: Mapping[str, object], stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs` (each prompt token's logprob given those before it, with that many top
+    alternatives), refused with streaming as vLLM refuses it."""
+    value = _int(body, "prompt_logprobs", None)
+    if value is None:
+        return None
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {value}", param="prompt_logprobs")
+    if stream:
+        raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+    return value
+
+
 def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | None,
               tool_use: ToolUse | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """Builds SamplingParams; its InvalidRequestError becomes a 400 naming the parameter it is about. A forced
@@ -322,8 +337,11 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
     max_tokens = _int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     # OpenAI's (and vLLM's) way to score a prompt: echo it with max_tokens 0. The engine runs one token, not reported.
     echo_only = echo and max_tokens == 0
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    # Echo with logprobs scores the prompt too (with `logprobs` alternatives unless prompt_logprobs says how many).
+    scored = prompt_logprobs if prompt_logprobs is not None else (logprobs if echo else None)
     sampling = _sampling(body, max_tokens=1 if echo_only else max_tokens,  # type: ignore[arg-type]
-                         logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+                         logprobs=logprobs, prompt_logprobs=scored)
     if len(prompts) * sampling.n > MAX_BATCH_SAMPLES:
         raise bad_request(f"a batch of {len(prompts)} prompts with n={sampling.n} asks for {len(prompts) * sampling.n} "
                           f"completions; at most {MAX_BATCH_SAMPLES} per request", param="prompt")
@@ -337,6 +355,7 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
         echo=echo,
         user=_str(body, "user", ""),
         echo_only=echo_only,
+        prompt_logprobs=prompt_logprobs is not None,
     )
 
 
@@ -408,6 +427,7 @@ def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_mod
         raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}", param="top_logprobs")
     if top_logprobs and not logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    prompt_logprobs = _prompt_logprobs(body, stream)
     max_tokens = _int(body, "max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None)
@@ -415,7 +435,8 @@ def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_mod
         model=model,
         messages=tuple(messages),
         sampling=_sampling(body, max_tokens=max_tokens if max_tokens is not None else max_model_len,
-                           logprobs=top_logprobs if logprobs else None, tool_use=tool_use),
+                           logprobs=top_logprobs if logprobs else None, tool_use=tool_use,
+                           prompt_logprobs=prompt_logprobs),
         max_tokens_given=max_tokens is not None,
         stream=stream,
         include_usage=include_usage,
@@ -428,6 +449,7 @@ def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_mod
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
         continue_final_message=_bool(body, "continue_final_message", False),
         template_kwargs=_template_kwargs(body),
+        prompt_logprobs=prompt_logprobs is not None,
     )
 
 

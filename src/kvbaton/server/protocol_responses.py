@@ -103,6 +103,24 @@ def echo_logprobs_json(text: TokenText, prompt_ids: Sequence[int], prompt_logpro
     }
 
 
+def prompt_logprobs_json(text: TokenText, prompt_logprobs: Sequence[TokenLogprob],
+                         num_prompt_tokens: int) -> list[dict[str, dict[str, object]] | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token (nothing comes before it), then for each one a
+    map from token id to logprob, rank and text: the prompt token's own first, then its top alternatives (ranks
+    1..k); null also for positions a call that ended early never scored."""
+
+    def one(token_id: int, logprob: float, rank: int) -> dict[str, object]:
+        return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": text.token_str(token_id)}
+
+    scored: list[dict[str, dict[str, object]] | None] = [None]
+    for entry in prompt_logprobs:
+        ranked = {str(entry.token_id): one(entry.token_id, entry.logprob, entry.rank)}
+        for rank, (token_id, logprob) in enumerate(entry.top_logprobs, start=1):
+            ranked.setdefault(str(token_id), one(token_id, logprob, rank))
+        scored.append(ranked)
+    return scored + [None] * max(num_prompt_tokens - len(scored), 0)
+
+
 def chat_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob], num_top: int) -> dict[str, object]:
     def one(token_id: int, logprob: float) -> dict[str, object]:
         return {"token": text.token_str(token_id), "logprob": _logprob(logprob),

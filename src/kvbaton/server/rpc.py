@@ -281,12 +281,12 @@ def sampling_from_wire(raw: list[object]) -> SamplingParams:
 
 
 def _logprobs_to_wire(logprobs: Sequence[TokenLogprob]) -> list[object]:
-    return [[lp.token_id, lp.logprob, [list(pair) for pair in lp.top_logprobs]] for lp in logprobs]
+    return [[lp.token_id, lp.logprob, [list(pair) for pair in lp.top_logprobs], lp.rank] for lp in logprobs]
 
 
 def _logprobs_from_wire(raw: object) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
-                 for t, lp, top in raw)  # type: ignore[union-attr]
+    return tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top), int(rank))
+                 for t, lp, top, rank in raw)  # type: ignore[union-attr]
 
 
 def delta_to_wire(delta: TokenDelta) -> list[object]:

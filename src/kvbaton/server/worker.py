@@ -353,8 +353,8 @@ class Worker:
             if out.finished:
                 self._wants_logprobs.discard(out.request_id)
         reason = out.finish_reason.value if out.finish_reason is not None else None
-        prompt_logprobs = tuple(TokenLogprob(t.token_id, t.logprob, t.top_logprobs) for t in out.prompt_logprobs) \
-            if out.prompt_logprobs else ()
+        prompt_logprobs = tuple(TokenLogprob(t.token_id, t.logprob, t.top_logprobs, t.rank)
+                                for t in out.prompt_logprobs) if out.prompt_logprobs else ()
         return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, reason,
                           out.num_prompt_tokens, out.num_cached_tokens, logprobs, out.error, self.config.worker_id,
                           prompt_logprobs=prompt_logprobs)

@@ -332,6 +332,12 @@ class Engine:
         return RequestOutput(request.request_id, (), new_text, (), True, request.finish_reason,
                              request.num_prompt_tokens, max(request.num_cached_tokens, 0), request.finish_message)
 
+    def reset_prefix_cache(self) -> int:
+        """vLLM's reset_prefix_cache: every cached block no request holds goes back to the pool, and the host
+        tier's blocks with them, so later prompts find nothing cached; blocks running requests hold stay theirs.
+        Returns how many device blocks were freed; the cache's KV events tell the router."""
+        return self.prefix_cache.clear() if self.prefix_cache is not None else 0
+
     # -- introspection --------------------------------------------------------------------------
 
     def stats(self) -> SchedulerStats:

@@ -64,6 +64,11 @@ class LLM:
         )
         self.engine = Engine(config)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (device and host tier), as vLLM's LLM.reset_prefix_cache; returns the device
+        blocks freed."""
+        return self.engine.reset_prefix_cache()
+
     @property
     def tokenizer(self):  # noqa: ANN201 - kvbaton.model.tokenizer.Tokenizer
         return self.engine.tokenizer

@@ -142,10 +142,11 @@ class ClusterManager(WorkerMembership, ClusterReports):
                                    + (f" (lost: {lost})" if lost else ""))
             await asyncio.sleep(0.05)
 
-    async def drain(self, timeout_s: float) -> int:
-        """Wait for in-flight calls to end; returns how many were still running at the deadline."""
+    async def drain(self, timeout_s: float, until: Callable[[], bool] = lambda: False) -> int:
+        """Wait for in-flight calls to end, for at most `timeout_s` or until `until()` holds; returns how many were
+        still running then."""
         deadline = self.clock() + timeout_s
-        while self._calls and self.clock() < deadline:
+        while self._calls and self.clock() < deadline and not until():
             await asyncio.sleep(0.05)
         return len(self._calls)
 
@@ -329,6 +330,10 @@ class ClusterManager(WorkerMembership, ClusterReports):
         return CallRecord(call, decision.worker_id, sink), decision.reason
 
     def _end_call(self, entry: CallRecord) -> None:
+        """Idempotent: a send on the way to ending a call (the abort of a consumer that left) may find its worker
+        gone, and that worker's removal ends the call first."""
+        if entry.finished:
+            return
         entry.finished = True
         if entry.num_tokens_seen == 0:
             self._num_waiting -= 1

@@ -123,8 +123,8 @@ class WorkerMembership:
         """A prefill leg ended without the KV: the decode worker falls back (it may already know, harmlessly)."""
         self.handoff_endings[message.outcome] = self.handoff_endings.get(message.outcome, 0) + 1
         entry = self._calls.get(message.request_id)
-        if entry is None or entry.finished or entry.prefill_worker != message.worker_id:
-            return
+        if entry is None or entry.finished or entry.prefill_worker != message.worker_id or entry.num_tokens_seen:
+            return  # a first token came: the decode worker adopted the KV (its ack was late) or recomputed
         self.num_handoff_fallbacks += 1
         self._send(entry.worker_id, rpc.HandoffFailed(message.request_id, message.reason,
                                                       refused=message.outcome == "refused"))
@@ -188,7 +188,9 @@ class WorkerMembership:
                 record.last_heard_at += stalled_s
         self._note_late_exits()
         for worker_id in sorted(self.workers):
-            record = self.workers[worker_id]
+            record = self.workers.get(worker_id)
+            if record is None:
+                continue  # removed with another worker this sweep (its call's other leg was unreachable too)
             exit_reason = self._exit_reason(worker_id)
             if exit_reason:
                 self._remove_worker(worker_id, exit_reason)
@@ -249,6 +251,8 @@ class WorkerMembership:
             if entry is None or entry.finished:
                 continue
             if entry.prefill_worker == worker_id:  # the decode worker answers: it recomputes or fails cleanly
+                if entry.num_tokens_seen:
+                    continue  # a first token came: the decode worker adopted the KV or recomputed, it needs nothing
                 self.num_handoff_fallbacks += 1
                 self._send(entry.worker_id, rpc.HandoffFailed(request_id, f"prefill worker lost ({reason})", False))
                 continue

@@ -225,8 +225,8 @@ class Launcher:
                              tool_call_parser=config.tool_call_parser,
                              priority_scheduling=config.scheduling_policy == "priority")
             freeze_startup_heap()
-            self._server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                                  timeout_graceful_shutdown=int(config.drain_timeout_s)))
+            self._server = server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                                           timeout_graceful_shutdown=int(config.drain_timeout_s)))
             serving = asyncio.create_task(self._server.serve(sockets=[http_socket]))
             while not self._server.started and not serving.done():
                 await asyncio.sleep(0.05)
@@ -248,7 +248,9 @@ class Launcher:
                 await serving  # returns after a stop signal, once open connections closed or the drain deadline hit
             except SystemExit as exc:  # uvicorn exits this way when its startup fails
                 raise KvbatonError(f"HTTP server stopped with status {exc.code}") from None
-            await cluster.drain(config.drain_timeout_s)
+            # What still runs gets the rest of the drain, unless a second signal came (uvicorn's force_exit): then
+            # the workers are told to stop at once and abort it.
+            await cluster.drain(config.drain_timeout_s, until=lambda: server.force_exit)
             return 0
         finally:
             http_socket.close()

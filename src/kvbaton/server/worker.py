@@ -206,6 +206,8 @@ class Worker:
                 self._send_heartbeat(socket, now)
                 next_heartbeat_at = now + heartbeat_interval_s
             if not self._stopping and now - self._last_router_at > self.config.router_timeout_s:
+                self._drain(socket)  # after a step longer than the timeout, the router's pings are still unread
+            if not self._stopping and now - self._last_router_at > self.config.router_timeout_s:
                 self._stopping = f"router silent for more than {self.config.router_timeout_s:g} s"
                 self._finish_all(socket)
                 raise KvbatonError(f"worker {self.config.worker_id}: {self._stopping}; exiting")

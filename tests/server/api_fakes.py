@@ -28,6 +28,7 @@ class FakeCluster:
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.token_delay_s = token_delay_s
+        self.num_resets = 0
         self.reply_ids: list[int] = tokenizer.encode(REPLY)  # type: ignore[attr-defined]
         self.calls: list[GenerateCall] = []
         self.aborted: list[str] = []
@@ -133,6 +134,10 @@ class FakeCluster:
                          "num_waiting": 1, "num_used_blocks": 3, "num_free_blocks": 9, "num_blocks": 12}],
             "router_decisions": {"exploit": 2, "explore": 1},
         }
+
+    def reset_prefix_cache(self) -> list[str]:
+        self.num_resets += 1
+        return ["fake-0"]
 
 
 class ThreadedServer:

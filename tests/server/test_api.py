@@ -457,6 +457,12 @@ def test_tokenize_and_detokenize(client: TestClient, cluster: FakeCluster, token
     assert cluster.calls == []  # nothing reaches the workers
 
 
+def test_reset_prefix_cache_asks_the_cluster(client: TestClient, cluster: FakeCluster) -> None:
+    r = client.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"workers": ["fake-0"]} and cluster.num_resets == 1
+    assert client.get("/reset_prefix_cache").status_code == 405  # POST only, as vLLM's
+
+
 def test_tokenize_takes_the_chat_endpoints_template_options(client: TestClient, tokenizer: Tokenizer) -> None:
     # vLLM's /tokenize takes add_generation_prompt, continue_final_message, tools and chat_template_kwargs for a chat,
     # so its count is what the chat endpoint would send; it once ignored them and always added the generation prompt.

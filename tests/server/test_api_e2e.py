@@ -252,6 +252,32 @@ def test_prompt_logprobs_through_the_cluster_equal_the_engines(served: Served) -
     _wait_idle_baseline(served.url)
 
 
+def test_reset_prefix_cache_empties_every_workers_cache_and_the_router_index(client: openai.OpenAI,
+                                                                            served: Served) -> None:
+    # vLLM's POST /reset_prefix_cache: every worker drops its cached blocks (host tier included) and the router's
+    # index follows their KV events, so the same prompt again finds nothing cached.
+    prompt = PROMPT + " reset " * 12
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                     temperature=0).usage.prompt_tokens_details.cached_tokens > 0
+    _wait_idle_baseline(served.url)
+    reset = httpx.post(served.url + "/reset_prefix_cache", timeout=10)
+    assert reset.status_code == 200 and sorted(reset.json()["workers"]) == sorted(
+        w["worker_id"] for w in httpx.get(served.url + "/cluster", timeout=10).json()["workers"])
+    deadline = time.monotonic() + 20.0
+    while True:
+        workers = httpx.get(served.url + "/cluster", timeout=10).json()["workers"]
+        emptied = all(w["num_cached_blocks"] == 0 and w["num_used_blocks"] == 0 and w["indexed_blocks"] == 0
+                      and w["host_kv_cache"]["num_cached_blocks"] == 0 for w in workers)
+        if emptied:
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.1)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    _wait_idle_baseline(served.url)
+
+
 def test_bad_inputs_and_disconnect_leave_block_accounting_at_baseline(served: Served) -> None:
     _wait_idle_baseline(served.url)
     bad_bodies = [

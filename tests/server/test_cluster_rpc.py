@@ -46,6 +46,7 @@ MESSAGES: list[rpc.Message] = [
     rpc.Stats("p0", 0, 0, 0, 8, 56, 8, 0, 0, 0, 0, 0.0, "", 3, 2, 1, 1, 0, 0, 4096, 0.25, 0.01, 1, 4),
     rpc.Abort(("r1", "r2")),
     rpc.SnapshotRequest("kv event seq gap"),
+    rpc.ResetPrefixCache("reset requested through the API"),
     rpc.Ping(3.25),
     rpc.Shutdown("router shutting down"),
 ]

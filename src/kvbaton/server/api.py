@@ -1,5 +1,5 @@
 """The router's HTTP layer: OpenAI-compatible completions and chat over a `ClusterClient`, plus /v1/models,
-vLLM's /tokenize and /detokenize, /health, /ready, /cluster and Prometheus /metrics.
+vLLM's /tokenize, /detokenize and /reset_prefix_cache, /health, /ready, /cluster and Prometheus /metrics.
 
 It validates, applies the chat template and tokenizes once at ingress, expands each prompt of a completions
 batch and `n` into one `GenerateCall` per sample (prompt p's sample j is choice p * n + j, as in vLLM),
@@ -371,6 +371,10 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
     @app.get("/cluster")
     async def cluster_info() -> JSONResponse:
         return JSONResponse(cluster.cluster_info())
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:  # vLLM's: later prompts find nothing cached
+        return JSONResponse({"workers": cluster.reset_prefix_cache()})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

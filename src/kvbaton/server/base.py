@@ -77,6 +77,11 @@ class ClusterClient(Protocol):
         """JSON for /cluster: workers, roles, loads, cache sizes, policy."""
         ...
 
+    def reset_prefix_cache(self) -> list[str]:
+        """Every worker drops the cached blocks no request holds (vLLM's /reset_prefix_cache); returns the
+        workers asked. The reset happens on each worker soon after, not before this returns."""
+        ...
+
 
 DeltaSink = Callable[[TokenDelta], None]  # called on the event loop with each delta of one call, in order
 

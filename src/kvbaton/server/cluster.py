@@ -150,6 +150,14 @@ class ClusterManager(WorkerMembership, ClusterReports):
             await asyncio.sleep(0.05)
         return len(self._calls)
 
+    def reset_prefix_cache(self) -> list[str]:
+        """Ask every registered worker to drop the cached blocks no request holds; their KV events then take those
+        blocks out of the router's index. Returns the workers asked."""
+        worker_ids = sorted(self.workers)
+        for worker_id in worker_ids:
+            self._send(worker_id, rpc.ResetPrefixCache("reset requested through the API"))
+        return worker_ids
+
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Tell every worker to stop (they abort what is left), wait for their goodbyes, then close."""
         for worker_id in sorted(self.workers):

@@ -204,6 +204,14 @@ class SnapshotRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    """The worker drops every cached block no request holds (vLLM's reset_prefix_cache); KV events follow."""
+
+    TAG: ClassVar[str] = "reset_prefix_cache"
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     """Router liveness: a worker exits when it has heard nothing from the router for too long."""
 
@@ -218,10 +226,10 @@ class Shutdown:
 
 
 Message = (Register | TokenDeltas | Stats | KVEvents | SnapshotResponse | HandoffEnded | Goodbye | RegisterAck
-           | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | Ping | Shutdown)
+           | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | ResetPrefixCache | Ping | Shutdown)
 
-_PLAIN = (Register, Stats, HandoffEnded, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed, SnapshotRequest, Ping,
-          Shutdown)
+_PLAIN = (Register, Stats, HandoffEnded, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed, SnapshotRequest,
+          ResetPrefixCache, Ping, Shutdown)
 _BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, SnapshotResponse, AddRequest,
                                                        Abort)}
 

@@ -293,6 +293,8 @@ class Worker:
                 self._emit(socket, self.decode.on_prefill_failed(message.request_id, message.reason, message.refused))
         elif isinstance(message, rpc.SnapshotRequest):
             self._send_snapshot(socket)
+        elif isinstance(message, rpc.ResetPrefixCache):
+            engine.reset_prefix_cache()  # its KV events go out with the next heartbeat
         elif isinstance(message, rpc.Shutdown):
             self._stopping = f"shutdown: {message.reason}"
         # Ping only refreshes _last_router_at; a late RegisterAck is harmless.

@@ -135,6 +135,14 @@ class LoadTracker:
                 group_window.append(entry)
         self._requests[request_id] = (worker, group)
 
+    def on_reserved(self, worker: WorkerId, now: float, num_blocks: int) -> None:
+        """A decode worker was picked to receive a handoff: its blocks count as pending until the next heartbeat
+        (its prefill work is the prefill worker's, assigned there)."""
+        load = self._worker(worker)
+        load.pending.append((now, 0, num_blocks))
+        load.pending_blocks += num_blocks
+        self._mirror(worker, load)
+
     def on_finished(self, request_id: str) -> tuple[WorkerId, int | None] | None:
         """Forget an outstanding request; returns (worker, group) or None if unknown (idempotent)."""
         return self._requests.pop(request_id, None)
@@ -150,6 +158,19 @@ class LoadTracker:
         stats = load.stats
         base = 0 if stats is None else stats.num_queued_prefill_tokens + stats.num_kv_blocks_used * stats.block_size
         return base + load.pending_prefill_tokens
+
+    def queued_prefill_tokens(self, worker: WorkerId) -> int:
+        """Prompt tokens waiting to be prefilled on the worker: its heartbeat's queue plus those routed since."""
+        load = self._workers.get(worker)
+        if load is None:
+            return 0
+        stats = load.stats
+        return (0 if stats is None else stats.num_queued_prefill_tokens) + load.pending_prefill_tokens
+
+    def num_pending(self, worker: WorkerId) -> int:
+        """Requests routed or handed off to the worker that its latest heartbeat may not reflect yet."""
+        load = self._workers.get(worker)
+        return 0 if load is None else len(load.pending)
 
     def free_blocks(self, worker: WorkerId) -> int | None:
         """Free KV blocks after the decisions since the last heartbeat; None before the first heartbeat."""

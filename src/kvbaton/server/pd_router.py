@@ -5,9 +5,10 @@ shared `RouterState`:
 - prefill worker p: minimise predicted queue + prefill of the prompt tokens p does not have cached
   (prefix-aware through the global index): `prefill_model(queued tokens) + prefill_model(unmatched)`;
 - decode worker d: minimise predicted decode admission + transfer time: admission is the decode
-  batch d already runs (each running request slows a step) plus a penalty when d's free blocks
-  cannot take the prompt now (the reservation would be refused); transfer is prompt KV bytes over
-  the link's bandwidth (shm or tcp, from d's KV address);
+  batch d already runs (each running request slows a step, and so does each handoff sent to d since
+  its last heartbeat) plus a penalty when d's free blocks cannot take the prompt now (the reservation
+  would be refused); transfer is prompt KV bytes over the link's bandwidth (shm or tcp, from d's KV
+  address);
 - conditional disaggregation: when the prompt tokens d does not have cached are fewer than
   `local_prefill_threshold_tokens`, the handoff costs more than it saves — d prefills them itself.
 """
@@ -74,6 +75,8 @@ class PairChooser:
         prefill_costs = {p: self._prefill_s(request, p, matched) for p in prefill_workers}
         prefill_worker = min(sorted(prefill_costs), key=prefill_costs.__getitem__)
         self.state.commit(request, prefill_worker, matched.get(prefill_worker, 0), now)
+        # Until d's next heartbeat, this handoff counts in its batch and blocks: a burst must not herd onto one d.
+        self.state.load.on_reserved(decode_worker, now, self._num_prompt_blocks(request))
         return PairDecision(decode_worker, prefill_worker, "pair",
                             self._matched_tokens(request, matched, prefill_worker), prefill_costs[prefill_worker],
                             decode_costs[decode_worker])
@@ -84,15 +87,21 @@ class PairChooser:
     def _prefill_s(self, request: RouteRequest, worker: WorkerId, matched: Mapping[WorkerId, int]) -> float:
         model = self.state.prefill_model
         cached = self._matched_tokens(request, matched, worker)
-        queue_s = model.marginal_s(self.state.load.load_tokens(worker))
+        queue_s = model.marginal_s(self.state.load.queued_prefill_tokens(worker))  # not the KV it holds for handoffs
         return queue_s + model.predict(request.num_prompt_tokens - cached, cached)
 
+    def _num_prompt_blocks(self, request: RouteRequest) -> int:
+        """Blocks a decode worker reserves for the prompt's KV."""
+        return -(-request.num_prompt_tokens // self.state.block_size)
+
     def _decode_s(self, request: RouteRequest, worker: WorkerId, link_kind: str) -> float:
-        stats = self.state.load.stats(worker)
-        num_running = stats.num_running if stats is not None else 0
+        load = self.state.load
+        stats = load.stats(worker)
+        # The batch as of the last heartbeat plus the requests sent there since (which it may not reflect yet).
+        num_running = (stats.num_running if stats is not None else 0) + load.num_pending(worker)
         admission_s = num_running * self.state.decode_s_per_token
-        free_blocks = self.state.load.free_blocks(worker)
-        needed = -(-request.num_prompt_tokens // self.state.block_size)
+        free_blocks = load.free_blocks(worker)
+        needed = self._num_prompt_blocks(request)
         if free_blocks is not None and free_blocks + (stats.num_kv_blocks_cached if stats else 0) < needed:
             admission_s += BLOCKS_SHORT_PENALTY_S
         transfer_bytes = request.num_prompt_tokens * self.config.kv_bytes_per_token

@@ -286,10 +286,13 @@ class Engine:
         request = tracked.request
         stops = request.sampling.stop
         tracked.text += tracked.detokenizer.push(token.token_id)
+        if tracked.grammar is not None and finish_reason in (None, FinishReason.LENGTH):
+            # The grammar's end is the output's end of sequence: completed by the max_tokens-th token, the output
+            # is whole and ends with "stop", as an end-of-sequence token there does (the scheduler's stop_reason).
+            grammar_reason = self._advance_grammar(tracked.grammar, request, token.token_id)
+            if finish_reason is None or grammar_reason is FinishReason.STOP:
+                finish_reason = grammar_reason
         finished = finish_reason is not None
-        if tracked.grammar is not None and not finished:
-            finish_reason = self._advance_grammar(tracked.grammar, request, token.token_id)
-            finished = finish_reason is not None
         holding_off = bool(stops) and len(request.output_token_ids) <= request.sampling.min_tokens
         if holding_off:
             tracked.stop_floor = len(tracked.text)  # min_tokens: no stop string ends the output yet

@@ -112,9 +112,12 @@ class ChatEndpoint:
                         run.samples[index].logprobs if delta.finished else ())
                     logprobs = chat_logprobs_json(self.token_text, held, req.top_logprobs) \
                         if req.logprobs and held else None
-                    for piece, reason in tool_stream.pieces(index, delta.new_text, delta.finished,
-                                                            delta.finish_reason, run.samples[index].text):
-                        yield chunk(index, piece, logprobs if reason is None else None, reason)
+                    pieces = tool_stream.pieces(index, delta.new_text, delta.finished, delta.finish_reason,
+                                                run.samples[index].text)
+                    if logprobs is not None and not pieces:  # tokens whose text is held back (or not whole yet)
+                        pieces = [({}, None)]
+                    for piece, reason in pieces:
+                        yield chunk(index, piece, logprobs, reason)
                         logprobs = None
                     continue
                 text = self._chat_delta_chunks(chunk, index, delta, req)

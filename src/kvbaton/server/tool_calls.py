@@ -90,7 +90,7 @@ def tool_calls_of(use: ToolUse, text: str) -> list[dict[str, object]] | None:
         calls = json.loads(text)
     except ValueError:
         return None
-    return [_call(call["name"], json.dumps(call["parameters"])) for call in calls]
+    return [_call(call["name"], _arguments(call["parameters"])) for call in calls]
 
 
 def hermes_tool_calls(text: str) -> tuple[str | None, list[dict[str, object]] | None]:
@@ -112,13 +112,18 @@ def hermes_tool_calls(text: str) -> tuple[str | None, list[dict[str, object]] | 
         name, arguments = (call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else (None, None)
         if not isinstance(name, str):
             return text, None
-        calls.append(_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
+        calls.append(_call(name, arguments if isinstance(arguments, str) else _arguments(arguments)))
     content = text[:start].strip()
     return content or None, calls
 
 
 def new_call_id() -> str:
     return f"call_{os.urandom(12).hex()}"
+
+
+def _arguments(value: object) -> str:
+    """A call's arguments as the JSON string OpenAI's shape carries, keeping their characters (as vLLM writes them)."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _call(name: str, arguments: str) -> dict[str, object]:

@@ -121,9 +121,13 @@ def test_priority_scheduling_takes_the_priority_field(client: openai.OpenAI, ser
 
 
 def test_host_tier_brings_an_evicted_prefix_back(client: openai.OpenAI, served: Served) -> None:
-    """Eight ~1,000-token prompts of distinct words fill both workers' 256-block pools several times over; the
-    first prompt sent again is served from the host tier (cached tokens, blocks loaded) with the same answer."""
-    prompts = [" ".join(f"w{group}x{i}" for i in range(300)) for group in range(8)]
+    """The first prompt's last third, pushed out of its worker's 256-block pool by ten prompts that share its
+    first two thirds (so preble sends them to that same worker: more of each is cached there than missed) and
+    each add a third of their own, comes back from the host tier (cached tokens, blocks loaded) with the same
+    answer. (Prompts of distinct words once stood in, but how preble spread them over the two workers decided
+    whether the first one's worker evicted it at all.)"""
+    shared = " ".join(f"w0x{i}" for i in range(200))
+    prompts = [shared + " " + " ".join(f"{letter}{letter}x{i}" for i in range(200, 300)) for letter in "abcdefghijk"]
     first = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
     for prompt in prompts[1:]:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)

@@ -51,14 +51,14 @@ def _generate(*args: str) -> dict[str, object]:
     return json.loads(done.stdout)
 
 
-def _wait_idle_baseline(url: str, timeout_s: float = 20.0) -> list[dict[str, object]]:
+def _wait_idle_baseline(url: str, timeout_s: float = 20.0, num_workers: int = 2) -> list[dict[str, object]]:
     """Polls /cluster until every worker is idle with only cached blocks in use; returns the workers."""
     deadline = time.monotonic() + timeout_s
     info: dict[str, object] = {}
     while time.monotonic() < deadline:
         info = httpx.get(url + "/cluster", timeout=10).json()
         workers = info["workers"]
-        if info["num_in_flight"] == 0 and len(workers) == 2 and all(
+        if info["num_in_flight"] == 0 and len(workers) == num_workers and all(
             w.get("num_running") == 0 and w.get("num_waiting") == 0 and w.get("invariant_error") == ""
             and w.get("num_used_blocks") == w.get("num_cached_blocks") for w in workers
         ):
@@ -120,26 +120,28 @@ def test_priority_scheduling_takes_the_priority_field(client: openai.OpenAI, ser
     assert resp.choices[0].text == expected["text"]
 
 
-def test_host_tier_brings_an_evicted_prefix_back(client: openai.OpenAI, served: Served) -> None:
-    """The first prompt's last third, pushed out of its worker's 256-block pool by ten prompts that share its
-    first two thirds (so preble sends them to that same worker: more of each is cached there than missed) and
-    each add a third of their own, comes back from the host tier (cached tokens, blocks loaded) with the same
-    answer. (Prompts of distinct words once stood in, but how preble spread them over the two workers decided
-    whether the first one's worker evicted it at all.)"""
-    shared = " ".join(f"w0x{i}" for i in range(200))
-    prompts = [shared + " " + " ".join(f"{letter}{letter}x{i}" for i in range(200, 300)) for letter in "abcdefghijk"]
-    first = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
-    for prompt in prompts[1:]:
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
-    again = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
-    assert first.usage.prompt_tokens > 512  # more than a pool can keep next to the other prompts
-    assert again.choices[0].text == first.choices[0].text
-    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
-    workers = _wait_idle_baseline(served.url)
-    loaded = sum(w["host_kv_cache"]["num_loaded_blocks"] for w in workers)
-    assert loaded > 0 and sum(w["host_kv_cache"]["num_saved_blocks"] for w in workers) >= loaded
-    metrics = httpx.get(served.url + "/metrics", timeout=10).text
-    assert f"kvbaton:host_kv_cache_num_loaded_blocks {float(loaded)}" in metrics
+def test_host_tier_brings_an_evicted_prefix_back() -> None:
+    """One worker with a 256-block pool and a 2,048-block host tier (its own server: over two workers, how preble
+    spread the prompts decided whether the first one's worker evicted it at all, and a CI run once saw it kept):
+    eight ~2,000-token prompts of distinct words push the first out of the pool; sent again, it is served from the
+    host tier (cached tokens, blocks loaded) with the same answer."""
+    args = ["--model", MODEL, "--workers", "1", "--num-blocks", "256", "--host-num-blocks", "2048",
+            "--drain-timeout", "5"]
+    with serve_process(args, STARTUP_TIMEOUT_S) as served, openai.OpenAI(
+            base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        prompts = [" ".join(f"w{group}x{i}" for i in range(300)) for group in range(8)]
+        first = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
+        for prompt in prompts[1:]:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        again = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
+        assert first.usage.prompt_tokens > 1024  # the pool keeps under two such prompts
+        assert again.choices[0].text == first.choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
+        workers = _wait_idle_baseline(served.url, num_workers=1)
+        loaded = sum(w["host_kv_cache"]["num_loaded_blocks"] for w in workers)
+        assert loaded > 0 and sum(w["host_kv_cache"]["num_saved_blocks"] for w in workers) >= loaded
+        metrics = httpx.get(served.url + "/metrics", timeout=10).text
+        assert f"kvbaton:host_kv_cache_num_loaded_blocks {float(loaded)}" in metrics
 
 
 def test_openai_clients_structured_parse_gets_a_valid_object(client: openai.OpenAI, served: Served) -> None:

@@ -9,23 +9,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvbaton.engine.structured import grammar_for
-from kvbaton.model.registry import load_model
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.server.api import create_app
 from tests.server.api_fakes import REPLY, FakeCluster
 
 MODEL = "tiny-random"
 MAX_MODEL_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_model("tiny-random").tokenizer
-
-
-@pytest.fixture()
-def cluster(tokenizer: Tokenizer) -> FakeCluster:
-    return FakeCluster(tokenizer)
 
 
 @pytest.fixture()

@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbaton.core.errors import InvalidRequestError
-from kvbaton.model.registry import load_model
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.server.api import create_app
 from kvbaton.server.base import RejectedError
@@ -20,16 +19,6 @@ from tests.server.api_fakes import FakeCluster
 MODEL = "tiny-random"
 MAX_MODEL_LEN = 64
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_model("tiny-random").tokenizer
-
-
-@pytest.fixture()
-def cluster(tokenizer: Tokenizer) -> FakeCluster:
-    return FakeCluster(tokenizer)
 
 
 @pytest.fixture()

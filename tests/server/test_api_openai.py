@@ -11,23 +11,12 @@ import httpx
 import openai
 import pytest
 
-from kvbaton.model.registry import load_model
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.server.api import create_app
 from kvbaton.server.base import RejectedError
 from tests.server.api_fakes import REPLY, FakeCluster, ThreadedServer
 
 MODEL = "tiny-random"
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_model("tiny-random").tokenizer
-
-
-@pytest.fixture()
-def cluster(tokenizer: Tokenizer) -> FakeCluster:
-    return FakeCluster(tokenizer)
 
 
 @pytest.fixture()

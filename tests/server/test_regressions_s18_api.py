@@ -9,7 +9,6 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from kvbaton.model.registry import load_model
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.server import rpc
 from kvbaton.server.api import create_app
@@ -18,16 +17,6 @@ from tests.server.test_api import sse_events
 
 MODEL = "tiny-random"
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_model("tiny-random").tokenizer
-
-
-@pytest.fixture()
-def cluster(tokenizer: Tokenizer) -> FakeCluster:
-    return FakeCluster(tokenizer)
 
 
 @pytest.fixture()

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from kvbaton.model.registry import load_model
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.server.api import create_app
 from kvbaton.server.tool_calls import ToolUse, hermes_tool_calls, message_of
@@ -19,16 +18,6 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 MESSAGES = [{"role": "user", "content": "Weather in Zürich?"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return load_model("tiny-random").tokenizer
-
-
-@pytest.fixture()
-def cluster(tokenizer: Tokenizer) -> FakeCluster:
-    return FakeCluster(tokenizer)
 
 
 @pytest.fixture()

@@ -18,11 +18,9 @@ from __future__ import annotations
 import functools
 import itertools
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -54,13 +52,7 @@ ADJUSTMENTS = ({"repetition_penalty": 1.3}, {"frequency_penalty": 0.5, "presence
                {"logit_bias": ((65, 5.0), (100, -3.0))})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread is as fast, and immune to OpenMP spin-waits on a shared, oversubscribed CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @functools.cache

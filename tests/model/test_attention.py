@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,13 +14,7 @@ from kvbaton.model.attention import AttentionMetadata, SequenceSlice, paged_atte
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread is as fast, and immune to OpenMP spin-waits on a shared, oversubscribed CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_build_maps_slots_and_splits_decodes_from_prefills() -> None:

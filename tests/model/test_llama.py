@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -22,13 +21,7 @@ NUM_NEW_TOKENS = 32
 LOGIT_ATOL = 2e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one thread is as fast, and immune to OpenMP spin-waits on a shared, oversubscribed CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def hf_model(config: ModelConfig, state: dict[str, torch.Tensor], qwen2: bool = False) -> torch.nn.Module:

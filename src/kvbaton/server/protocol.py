@@ -365,7 +365,7 @@ class TokenizeRequest:
 
     prompt: str  # "" when messages are given
     messages: tuple[Mapping[str, object], ...]
-    add_special_tokens: bool  # vLLM's: the tokenizer's BOS (default: yes for a prompt, no for a chat: its template writes it)
+    add_special_tokens: bool  # the tokenizer's BOS (default: for a prompt, not for a chat, whose template writes it)
     add_generation_prompt: bool
     continue_final_message: bool
     tools: tuple[Mapping[str, object], ...]
@@ -392,7 +392,8 @@ def parse_tokenize_request(body: Mapping[str, object], served_model: str) -> Tok
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("give prompt (a string) or messages", param="prompt")
-    return TokenizeRequest(prompt, (), _bool(body, "add_special_tokens", True), True, False, (), None, return_token_strs)
+    return TokenizeRequest(prompt, (), _bool(body, "add_special_tokens", True), True, False, (), None,
+                           return_token_strs)
 
 
 def parse_detokenize_request(body: Mapping[str, object], served_model: str) -> tuple[int, ...]:

@@ -16,7 +16,8 @@ import logging
 import os
 import time
 from array import array
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -25,6 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import SamplingParams
@@ -79,6 +82,78 @@ def fastapi_telemetry() -> dict[str, bool]:
 
 def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.to_json(), status_code=error.status_code, headers=error.headers)
+
+
+def _header(request: Request, name: bytes) -> str:
+    """The value of header `name` (lower case), or "". Starlette's `request.headers.get` answers a missing
+    header by raising and catching KeyError, several µs under load on every request without it."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
+async def _read_body(receive: Receive) -> bytes:
+    """A request's whole body, as `Request.body` reads it, in a loop instead of an async generator."""
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    if message["type"] == "http.request" and not message.get("more_body", False):
+        return body  # the usual case: one message
+    chunks = [body]
+    while message["type"] == "http.request" and message.get("more_body", False):
+        message = await receive()
+        chunks.append(message.get("body", b""))
+    if message["type"] == "http.disconnect":
+        raise ClientDisconnect()
+    return b"".join(chunks)
+
+
+RequestHandler = Callable[[Request], Awaitable[Response]]
+
+
+class RouterApp(FastAPI):
+    """The FastAPI app, with the generation routes served straight from `__call__`.
+
+    Those routes take a `Request` and return a `Response` (they parse and answer bodies themselves), so
+    Starlette's middleware stack, route matching and per-call exit stacks do nothing for them but cost
+    about 90 µs of the router's CPU per request, a quarter of it (benchmarks/router_overhead.py). Here a
+    POST to one of them is answered directly: the same handler, the same `Request` and `Response`
+    objects, and an exception goes to the handler `exception_handler` registered for its type, as
+    Starlette's stack would send it. Every other request takes the whole stack, and so does every request
+    once middleware is added (`add_middleware`) or a root path set, which the direct answer would skip."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._direct_routes: dict[str, RequestHandler] = {}
+
+    def add_direct_route(self, path: str, handler: RequestHandler) -> None:
+        """`handler` answers POST `path` (other methods get the stack's 405)."""
+        self._direct_routes[path] = handler
+        self.router.add_route(path, handler, methods=["POST"])  # listed with the others, and its 405
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self._direct_routes.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST" or self.root_path or self.user_middleware:
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        request = Request(scope, receive, send)
+        try:
+            request._body = await _read_body(receive)  # what request.body() returns (Starlette's own cache)
+        except ClientDisconnect:
+            return  # nobody to answer; nothing was started
+        try:
+            response = await handler(request)
+        except Exception as exc:  # as ExceptionMiddleware / ServerErrorMiddleware would answer it
+            response = await self._handle_exception(request, exc)
+        await response(scope, receive, send)
+
+    async def _handle_exception(self, request: Request, exc: Exception) -> Response:
+        for kind in type(exc).__mro__:
+            handler = self.exception_handlers.get(kind)
+            if handler is not None:
+                return await handler(request, exc)  # type: ignore[no-any-return]
+        raise exc
 
 
 class OpenAIServer(ChatEndpoint):
@@ -142,14 +217,14 @@ class OpenAIServer(ChatEndpoint):
                request: Request, arrival_at: float) -> list[GenerateCall]:
         """One call per sample: prompt p's sample j is choice p * n + j, as vLLM numbers a batch's choices. A
         seeded request's sample j is seeded with seed + j (as vLLM seeds them), so its n samples differ."""
-        tenant = user or request.headers.get("x-tenant", "")
+        tenant = user or _header(request, b"x-tenant")
         n = sampling.n
         per_sample = [sampling.for_sample(j) for j in range(n)]
         return [GenerateCall(f"{api_id}-{p * n + j}", prompt_token_ids, per_sample[j], arrival_at, tenant=tenant)
                 for p, prompt_token_ids in enumerate(prompts) for j in range(n)]
 
     def _headers(self, request: Request) -> dict[str, str]:
-        client_id = request.headers.get("x-request-id")
+        client_id = _header(request, b"x-request-id")
         return {"x-request-id": client_id} if client_id else {}
 
     async def _start(self, request: Request, calls: list[GenerateCall]) -> SampleRun:
@@ -350,17 +425,17 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
         metrics.attach_token_cache(cache.stats)
     server = OpenAIServer(cluster, tokenizer, model_name, max_model_len, metrics, clock, tool_call_parser,
                           priority_scheduling)
-    app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, openapi_url=None, telemetry=fastapi_telemetry())
+    app = RouterApp(title="kvbaton", docs_url=None, redoc_url=None, openapi_url=None, telemetry=fastapi_telemetry())
     app.state.server = server
     _install_error_handlers(app)
 
     # The generation routes take the request and parse it themselves (protocol.py): as plain Starlette routes
     # they skip FastAPI's per-call dependency solving and exit stacks, a sizeable part of the router's CPU per
     # request; the app's middleware and error handlers apply to them unchanged.
-    app.router.add_route("/v1/completions", server.completions, methods=["POST"])
-    app.router.add_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
-    app.router.add_route("/tokenize", server.tokenize, methods=["POST"])
-    app.router.add_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_direct_route("/v1/completions", server.completions)
+    app.add_direct_route("/v1/chat/completions", server.chat_completions)
+    app.add_direct_route("/tokenize", server.tokenize)
+    app.add_direct_route("/detokenize", server.detokenize)
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/ready", server.ready, methods=["GET"])
 

@@ -7,6 +7,9 @@
   `POST /v1/completions` gets a fixed completion at once; any GET (`/health`, `/get_model_info`,
   `/get_server_info`, `/v1/models`, ...) gets 200 with a small JSON body.
 - `serve_fastapi_floor`: the router's HTTP stack (FastAPI + uvicorn) with an endpoint that does nothing.
+- `serve_relay_floor`: uvicorn (a bare ASGI app, no FastAPI) relaying each request to the fake kvbaton
+  workers over kvbaton's own zmq + msgpack RPC socket, round-robin: HTTP in, one RPC out, one back,
+  HTTP out, and nothing else.
 - `run_load`: a closed-loop HTTP/1.1 keep-alive client (`concurrency` connections, raw asyncio, so
   the client costs as little CPU as possible) that sends a fixed list of prompts round-robin.
 Each runs in its own process, started by `router_overhead.py`.
@@ -184,6 +187,78 @@ def serve_fastapi_floor(port: int) -> None:
 
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=1024)
     run_router_loop(uvicorn.Server(config).serve())
+
+
+# -- the HTTP server and the worker RPC alone ------------------------------------------------------
+
+
+def serve_relay_floor(http_port: int, rpc_address: str, model: str) -> None:
+    """A router reduced to its transports: uvicorn + uvloop + httptools under a bare ASGI app, and kvbaton's
+    `RouterSocket` (zmq ROUTER, msgpack frames) to the fake workers. Each POST's body is parsed (orjson), its
+    token ids go to the next registered worker in turn as an `AddRequest`, and the worker's finished delta
+    is answered as a fixed completion. No validation, tokenizing, hashing, routing policy, metrics or
+    accounting: the CPU per request of any Python router on these transports is at least this."""
+    import orjson
+    import uvicorn
+
+    from kvbaton.core.sampling import SamplingParams
+    from kvbaton.server.launcher import run_router_loop
+    from kvbaton.server.router_socket import RouterSocket
+
+    sampling = SamplingParams(max_tokens=len(REPLY_TOKEN_IDS), temperature=0.0)
+    workers: list[str] = []
+    waiting: dict[str, asyncio.Future[int]] = {}
+    counter = iter(range(1 << 62))
+    socket = RouterSocket(rpc_address)
+
+    def on_message(identity: str, message: rpc.Message) -> None:
+        if isinstance(message, rpc.Register):
+            workers.append(identity)
+            socket.send(identity, rpc.RegisterAck(identity, "fcfs", 0.5))
+        elif isinstance(message, rpc.TokenDeltas):
+            for delta in message.deltas:
+                future = waiting.pop(delta.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(delta.num_prompt_tokens)
+
+    async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    socket.start(on_message)
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = orjson.loads(b"".join(chunks))
+        request_id = str(next(counter))
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        waiting[request_id] = future
+        socket.send(workers[int(request_id) % len(workers)],
+                    rpc.AddRequest(request_id, tuple(body["prompt"]), sampling))
+        num_prompt_tokens = await future
+        out = orjson.dumps({"id": "cmpl-relay", "object": "text_completion", "created": int(time.time()),
+                            "model": model, "choices": [{"index": 0, "text": REPLY_TEXT, "logprobs": None,
+                                                         "finish_reason": "length"}],
+                            "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": len(REPLY_TOKEN_IDS),
+                                      "total_tokens": num_prompt_tokens + len(REPLY_TOKEN_IDS)}})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=http_port, log_level="warning", access_log=False,
+                            backlog=1024)
+    try:
+        run_router_loop(uvicorn.Server(config).serve())
+    finally:
+        socket.close()
 
 
 # -- closed-loop client --------------------------------------------------------------------------

@@ -13,6 +13,9 @@ own process keeping `--concurrency` (64) requests in flight over keep-alive conn
   only through shared prefixes); `:ids` sends pre-tokenized prompts instead.
 - fastapi:floor: FastAPI + uvicorn as the router runs them, with an endpoint that parses the body
   and answers a fixed completion: the least CPU per request of any router on that stack.
+- relay:floor: a bare ASGI app on uvicorn that relays each pre-tokenized request to the same fake
+  workers over kvbaton's zmq + msgpack RPC and answers a fixed completion: the transports alone
+  (HTTP server, event loop, RPC socket, its I/O thread), without any of a router's own work.
 - sglang-router (`cache_aware`, `pip install sglang-router`, Rust): `python -m
   sglang_router.launch_router` in front of N fake HTTP workers (one process). It does not tokenize.
 
@@ -42,13 +45,21 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from overhead_backends import run_fake_http_workers, run_fake_rpc_workers, run_load, serve_fastapi_floor
+from overhead_backends import (
+    run_fake_http_workers,
+    run_fake_rpc_workers,
+    run_load,
+    serve_fastapi_floor,
+    serve_relay_floor,
+)
 
 MODEL = "smollm2-135m"
 # "kvbaton:<policy>:ids" sends the same prompts pre-tokenized (token-id lists, as `kvbaton bench` does), which
 # separates the router's own overhead from tokenizing 2,000 characters at ingress.
 # "fastapi:floor" is the HTTP stack alone (`serve_fastapi_floor`): what any router on FastAPI + uvicorn pays.
-SYSTEMS = ("kvbaton:round_robin", "kvbaton:preble", "kvbaton:preble:ids", "fastapi:floor", "sglang:cache_aware")
+# "relay:floor:ids" is uvicorn + kvbaton's worker RPC relaying token ids with no router logic (`serve_relay_floor`).
+SYSTEMS = ("kvbaton:round_robin", "kvbaton:preble", "kvbaton:preble:ids", "fastapi:floor", "relay:floor:ids",
+           "sglang:cache_aware")
 SGLANG_REFERENCE = {"cache_aware_rps": 2300.0, "cache_aware_cpu_us_per_request": 170.0}  # this machine class
 _CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _WORDS = ("the", "router", "prefix", "cache", "worker", "token", "block", "queue", "load", "model", "serve",
@@ -181,6 +192,11 @@ def start_system(system: str, args: argparse.Namespace, script: str, bodies_path
                          "--rpc-port", str(rpc_port), "--num-workers", str(args.num_workers)])
         workers = _spawn([script, "--role", "fake-rpc-workers", "--rpc-port", str(rpc_port),
                           "--num-workers", str(args.num_workers)])
+    elif kind == "relay":
+        rpc_port = free_port()
+        router = _spawn([script, "--role", "relay-floor", "--http-port", str(http_port), "--rpc-port", str(rpc_port)])
+        workers = _spawn([script, "--role", "fake-rpc-workers", "--rpc-port", str(rpc_port),
+                          "--num-workers", str(args.num_workers)])
     else:
         ports = [free_port() for _ in range(args.num_workers)]
         workers = _spawn([script, "--role", "fake-http-workers", "--ports", ",".join(map(str, ports))])
@@ -265,7 +281,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", default="main",
                         choices=("main", "kvbaton-router", "fake-rpc-workers", "fake-http-workers", "fastapi-floor",
-                                 "load"))
+                                 "relay-floor", "load"))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="kvbaton:<policy> | sglang:<policy>, comma-separated")
     parser.add_argument("--num-workers", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=3000, help="per measured run")
@@ -298,6 +314,8 @@ def main() -> None:
         run_fake_rpc_workers(f"tcp://127.0.0.1:{args.rpc_port}", args.num_workers, MODEL)
     elif args.role == "fastapi-floor":
         serve_fastapi_floor(args.http_port)
+    elif args.role == "relay-floor":
+        serve_relay_floor(args.http_port, f"tcp://127.0.0.1:{args.rpc_port}", MODEL)
     elif args.role == "fake-http-workers":
         run_fake_http_workers([int(p) for p in args.ports.split(",")], MODEL)
     elif args.role == "load":
@@ -331,6 +349,9 @@ def main() -> None:
                 figures["rps_over_sglang"] = round(figures["rps"] / reference["rps"], 3)
                 figures["cpu_per_request_over_sglang"] = round(
                     figures["cpu_us_per_request"] / reference["cpu_us_per_request"], 3)
+            relay = results.get("relay:floor:ids")
+            if isinstance(relay, dict):  # what kvbaton's own work adds on top of its transports
+                figures["cpu_us_above_relay_floor"] = round(figures["cpu_us_per_request"] - relay["cpu_us_per_request"], 1)
             if isinstance(floor, dict):  # what kvbaton adds on top of the HTTP stack it must run on
                 figures["cpu_us_above_fastapi_floor"] = round(
                     figures["cpu_us_per_request"] - floor["cpu_us_per_request"], 1)

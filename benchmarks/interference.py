@@ -136,9 +136,9 @@ def run_layout(args: argparse.Namespace, layout: str, requests: list[WorkloadReq
 
 
 def vocab_size_of(model: str) -> int:
-    from kvbaton.model.registry import read_model_source, resolve_model_source
+    from kvbaton.model.registry import read_model_header, resolve_model_source
 
-    config, _, _ = read_model_source(resolve_model_source(model))
+    config, _ = read_model_header(resolve_model_source(model))
     return min(config.vocab_size, 32000)
 
 

@@ -90,9 +90,9 @@ def _body(prompt: str | list[int]) -> str:
 
 def tokenize(prompts: list[str]) -> list[list[int]]:
     """The token ids kvbaton's router would compute for each prompt (SmolLM2's tokenizer)."""
-    from kvbaton.model.registry import read_model_source, resolve_model_source
+    from kvbaton.model.registry import read_model_header, resolve_model_source
 
-    _, _, tokenizer = read_model_source(resolve_model_source(MODEL))
+    _, tokenizer = read_model_header(resolve_model_source(MODEL))
     return [tokenizer.encode(p) for p in prompts]
 
 
@@ -253,12 +253,12 @@ def serve_kvbaton_router(args: argparse.Namespace) -> None:
     """The real router process: ClusterManager + the OpenAI app under uvicorn, until SIGTERM."""
     import uvicorn
 
-    from kvbaton.model.registry import read_model_source, resolve_model_source
+    from kvbaton.model.registry import read_model_header, resolve_model_source
     from kvbaton.server.api import create_app
     from kvbaton.server.cluster import ClusterConfig, ClusterManager
     from kvbaton.server.launcher import freeze_startup_heap, run_router_loop
 
-    model_config, _, tokenizer = read_model_source(resolve_model_source(MODEL))
+    model_config, tokenizer = read_model_header(resolve_model_source(MODEL))
 
     async def main() -> None:
         cluster = ClusterManager(ClusterConfig(bind_address=f"tcp://127.0.0.1:{args.rpc_port}", model_name=MODEL,

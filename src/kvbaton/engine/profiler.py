@@ -27,7 +27,7 @@ from kvbaton.core.step import StepPlan
 from kvbaton.engine.engine import Engine
 from kvbaton.sim.costs.base import BatchShape
 from kvbaton.sim.costs.fit import StepSample, fit_linear, fit_quality, read_step_samples
-from kvbaton.model.registry import read_model_source, resolve_model_source
+from kvbaton.model.registry import read_model_header, resolve_model_source
 from kvbaton.sim.costs.linear import LinearCostModel
 
 
@@ -177,7 +177,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.from_step_log:
         runs = [read_step_samples([path]) for path in args.from_step_log]
         samples = [sample for run in runs for sample in run]
-        model_config, _, _ = read_model_source(resolve_model_source(args.model))
+        model_config, _ = read_model_header(resolve_model_source(args.model))
         itemsize = 4 if args.dtype == "float32" else 2  # the serving default is bf16
         payload = write_profile(samples, args.model, model_config.kv_bytes_per_token(itemsize),
                                 f"kvbaton profile --from-step-log ({len(args.from_step_log)} serving workers' logs)",

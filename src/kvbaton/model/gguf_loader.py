@@ -223,9 +223,8 @@ def read_gguf_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(tokenizer_keys)
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict[str, object]]:
-    """(config, fp32 Hugging Face-named state dict, tokenizer, metadata) of a llama-architecture GGUF file."""
-    path = Path(path)
+def _read_header(path: Path) -> tuple[ModelConfig, Tokenizer, dict[str, object], dict[str, ReaderTensor]]:
+    """(config with its rope scaling, tokenizer, metadata, tensors by GGUF name), no weight dequantized."""
     reader = open_gguf(path)
     metadata, tokenizer_keys = _metadata(reader, path)
     _check_architecture(metadata, path)
@@ -235,13 +234,25 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = _config(metadata, len(tokens), set(tensors), path)
     tokenizer = Tokenizer.from_gguf_metadata(tokenizer_keys)
+    rope_freqs = _dequantized(tensors[_ROPE_FREQS], path).astype(np.float64) if _ROPE_FREQS in tensors else None
+    return replace(config, rope_scaling=_rope_scaling(metadata, rope_freqs, config)), tokenizer, metadata, tensors
 
+
+def read_gguf_header(path: str | Path) -> tuple[ModelConfig, Tokenizer]:
+    """(config, tokenizer) of a llama-architecture GGUF file without reading its weights: what the router and
+    the planner need (they never run the model), at the cost of the metadata alone."""
+    config, tokenizer, _, _ = _read_header(Path(path))
+    return config, tokenizer
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict[str, object]]:
+    """(config, fp32 Hugging Face-named state dict, tokenizer, metadata) of a llama-architecture GGUF file."""
+    path = Path(path)
+    config, tokenizer, metadata, tensors = _read_header(path)
     state_dict: dict[str, torch.Tensor] = {}
-    rope_freqs: np.ndarray | None = None
     for name, tensor in tensors.items():
         if name == _ROPE_FREQS:
-            rope_freqs = _dequantized(tensor, path).astype(np.float64)
-            continue
+            continue  # read into the config's rope scaling
         hf_name = hf_tensor_name(name)
         if hf_name is None:
             raise UnsupportedModelError(f"{path}: tensor {name!r} has no place in a llama model")
@@ -251,8 +262,6 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
         elif ".attn_k." in name:
             values = unpermute_rows(values, config.num_kv_heads)
         state_dict[hf_name] = torch.from_numpy(values)
-
-    config = replace(config, rope_scaling=_rope_scaling(metadata, rope_freqs, config))
     _check_complete(config, state_dict, path)
     return config, state_dict, tokenizer, metadata
 

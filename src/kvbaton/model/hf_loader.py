@@ -136,8 +136,9 @@ def _load_state_dict(files: list[Path], config: ModelConfig) -> dict[str, torch.
     return state_dict
 
 
-def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict[str, object]]:
-    """(config, fp32 Hugging Face-named state dict, tokenizer, raw config.json) of a local model directory."""
+def read_hf_header(path: str | Path) -> tuple[ModelConfig, Tokenizer, dict[str, object]]:
+    """(config, tokenizer, raw config.json) of a local model directory, without reading its weights (it checks
+    that the weight shards are there)."""
     directory = Path(path)
     if not directory.is_dir():
         raise ModelNotFoundError(f"model directory not found: {directory}")
@@ -150,6 +151,14 @@ def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
         tokenizer.eos_token_id = config.eos_token_id
     if tokenizer.bos_token_id is None and config.bos_token_id is not None:
         tokenizer.bos_token_id = config.bos_token_id
+    safetensors_files(directory)
+    return config, tokenizer, raw
+
+
+def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict[str, object]]:
+    """(config, fp32 Hugging Face-named state dict, tokenizer, raw config.json) of a local model directory."""
+    directory = Path(path)
+    config, tokenizer, raw = read_hf_header(directory)
     state_dict = _load_state_dict(safetensors_files(directory), config)
     _check_shapes(config, state_dict, directory)
     return config, state_dict, tokenizer, raw

@@ -12,8 +12,8 @@ import torch
 
 from kvbaton.core.errors import InvalidRequestError, ModelNotFoundError
 from kvbaton.model.config import ModelConfig
-from kvbaton.model.gguf_loader import read_gguf
-from kvbaton.model.hf_loader import is_hf_model_dir, read_hf_dir
+from kvbaton.model.gguf_loader import read_gguf, read_gguf_header
+from kvbaton.model.hf_loader import is_hf_model_dir, read_hf_dir, read_hf_header
 from kvbaton.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -143,6 +143,21 @@ def read_model_source(source: ModelSource) -> tuple[ModelConfig, dict[str, torch
     else:
         config, state_dict, tokenizer, _ = read_hf_dir(source.path)
     return config, state_dict, tokenizer
+
+
+def read_model_header(source: ModelSource) -> tuple[ModelConfig, Tokenizer]:
+    """(config, tokenizer) without the weights, for processes that tokenize but never run the model (the
+    router, the profiler's sizing): a GGUF's metadata or a directory's config.json and tokenizer files.
+    Reading the weights costs the fp32 state dict: 4 bytes a parameter, ~0.5 GB for SmolLM2-135M and 28 GB
+    for a 7B model, in a process that drops it at once."""
+    if source.kind == "tiny_random":
+        config, _, tokenizer = read_model_source(source)  # a few MB, built from its seed
+        return config, tokenizer
+    assert source.path is not None  # set for every file-backed kind by resolve_model_source
+    if source.kind == "gguf":
+        return read_gguf_header(source.path)
+    config, tokenizer, _ = read_hf_header(source.path)
+    return config, tokenizer
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu") -> LoadedModel:

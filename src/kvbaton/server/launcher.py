@@ -28,7 +28,7 @@ import uvloop
 
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.config import ModelConfig
-from kvbaton.model.registry import read_model_source, resolve_model_source
+from kvbaton.model.registry import read_model_header, resolve_model_source
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api import create_app
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
@@ -186,7 +186,7 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
         config = self.config
-        model_config, _, tokenizer = read_model_source(resolve_model_source(config.model))  # weights dropped here
+        model_config, tokenizer = read_model_header(resolve_model_source(config.model))  # the workers read the weights
         # One calibrated model for both: what admission learns about this host, the balancer prices with too.
         wanted = (config.admission != "none" or config.adaptive_pools) and config.cost_profile
         time_model = CalibratedTimeModel(load_linear_model(config.cost_profile)) if wanted else None

@@ -102,6 +102,12 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
     ({"structured_outputs": {"grammar": 'start: "a" | "b"'}}, "grammar", 'start: "a" | "b"'),
     ({"structured_outputs": {"json_object": True}}, "json_object", None),
     ({"response_format": {"type": "text"}}, None, None),
+    # vLLM's fields before v0.12, which clients still send: the structured_outputs key each names.
+    ({"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"}, "json_schema", SCHEMA),
+    ({"guided_regex": "[ab]{2}"}, "regex", "[ab]{2}"),
+    ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+    ({"guided_grammar": 'start: "a" | "b"'}, "grammar", 'start: "a" | "b"'),
+    ({"guided_json": None, "response_format": {"type": "json_object"}}, "json_object", None),
 ])
 def test_structured_outputs_reach_the_call_as_one_grammar(client: TestClient, cluster: FakeCluster, path: str,
                                                           fields: dict, kind: str | None, spec: object) -> None:

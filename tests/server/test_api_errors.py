@@ -158,6 +158,12 @@ def test_bad_penalties_and_logit_bias(client: TestClient, cluster: FakeCluster, 
     ({"structured_outputs": ["json"]}, "structured_outputs", "must be an object"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format",
      "cannot both"),
+    ({"guided_regex": "(a"}, "guided_regex", "invalid regex"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "cannot both"),
+    ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "structured_outputs", "cannot both"),
+    ({"guided_whitespace_pattern": " ", "guided_json": {}}, "guided_whitespace_pattern", "not supported"),
+    ({"structural_tag": "{}"}, "structural_tag", "not supported"),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_structured_outputs(client: TestClient, cluster: FakeCluster, path: str, fields: dict, param: str,

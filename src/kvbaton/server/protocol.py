@@ -17,7 +17,7 @@ import orjson
 
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import MAX_LOGPROBS, SamplingParams
-from kvbaton.server.protocol_structured import structured_grammar
+from kvbaton.server.protocol_structured import STRUCTURED_FIELDS, structured_grammar
 from kvbaton.server.tool_calls import ToolUse, parse_tool_use, parse_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -236,7 +236,7 @@ def _sampling(body: Mapping[str, object], *, max_tokens: int, logprobs: int | No
         grammar, field = structured_grammar(body)
     except InvalidRequestError as exc:
         message = str(exc)
-        field = "structured_outputs" if message.startswith("structured_outputs") else "response_format"
+        field = next((f for f in STRUCTURED_FIELDS if message.startswith(f)), "response_format")
         raise bad_request(message, param=field) from None
     if tool_use is not None and tool_use.grammar:
         if grammar:

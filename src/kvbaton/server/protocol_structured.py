@@ -8,6 +8,11 @@ regex or grammar is a 400 naming the field before any worker sees the request.
   {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
 - `structured_outputs` (vLLM): exactly one of {"json": schema}, {"regex": str}, {"choice": [str, ...]},
   {"grammar": Lark or GBNF text}, {"json_object": true}.
+- vLLM's older fields, which it took until v0.12 and many clients still send: one of `guided_json`,
+  `guided_regex`, `guided_choice`, `guided_grammar`, meaning the same as the `structured_outputs` key
+  they name; `guided_decoding_backend` is accepted and ignored (one backend here), as vLLM ignored it
+  once it chose backends itself; `guided_whitespace_pattern` is refused (the JSON grammar has no free
+  whitespace), as is `structural_tag`. Dropping an unknown field would return unconstrained output.
 """
 
 from __future__ import annotations
@@ -24,18 +29,33 @@ _STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice"
                      "json_object": "json_object"}
 
 
+# vLLM's pre-0.12 request fields -> the structured_outputs key each one meant
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+_REFUSED_GUIDED_FIELDS = {
+    "guided_whitespace_pattern": "the JSON grammar here writes no free whitespace",
+    "structural_tag": "structural tags are not supported",
+}
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS, *_REFUSED_GUIDED_FIELDS)
+
+
 def structured_grammar(body: Mapping[str, object]) -> tuple[str, str]:
     """(grammar, the field it came from); ("", "") when the request sets no constraint. Raises
     InvalidRequestError whose message starts with the field's name."""
-    from_format = _response_format(body.get("response_format"))
-    from_outputs = _structured_outputs(body.get("structured_outputs"))
-    if from_format and from_outputs:
-        raise InvalidRequestError("response_format and structured_outputs cannot both constrain the output")
-    if from_format:
-        return from_format, "response_format"
-    if from_outputs:
-        return from_outputs, "structured_outputs"
-    return "", ""
+    for field, reason in _REFUSED_GUIDED_FIELDS.items():
+        if body.get(field) is not None:
+            raise InvalidRequestError(f"{field} is not supported: {reason}")
+    guided = [field for field in GUIDED_FIELDS if body.get(field) is not None]
+    if len(guided) > 1:
+        raise InvalidRequestError(f"{guided[0]} and {guided[1]} cannot both constrain the output; give one")
+    constraints = [(field, grammar) for field, grammar in (
+        ("response_format", _response_format(body.get("response_format"))),
+        ("structured_outputs", _structured_outputs(body.get("structured_outputs"))),
+        *((field, _built(field, _STRUCTURED_KINDS[GUIDED_FIELDS[field]], body[field])) for field in guided),
+    ) if grammar]
+    if len(constraints) > 1:
+        raise InvalidRequestError(f"{constraints[0][0]} and {constraints[1][0]} cannot both constrain the output")
+    return (constraints[0][1], constraints[0][0]) if constraints else ("", "")
 
 
 def _response_format(value: object) -> str:

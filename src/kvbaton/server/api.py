@@ -213,11 +213,25 @@ class OpenAIServer(ChatEndpoint):
                 f"{sampling.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
                 param=param, code="context_length_exceeded")
 
+    def _truncated(self, prompt_ids: tuple[int, ...], truncate_prompt_tokens: int | None) -> tuple[int, ...]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""
+        if truncate_prompt_tokens is None:
+            return prompt_ids
+        if truncate_prompt_tokens > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens {truncate_prompt_tokens} is more than the model's context "
+                              f"length {self.max_model_len}", param="truncate_prompt_tokens")
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        return prompt_ids[-keep:]
+
     def _calls(self, api_id: str, prompts: list[tuple[int, ...]], sampling: SamplingParams, user: str,
-               request: Request, arrival_at: float) -> list[GenerateCall]:
+               request: Request, arrival_at: float, cache_salt: str = "") -> list[GenerateCall]:
         """One call per sample: prompt p's sample j is choice p * n + j, as vLLM numbers a batch's choices. A
-        seeded request's sample j is seeded with seed + j (as vLLM seeds them), so its n samples differ."""
+        seeded request's sample j is seeded with seed + j (as vLLM seeds them), so its n samples differ.
+        The tenant salts the prompt's block hashes, so tenants never share cached blocks; a cache salt
+        (vLLM's `cache_salt`) divides a tenant's further."""
         tenant = user or _header(request, b"x-tenant")
+        if cache_salt:
+            tenant = f"{tenant}\x1fsalt:{cache_salt}"
         n = sampling.n
         per_sample = [sampling.for_sample(j) for j in range(n)]
         return [GenerateCall(f"{api_id}-{p * n + j}", prompt_token_ids, per_sample[j], arrival_at, tenant=tenant)
@@ -265,15 +279,16 @@ class OpenAIServer(ChatEndpoint):
     async def completions(self, request: Request) -> Response:
         arrival_at = self.clock()
         req = parse_completion_request(parse_json_body(await request.body()), self.model_name)
-        prompts = [self._prompt_token_ids(prompt) for prompt in req.prompts]
+        prompts = [self._truncated(self._prompt_token_ids(prompt), req.truncate_prompt_tokens)
+                   for prompt in req.prompts]
         self._check_sampling(req.sampling)
         for prompt_ids in prompts:
             self._check_context(len(prompt_ids), req.sampling, "prompt")
         api_id = f"cmpl-{os.urandom(16).hex()}"  # as random as uuid4().hex, without building a UUID
-        calls = self._calls(api_id, prompts, req.sampling, req.user, request, arrival_at)
-        # Echo: each choice starts with its own prompt (choice i is of prompt i // n).
-        echo_texts = ([p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
-                      if req.echo else [""] * len(prompts))
+        calls = self._calls(api_id, prompts, req.sampling, req.user, request, arrival_at, req.cache_salt)
+        # Echo: each choice starts with its own prompt (choice i is of prompt i // n), as truncated.
+        echo_texts = ([p if isinstance(p, str) and req.truncate_prompt_tokens is None else self.tokenizer.decode(ids)
+                       for p, ids in zip(req.prompts, prompts)] if req.echo else [""] * len(prompts))
         num_prompt_tokens = [len(ids) for ids in prompts]
         created = int(time.time())
         if req.stream:

@@ -55,8 +55,9 @@ class ChatEndpoint:
         arrival_at = self.clock()
         req = parse_chat_request(parse_json_body(await request.body()), self.model_name,
                                  max_model_len=self.max_model_len, tool_call_parser=self.tool_call_parser)
-        prompt_ids = tuple(self._chat_prompt_ids(req.messages, req.add_generation_prompt, req.tools,
-                                                 req.continue_final_message, req.template_kwargs))
+        prompt_ids = self._truncated(tuple(self._chat_prompt_ids(req.messages, req.add_generation_prompt, req.tools,
+                                                                 req.continue_final_message, req.template_kwargs)),
+                                     req.truncate_prompt_tokens)
         sampling = req.sampling
         self._check_sampling(sampling)
         if not req.max_tokens_given:  # "as long as the context allows"
@@ -67,7 +68,7 @@ class ChatEndpoint:
             sampling = replace(sampling, max_tokens=max_tokens)
         self._check_context(len(prompt_ids), sampling, "messages")
         api_id = f"chatcmpl-{os.urandom(16).hex()}"
-        calls = self._calls(api_id, [prompt_ids], sampling, req.user, request, arrival_at)
+        calls = self._calls(api_id, [prompt_ids], sampling, req.user, request, arrival_at, req.cache_salt)
         created = int(time.time())
         if req.stream:
             run = await self._start(request, calls)

@@ -62,6 +62,8 @@ class CompletionRequest:
     user: str
     echo_only: bool = False  # echo with max_tokens 0: the answer is the prompt alone (one token runs, unreported)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs was asked: each choice carries the prompt's
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each prompt's last k tokens (-1: the context's worth)
+    cache_salt: str = ""  # vLLM's: share cached prefixes only with requests of the same salt
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +82,10 @@ class ChatRequest:
     tool_use: ToolUse | None = None  # a forced tool call: its grammar is the sampling's
     add_generation_prompt: bool = True  # vLLM's chat template options
     continue_final_message: bool = False
-    template_kwargs: Mapping[str, object] | None = None  # chat_template_kwargs
+    template_kwargs: Mapping[str, object] | None = None  # chat_template_kwargs, and vLLM's `documents`
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs was asked: the response carries the prompt's
+    truncate_prompt_tokens: int | None = None
+    cache_salt: str = ""
 
 
 _DIGITS_AND_COMMAS = b"0123456789,"
@@ -200,7 +204,30 @@ def _logit_bias(body: Mapping[str, object]) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+# vLLM request fields whose meaning kvbaton does not implement, refused when set to anything but their default:
+# dropped like an unknown field, they would change the answer without a word.
+_UNSUPPORTED_VLLM_FIELDS = {
+    "use_beam_search": "beam search is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported; structured_outputs (choice, regex) or logit_bias "
+                         "can restrict the output",
+    "bad_words": "bad_words is not supported; logit_bias can ban tokens",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "logits_processors": "logits_processors are not supported",
+}
+
+
 def _refuse_unsupported(body: Mapping[str, object], chat: bool = False) -> None:
+    for field, reason in _UNSUPPORTED_VLLM_FIELDS.items():
+        if body.get(field) not in (None, False, [], {}):
+            raise bad_request(reason, param=field, code="unsupported_parameter")
+    length_penalty = body.get("length_penalty")
+    if length_penalty is not None and length_penalty != 1.0:
+        raise bad_request("length_penalty applies to beam search, which is not supported", param="length_penalty",
+                          code="unsupported_parameter")
+    if chat and body.get("chat_template") is not None:
+        raise bad_request("a chat template in the request is not accepted; the model's own applies (vLLM refuses "
+                          "one too unless started with --trust-request-chat-template)", param="chat_template",
+                          code="unsupported_parameter")
     if body.get("functions") or body.get("function_call"):
         raise bad_request("the legacy functions/function_call are not supported; use tools and tool_choice",
                           param="functions", code="unsupported_parameter")
@@ -208,6 +235,25 @@ def _refuse_unsupported(body: Mapping[str, object], chat: bool = False) -> None:
         raise bad_request("tools are for /v1/chat/completions", param="tools", code="unsupported_parameter")
     if body.get("suffix"):
         raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
+
+
+def _truncate_prompt_tokens(body: Mapping[str, object]) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: keep only the prompt's last k tokens (-1: as many as the context holds)."""
+    value = _int(body, "truncate_prompt_tokens", None)
+    if value is not None and value != -1 and value < 1:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or at least 1, got {value}",
+                          param="truncate_prompt_tokens")
+    return value
+
+
+def _cache_salt(body: Mapping[str, object]) -> str:
+    """vLLM's `cache_salt`: the request shares cached prefixes only with requests of the same salt."""
+    value = body.get("cache_salt")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value:
+        raise bad_request("cache_salt must be a non-empty string", param="cache_salt")
+    return value
 
 
 def _prompt_logprobs(body: Mapping[str, object], stream: bool) -> int | None:
@@ -356,6 +402,8 @@ def parse_completion_request(body: Mapping[str, object], served_model: str) -> C
         user=_str(body, "user", ""),
         echo_only=echo_only,
         prompt_logprobs=prompt_logprobs is not None,
+        truncate_prompt_tokens=_truncate_prompt_tokens(body),
+        cache_salt=_cache_salt(body),
     )
 
 
@@ -451,13 +499,21 @@ def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_mod
         continue_final_message=_bool(body, "continue_final_message", False),
         template_kwargs=_template_kwargs(body),
         prompt_logprobs=prompt_logprobs is not None,
+        truncate_prompt_tokens=_truncate_prompt_tokens(body),
+        cache_salt=_cache_salt(body),
     )
 
 
 def _template_kwargs(body: Mapping[str, object]) -> Mapping[str, object] | None:
+    """chat_template_kwargs, and vLLM's `documents` (for RAG templates), which the template sees as its
+    `documents` variable, as transformers gives them."""
     value = body.get("chat_template_kwargs")
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
+    if value is not None and (not isinstance(value, dict)
+                              or not all(isinstance(k, str) and k.isidentifier() for k in value)):
         raise bad_request("chat_template_kwargs must be an object of template variables", param="chat_template_kwargs")
-    return value
+    documents = body.get("documents")
+    if documents is None:
+        return value
+    if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+        raise bad_request("documents must be a list of objects", param="documents")
+    return {**(value or {}), "documents": documents}

@@ -158,16 +158,19 @@ class BlockManager:
     def try_grow(self, request: Request, end_pos: int) -> bool:
         """Make the table cover positions [0, end_pos), evicting cached blocks if the pool is short.
 
-        Returns False, allocating nothing, when even an eviction cannot free enough blocks.
+        Returns False, allocating nothing, when even an eviction cannot free enough blocks; it then evicts nothing
+        either, as it can tell beforehand: a refused admission (retried every step) must not flush the cache.
         """
         num_new = self.num_blocks_for(end_pos) - len(request.block_ids)
         if num_new <= 0:
             return True
         shortfall = num_new - self.pool.num_free_blocks
-        if shortfall > 0 and self.cache is not None:
+        if shortfall > 0:
+            if self.cache is None or shortfall > self.cache.num_evictable_blocks:
+                return False
             self.cache.evict(shortfall)
-        if not self.pool.can_allocate(num_new):
-            return False
+            if not self.pool.can_allocate(num_new):  # an evicted block still held elsewhere (a handoff leg's)
+                return False
         request.block_ids.extend(self.pool.allocate(num_new))
         return True
 

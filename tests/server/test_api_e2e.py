@@ -83,17 +83,24 @@ def test_greedy_output_equals_kvbaton_generate(client: openai.OpenAI) -> None:
 
 
 def test_speculating_workers_report_their_drafts(client: openai.OpenAI, served: Served) -> None:
-    # A prompt of repeated words: its last words recur, so a worker proposes the words that followed them.
+    # Drafts come from n-grams of the prompt and the output that recur. The random model's greedy output falls
+    # into repeated tokens within 48 (16 were too few: run first, on a fresh server, it drafted nothing).
     prompt = "one two three four five six " * 8
-    expected = _generate("--prompt", prompt, "--max-tokens", "16")
-    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text == (
+    expected = _generate("--prompt", prompt, "--max-tokens", "48")
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0).choices[0].text == (
         expected["text"])
+    # /cluster shows each worker's last heartbeat, which may predate this request (on a fresh server, the idle
+    # baseline holds before the request's step is reported): wait for the drafts to show.
+    deadline = time.monotonic() + 20.0
     workers = _wait_idle_baseline(served.url)
+    while sum(w["spec_decode"]["num_draft_tokens"] for w in workers) == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        workers = _wait_idle_baseline(served.url)
     assert sum(w["spec_decode"]["num_draft_tokens"] for w in workers) > 0
     assert all(0 <= w["spec_decode"]["num_accepted_tokens"] <= w["spec_decode"]["num_draft_tokens"] for w in workers)
     metrics = httpx.get(served.url + "/metrics", timeout=10).text
     drafts = sum(w["spec_decode"]["num_draft_tokens"] for w in workers)
-    assert f"kvbaton:spec_decode_num_draft_tokens {float(drafts)}" in metrics
+    assert f"kvbaton:spec_decode_num_draft_tokens_total {float(drafts)}" in metrics
 
 
 def test_shared_prefix_reports_cached_tokens(client: openai.OpenAI) -> None:

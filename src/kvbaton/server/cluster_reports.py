@@ -39,6 +39,7 @@ class ClusterReports:
     handoff_endings: dict[str, int]
     pools: PoolBalancer | None
     retired_prefix_cache_tokens: list[int]
+    retired_spec_decode_tokens: list[int]
     address: str
 
     # -- readiness and /cluster -----------------------------------------------------------------
@@ -80,6 +81,7 @@ class ClusterReports:
             "num_rejected": self.num_rejected,
             "num_failed_by_worker_loss": self.num_failed_by_worker_loss,
             "transfers": self.transfer_totals(),
+            "spec_decode": self.spec_decode_totals(),
         }
 
     def transfer_totals(self) -> dict[str, float]:
@@ -114,3 +116,12 @@ class ClusterReports:
             queries += stats.prefix_cache_queries_tokens
             hits += stats.prefix_cache_hits_tokens
         return queries, hits
+
+    def spec_decode_totals(self) -> dict[str, int]:
+        """Speculative decoding's draft tokens proposed and accepted over all workers ever registered; never
+        decreases."""
+        num_draft_tokens, num_accepted_tokens = self.retired_spec_decode_tokens
+        for stats in self.live_worker_stats().values():
+            num_draft_tokens += stats.num_draft_tokens
+            num_accepted_tokens += stats.num_accepted_tokens
+        return {"num_draft_tokens": num_draft_tokens, "num_accepted_tokens": num_accepted_tokens}

@@ -61,6 +61,7 @@ class WorkerMembership:
     handoff_endings: dict[str, int]
     pools: PoolBalancer | None
     retired_prefix_cache_tokens: list[int]
+    retired_spec_decode_tokens: list[int]
     _socket: RouterSocket | None
     _last_check_at: float
     # The call side, defined by ClusterManager: a token delta's accounting, and a call's end.
@@ -144,6 +145,9 @@ class WorkerMembership:
             return
         if sender in self.workers:
             self._remove_worker(sender, "re-registered (restarted)")
+        process = self._processes.get(sender)
+        if process is not None and process.poll() is not None:
+            del self._processes[sender]  # it exited: the worker registering now is another process with its id
         self.lost_workers.pop(sender, None)
         if self.identity is None:
             self.identity = offered
@@ -246,6 +250,8 @@ class WorkerMembership:
         if record.stats is not None:
             self.retired_prefix_cache_tokens[0] += record.stats.prefix_cache_queries_tokens
             self.retired_prefix_cache_tokens[1] += record.stats.prefix_cache_hits_tokens
+            self.retired_spec_decode_tokens[0] += record.stats.num_draft_tokens
+            self.retired_spec_decode_tokens[1] += record.stats.num_accepted_tokens
         for request_id in sorted(record.in_flight):
             entry = self._calls.get(request_id)
             if entry is None or entry.finished:

@@ -12,6 +12,7 @@ Expected `cluster_info()` keys (all optional; missing ones read as 0):
   "workers": [{"num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks"?, ...}, ...]
   "router_decisions": {reason: count}  # router placement decisions by reason, cumulative
   "transfers": {name: value}  # KV handoff totals (bytes, time_s, queue_s, num_fallbacks, ...): kv_transfer_<name>
+  "spec_decode": {"num_draft_tokens", "num_accepted_tokens"}  # cumulative over all workers ever registered
 """
 
 from __future__ import annotations
@@ -67,10 +68,10 @@ class ClusterCollector(Collector):
         for reason, count in sorted(raw_decisions.items()):  # type: ignore[union-attr]
             decisions.add_metric([str(reason)], _number(count))
         yield decisions
-        for name in ("num_draft_tokens", "num_accepted_tokens"):  # speculative decoding, summed over live workers
-            total = sum(_number((w.get("spec_decode") or {}).get(name)) for w in workers)  # type: ignore[union-attr]
-            yield GaugeMetricFamily(f"{PREFIX}spec_decode_{name}", f"Speculative decoding: {name.replace('_', ' ')} "
-                                    "(summed over the live workers).", value=total)
+        spec_decode = info.get("spec_decode", {}) or {}
+        for name in ("num_draft_tokens", "num_accepted_tokens"):  # counters, as vLLM's (a worker leaving keeps its)
+            yield CounterMetricFamily(f"{PREFIX}spec_decode_{name}", f"Speculative decoding: {name.replace('_', ' ')}.",
+                                      value=_number(spec_decode.get(name)))  # type: ignore[union-attr]
         for name in ("num_cached_blocks", "num_loaded_blocks", "num_saved_blocks"):  # the prefix cache's host tier
             total = sum(_number((w.get("host_kv_cache") or {}).get(name)) for w in workers)  # type: ignore[union-attr]
             yield GaugeMetricFamily(f"{PREFIX}host_kv_cache_{name}", f"Host KV tier: {name.replace('_', ' ')} "

@@ -232,6 +232,11 @@ _PLAIN = (Register, Stats, HandoffEnded, Goodbye, RegisterAck, RegisterRefuse, H
           ResetPrefixCache, Ping, Shutdown)
 _BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, SnapshotResponse, AddRequest,
                                                        Abort)}
+# What each field of a plain message must be on the wire (a float field takes an int too): a dataclass does not
+# check its fields, so a wrong type read here would reach the router's state and fail later, far from the frame.
+_WIRE_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+_FIELD_TYPES: dict[type, tuple[tuple[str, tuple[type, ...]], ...]] = {
+    cls: tuple((f.name, _WIRE_TYPES[str(f.type)]) for f in fields(cls)) for cls in _PLAIN}
 
 
 # -- nested values ------------------------------------------------------------------------------
@@ -261,8 +266,16 @@ def token_ids_from_wire(raw: object) -> tuple[int, ...]:
         if sys.byteorder == "big":
             unpacked.byteswap()
         return tuple(unpacked)
-    return tuple(raw)  # type: ignore[arg-type]
+    if not isinstance(raw, list) or not all(type(t) is int for t in raw):
+        raise ProtocolError("token ids must be uint32 bytes or an array of integers")
+    return tuple(raw)
 
+
+def _events_from_wire(raw: object) -> tuple[list[object], ...]:
+    """KV events as they travel (KVEvent.to_wire() each); their fields are read where they are applied."""
+    if not isinstance(raw, list) or not all(isinstance(event, list) for event in raw):
+        raise ProtocolError("kv events must be an array of arrays")
+    return tuple(raw)
 
 
 def sampling_to_wire(params: SamplingParams) -> list[object]:
@@ -308,6 +321,8 @@ def delta_to_wire(delta: TokenDelta) -> list[object]:
 def delta_from_wire(raw: list[object]) -> TokenDelta:
     (request_id, token_ids, text, finished, finish_reason, num_prompt, num_cached, logprobs, error, worker_id,
      extra, prompt_logprobs) = raw
+    if finish_reason is not None and not isinstance(finish_reason, str):
+        raise ProtocolError(f"finish_reason must be a string or nil, got {type(finish_reason).__name__}")
     return TokenDelta(str(request_id), tuple(map(int, token_ids)), str(text), bool(finished),  # type: ignore[arg-type]
                       finish_reason, int(num_prompt), int(num_cached),  # type: ignore[arg-type]
                       () if logprobs == [] else _logprobs_from_wire(logprobs), str(error), str(worker_id),
@@ -349,24 +364,32 @@ def from_wire(raw: object) -> Message:
             return TokenDeltas(worker_id, tuple(delta_from_wire(d) for d in deltas))
         if cls is KVEvents:
             worker_id, events = body
-            return KVEvents(worker_id, tuple(events))
+            return KVEvents(worker_id, _events_from_wire(events))
         if cls is SnapshotResponse:
             worker_id, seq, events = body
-            return SnapshotResponse(worker_id, int(seq), tuple(events))
+            return SnapshotResponse(worker_id, int(seq), _events_from_wire(events))
         if cls is AddRequest:
             request_id, token_ids, sampling, *rest = body
+            if not all(isinstance(value, str) for value in (request_id, *rest)):
+                raise ProtocolError("add: request id, tenant, slo class and handoff fields must be strings", add_id)
             return AddRequest(request_id, token_ids_from_wire(token_ids), sampling_from_wire(sampling), *rest)
         if cls is Abort:
             (request_ids,) = body
+            if not isinstance(request_ids, list) or not all(isinstance(r, str) for r in request_ids):
+                raise ProtocolError("abort: request ids must be an array of strings")
             return Abort(tuple(request_ids))
-        if len(body) != len(fields(cls)):
-            raise ProtocolError(f"{raw[0]} has {len(body)} fields, expected {len(fields(cls))}")
+        expected = _FIELD_TYPES[cls]
+        if len(body) != len(expected):
+            raise ProtocolError(f"{raw[0]} has {len(body)} fields, expected {len(expected)}")
+        for value, (name, types) in zip(body, expected):
+            if not isinstance(value, types):
+                raise ProtocolError(f"{raw[0]}.{name} must be {types[-1].__name__}, got {type(value).__name__}")
         return cls(*body)
     except ProtocolError as exc:
         if add_id and not exc.request_id:
             raise ProtocolError(str(exc), add_id) from exc
         raise
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:  # OverflowError: int() of an inf float
         raise ProtocolError(f"malformed {raw[0]} message: {exc}", add_id) from exc
 
 

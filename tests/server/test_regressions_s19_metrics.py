@@ -1,0 +1,52 @@
+"""Regressions found by the s19 bug hunt in the router's Prometheus /metrics; each test names the bug it guards,
+which it showed on the code it was written against."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvbaton.server import rpc
+from kvbaton.server.cluster import ClusterConfig, ClusterManager
+from kvbaton.server.metrics import ApiMetrics
+from tests.server.test_cluster_manager import register
+
+
+class _Socket:
+    def send(self, worker_id: str, message: rpc.Message) -> None:
+        return None
+
+
+def _stats(worker_id: str, num_draft_tokens: int, num_accepted_tokens: int) -> rpc.Stats:
+    return replace(rpc.Stats(worker_id, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, 0.0), num_draft_tokens=num_draft_tokens,
+                   num_accepted_tokens=num_accepted_tokens)
+
+
+def _families(metrics: ApiMetrics) -> dict[str, tuple[str, float]]:
+    """name -> (type, value) of the single-sample families."""
+    return {family.name: (family.type, family.samples[0].value)
+            for family in text_string_to_metric_families(metrics.render().decode()) if len(family.samples) == 1}
+
+
+# Was a bug: the speculative-decoding totals were gauges summed over the live workers
+# (kvbaton:spec_decode_num_draft_tokens, ..._num_accepted_tokens), where vLLM's are counters
+# (vllm:spec_decode_num_draft_tokens_total, vllm:spec_decode_num_accepted_tokens_total, read with rate()); and the sum
+# dropped whenever a worker left or restarted, which rate() reads as a counter reset. They are now counters that keep
+# the counts of workers that left.
+def test_spec_decode_totals_are_counters_that_keep_what_departed_workers_counted() -> None:
+    cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4), clock=lambda: 0.0)
+    cluster._socket = _Socket()  # type: ignore[assignment]
+    metrics = ApiMetrics()
+    metrics.attach_cluster(cluster.cluster_info)
+    for worker_id, drafts, accepted in (("w0", 40, 30), ("w1", 10, 4)):
+        cluster._handle(worker_id, register(worker_id))
+        cluster._handle(worker_id, _stats(worker_id, drafts, accepted))
+    assert _families(metrics)["kvbaton:spec_decode_num_draft_tokens"] == ("counter", 50.0)
+    assert _families(metrics)["kvbaton:spec_decode_num_accepted_tokens"] == ("counter", 34.0)
+    cluster._handle("w1", rpc.Goodbye("w1", "bye"))
+    cluster._handle("w0", register("w0"))  # restarted: its engine counts from 0 again
+    cluster._handle("w0", _stats("w0", 2, 1))
+    assert _families(metrics)["kvbaton:spec_decode_num_draft_tokens"] == ("counter", 52.0)
+    assert _families(metrics)["kvbaton:spec_decode_num_accepted_tokens"] == ("counter", 35.0)
+    assert b"kvbaton:spec_decode_num_draft_tokens_total 52.0" in metrics.render()

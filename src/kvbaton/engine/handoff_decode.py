@@ -95,6 +95,7 @@ class DecodeHandoffs:
         prefill worker's reservation is granted within a layer's time instead of after the step in flight.
         Adopting what completed waits for `poll`, between steps."""
         pump_destination(self.transport, self.destination, self._clock(), timeout_s)
+        self.counters.num_started = self.destination.num_grants
         self.counters.num_refused = self.destination.num_refusals
 
     def poll(self, timeout_s: float = 0.0) -> list[RequestOutput]:

@@ -145,7 +145,7 @@ class PrefillHandoffs:
             send_all(self.transport, self.source.cancel(transfer_id_of(request_id), self._clock(), reason))
         else:
             self._unreserved.remove(leg)
-            self.counters.num_cancelled += 1
+        self.counters.num_cancelled += 1  # `_end` forgets the leg: no later `_advance` counts its ending
         self._end(leg)
 
     # -- the loop -------------------------------------------------------------------------------

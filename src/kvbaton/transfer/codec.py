@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain
-from operator import add
+from operator import add, index
 from typing import Any
 
 import msgpack
@@ -94,6 +94,17 @@ def _block_runs(block_ids: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(runs)
 
 
+def _typed(value: Any, kind: type) -> Any:
+    """`value` when msgpack decoded it as exactly `kind` (a bool or float where an int belongs is malformed)."""
+    if type(value) is not kind:
+        raise ValueError(f"expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _decode_tid(request_id: Any, sample_index: Any) -> TransferId:
+    return TransferId(_typed(request_id, str), _typed(sample_index, int))
+
+
 def _block_ids(runs: list[int]) -> tuple[int, ...]:
     if len(runs) == 2 and type(runs[0]) is int and type(runs[1]) is int and runs[1] > 0:
         return tuple(range(runs[0], runs[0] + runs[1]))  # one run (a fresh pool's table), at C speed
@@ -101,14 +112,14 @@ def _block_ids(runs: list[int]) -> tuple[int, ...]:
     if len(firsts) != len(nums) or (nums and min(nums) <= 0):
         raise ValueError(f"block runs must be (first, count > 0) pairs, got {runs!r}")
     if nums and max(nums) == 1:
-        return tuple(firsts)  # a fully fragmented table: no run to expand
+        return tuple(map(index, firsts))  # a fully fragmented table: no run to expand (`index` rejects non-ints)
     return tuple(chain.from_iterable(map(range, firsts, map(add, firsts, nums))))
 
 
-@lru_cache(maxsize=64)
-def _decode_layout(*fields: Any) -> KVLayout:
+@lru_cache(maxsize=64, typed=True)
+def _decode_layout(model_revision: Any, dtype: Any, *sizes: Any) -> KVLayout:
     """Layouts repeat in every chunk of a link; validating each once keeps decoding off the hot path."""
-    return KVLayout(*fields)
+    return KVLayout(_typed(model_revision, str), _typed(dtype, str), *(_typed(size, int) for size in sizes))
 
 
 def encode(frame: Frame) -> bytes:
@@ -150,21 +161,28 @@ def decode(data: bytes) -> Frame:
         raise FrameError(f"malformed transfer frame: {error!r}") from error
 
 
+def _decode_chunk(tid: list[Any], layout: list[Any], layer: Any, first: Any, num: Any, src: list[int],
+                  dst: list[int]) -> LayerChunk:
+    if type(layer) is not int or type(first) is not int or type(num) is not int:
+        raise ValueError(f"chunk layer and positions must be integers, got {layer!r}, {first!r}, {num!r}")
+    return LayerChunk(_decode_tid(*tid), _decode_layout(*layout), layer, first, num, _block_ids(src), _block_ids(dst))
+
+
 def _decode_first_token(token_id: int, logprob: float, top: list[list[Any]], num_cached_tokens: int) -> FirstToken:
     return FirstToken(int(token_id), float(logprob), tuple((int(t), float(lp)) for t, lp in top),
                       int(num_cached_tokens))
 
 
 _DECODERS: dict[str, Any] = {
-    "reserve": lambda tid, layout, num: ReserveRequest(TransferId(*tid), KVLayout(*layout), num),
-    "chunk": lambda tid, layout, layer, first, num, src, dst: LayerChunk(
-        TransferId(*tid), _decode_layout(*layout), layer, first, num, _block_ids(src), _block_ids(dst)),
-    "done": lambda tid, num, token: SourceDone(TransferId(*tid), num, _decode_first_token(*token)),
-    "grant": lambda tid, dst: ReserveGranted(TransferId(*tid), tuple(dst)),
-    "refuse": lambda tid, reason: ReserveRefused(TransferId(*tid), reason),
-    "ack": lambda tid: Ack(TransferId(*tid)),
-    "abort": lambda tid, cause, reason: Abort(TransferId(*tid), AbortCause(cause), reason),
-    "hello": lambda worker_id, layout: Hello(worker_id, KVLayout(*layout)),
-    "welcome": lambda worker_id, num_blocks, shm_path: Welcome(worker_id, num_blocks, shm_path),
-    "rejected": lambda reason: Rejected(reason),
+    "reserve": lambda tid, layout, num: ReserveRequest(_decode_tid(*tid), _decode_layout(*layout), _typed(num, int)),
+    "chunk": _decode_chunk,
+    "done": lambda tid, num, token: SourceDone(_decode_tid(*tid), _typed(num, int), _decode_first_token(*token)),
+    "grant": lambda tid, dst: ReserveGranted(_decode_tid(*tid), tuple(map(index, _typed(dst, list)))),
+    "refuse": lambda tid, reason: ReserveRefused(_decode_tid(*tid), _typed(reason, str)),
+    "ack": lambda tid: Ack(_decode_tid(*tid)),
+    "abort": lambda tid, cause, reason: Abort(_decode_tid(*tid), AbortCause(cause), _typed(reason, str)),
+    "hello": lambda worker_id, layout: Hello(_typed(worker_id, str), _decode_layout(*layout)),
+    "welcome": lambda worker_id, num_blocks, shm_path: Welcome(_typed(worker_id, str), _typed(num_blocks, int),
+                                                               _typed(shm_path, str)),
+    "rejected": lambda reason: Rejected(_typed(reason, str)),
 }

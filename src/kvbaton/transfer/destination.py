@@ -99,6 +99,7 @@ class HandoffDestination(LegTable[_DestinationLeg]):
     def __init__(self, layout: KVLayout, pool: BlockPool, lease_s: float, tombstone_s: float = 600.0,
                  make_room: Callable[[int], object] | None = None) -> None:
         super().__init__(layout, pool, lease_s, tombstone_s)
+        self.num_grants = 0
         self.num_refusals = 0
         # Frees up to n blocks the worker's prefix cache holds unused (RadixCache.evict), so that a reservation is
         # refused only when even the evictable cache cannot make room; None: reserve from free blocks alone.
@@ -202,6 +203,7 @@ class HandoffDestination(LegTable[_DestinationLeg]):
                                   if message.num_tokens > 0 else "empty transfer")
             return [Outgoing(peer, ReserveRefused(transfer_id, reason))]
         block_ids = tuple(self.pool.allocate(num_blocks))
+        self.num_grants += 1
         num_layers = self.layout.num_layers
         self._legs[transfer_id] = _DestinationLeg(
             transfer_id, peer, message.num_tokens, block_ids, DestinationState.RESERVED, now + self.lease_s,

@@ -120,7 +120,11 @@ class ShmKVSender(SocketKVSender):
         assert link.welcome is not None
         if not link.welcome.shm_path:
             raise TransportError(f"{link.peer} offers no shared-memory region (a tcp receiver?)")
-        self._regions[link.peer] = ShmKVRegion.attach(link.welcome.shm_path, self.layout, link.welcome.num_blocks)
+        try:
+            region = ShmKVRegion.attach(link.welcome.shm_path, self.layout, link.welcome.num_blocks)
+        except OSError as error:  # e.g. the decode worker is on another host: its /dev/shm is not ours
+            raise TransportError(f"cannot map {link.peer}'s region {link.welcome.shm_path}: {error}") from error
+        self._regions[link.peer] = region
 
     def _chunk_payload(self, link: _Link, chunk: LayerChunk, source_kv: np.ndarray) -> list[memoryview]:
         """Only checks the handles: the bytes move in `_place_chunks`, all chunks of a write together."""

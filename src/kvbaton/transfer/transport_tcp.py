@@ -34,8 +34,9 @@ class TcpKVReceiver(SocketKVReceiver):
 
     def _receive_payload(self, sock: socket.socket, chunk: LayerChunk) -> bool:
         blocks = self.layout.block_range(chunk.first_position, chunk.num_valid_tokens)
-        placeable = (not self.layout.mismatch(chunk.layout) and chunk.first_position >= 0
-                     and len(chunk.dst_block_ids) == len(blocks) and chunk.num_valid_tokens > 0
+        placeable = (not self.layout.mismatch(chunk.layout) and 0 <= chunk.layer_index < self.layout.num_layers
+                     and chunk.first_position >= 0 and len(chunk.dst_block_ids) == len(blocks)
+                     and chunk.num_valid_tokens > 0
                      and 0 <= min(chunk.dst_block_ids) and max(chunk.dst_block_ids) < self.kv.shape[2])
         if not placeable:
             # Keep the stream in step and let the protocol refuse the chunk; its bytes go nowhere.

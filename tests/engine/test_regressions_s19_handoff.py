@@ -1,0 +1,47 @@
+"""Regressions found by bug hunting the handoff drivers: the transfer counters a worker reports in its heartbeat.
+
+Each test failed on the code it was written against; the fix it guards is named in its comment.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbaton.model.registry import LoadedModel, load_model
+from tests.engine.test_handoff import PROMPTS, Pair, greedy
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny-random")
+
+
+def test_a_cancelled_reserved_leg_is_counted_cancelled_on_the_prefill_worker(tiny: LoadedModel) -> None:
+    # Was a bug (engine/handoff_prefill.py `PrefillHandoffs.abort`): only a leg still waiting for its turn to reserve
+    # was counted in `num_cancelled`; a leg that had reserved (waiting for the grant, prefilling or awaiting the ack)
+    # was forgotten by `_end` before any `_advance` could count its ending, so the heartbeat never showed it.
+    # Fixed: every leg the router cancels is counted once.
+    pair = Pair(tiny)
+    pair.submit("r", PROMPTS[0], greedy())
+    pair.round()  # granted: the prefill is running
+    pair.p.abort("r")
+    assert pair.d.abort("r").finish_reason.value == "abort"
+    pair.run()
+    assert pair.p.counters.num_cancelled == 1 and pair.p.counters.num_failed == 0
+    assert pair.p.counters.num_started == 1 and pair.p.counters.num_completed == 0
+    pair.assert_nothing_held()
+
+
+def test_the_decode_worker_counts_the_legs_it_granted(tiny: LoadedModel) -> None:
+    # Was a bug (engine/handoff_decode.py `DecodeHandoffs.pump`): `TransferCounters.num_started` is documented as
+    # "decode: reservation granted", but the decode side never set it, so every decode worker reported 0 started
+    # transfers next to its completed ones. Fixed: HandoffDestination counts its grants (as it counts refusals).
+    pair = Pair(tiny)
+    for i, prompt in enumerate(PROMPTS):
+        pair.submit(f"r{i}", prompt, greedy(2))
+    pair.run()
+    counters = pair.d.counters
+    assert (counters.num_started, counters.num_completed, counters.num_refused) == (3, 3, 0)
+    pair.assert_nothing_held()

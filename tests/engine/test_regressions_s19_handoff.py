@@ -45,3 +45,26 @@ def test_the_decode_worker_counts_the_legs_it_granted(tiny: LoadedModel) -> None
     counters = pair.d.counters
     assert (counters.num_started, counters.num_completed, counters.num_refused) == (3, 3, 0)
     pair.assert_nothing_held()
+
+
+def test_a_reservation_that_cannot_fit_leaves_the_decode_workers_prefix_cache_alone(tiny: LoadedModel) -> None:
+    # Was a bug (engine/handoff_decode.py, the destination's `make_room`): a reservation short of free blocks
+    # evicted up to its shortfall from the decode worker's prefix cache before finding that even all of it could
+    # not make room (here: more blocks than the whole pool), and then refused anyway, for nothing. Fixed: the
+    # cache is evicted only when that makes room.
+    pair = Pair(tiny, decode_blocks=8)  # 8 blocks of 4 tokens
+    pair.decode.add_request(list(range(10, 22)), greedy(2), request_id="local")  # 3 prompt blocks, then cached
+    while pair.decode.has_unfinished_requests():
+        pair.decode.step()
+    cache = pair.decode.prefix_cache
+    assert cache is not None and cache.num_cached_blocks >= 2
+    cached_before = cache.num_cached_blocks
+    pair.submit("big", list(range(30, 70)), greedy())  # 40 tokens: 10 blocks, more than the pool holds
+    for _ in range(5):
+        pair.round()
+    assert pair.d.counters.num_refused >= 1
+    assert cache.num_cached_blocks == cached_before  # before the fix: 0
+    pair.p.abort("big")
+    pair.d.abort("big")
+    pair.run()
+    pair.assert_nothing_held()

@@ -47,10 +47,16 @@ class DecodeHandoffs:
         self.transport = transport
         self.lease_s = lease_s
         self._clock = clock
-        # A reservation may evict what this worker's prefix cache holds unused, as any allocation here may.
+        # A reservation may evict what this worker's prefix cache holds unused, as any allocation here may, when
+        # that makes room: one that cannot fit even so (more than the pool) is refused without flushing the cache.
         cache = engine.prefix_cache
+
+        def make_room(num_blocks: int) -> None:
+            if cache is not None and num_blocks <= cache.num_evictable_blocks:
+                cache.evict(num_blocks)
+
         self.destination = HandoffDestination(layout, engine.pool, lease_s,
-                                              make_room=cache.evict if cache is not None else None)
+                                              make_room=make_room if cache is not None else None)
         self.counters = TransferCounters()
         self._expected: dict[str, _Expected] = {}
         self._cancelled_at: dict[str, float] = {}  # cancelled before their reservation arrived

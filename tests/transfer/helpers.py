@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvbaton.cache.block_pool import BlockPool
-from kvbaton.transfer import FirstToken, HandoffDestination, HandoffSource, KVLayout, Outgoing
+from kvbaton.transfer import Abort, FirstToken, HandoffDestination, HandoffSource, KVLayout, Outgoing
 
 LAYOUT = KVLayout("rev-1", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=3)
 OTHER_LAYOUT = replace(LAYOUT, model_revision="rev-2")
@@ -29,10 +29,22 @@ class Legs:
             replies += self.destination.on_message(peer, item.message, now)
         return replies
 
-    def to_source(self, outgoing: list[Outgoing], now: float) -> None:
+    def to_source(self, outgoing: list[Outgoing], now: float) -> list[Outgoing]:
+        """Deliver destination messages to the source; returns its replies: only a live leg answers an Abort
+        (with its own, sent after its last write into the destination's blocks), nothing else is answered."""
+        replies: list[Outgoing] = []
         for item in outgoing:
             assert item.peer == "p0"
-            assert self.source.on_message(item.message, now) == []
+            answer = self.source.on_message(item.message, now)
+            assert all(isinstance(item.message, Abort) and isinstance(r.message, Abort) and r.peer == "d0"
+                       and r.message.transfer_id == item.message.transfer_id for r in answer), answer
+            replies += answer
+        return replies
+
+    def abort_round_trip(self, aborts: list[Outgoing], now: float) -> None:
+        """The destination's own aborts reach the source and the source's answers come back (lifting the
+        destination's fences); the destination answers those with nothing: no ping-pong."""
+        assert self.to_destination(self.to_source(aborts, now), now) == []
 
     def check(self) -> None:
         self.source.check_invariants()

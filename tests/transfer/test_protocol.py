@@ -97,28 +97,41 @@ def test_layout_mismatch_is_refused_at_reservation_and_per_chunk() -> None:
     replies = legs.to_destination(legs.source.start(TID, "d0", 10, now=0.0), now=0.0)
     assert isinstance(replies[0].message, ReserveRefused)
     assert replies[0].message.reason == "KV layout mismatch: model_revision 'rev-1' != expected 'rev-2'"
-    # A chunk whose layout differs from the reservation's fails the transfer and frees the blocks.
+    # A chunk whose layout differs from the reservation's fails the transfer and frees the blocks (once the source,
+    # which may still be writing into them, has answered the abort).
     legs = make_legs()
     dst = _granted(legs)
     bad = LayerChunk(TID, OTHER_LAYOUT, 0, 0, 4, (0,), dst[:1])
     replies = legs.destination.on_message("p0", bad, now=1.0)
     assert isinstance(replies[0].message, Abort) and replies[0].message.cause is AbortCause.FAILED
-    assert legs.destination.outcome(TID) is Outcome.FAILED and legs.dst_pool.num_used_blocks == 0
-    legs.to_source(replies, now=1.0)
+    assert legs.destination.outcome(TID) is Outcome.FAILED and legs.destination.num_live_transfers == 0
+    assert legs.destination.num_fenced_blocks == legs.dst_pool.num_used_blocks == 3
+    answers = legs.to_source(replies, now=1.0)
     assert legs.source.outcome(TID) is Outcome.FAILED
+    assert [type(a.message) for a in answers] == [Abort] and answers[0].message.cause is AbortCause.FAILED
+    assert legs.to_destination(answers, now=1.0) == []
+    assert legs.destination.num_fenced_blocks == legs.dst_pool.num_used_blocks == 0
+    legs.check()
 
 
 def test_wrong_handles_and_overlapping_chunks_fail_the_transfer() -> None:
     legs = make_legs()
     dst = _granted(legs)
     wrong = LayerChunk(TID, LAYOUT, 0, 0, 4, (0,), (dst[1],))
-    assert "not the reserved ones" in legs.destination.on_message("p0", wrong, 1.0)[0].message.reason
+    replies = legs.destination.on_message("p0", wrong, 1.0)
+    assert "not the reserved ones" in replies[0].message.reason and legs.dst_pool.num_used_blocks == 3  # fenced
+    legs.abort_round_trip(replies, now=1.0)
+    assert legs.source.outcome(TID) is Outcome.FAILED and legs.dst_pool.num_used_blocks == 0
     legs = make_legs()
     src = tuple(legs.src_pool.allocate(3))
     _granted(legs)
     legs.to_destination(legs.source.stream(TID, 0, 0, 6, src[:2], now=1.0), now=1.0)
     replies = legs.to_destination(legs.source.stream(TID, 0, 4, 6, src[1:], now=1.0), now=1.0)
-    assert "overlaps" in replies[0].message.reason and legs.dst_pool.num_used_blocks == 0
+    assert "overlaps" in replies[0].message.reason and legs.destination.outcome(TID) is Outcome.FAILED
+    assert legs.destination.num_fenced_blocks == legs.dst_pool.num_used_blocks == 3  # the source may still write
+    legs.abort_round_trip(replies, now=1.0)
+    assert legs.dst_pool.num_used_blocks == 0 and legs.destination.num_reserved_blocks == 0
+    legs.check()
 
 
 def test_duplicate_and_late_messages_are_ignored() -> None:
@@ -128,11 +141,16 @@ def test_duplicate_and_late_messages_are_ignored() -> None:
     chunk = legs.source.stream(TID, 0, 0, 10, src, now=1.0)
     legs.to_destination([chunk, chunk], now=1.0)
     assert legs.destination.num_ignored_messages == 1 and legs.destination.num_complete_layers(TID) == 1
-    legs.to_source(legs.destination.cancel(TID, now=2.0), now=2.0)
+    answers = legs.to_source(legs.destination.cancel(TID, now=2.0), now=2.0)
     assert legs.source.outcome(TID) is Outcome.CANCELLED and legs.src_pool.num_used_blocks == 3  # only ours
     assert legs.to_destination(chunk, now=3.0) == []  # late chunk after the cancel
+    assert legs.destination.num_ignored_messages == 2 and legs.destination.num_fenced_blocks == 3
     assert legs.source.on_message(Ack(TID), now=3.0) == [] and legs.source.num_ignored_messages == 1
     assert legs.destination.cancel(TID, now=3.0) == [] and legs.source.cancel(TID, now=3.0) == []
+    assert legs.to_destination(answers, now=3.0) == [] and legs.dst_pool.num_used_blocks == 0  # the fence lifts
+    assert legs.to_destination(answers, now=3.0) == [] and legs.dst_pool.num_used_blocks == 0  # once
+    again = Abort(TID, AbortCause.CANCELLED, "cancelled again")
+    assert legs.source.on_message(again, now=3.0) == []  # an ended leg answers no abort: no ping-pong
     legs.check()
 
 
@@ -150,9 +168,12 @@ def test_unanswered_reservation_and_missing_layer_expire_on_both_sides() -> None
     legs.to_destination(legs.source.finish(TID, FIRST, now=1.5), now=1.5)
     assert legs.destination.expire(now=1.0 + LEASE_S - 0.01) == []
     aborts = legs.destination.expire(now=1.5 + LEASE_S)
+    # SourceDone had arrived: the source writes no more, so the blocks return at once (no fence).
     assert legs.destination.outcome(TID) is Outcome.EXPIRED and legs.dst_pool.num_used_blocks == 0
-    legs.to_source(aborts, now=1.5 + LEASE_S)
+    legs.abort_round_trip(aborts, now=1.5 + LEASE_S)
     assert legs.source.outcome(TID) is Outcome.EXPIRED and legs.source.num_held_blocks == 0
+    assert legs.dst_pool.num_used_blocks == 0
+    legs.check()
     assert action_for(Outcome.EXPIRED, "recompute") is FailureAction.RECOMPUTE
     assert action_for(Outcome.EXPIRED, "fail") is FailureAction.ERROR
 
@@ -184,8 +205,13 @@ def test_cancellation_from_either_side_in_every_state_frees_everything(stage: st
     if side == "source":
         legs.to_destination(legs.source.cancel(TID, now=1.0, reason="client left"), now=1.0)
     else:
-        legs.to_source(legs.destination.cancel(TID, now=1.0) if legs.destination.knows(TID) else [], now=1.0)
+        aborts = legs.destination.cancel(TID, now=1.0) if legs.destination.knows(TID) else []
+        if legs.destination.knows(TID):  # no SourceDone yet: the source may still write, the blocks stay out
+            assert legs.destination.num_fenced_blocks == legs.dst_pool.num_used_blocks == 3
+        answers = legs.to_source(aborts, now=1.0)
         legs.to_destination(legs.source.cancel(TID, now=1.0), now=1.0)  # the router's cancel reaches the source too
+        legs.check()
+        assert legs.to_destination(answers, now=1.0) == []  # the source's answer lifts the fence
     assert legs.source.outcome(TID) is Outcome.CANCELLED
     if legs.destination.knows(TID):
         assert legs.destination.outcome(TID) is Outcome.CANCELLED

@@ -64,6 +64,9 @@ def test_tcp_receiver_refuses_a_chunk_for_a_layer_out_of_range_and_keeps_serving
         wait_until(lambda: handoff.source.outcome(TID) is Outcome.FAILED, handoff.pump)
         assert handoff.destination.outcome(TID) is Outcome.FAILED
         assert "layer 3 out of range" in handoff.destination.reason(TID)
+        # the source's answer to the abort is on its way: until it arrives, the blocks stay fenced
+        assert handoff.destination.num_fenced_blocks == handoff.dst_pool.num_used_blocks == 2
+        wait_until(lambda: handoff.destination.num_fenced_blocks == 0, handoff.pump)
         assert handoff.dst_pool.num_used_blocks == 0 and not np.any(link.dst_kv)
         _assert_link_still_serves(handoff)
         handoff.src_pool.release(src_blocks)

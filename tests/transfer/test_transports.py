@@ -137,6 +137,9 @@ def test_tcp_chunk_with_unplaceable_handles_is_consumed_and_refused_by_the_proto
         link.sender.send(link.peer, bogus, handoff.src_kv)
         wait_until(lambda: handoff.source.outcome(TID) is Outcome.FAILED, handoff.pump)
         assert "not the reserved ones" in handoff.destination.reason(TID)
+        # fenced until the source's answer to the abort arrives (it may have been writing into the blocks)
+        assert handoff.destination.num_fenced_blocks == handoff.dst_pool.num_used_blocks == 2
+        wait_until(lambda: handoff.destination.num_fenced_blocks == 0, handoff.pump)
         assert handoff.dst_pool.num_used_blocks == 0 and not np.any(link.dst_kv)
         handoff.src_pool.release(src_blocks)
         # the stream is still in step: a new transfer on the same link works

@@ -56,7 +56,8 @@ class DecodeHandoffs:
                 cache.evict(num_blocks)
 
         self.destination = HandoffDestination(layout, engine.pool, lease_s,
-                                              make_room=make_room if cache is not None else None)
+                                              make_room=make_room if cache is not None else None,
+                                              peer_lost_fence_s=transport.peer_lost_write_grace_s)
         self.counters = TransferCounters()
         self._expected: dict[str, _Expected] = {}
         self._cancelled_at: dict[str, float] = {}  # cancelled before their reservation arrived

@@ -130,7 +130,8 @@ class SimHandoffs:
             return []
         request_id = self._request_of(message.transfer_id)
         source = self.sources[to_worker]
-        source.on_message(message, now)
+        for out in source.on_message(message, now):  # its answer to an abort lifts the destination's fence
+            self._send(to_worker, out, now, 0)
         if self._legs.get(request_id, (None,))[0] != message.transfer_id:
             return []  # a late message of an earlier attempt
         state = source.state(message.transfer_id)

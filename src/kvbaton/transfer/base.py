@@ -49,6 +49,9 @@ class KVTransport(ABC):
     """One worker's end of its KV links (see the module docstring for the contract)."""
 
     name: str  # this worker's id, as peers know it
+    # How long a peer whose link died may still write into this end's KV storage: one that writes through its
+    # own mapping of it (shm) learns of the loss only at its next send, after that write.
+    peer_lost_write_grace_s: float = 0.0
 
     @abstractmethod
     def send(self, peer: str, message: Message, source_kv: np.ndarray | None = None) -> None: ...

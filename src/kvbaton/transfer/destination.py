@@ -7,6 +7,14 @@ KV that has nowhere to land — and holds their single reference until the leg e
 the reference to the decode engine, every other ending releases it. A layer is readable only when
 every position of the prompt has arrived for it; chunks that duplicate an earlier one are ignored,
 chunks that contradict the reservation fail the transfer.
+
+Fencing: when this side ends a leg (cancel, failure, lease expiry) while its source may still be
+streaming, the source keeps writing into the reserved blocks until our Abort reaches it: through its
+own mapping (shm, in-process) or through our receiver (tcp). So those blocks go back to the pool only
+once the source is known to have stopped: its Abort (it answers ours with one) or its SourceDone
+arrives, or `lease_s` passes; when its link dies, at once (or after `peer_lost_fence_s`, the time a
+peer writing through its own mapping may take to notice). Until then they stay out of the pool,
+where no other request can be given them and then read another's stale KV.
 """
 
 from __future__ import annotations
@@ -85,6 +93,7 @@ class _DestinationLeg:
     reason: str = ""
     was_completed: bool = False
     num_complete_layers: int = 0
+    fenced_until: float | None = None  # ended by us while the source may still write: blocks held until then
 
 
 class HandoffDestination(LegTable[_DestinationLeg]):
@@ -97,10 +106,11 @@ class HandoffDestination(LegTable[_DestinationLeg]):
     peer_lost_states = frozenset({DestinationState.RESERVED, DestinationState.RECEIVING})
 
     def __init__(self, layout: KVLayout, pool: BlockPool, lease_s: float, tombstone_s: float = 600.0,
-                 make_room: Callable[[int], object] | None = None) -> None:
+                 make_room: Callable[[int], object] | None = None, peer_lost_fence_s: float = 0.0) -> None:
         super().__init__(layout, pool, lease_s, tombstone_s)
         self.num_grants = 0
         self.num_refusals = 0
+        self.peer_lost_fence_s = peer_lost_fence_s  # KVTransport.peer_lost_write_grace_s of our end
         # Frees up to n blocks the worker's prefix cache holds unused (RadixCache.evict), so that a reservation is
         # refused only when even the evictable cache cannot make room; None: reserve from free blocks alone.
         self.make_room = make_room
@@ -137,7 +147,13 @@ class HandoffDestination(LegTable[_DestinationLeg]):
 
     @property
     def num_reserved_blocks(self) -> int:
-        return sum(len(leg.block_ids) for leg in self._legs.values() if leg.state in DESTINATION_LIVE)
+        """Blocks held outside the engine: reserved by live legs, or fenced after a leg we ended."""
+        return sum(len(leg.block_ids) for leg in self._legs.values()
+                   if leg.state in DESTINATION_LIVE or leg.fenced_until is not None)
+
+    @property
+    def num_fenced_blocks(self) -> int:
+        return sum(len(leg.block_ids) for leg in self._legs.values() if leg.fenced_until is not None)
 
     # -- caller-driven steps ---------------------------------------------------------------------
 
@@ -164,6 +180,10 @@ class HandoffDestination(LegTable[_DestinationLeg]):
             self._legs[message.transfer_id] = _DestinationLeg(
                 message.transfer_id, peer, 0, (), _END_STATE[message.cause], now, [], [], ended_at=now,
                 reason=f"peer: {message.reason} (before its reservation)")
+            return []
+        if leg is not None and leg.fenced_until is not None and leg.peer == peer and isinstance(
+                message, (Abort, SourceDone)):
+            self._lift_fence(leg)  # the source sent this after its last write: the blocks are ours again
             return []
         if leg is None or leg.state not in DESTINATION_LIVE or leg.peer != peer:
             self.num_ignored_messages += 1
@@ -255,15 +275,59 @@ class HandoffDestination(LegTable[_DestinationLeg]):
         leg.lease_expires_at = now + self.lease_s  # the engine must adopt within a lease, or the blocks go back
         return [make_outgoing(leg.peer, make_ack(leg.transfer_id))]
 
-    # -- internals -------------------------------------------------------------------------------
+    # -- endings and fences ----------------------------------------------------------------------
+
+    def _abort(self, transfer_id: TransferId, cause: AbortCause, reason: str, now: float) -> list[Outgoing]:
+        """This side ends the leg: fenced when its source may still be writing (before its SourceDone)."""
+        leg = self._legs.get(transfer_id)
+        if leg is not None and leg.state in self.peer_lost_states and leg.first_token is None:
+            leg.fenced_until = now + self.lease_s  # set first: `_end` then keeps the blocks
+        return super()._abort(transfer_id, cause, reason, now)
+
+    def on_peer_lost(self, peer: str, now: float) -> list[TransferId]:
+        """The link to `peer` is gone: its live legs fail, and fences on its legs lift (after the grace a peer
+        writing through its own mapping has, if any)."""
+        grace_until = now + self.peer_lost_fence_s
+        for transfer_id in sorted(self._legs):
+            leg = self._legs[transfer_id]
+            if leg.peer != peer:
+                continue
+            if leg.state in self.peer_lost_states and leg.first_token is None and self.peer_lost_fence_s > 0:
+                leg.fenced_until = grace_until
+            elif leg.fenced_until is not None:
+                if self.peer_lost_fence_s > 0:
+                    leg.fenced_until = min(leg.fenced_until, grace_until)
+                else:
+                    self._lift_fence(leg)
+        return super().on_peer_lost(peer, now)
+
+    def expire(self, now: float) -> list[Outgoing]:
+        """Lift the fences whose time is up (before a leg could be forgotten with them), then as `LegTable`."""
+        tombstone_s = self.tombstone_s
+        due = [transfer_id for transfer_id, leg in self._legs.items() if leg.fenced_until is not None
+               and (now >= leg.fenced_until or now >= leg.ended_at + tombstone_s)]
+        for transfer_id in sorted(due):  # in id order, as the pool releases of `LegTable.expire`
+            self._lift_fence(self._legs[transfer_id])
+        return super().expire(now)
+
+    def _lift_fence(self, leg: _DestinationLeg) -> None:
+        leg.fenced_until = None
+        self.pool.release(leg.block_ids)
 
     def _release_blocks(self, leg: _DestinationLeg) -> None:
-        self.pool.release(leg.block_ids)
+        if leg.fenced_until is None:
+            self.pool.release(leg.block_ids)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if reservations overlap, disagree with the pool, or counts drift."""
         owners: dict[int, TransferId] = {}
         for leg in self._legs.values():
+            if leg.fenced_until is not None:
+                assert leg.state not in DESTINATION_LIVE, f"{leg.transfer_id} is fenced but live"
+                for block_id in leg.block_ids:
+                    assert block_id not in owners, f"block {block_id} held by {owners[block_id]} and {leg.transfer_id}"
+                    owners[block_id] = leg.transfer_id
+                    assert self.pool.ref_count(block_id) >= 1, f"fenced block {block_id} is free in the pool"
             if leg.state not in DESTINATION_LIVE:
                 continue
             assert len(leg.block_ids) == self.layout.num_blocks_for(leg.num_tokens), f"{leg.transfer_id} block count"

@@ -156,6 +156,9 @@ class HandoffSource(LegTable[_SourceLeg]):
             self._end(leg, SourceState.DONE, "", now)
         elif isinstance(message, Abort):
             self._end(leg, _END_STATE[message.cause], f"peer: {message.reason}", now)
+            # Sent after this leg's last write: the destination keeps the blocks it reserved out of its pool
+            # until it knows we stopped writing into them (see transfer/destination.py, fencing).
+            return [Outgoing(leg.peer, Abort(leg.transfer_id, message.cause, "stopped on the peer's abort"))]
         else:
             self.num_ignored_messages += 1
         return []

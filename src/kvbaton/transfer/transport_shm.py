@@ -100,6 +100,8 @@ def remove_stale_regions(directory: str = SHM_DIRECTORY) -> list[str]:
 class ShmKVReceiver(SocketKVReceiver):
     """Decode end whose storage is `region`; chunk frames carry no payload."""
 
+    peer_lost_write_grace_s = 2.0  # a sender writes a step's layers, then sends: it sees a dead link after writing
+
     def __init__(self, name: str, region: ShmKVRegion, host: str = "127.0.0.1", port: int = 0) -> None:
         assert region.kv is not None
         super().__init__(name, region.layout, region.kv, host, port)

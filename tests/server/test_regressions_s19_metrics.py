@@ -50,3 +50,38 @@ def test_spec_decode_totals_are_counters_that_keep_what_departed_workers_counted
     assert _families(metrics)["kvbaton:spec_decode_num_draft_tokens"] == ("counter", 52.0)
     assert _families(metrics)["kvbaton:spec_decode_num_accepted_tokens"] == ("counter", 35.0)
     assert b"kvbaton:spec_decode_num_draft_tokens_total 52.0" in metrics.render()
+
+
+# Was a bug: kvbaton:kv_cache_usage_perc counted the blocks only the prefix cache holds (no request) as used, so an
+# idle worker with a warm cache read 100 % and an autoscaler keyed on it saw a full cluster. vLLM's usage counts
+# them as free (its free queue holds them: they are given out on demand). The heartbeat now carries the worker's
+# evictable blocks and the gauge leaves them out.
+def test_kv_cache_usage_leaves_out_what_only_the_prefix_cache_holds() -> None:
+    cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4), clock=lambda: 0.0)
+    cluster._socket = _Socket()  # type: ignore[assignment]
+    metrics = ApiMetrics()
+    metrics.attach_cluster(cluster.cluster_info)
+    cluster._handle("w0", register("w0"))
+    idle_warm = rpc.Stats("w0", 0, 0, 0, 48, 16, 48, 0, 0, 0, 5, 0.0, num_evictable_blocks=48)
+    cluster._handle("w0", idle_warm)
+    assert _families(metrics)["kvbaton:kv_cache_usage_perc"] == ("gauge", 0.0)
+    cluster._handle("w0", replace(idle_warm, num_running=2, num_used_blocks=56, num_free_blocks=8,
+                                  num_evictable_blocks=40))  # 16 blocks held by requests, 40 cached unused
+    assert _families(metrics)["kvbaton:kv_cache_usage_perc"] == ("gauge", 0.25)
+    assert cluster.cluster_info()["workers"][0]["num_evictable_blocks"] == 40  # type: ignore[index]
+
+
+def test_a_workers_heartbeat_counts_its_evictable_blocks() -> None:
+    from kvbaton.core.sampling import SamplingParams
+    from kvbaton.engine.engine import Engine
+    from kvbaton.core.config import CacheConfig, EngineConfig
+
+    engine = Engine(EngineConfig(model="tiny-random", cache=CacheConfig(4, 32, True)))
+    engine.add_request(list(range(10, 30)), SamplingParams(max_tokens=2, temperature=0.0), request_id="r")
+    stats_running = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats_running = stats_running or engine.stats()
+    assert stats_running is not None and stats_running.num_evictable_blocks < stats_running.num_used_blocks
+    idle = engine.stats()
+    assert idle.num_evictable_blocks == idle.num_used_blocks == idle.num_cached_blocks > 0

@@ -317,6 +317,7 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
             num_host_cached_blocks=tier.num_cached_blocks if tier is not None else 0,
             num_host_loaded_blocks=tier.num_loaded_blocks if tier is not None else 0,
             num_host_saved_blocks=tier.num_saved_blocks if tier is not None else 0,
+            num_evictable_blocks=cache.num_evictable_blocks if cache is not None else 0,
         )
 
     def num_queued_prefill_tokens(self) -> int:

@@ -40,3 +40,4 @@ class SchedulerStats:
     num_host_cached_blocks: int = 0
     num_host_loaded_blocks: int = 0
     num_host_saved_blocks: int = 0
+    num_evictable_blocks: int = 0  # cached blocks no request holds: the first taken when room is needed

@@ -83,6 +83,7 @@ def worker_info(record: WorkerRecord, state: RouterState, now: float) -> dict[st
             "num_used_blocks": stats.num_used_blocks,
             "num_free_blocks": stats.num_free_blocks,
             "num_cached_blocks": stats.num_cached_blocks,
+            "num_evictable_blocks": stats.num_evictable_blocks,
             "prefix_cache_queries_tokens": stats.prefix_cache_queries_tokens,
             "prefix_cache_hits_tokens": stats.prefix_cache_hits_tokens,
             "num_preemptions": stats.num_preemptions,

@@ -9,7 +9,8 @@ have given. The cluster-wide gauges (running, waiting, KV usage) and the router'
 `cluster.cluster_info()` at scrape time, so they are never stale and need no background thread.
 
 Expected `cluster_info()` keys (all optional; missing ones read as 0):
-  "workers": [{"num_running", "num_waiting", "num_used_blocks", "num_free_blocks", "num_blocks"?, ...}, ...]
+  "workers": [{"num_running", "num_waiting", "num_used_blocks", "num_evictable_blocks", "num_free_blocks",
+               "num_blocks"?, ...}, ...]
   "router_decisions": {reason: count}  # router placement decisions by reason, cumulative
   "transfers": {name: value}  # KV handoff totals (bytes, time_s, queue_s, num_fallbacks, ...): kv_transfer_<name>
   "spec_decode": {"num_draft_tokens", "num_accepted_tokens"}  # cumulative over all workers ever registered
@@ -51,7 +52,10 @@ class ClusterCollector(Collector):
         workers = [w for w in info.get("workers", []) or [] if isinstance(w, Mapping)]  # type: ignore[union-attr]
         running = sum(_number(w.get("num_running")) for w in workers)
         waiting = sum(_number(w.get("num_waiting")) for w in workers)
-        used_blocks = sum(_number(w.get("num_used_blocks")) for w in workers)
+        # As vLLM's: blocks only the prefix cache holds count as free (they are given out on demand), so an idle
+        # worker with a full cache reads 0, not 100 %.
+        used_blocks = sum(_number(w.get("num_used_blocks")) - _number(w.get("num_evictable_blocks"))
+                          for w in workers)
         total_blocks = sum(
             _number(w.get("num_blocks")) or _number(w.get("num_used_blocks")) + _number(w.get("num_free_blocks"))
             for w in workers
@@ -59,7 +63,8 @@ class ClusterCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests running on the workers.", value=running)
         yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting in the workers' queues.",
                                 value=waiting)
-        yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "KV-cache usage over all workers; 1 means 100%.",
+        yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "KV-cache usage over all workers; 1 means 100%. "
+                                "Cached blocks no request holds count as free, as in vLLM.",
                                 value=used_blocks / total_blocks if total_blocks else 0.0)
         yield GaugeMetricFamily(f"{PREFIX}num_workers", "Workers registered and alive.", value=len(workers))
         decisions = CounterMetricFamily(f"{PREFIX}router_decisions", "Router placement decisions, by reason.",

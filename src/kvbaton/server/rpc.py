@@ -105,6 +105,7 @@ class Stats:
     num_host_cached_blocks: int = 0
     num_host_loaded_blocks: int = 0
     num_host_saved_blocks: int = 0
+    num_evictable_blocks: int = 0  # of num_used_blocks, those only the prefix cache holds (no request)
 
 
 @dataclass(frozen=True, slots=True)

@@ -404,7 +404,7 @@ class Worker:
             s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens,
             s.num_preemptions, s.num_steps, now, self._invariant_error, *self._transfer_stats(),
             engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens, s.num_host_cached_blocks,
-            s.num_host_loaded_blocks, s.num_host_saved_blocks)))
+            s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks)))
 
     def _has_work(self) -> bool:
         """Anything running or in a handoff, including a reservation made before the router's expect arrived (or

@@ -62,15 +62,42 @@ def test_preble_group(cached: int, prompt: int, group: int) -> None:
     assert preble_group(cached, prompt) == group
 
 
-def test_preble_round_robin_with_quotas() -> None:
+def test_preble_interleaves_groups_by_weight() -> None:
     hits = {f"g0_{i}": 0 for i in range(15)} | {f"g9_{i}": 100 for i in range(2)}
     hits |= {f"g1_{i}": 15 for i in range(25)}
     waiting = _waiting(hits, prompt_tokens=100, preempted=("g1_3",))
     order = _ids(PreblePriorityPolicy().order(waiting, lambda r: hits[r.request_id]))
     g1 = [f"g1_{i}" for i in range(25) if i != 3]
     g0 = [f"g0_{i}" for i in range(15)]
-    # Round 1: group 9 (quota 100), group 1 (quota 20), group 0 (quota 10); round 2: the rest.
-    assert order == ["g1_3", "g9_0", "g9_1"] + g1[:20] + g0[:10] + g1[20:] + g0[10:]
+    # Each group's k-th request is at pass k / (g + 1): group 9 at 0.1, 0.2; group 1 (weight 2) at 0.5, 1.0, 1.5,
+    # ...; group 0 at 1.0, 2.0, ... (ties: the higher group). The preempted request stays first.
+    assert order[:9] == ["g1_3", "g9_0", "g9_1", g1[0], g1[1], g0[0], g1[2], g1[3], g0[1]]
+    assert sorted(order) == sorted(hits) and order[-3:] == g0[-3:]  # group 1 runs out first; group 0's tail last
+
+
+def test_preble_bounds_a_low_hit_requests_wait_behind_a_stream_of_hits() -> None:
+    """Was a bug: the old quotas (group 9 took the first 100 places of every step's order) meant strict priority
+    whenever a step admits fewer than 100 requests: a cold request waiting behind a steady stream of cache hits
+    was never admitted (as under lpm). Now the shares carry across steps: it waits ~10 admissions of group 9."""
+    waits = {}
+    for policy in ("preble", "lpm", "fcfs"):
+        sched = make_scheduler(num_blocks=4096, prefix_cache=True, max_num_batched_tokens=8, max_num_seqs=64,
+                               queue_policy=policy)
+        shared = list(range(1, 41))
+        sched.add_request(make_request("warm", shared + [99], max_tokens=1))
+        for _ in range(10):
+            step(sched)
+        sched.add_request(make_request("cold", [500 + i for i in range(8)], max_tokens=1))
+        for t in range(100):
+            for k in range(3):  # three ~93 %-cached arrivals a step, more than the budget admits
+                sched.add_request(make_request(f"hit{t}_{k}", shared + [1000 + 3 * t + k, 7, 7], max_tokens=1))
+            step(sched, float(t))
+            cold = sched.get_request("cold")
+            if cold is None or cold.num_computed_tokens > 0:
+                waits[policy] = t
+                break
+    assert waits.get("lpm") is None  # lpm starves it: the case Preble's groups are for
+    assert waits["fcfs"] == 0 and waits["preble"] <= 10, waits
 
 
 def test_create_queue_policy() -> None:

@@ -2,9 +2,11 @@
 
 A policy only orders; the scheduler admits from the front of that order until the token budget,
 `max_num_seqs` or the KV blocks run out, and stops at the first request that does not fit (so a
-policy's order is also its fairness guarantee). Every policy is stateless and deterministic: ties
-fall back to the order of the `waiting` sequence the scheduler passes in, which is FCFS — preempted
-requests at the front (they already waited and were admitted once), then arrival order.
+policy's order is also its fairness guarantee), telling the policy of each fresh admission
+(`on_admitted`). Every policy is deterministic: ties fall back to the order of the `waiting`
+sequence the scheduler passes in, which is FCFS — preempted requests at the front (they already
+waited and were admitted once), then arrival order. Only `preble` keeps state between steps (the
+shares its groups have had), and only from what it is told.
 
 All policies keep preempted requests first, in the order given: they hold output the user has
 already seen, and letting fresh cache hits jump ahead of them can starve them indefinitely.
@@ -12,6 +14,7 @@ already seen, and letting fresh cache hits jump ahead of them can starve them in
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -23,7 +26,6 @@ from kvbaton.core.request import Request, RequestStatus
 CachedTokensFn = Callable[[Request], int]
 
 NUM_PREBLE_GROUPS = 10
-PREBLE_QUOTA_PER_LEVEL = 10  # group g may admit (g + 1) * 10 requests per round
 
 
 class QueuePolicy(Protocol):
@@ -37,6 +39,9 @@ class QueuePolicy(Protocol):
 
     def order(self, waiting: Sequence[Request], cached_tokens: CachedTokensFn) -> list[Request]: ...
 
+    def on_admitted(self, request: Request, num_cached_tokens: int) -> None:
+        """A waiting request that was never running was admitted, with that prefix-cache hit."""
+
 
 def _split_preempted(waiting: Sequence[Request]) -> tuple[list[Request], list[Request]]:
     preempted = [r for r in waiting if r.status is RequestStatus.PREEMPTED]
@@ -48,6 +53,9 @@ class FcfsPolicy:
     """First come, first served: preempted requests first, then arrival order."""
 
     name = "fcfs"
+
+    def on_admitted(self, request: Request, num_cached_tokens: int) -> None:
+        return None
 
     def order(self, waiting: Sequence[Request], cached_tokens: CachedTokensFn) -> list[Request]:
         preempted, fresh = _split_preempted(waiting)
@@ -66,6 +74,9 @@ class LongestPrefixPolicy:
     def __init__(self, fallback_waiting: int = 128) -> None:
         self.fallback_waiting = fallback_waiting
 
+    def on_admitted(self, request: Request, num_cached_tokens: int) -> None:
+        return None
+
     def order(self, waiting: Sequence[Request], cached_tokens: CachedTokensFn) -> list[Request]:
         preempted, fresh = _split_preempted(waiting)
         if len(waiting) > self.fallback_waiting:
@@ -83,37 +94,59 @@ def preble_group(num_cached_tokens: int, num_prompt_tokens: int) -> int:
 
 
 class PreblePriorityPolicy:
-    """Preble's local scheduler: priority groups by cached-token ratio with per-round quotas.
+    """Preble's local scheduler: priority groups by cached-token ratio, each with a share of admissions
+    proportional to its priority, kept across steps (stride scheduling), so every class's wait is bounded.
 
     Exact rule:
       1. Preempted requests first, in the order given.
       2. Every other request goes to group g = min(9, floor(10 * cached_tokens / prompt_tokens)),
          keeping FCFS order inside the group.
-      3. Rounds: in each round visit groups 9, 8, ..., 0 and take up to (g + 1) * 10 requests from
-         the head of group g. Repeat rounds until every group is empty.
-    High-hit requests are favoured (group 9 gets 100 slots a round, group 0 gets 10), but every
-    non-empty group gets slots in every round, so low-hit requests cannot starve behind a stream
-    of cache hits the way they can under `lpm`.
+      3. Group g has weight g + 1 and a pass value; each admission of one of its requests advances its pass by
+         1 / (g + 1). The order interleaves the non-empty groups by smallest pass after their next admission
+         (ties: the higher group), advancing a copy of the passes as it goes: high-hit requests first (group 9's
+         first request at 0.1, group 0's at 1.0), group 9 getting ten admissions for each of group 0's while
+         both wait. A group passed over in earlier steps keeps its pass and comes first once the others' have
+         grown past it: a low-hit request waits at most about (sum of the weights of the groups waiting) / its
+         weight admissions, however few a step admits and however many cache hits keep arriving.
+      4. A group that was empty joins at the current virtual time (the pass its last admission left), so it
+         cannot bank shares while idle.
     """
 
     name = "preble"
+
+    def __init__(self) -> None:
+        self._pass = [0.0] * NUM_PREBLE_GROUPS
+        self._virtual_time = 0.0
+        self._was_empty = [True] * NUM_PREBLE_GROUPS
 
     def order(self, waiting: Sequence[Request], cached_tokens: CachedTokensFn) -> list[Request]:
         preempted, fresh = _split_preempted(waiting)
         groups: list[list[Request]] = [[] for _ in range(NUM_PREBLE_GROUPS)]
         for r in fresh:
             groups[preble_group(cached_tokens(r), r.num_prompt_tokens)].append(r)
+        passes = self._pass
+        for g, group in enumerate(groups):
+            if group and self._was_empty[g]:
+                passes[g] = max(passes[g], self._virtual_time)
+            self._was_empty[g] = not group
         ordered = list(preempted)
+        heap = [(passes[g] + 1.0 / (g + 1), -g) for g in range(NUM_PREBLE_GROUPS) if groups[g]]
+        heapq.heapify(heap)
         heads = [0] * NUM_PREBLE_GROUPS
-        remaining = len(fresh)
-        while remaining:
-            for g in reversed(range(NUM_PREBLE_GROUPS)):
-                quota = (g + 1) * PREBLE_QUOTA_PER_LEVEL
-                taken = groups[g][heads[g] : heads[g] + quota]
-                ordered.extend(taken)
-                heads[g] += len(taken)
-                remaining -= len(taken)
+        while heap:
+            at, minus_g = heapq.heappop(heap)
+            g = -minus_g
+            group = groups[g]
+            ordered.append(group[heads[g]])
+            heads[g] += 1
+            if heads[g] < len(group):
+                heapq.heappush(heap, (at + 1.0 / (g + 1), minus_g))
         return ordered
+
+    def on_admitted(self, request: Request, num_cached_tokens: int) -> None:
+        g = preble_group(num_cached_tokens, request.num_prompt_tokens)
+        self._virtual_time = max(self._virtual_time, self._pass[g])
+        self._pass[g] += 1.0 / (g + 1)
 
 
 class PriorityPolicy:
@@ -122,6 +155,9 @@ class PriorityPolicy:
     latest arrival among equals) first (`StepPlanning._preemption_victim`)."""
 
     name = "priority"
+
+    def on_admitted(self, request: Request, num_cached_tokens: int) -> None:
+        return None
 
     def order(self, waiting: Sequence[Request], cached_tokens: CachedTokensFn) -> list[Request]:
         preempted = RequestStatus.PREEMPTED

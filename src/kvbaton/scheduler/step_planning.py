@@ -187,6 +187,8 @@ class StepPlanning:
                 request.num_cached_tokens = hit_tokens
             if request.first_scheduled_at is None:
                 request.first_scheduled_at = now
+            if request.status is not RequestStatus.PREEMPTED:
+                self.policy.on_admitted(request, hit_tokens)
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             admitted.add(request.request_id)

@@ -70,6 +70,15 @@ def _free_blocks_exclude(legs: Legs, blocks: tuple[int, ...]) -> None:
     legs.dst_pool.release(others)
 
 
+def _cancelled_mid_stream(cancel_at: float) -> tuple[Legs, tuple[int, ...], tuple[int, ...], list[Outgoing]]:
+    """A leg that received layer 0, cancelled by the destination at `cancel_at`: (legs, src, dst, its aborts)."""
+    legs = make_legs()
+    src = _granted(legs)
+    dst = legs.source.dst_block_ids(TID)
+    _stream(legs, src, 0, 1.0)
+    return legs, src, dst, legs.destination.cancel(TID, now=cancel_at)
+
+
 def _assert_fenced(legs: Legs, blocks: tuple[int, ...]) -> None:
     assert legs.destination.num_fenced_blocks == legs.destination.num_reserved_blocks == len(blocks)
     assert legs.dst_pool.num_used_blocks == len(blocks)
@@ -145,11 +154,7 @@ def test_a_source_done_that_crossed_the_abort_lifts_the_fence() -> None:
 
 
 def test_the_fence_lifts_after_a_lease_when_the_source_stays_silent() -> None:
-    legs = make_legs()
-    src = _granted(legs)
-    dst = legs.source.dst_block_ids(TID)
-    _stream(legs, src, 0, 1.0)
-    aborts = legs.destination.cancel(TID, now=2.0)  # the Abort is lost; the source says nothing
+    legs, src, dst, aborts = _cancelled_mid_stream(2.0)  # the Abort is lost; the source says nothing
     for now in (2.0, 3.0, 2.0 + LEASE_S - 0.01):
         assert legs.destination.expire(now) == []
         _assert_fenced(legs, dst)
@@ -164,11 +169,7 @@ def test_the_fence_lifts_after_a_lease_when_the_source_stays_silent() -> None:
 
 
 def test_only_the_legs_own_source_lifts_its_fence() -> None:
-    legs = make_legs()
-    src = _granted(legs)
-    dst = legs.source.dst_block_ids(TID)
-    _stream(legs, src, 0, 1.0)
-    aborts = legs.destination.cancel(TID, now=1.0)
+    legs, src, dst, aborts = _cancelled_mid_stream(1.0)
     # another prefill worker's Abort or SourceDone for the same id says nothing about p0's writes
     assert legs.destination.on_message("p1", Abort(TID, AbortCause.CANCELLED, "not mine"), 1.0) == []
     assert legs.destination.on_message("p1", SourceDone(TID, NUM_TOKENS, FIRST), 1.0) == []

@@ -202,3 +202,18 @@ def test_a_second_stop_signal_stops_waiting_for_the_drain() -> None:
             served.process.send_signal(signal.SIGTERM)
             assert served.process.wait(120) == 0
             assert time.monotonic() - forced_at < 8.0, "the router waited for the stream after a second signal"
+
+
+# Was a bug (s19): a disaggregated call ended by a finished delta from its prefill worker (the error delta of an add
+# it could not read) ended on the router but not on the decode worker, which waited out a lease for KV that never
+# came, then recomputed the prompt and decoded it to the end for nobody. Fixed: the router aborts the other leg.
+def test_a_pd_call_ended_by_its_prefill_worker_is_aborted_on_its_decode_worker() -> None:
+    cluster, socket = cluster_of({"p0": "prefill", "d0": "decode"}, local_prefill_threshold_tokens=0)
+    deltas: list[TokenDelta] = []
+    cluster.submit(call("r0", tuple(range(1, 40))), deltas.append)
+    assert (cluster._calls["r0"].worker_id, cluster._calls["r0"].prefill_worker) == ("d0", "p0")
+    socket.sent.clear()
+    cluster._handle("p0", rpc.TokenDeltas("p0", (TokenDelta("r0", (), "", True, "error", 39, error="unreadable add",
+                                                            worker_id="p0"),)))
+    assert deltas[-1].finish_reason == "error" and cluster.num_in_flight == 0 and cluster.num_waiting == 0
+    assert ("d0", rpc.Abort(("r0",))) in socket.sent

@@ -376,5 +376,8 @@ class ClusterManager(WorkerMembership, ClusterReports):
         if self.tally is not None and delta.new_token_ids:
             self.tally.on_tokens(delta.request_id, len(delta.new_token_ids), self.clock())
         if delta.finished:
+            if entry.prefill_worker and delta.worker_id == entry.prefill_worker and entry.worker_id in self.workers:
+                # Ended by its prefill leg (an add it could not take): the decode leg waits for KV that never comes.
+                self._send(entry.worker_id, rpc.Abort((delta.request_id,)))
             self._end_call(entry)
         entry.sink(delta)

@@ -31,7 +31,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # qwen2 has q/k/v biases
+    attention_bias: bool = False  # biases on q/k/v (qwen2; llama's `attention_bias`)
+    attention_out_bias: bool = False  # a bias on o_proj too (llama's `attention_bias`; qwen2 has none)
+    mlp_bias: bool = False  # biases on gate/up/down (llama's `mlp_bias`)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
@@ -62,6 +64,11 @@ class ModelConfig:
         if self.attention_bias:
             per_layer |= {"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
                           "self_attn.v_proj.bias": (kv_rows,)}
+        if self.attention_out_bias:
+            per_layer["self_attn.o_proj.bias"] = (hidden,)
+        if self.mlp_bias:
+            ffn = self.intermediate_size
+            per_layer |= {"mlp.gate_proj.bias": (ffn,), "mlp.up_proj.bias": (ffn,), "mlp.down_proj.bias": (hidden,)}
         for i in range(self.num_layers):
             shapes.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
         return shapes

@@ -143,7 +143,7 @@ def _require(metadata: dict[str, object], key: str, path: Path) -> object:
 def _rope_scaling(metadata: dict[str, object], rope_freqs: np.ndarray | None, config: ModelConfig) -> RopeScaling:
     """Linear scaling from metadata; Llama-3 scaling recovered from the `rope_freqs` divisors llama.cpp stores."""
     prefix = f"{config.architecture}.rope.scaling."
-    kind = metadata.get(prefix + "type", "none")
+    kind = metadata.get(prefix + "type", "linear")  # llama.cpp's default: a bare factor scales linearly
     original_tokens = int(metadata.get(prefix + "original_context_length", 8192))  # type: ignore[call-overload]
     if rope_freqs is not None:
         # llama.cpp stores per-frequency divisors (inv_freq / scaled inv_freq) instead of the four
@@ -157,7 +157,10 @@ def _rope_scaling(metadata: dict[str, object], rope_freqs: np.ndarray | None, co
     if kind in ("none", None):
         return RopeScaling()
     if kind == "linear":
-        return RopeScaling("linear", _clean_float(metadata[prefix + "factor"]))  # type: ignore[arg-type]
+        # As llama.cpp reads it: the factor's pre-2024 key is rope.scale_linear; absent or 0 means no scaling.
+        old_key = f"{config.architecture}.rope.scale_linear"
+        factor = _clean_float(metadata.get(prefix + "factor", metadata.get(old_key, 0.0)))  # type: ignore[arg-type]
+        return RopeScaling("linear", factor) if factor else RopeScaling()
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (none, linear, llama3)")
 
 
@@ -179,6 +182,13 @@ def _config(metadata: dict[str, object], num_tokens: int, tensor_names: set[str]
     problem = head_counts_problem(num_heads, num_kv_heads, p + "attention.head_count", p + "attention.head_count_kv")
     if problem is not None:
         raise UnsupportedModelError(f"{path}: {problem}")
+    head_dim = int(metadata.get(p + "attention.key_length", hidden // num_heads))  # type: ignore[call-overload]
+    # llama.cpp refuses a llama-architecture file whose rope does not span the whole head; experts make it Mixtral.
+    rope_dim = int(metadata.get(p + "rope.dimension_count", head_dim))  # type: ignore[call-overload]
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(f"{path}: {p}rope.dimension_count={rope_dim} is not the head dim {head_dim}")
+    if int(metadata.get(p + "expert_count", 0)):  # type: ignore[call-overload]
+        raise UnsupportedModelError(f"{path}: mixture-of-experts models ({p}expert_count) are not supported")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -188,13 +198,15 @@ def _config(metadata: dict[str, object], num_tokens: int, tensor_names: set[str]
         intermediate_size=int(_require(metadata, p + "feed_forward_length", path)),  # type: ignore[call-overload]
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=int(metadata.get(p + "attention.key_length", hidden // num_heads)),  # type: ignore[call-overload]
+        head_dim=head_dim,
         vocab_size=num_tokens,
         rope_theta=_clean_float(metadata.get(p + "rope.freq_base", 10000.0)),  # type: ignore[arg-type]
         rms_norm_eps=_clean_float(metadata.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),  # type: ignore[arg-type]
         max_position_embeddings=int(metadata.get(p + "context_length", 2048)),  # type: ignore[call-overload]
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_out_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_down.bias" in tensor_names,
         bos_token_id=int(bos) if bos is not None else None,  # type: ignore[call-overload]
         eos_token_id=int(eos) if eos is not None else None,  # type: ignore[call-overload]
     )

@@ -72,12 +72,19 @@ def config_from_hf(raw: dict, source: Path) -> ModelConfig:
         if problem is not None:
             raise UnsupportedModelError(f"{source}: config.json: {problem}")
         theta, scaling = _rope(raw)
+        llama_attention_bias = model_type == "llama" and bool(raw.get("attention_bias", False))
         max_positions = int(raw.get("max_position_embeddings", 2048))
         # Sliding-window attention is not implemented: cap the context at the window so that every
-        # sequence we accept attends exactly as the reference would.
+        # sequence we accept attends exactly as the reference would. Mistral slides whenever a window is set
+        # (`use_sliding_window` is Qwen2's switch, which Mistral ignores); Llama never does.
         window = raw.get("sliding_window")
-        if window and raw.get("use_sliding_window", model_type == "mistral"):
+        slides = model_type == "mistral" or (model_type == "qwen2" and raw.get("use_sliding_window", False))
+        if window and slides:
             max_positions = min(max_positions, int(window))
+        # The MLP is SwiGLU; transformers applies whatever `hidden_act` names ("swish" is SiLU too).
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"{source}: config.json: hidden_act {act!r} is not supported (silu)")
         return ModelConfig(
             architecture="llama",
             num_layers=int(raw["num_hidden_layers"]),
@@ -92,8 +99,11 @@ def config_from_hf(raw: dict, source: Path) -> ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama says so in `attention_bias`; Mistral has none.
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            # Qwen2 always has q/k/v biases (none on o_proj); Llama's `attention_bias` puts one on q/k/v and
+            # o_proj, its `mlp_bias` on gate/up/down; Mistral has none.
+            attention_bias=model_type == "qwen2" or llama_attention_bias,
+            attention_out_bias=llama_attention_bias,
+            mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
             bos_token_id=_first_id(raw.get("bos_token_id")),
             eos_token_id=_first_id(raw.get("eos_token_id")),
         )

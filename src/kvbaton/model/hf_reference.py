@@ -28,7 +28,8 @@ def hf_llama_config(config: ModelConfig):  # noqa: ANN201 - transformers.LlamaCo
         num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
         rope_theta=config.rope_theta, rope_scaling=rope_scaling,
         max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=config.tie_word_embeddings,
-        attention_bias=config.attention_bias, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        attention_bias=config.attention_bias, mlp_bias=config.mlp_bias,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
     )
 
 

@@ -103,15 +103,11 @@ class LlamaLayer(torch.nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.input_norm = _param(weights["input_layernorm.weight"])
         self.post_attention_norm = _param(weights["post_attention_layernorm.weight"])
-        self.qkv_proj = Linear(
-            torch.cat([weights[f"self_attn.{p}_proj.weight"] for p in ("q", "k", "v")], dim=0),
-            torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in ("q", "k", "v")], dim=0)
-            if config.attention_bias
-            else None,
-        )
-        self.o_proj = Linear(weights["self_attn.o_proj.weight"])
-        self.gate_up_proj = Linear(torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]], dim=0))
-        self.down_proj = Linear(weights["mlp.down_proj.weight"])
+        # `weights` holds exactly the config's tensors, so a bias is there only where the config has one.
+        self.qkv_proj = Linear(*_fused(weights, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")))
+        self.o_proj = Linear(weights["self_attn.o_proj.weight"], weights.get("self_attn.o_proj.bias"))
+        self.gate_up_proj = Linear(*_fused(weights, ("mlp.gate_proj", "mlp.up_proj")))
+        self.down_proj = Linear(weights["mlp.down_proj.weight"], weights.get("mlp.down_proj.bias"))
 
     def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, layer_cache: Tensor) -> Tensor:
         num_tokens = hidden.shape[0]
@@ -201,15 +197,13 @@ def _sub_dict(weights: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
     return {name[len(prefix) :]: t for name, t in weights.items() if name.startswith(prefix)}
 
 
+def _fused(weights: Mapping[str, Tensor], names: tuple[str, ...]) -> tuple[Tensor, Tensor | None]:
+    """(weights of `names` stacked by rows, their biases stacked likewise or None when they have none)."""
+    weight = torch.cat([weights[f"{name}.weight"] for name in names], dim=0)
+    if f"{names[0]}.bias" not in weights:
+        return weight, None
+    return weight, torch.cat([weights[f"{name}.bias"] for name in names], dim=0)
+
+
 def _expected_names(config: ModelConfig) -> set[str]:
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        names.add("lm_head.weight")
-    per_layer = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
-    per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    if config.attention_bias:
-        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    for i in range(config.num_layers):
-        names.update(f"model.layers.{i}.{name}" for name in per_layer)
-    return names
+    return set(config.tensor_shapes())

@@ -12,7 +12,8 @@ Split points are where the tokenizer provably cuts whatever follows, and depend 
 them (plus one character after), so two prompts sharing a prefix share its split points:
 - right after an added token (`<|im_start|>`, ...): the tokenizer matches added tokens whole, before
   pre-tokenization, and tokenizes the text between them independently. Added tokens that strip
-  neighbouring whitespace or match only whole words change their neighbours, so they are not used.
+  neighbouring whitespace or match only whole words change their neighbours, so they are not used; nor are
+  tokens such a token may hold or follow (the caller picks them: `tokenizer._split_tokens`).
 - optionally (`split_at_words`, for the byte-level BPE pre-tokenizers: GPT-2, Llama-3, Qwen2 patterns),
   at the first space after a non-space at or after every `chunk_chars` characters: no piece of those
   patterns runs from a non-space into a following space (the only pieces holding a space start with
@@ -61,6 +62,7 @@ DEFAULT_CHUNK_CHARS = 256
 DEFAULT_MAX_CACHED_PIECES = 65_536
 MAX_PIECE_CHARS = 64  # longer pieces (runs of text without word splits) are tokenized, never memoised
 _WORD_SPLIT = re.compile(r"(?<=\S) ")  # a space after a non-space
+_BEFORE_WORD_SPLIT = re.compile(r"(?= )(?<=\S)")  # empty: splitting at it keeps the spaces (space test first: faster)
 _SPACE_AFTER_SPACE = re.compile(r"\s ")  # a space that is not a word split (unless at the text's start)
 _NO_TOKEN = -1  # a word split: any token may end there
 _START, _END = itemgetter(0), itemgetter(1)
@@ -202,19 +204,13 @@ class TokenizationCache:
         rest = text[start:]
         if not rest:
             return [], {}
-        parts = rest.split(" ")
         if _SPACE_AFTER_SPACE.search(rest) is None:  # every space but a leading one is a word split
+            parts = rest.split(" ")
             pieces = [" " + part for part in parts[1:]]  # a leading space starts the first of them
             if parts[0]:
                 pieces.insert(0, parts[0])
-        else:
-            pieces = [parts[0]]
-            for part in parts[1:]:
-                last = pieces[-1]
-                if last and not last[-1].isspace():
-                    pieces.append(" " + part)
-                else:
-                    pieces[-1] = f"{last} {part}"
+        else:  # a space after whitespace stays in the piece before it (one split: linear in a run of spaces)
+            pieces = _BEFORE_WORD_SPLIT.split(rest)
         pattern = self._split_pattern
         if pattern is None or not self._may_hold_split_token(rest) or pattern.search(rest) is None:
             return pieces, {}

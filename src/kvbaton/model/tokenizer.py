@@ -126,10 +126,9 @@ class Tokenizer:
 
     def enable_cache(self, max_cached_chars: int = DEFAULT_MAX_CACHED_CHARS) -> TokenizationCache:
         """From now on `encode` reuses earlier results (`TokenizationCache`): whole texts, and prefixes cut
-        after an added token that leaves its neighbours alone or, for byte-level BPE, between words."""
+        after an added token that leaves its neighbours alone (`_split_tokens`) or, for byte-level BPE, between
+        words."""
         added = self._backend.get_added_tokens_decoder()
-        splits = {token.content: token_id for token_id, token in added.items()
-                  if not (token.lstrip or token.rstrip or token.single_word or token.normalized)}
 
         def encode_with_offsets(text: str) -> tuple[list[int], list[tuple[int, int]]]:
             encoding = self._backend.encode(text, add_special_tokens=False)
@@ -138,7 +137,7 @@ class Tokenizer:
         # An added token holding or stripping whitespace could swallow the space a word split cuts at.
         words = self._byte_level_words and not any(
             token.lstrip or token.rstrip or any(c.isspace() for c in token.content) for token in added.values())
-        self._cache = TokenizationCache(encode_with_offsets, splits, split_at_words=words,
+        self._cache = TokenizationCache(encode_with_offsets, _split_tokens(self._backend), split_at_words=words,
                                         max_cached_chars=max_cached_chars)
         return self._cache
 
@@ -319,6 +318,48 @@ def _token_id(backend: BackendTokenizer, token: object) -> int | None:
     if not isinstance(token, str):
         return None
     return backend.token_to_id(token)
+
+
+def _split_tokens(backend: BackendTokenizer) -> dict[str, int]:
+    """The added tokens after which the tokenizer cuts, whatever follows, and tokenizes the rest as it would alone
+    (`TokenizationCache`'s split points), text -> id. It matches all its added tokens in the raw text at once
+    (leftmost-longest), then tokenizes the segments between them one by one. A token qualifies unless it changes its
+    neighbours (strips whitespace, matches whole words only) or is matched in normalized text; unless a token that
+    strips or matches whole words holds it with text after it (whether that one matches is decided past the split);
+    unless it may end with a word character while a token matches whole words only (which looks at the character
+    before it); and never where the pre-tokenizer treats the text's first segment unlike the others."""
+    if _marks_the_first_segment(backend.pre_tokenizer):
+        return {}
+    added = backend.get_added_tokens_decoder()
+    picky = [token for token in added.values() if not token.normalized
+             and (token.lstrip or token.rstrip or token.single_word)]
+    whole_words = any(token.single_word for token in picky)
+    return {token.content: token_id for token_id, token in added.items()
+            if not (token.lstrip or token.rstrip or token.single_word or token.normalized)
+            and not any(token.content in other.content[:-1] for other in picky)
+            and not (whole_words and _may_end_a_word(token.content))}
+
+
+def _may_end_a_word(text: str) -> bool:
+    """Conservatively: only an ASCII punctuation mark or space surely is no word character (alphanumeric, "_")."""
+    last = text[-1:]
+    return not last.isascii() or last.isalnum() or last == "_"
+
+
+def _marks_the_first_segment(pre_tokenizer: pre_tokenizers.PreTokenizer | None) -> bool:
+    """Whether the pre-tokenizer treats the text's first segment (before any added token) unlike the others:
+    Metaspace with prepend_scheme "first" (Llama-2 and Mistral tokenizer.json from recent transformers) prepends its
+    "▁" to that segment alone, so the text after an added token is tokenized otherwise than on its own."""
+    if pre_tokenizer is None:
+        return False
+
+    def marks(node: object) -> bool:
+        if isinstance(node, dict):
+            first = node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first"
+            return first or any(map(marks, node.values()))
+        return isinstance(node, list) and any(map(marks, node))
+
+    return marks(json.loads(pre_tokenizer.__getstate__()))
 
 
 def _post_processor_adds_prefix(backend: BackendTokenizer) -> bool:

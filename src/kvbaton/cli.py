@@ -162,7 +162,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise KvbatonError("give at least one worker: --workers N, or --prefill N --decode M")
     if args.gpus_per_worker < 0 or (args.gpus_per_worker and not args.ray):
         raise KvbatonError("--gpus-per-worker takes a non-negative number, with --ray")
-    _check_host_num_blocks(args)
+    if not 0 <= args.port <= 65535:
+        raise KvbatonError(f"--port must be 0-65535, got {args.port}")
+    _check_kv_sizes(args)
     threshold = args.local_prefill_threshold
     return serve(ServeConfig(
         model=args.model, num_workers=num_workers, num_prefill=args.prefill, num_decode=args.decode,
@@ -207,9 +209,13 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
                    help="write each step's batch shape and period here at exit (kvbaton profile --from-step-log)")
 
 
-def _check_host_num_blocks(args: argparse.Namespace) -> None:
-    """Refuse a negative `--host-num-blocks` here: each worker's engine would, but only after loading the model and
-    registering with the router."""
+def _check_kv_sizes(args: argparse.Namespace) -> None:
+    """Refuse KV sizes no worker can start with here: each worker would, but only after loading the model (a
+    zero block size as a traceback)."""
+    if args.block_size < 1:
+        raise KvbatonError(f"--block-size must be positive, got {args.block_size}")
+    if args.num_blocks < 2:
+        raise KvbatonError(f"--num-blocks must be at least 2, got {args.num_blocks}")
     if args.host_num_blocks < 0:
         raise KvbatonError(f"--host-num-blocks must not be negative, got {args.host_num_blocks}")
 
@@ -221,7 +227,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from kvbaton.server.worker import Worker, WorkerConfig
 
-    _check_host_num_blocks(args)
+    _check_kv_sizes(args)
     # SIGTERM exits through the KeyboardInterrupt path (status 130) instead of dying mid-frame.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -248,12 +248,15 @@ class Launcher:
                 await serving  # returns after a stop signal, once open connections closed or the drain deadline hit
             except SystemExit as exc:  # uvicorn exits this way when its startup fails
                 raise KvbatonError(f"HTTP server stopped with status {exc.code}") from None
+            if server.force_exit:  # uvicorn skips the app's lifespan shutdown then: left pending, its task would be
+                await server.lifespan.shutdown()  # cancelled as the loop closes and log a traceback
             # What still runs gets the rest of the drain, unless a second signal came (uvicorn's force_exit): then
             # the workers are told to stop at once and abort it.
             await cluster.drain(config.drain_timeout_s, until=lambda: server.force_exit)
             return 0
         finally:
             http_socket.close()
+            self._stop_unregistered(cluster)
             await cluster.shutdown(timeout_s=config.worker_exit_timeout_s)
             self._reap()
             self._let_go_of_ray()
@@ -301,8 +304,8 @@ class Launcher:
                     code = process.poll()
                     if code is not None:
                         why = cluster.lost_workers.get(worker_id, "see its output above")
-                        raise KvbatonError(f"worker {worker_id} (pid {process.pid}) exited with code {code} "
-                                           f"during startup: {why}")
+                        ended = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                        raise KvbatonError(f"worker {worker_id} (pid {process.pid}) {ended} during startup: {why}")
                 await asyncio.sleep(0.05)
             waiting.result()
             return True
@@ -310,6 +313,13 @@ class Launcher:
             raise KvbatonError(f"cluster did not start: {exc}") from exc
         finally:
             waiting.cancel()
+
+    def _stop_unregistered(self, cluster: ClusterManager) -> None:
+        """SIGTERM the workers still starting (the router cannot tell them to stop): else they would wait out their
+        registration timeout, and `_reap` for them, before being killed."""
+        for worker_id, process in self.processes.items():
+            if worker_id not in cluster.workers and worker_id not in cluster.lost_workers and process.poll() is None:
+                process.terminate()
 
     def _reap(self) -> None:
         """Wait for every worker to exit; kill (by pid) any still running after the timeout."""

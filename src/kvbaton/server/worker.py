@@ -40,6 +40,7 @@ from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.step_log import StepLog
 from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
 from kvbaton.transfer.faults import FaultRule
+from kvbaton.transfer.layout import KVLayout
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -128,17 +129,11 @@ class Worker:
             if cfg.role == "decode":  # storage first: its address goes into the registration
                 self._decode_kv = DecodeKV(cfg.worker_id, layout, cfg.num_blocks, cfg.kv_transport, cfg.kv_host)
             ack = self._register(socket)
-            self.engine = self._build_engine(cfg.queue_policy or ack.queue_policy)
-            if self._decode_kv is not None:
-                self.decode = DecodeHandoffs(self.engine, layout, self._decode_kv.receiver, cfg.kv_lease_s,
-                                             self._clock)
-                self.engine.between_layers = self.decode.pump  # grants and KV between layers; adoption after
-            if cfg.role == "prefill":
-                self._prefill_links = PrefillLinks(cfg.worker_id, layout, cfg.transfer_faults, self._clock)
-                self.prefill = PrefillHandoffs(self.engine, layout, self._prefill_links, self._prefill_links.connect,
-                                               cfg.kv_lease_s, self._clock, cfg.reserve_ahead_tokens)
-                if cfg.reserve_ahead_tokens is None:  # a late reservation waits for its turn between steps anyway
-                    self.engine.between_layers = lambda: self._read_mid_step(socket)
+            try:
+                self._start(socket, layout, ack)
+            except Exception as exc:  # the router counts this worker in: tell it why it will not serve
+                socket.send(rpc.encode(rpc.Goodbye(cfg.worker_id, f"failed to start: {exc}")))
+                raise
             return self._serve(socket, ack.heartbeat_interval_s)
         finally:
             socket.close()
@@ -150,6 +145,20 @@ class Worker:
             if self._decode_kv is not None:
                 self.engine = self.decode = None  # drop every view of the shared region before unmapping it
                 self._decode_kv.close()
+
+    def _start(self, socket: zmq.Socket, layout: KVLayout, ack: rpc.RegisterAck) -> None:
+        """Build the engine (with the queue policy the router named) and the role's handoff drivers."""
+        cfg = self.config
+        self.engine = self._build_engine(cfg.queue_policy or ack.queue_policy)
+        if self._decode_kv is not None:
+            self.decode = DecodeHandoffs(self.engine, layout, self._decode_kv.receiver, cfg.kv_lease_s, self._clock)
+            self.engine.between_layers = self.decode.pump  # grants and KV between layers; adoption after
+        if cfg.role == "prefill":
+            self._prefill_links = PrefillLinks(cfg.worker_id, layout, cfg.transfer_faults, self._clock)
+            self.prefill = PrefillHandoffs(self.engine, layout, self._prefill_links, self._prefill_links.connect,
+                                           cfg.kv_lease_s, self._clock, cfg.reserve_ahead_tokens)
+            if cfg.reserve_ahead_tokens is None:  # a late reservation waits for its turn between steps anyway
+                self.engine.between_layers = lambda: self._read_mid_step(socket)
 
     # -- registration ---------------------------------------------------------------------------
 

@@ -164,6 +164,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise KvbatonError("--gpus-per-worker takes a non-negative number, with --ray")
     if not 0 <= args.port <= 65535:
         raise KvbatonError(f"--port must be 0-65535, got {args.port}")
+    if not args.drain_timeout >= 0:  # NaN too
+        raise KvbatonError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     _check_kv_sizes(args)
     threshold = args.local_prefill_threshold
     return serve(ServeConfig(

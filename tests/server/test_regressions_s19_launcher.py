@@ -136,3 +136,30 @@ def test_a_second_signal_aborts_the_drain_without_a_traceback() -> None:
         stderr = served.process.stderr.read()  # type: ignore[union-attr]
         assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr
         assert not _alive(served.worker_pids[0])
+
+
+# Was a bug: a stream still running at the drain deadline was cut off: uvicorn cancelled its handler, and the client
+# read an incomplete chunked body with no final event. Fixed: the launcher aborts what still runs a second before
+# the deadline, so every stream ends with finish reason "abort" and [DONE]. (--drain-timeout was also rounded down
+# to whole seconds, and a negative one was accepted.)
+def test_a_stream_still_running_at_the_drain_deadline_ends_with_abort() -> None:
+    with serve_process(["--model", "tiny-random", "--workers", "1", "--num-blocks", "8192", "--drain-timeout", "2.5"],
+                       120.0) as served, httpx.Client(timeout=60.0) as http:
+        body = {"model": "tiny-random", "prompt": ["drain me", "and me"], "max_tokens": 2000, "n": 16,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        with http.stream("POST", served.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            next(lines)
+            stopped_at = time.monotonic()
+            served.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]  # raises on an incomplete chunked read
+        assert rest[-1] == "data: [DONE]" and any('"finish_reason":"abort"' in line.replace(" ", "") for line in rest)
+        assert served.process.wait(60) == 0
+        assert time.monotonic() - stopped_at < 2.5 + 8.0
+
+
+def test_a_negative_drain_timeout_is_refused() -> None:
+    done = subprocess.run([*SERVE, "--workers", "1", "--drain-timeout", "-1"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "--drain-timeout" in done.stderr and "Traceback" not in done.stderr

@@ -151,6 +151,14 @@ class ClusterManager(WorkerMembership, ClusterReports):
             await asyncio.sleep(0.05)
         return len(self._calls)
 
+    def abort_all(self) -> int:
+        """Abort every call in flight: each ends with its workers' abort delta (finish reason "abort"), so its
+        stream gets a proper end. Returns how many were aborted."""
+        entries = [entry for entry in self._calls.values() if not entry.finished]
+        for entry in entries:
+            self._send_abort(entry)
+        return len(entries)
+
     def reset_prefix_cache(self) -> list[str]:
         """Ask every registered worker to drop the cached blocks no request holds; their KV events then take those
         blocks out of the router's index. Returns the workers asked."""

@@ -172,12 +172,20 @@ class Launcher:
         self.url = ""
         self._stop = asyncio.Event()
         self._server: _Server | None = None
+        self._cluster: ClusterManager | None = None
+        self._drain_timer: asyncio.TimerHandle | None = None
 
     def request_stop(self) -> None:
         """Signal handler: first call drains and stops; a second one stops waiting for the drain."""
         if self._server is not None:
             if self._stop.is_set():
                 self._server.force_exit = True
+            elif self._cluster is not None:
+                # What still runs at the drain deadline is aborted just before it (a second to spare): its stream
+                # ends with finish reason "abort" instead of being cut off when uvicorn cancels its handler.
+                drain_s = self.config.drain_timeout_s
+                self._drain_timer = asyncio.get_running_loop().call_later(
+                    max(0.0, min(drain_s - 1.0, 0.9 * drain_s)), self._cluster.abort_all)
             self._server.should_exit = True
         self._stop.set()
 
@@ -208,6 +216,7 @@ class Launcher:
                 scheduling_policy=config.scheduling_policy,
                 kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)),
                 admission=admission, pools=pools)
+            self._cluster = cluster
             address = await cluster.start()
         except BaseException:
             http_socket.close()
@@ -225,8 +234,10 @@ class Launcher:
                              tool_call_parser=config.tool_call_parser,
                              priority_scheduling=config.scheduling_policy == "priority")
             freeze_startup_heap()
+            # uvicorn's annotation says int, but it only hands the value to asyncio.wait_for: a fraction counts too.
+            graceful_s: int = config.drain_timeout_s  # type: ignore[assignment]
             self._server = server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                                           timeout_graceful_shutdown=int(config.drain_timeout_s)))
+                                                           timeout_graceful_shutdown=graceful_s))
             serving = asyncio.create_task(self._server.serve(sockets=[http_socket]))
             while not self._server.started and not serving.done():
                 await asyncio.sleep(0.05)
@@ -255,6 +266,8 @@ class Launcher:
             await cluster.drain(config.drain_timeout_s, until=lambda: server.force_exit)
             return 0
         finally:
+            if self._drain_timer is not None:
+                self._drain_timer.cancel()
             http_socket.close()
             self._stop_unregistered(cluster)
             await cluster.shutdown(timeout_s=config.worker_exit_timeout_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvbaton.model.registry import LoadedModel, load_model
-from tests.engine.test_handoff import PROMPTS, Pair, greedy
+from tests.engine.test_handoff import PROMPTS, Pair, colocated_tokens, greedy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,4 +67,46 @@ def test_a_reservation_that_cannot_fit_leaves_the_decode_workers_prefix_cache_al
     pair.p.abort("big")
     pair.d.abort("big")
     pair.run()
+    pair.assert_nothing_held()
+
+
+def test_a_leg_the_prefill_worker_cancels_waits_for_the_routers_word_instead_of_recomputing(tiny: LoadedModel) -> None:
+    # Was a bug (engine/handoff_decode.py `DecodeHandoffs._advance`): when a client left, the router aborted both legs,
+    # and the prefill worker's cancel, arriving over the KV link before the router's abort, made the decode worker
+    # count a failure and start recomputing the prompt for nobody (aborted a moment later). The prefill worker only
+    # cancels when the router aborted the call (its abort is on the way) or when it stops (the router then relays
+    # HandoffFailed): the decode worker now waits for either, up to a lease.
+    pair = Pair(tiny)
+    pair.submit("r", PROMPTS[0], greedy())
+    pair.round()  # granted: the prefill is running
+    pair.p.abort("r")  # the prefill leg's cancel, ahead of the router's abort to the decode worker
+    for _ in range(5):
+        pair.round()
+    assert not pair.decode.has_unfinished_requests() and pair.d.counters.num_recomputed == 0
+    assert pair.d.counters.num_failed == 0 and pair.d.owns("r")
+    assert pair.d.abort("r").finish_reason.value == "abort"  # the router's abort
+    pair.run()
+    pair.assert_nothing_held()
+
+
+def test_a_prefill_worker_stopping_still_ends_in_a_recompute(tiny: LoadedModel) -> None:
+    pair = Pair(tiny)
+    pair.submit("r", PROMPTS[0], greedy())
+    pair.round()
+    pair.p.abort("r", "prefill worker stopping")
+    pair.round()
+    assert pair.d.owns("r") and pair.d.counters.num_recomputed == 0
+    assert pair.d.on_prefill_failed("r", "prefill worker lost", refused=False) == []  # relayed by the router
+    pair.run()
+    assert pair.tokens("r") == colocated_tokens(tiny, PROMPTS[0], greedy()) and pair.d.counters.num_recomputed == 1
+    pair.assert_nothing_held()
+
+
+def test_without_the_routers_word_a_cancelled_leg_recomputes_after_a_lease(tiny: LoadedModel) -> None:
+    pair = Pair(tiny, lease_s=0.5)
+    pair.submit("r", PROMPTS[0], greedy())
+    pair.round()
+    pair.p.abort("r")
+    pair.run(advance_s=0.05)  # the router's word never comes
+    assert pair.tokens("r") == colocated_tokens(tiny, PROMPTS[0], greedy()) and pair.d.counters.num_recomputed == 1
     pair.assert_nothing_held()

@@ -61,6 +61,7 @@ class DecodeHandoffs:
         self.counters = TransferCounters()
         self._expected: dict[str, _Expected] = {}
         self._cancelled_at: dict[str, float] = {}  # cancelled before their reservation arrived
+        self._peer_cancelled_at: dict[str, float] = {}  # legs the prefill worker cancelled: awaiting the router
 
     @property
     def num_live(self) -> int:
@@ -79,6 +80,7 @@ class DecodeHandoffs:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a handoff not yet adopted (releasing its reservation); its final output, or None if unknown."""
         entry = self._expected.pop(request_id, None)
+        self._peer_cancelled_at.pop(request_id, None)
         if entry is None:
             return None
         now = self._clock()
@@ -135,6 +137,14 @@ class DecodeHandoffs:
             if self.engine.scheduler.num_running >= self.engine.config.scheduler.max_num_seqs:
                 return []  # the lease bounds this wait
             return self._adopt(entry, now)
+        if state is DestinationState.CANCELLED:
+            # Only the prefill worker cancels a leg this worker still expects (our own cancels forget the request).
+            # It does so when the router aborted the call, whose Abort to us is on its way, or when it stops, which
+            # the router relays as HandoffFailed (`on_prefill_failed`): wait for whichever comes, up to a lease,
+            # rather than recompute a prompt nobody may want.
+            cancelled_at = self._peer_cancelled_at.setdefault(entry.request_id, now)
+            if now - cancelled_at <= self.lease_s:
+                return []
         if state in (DestinationState.FAILED, DestinationState.EXPIRED, DestinationState.CANCELLED):
             self.counters.num_failed += 1
             return self._fall_back(entry, self.destination.reason(transfer_id_of(entry.request_id)))
@@ -161,6 +171,7 @@ class DecodeHandoffs:
 
     def _fall_back(self, entry: _Expected, reason: str, force_recompute: bool = False) -> list[RequestOutput]:
         del self._expected[entry.request_id]
+        self._peer_cancelled_at.pop(entry.request_id, None)
         if entry.kv_load_failure_policy == "fail" and not force_recompute:
             return [_final(entry, FinishReason.ERROR, f"KV transfer failed: {reason}")]
         try:

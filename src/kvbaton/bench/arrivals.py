@@ -37,9 +37,9 @@ def gamma_arrivals(rng: random.Random, num_requests: int, rate: float, cv: float
     shape k = 1/cv**2 and scale = 1/(rate*k) keep the mean gap at 1/rate.
     """
     _check_rate(rate)
-    if not cv > 0:
-        raise InvalidRequestError(f"gamma arrivals need cv > 0, got {cv}")
-    shape = 1.0 / (cv * cv)
+    shape = 1.0 / (cv * cv) if cv > 0 else 0.0
+    if not shape > 0:  # also NaN, and a cv whose square overflows to inf
+        raise InvalidRequestError(f"gamma arrivals need a finite cv > 0, got {cv}")
     scale = 1.0 / (rate * shape)
     times, now_s = [], start_s
     for _ in range(num_requests):

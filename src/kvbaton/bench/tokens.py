@@ -84,7 +84,7 @@ def keyed_token_blocks(keys: Iterable[int], block_tokens: int, vocab_size: int, 
     positions = np.arange(block_tokens, dtype=np.uint64)[None, :]
     with np.errstate(over="ignore"):
         mixed = _splitmix64(key_arr * np.uint64(1_000_003) + positions * np.uint64(0x632BE59BD9B4E019)
-                            + np.uint64(salt))
+                            + np.uint64(salt % 2**64))
     ids = (mixed % np.uint64(num_ids)).astype(np.int32) + FIRST_NORMAL_TOKEN
     ids[:, 0] = FIRST_NORMAL_TOKEN + key_arr[:, 0].astype(np.int64) % num_ids
     if block_tokens > 1:

@@ -72,6 +72,9 @@ def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:
 
     if args.num_gpus <= 0 or args.num_requests <= 0:
         raise InvalidRequestError("--num-gpus and --num-requests must be positive")
+    if args.max_pp < 1 or args.processes < 0:
+        raise InvalidRequestError(f"--max-pp must be at least 1 and --processes at least 0 (every core), got "
+                                  f"{args.max_pp} and {args.processes}")
     if not all(math.isfinite(x) for x in (args.attainment, args.rate_step, args.max_rate, args.first_ceiling)):
         raise InvalidRequestError("--attainment, --rate-step, --max-rate and --first-ceiling must be finite numbers")
     settings = SearchSettings(SLO(args.ttft_slo, args.tpot_slo), args.attainment, args.joint, args.rate_step,
@@ -81,7 +84,8 @@ def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:
         model=args.model, gpu=args.gpu, num_gpus=args.num_gpus, settings=settings, gpus_per_node=args.gpus_per_node,
         affinity=args.affinity, workload=args.workload, workload_params=tuple(sorted(params.items())),
         num_requests=args.num_requests, seed=args.seed,
-        cost_model=_cost_model_name(args.cost_model, args.model, args.gpu), colocated_chunk_tokens=args.chunk_tokens, num_processes=args.processes, max_pp=args.max_pp)
+        cost_model=_cost_model_name(args.cost_model, args.model, args.gpu), colocated_chunk_tokens=args.chunk_tokens,
+        num_processes=args.processes, max_pp=args.max_pp)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -99,7 +103,8 @@ def run_plan(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         shown = [c for c in (plan.best_disaggregated, plan.best_colocated) if c is not None]
         top_rps = max(c.result.per_gpu_rps for c in shown) or args.rate_step
-        rates = [round(top_rps * f, 4) for f in (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5)]
+        # 4 significant digits, not decimals: a goodput under ~0.0002 req/s would otherwise sweep rate 0
+        rates = [float(f"{top_rps * f:.4g}") for f in (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5)]
         curves = planner.sweep([c.placement for c in shown], rates)
         plot_goodput(out / PLOT_NAME, [(c.placement.label, curve) for c, curve in zip(shown, curves)],
                      plan.request.settings.attainment)

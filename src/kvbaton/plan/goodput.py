@@ -45,7 +45,8 @@ class SearchSettings:
 
     @property
     def max_steps(self) -> int:
-        return int(round(self.max_per_gpu_rps / self.step_rps))
+        """The largest grid index, whose rate stays within `max_per_gpu_rps`."""
+        return int(math.floor(self.max_per_gpu_rps / self.step_rps + 1e-9))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,12 @@ class GoodputResult:
 
 class _Hopeless(Exception):
     """Raised from inside the simulation once the probe can no longer meet the target."""
+
+
+def grid_rate(k: int, step_rps: float) -> float:
+    """Grid index `k`'s rate, `k * step_rps` to 12 significant digits: no float noise (0.15, not
+    0.15000000000000002), and never 0 for k >= 1, however fine the step."""
+    return float(f"{k * step_rps:.12g}")
 
 
 def scaled(requests: Sequence[WorkloadRequest], rate_rps: float) -> list[WorkloadRequest]:
@@ -184,7 +191,7 @@ def search_goodput(requests: Sequence[WorkloadRequest], setup: SimSetup, num_gpu
         return int(math.floor(rate_rps / step + 1e-9))
 
     def met(k: int) -> bool:
-        result = probe(requests, setup, num_gpus, round(k * step, 9), settings)
+        result = probe(requests, setup, num_gpus, grid_rate(k, step), settings)
         probes.append(result)
         if result.met and on_pass is not None:
             on_pass(result.per_gpu_rps)
@@ -193,4 +200,4 @@ def search_goodput(requests: Sequence[WorkloadRequest], setup: SimSetup, num_gpu
     floor = to_index(floor_rps)
     floor_now = (lambda: max(floor, to_index(best_rps()))) if best_rps is not None else (lambda: floor)
     k, pruned, capped = largest_passing(met, 0, to_index(settings.ceiling_rps), settings.max_steps, floor_now)
-    return GoodputResult(round(k * step, 9), pruned, capped, tuple(probes))
+    return GoodputResult(grid_rate(k, step), pruned, capped, tuple(probes))

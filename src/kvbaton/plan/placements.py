@@ -15,8 +15,9 @@ Pipeline degrees go up to `max_pp` (default 1): the simulator prices a pp-stage 
 1/pp of the whole step for latency as well as throughput (`kvbaton.sim.costs.linear`), which
 flatters pipelines on TTFT; raise it once stage latency is modelled.
 Only parallel degrees the cost model can price and the model can be split by are enumerated
-(tp over the available coefficient sets or dividing the KV heads, pp dividing the layers), and
-a worker must hold its weights plus at least one full-context request of KV.
+(tp dividing the attention and KV heads, and among a linear model's coefficient sets; pp
+dividing the layers), and a worker must hold its weights plus at least one full-context request
+of KV. A node-constrained unit's segments must each fit inside one node.
 """
 
 from __future__ import annotations
@@ -111,13 +112,16 @@ class Hardware:
     def num_nodes(self) -> int:
         return -(-self.num_gpus // self.gpus_per_node)
 
+    def num_fitting(self, group_gpus: int) -> int:
+        """How many groups of `group_gpus` GPUs, each inside one node, the nodes hold (the last may be partial)."""
+        full_nodes, rest = divmod(self.num_gpus, self.gpus_per_node)
+        return full_nodes * (self.gpus_per_node // group_gpus) + rest // group_gpus
+
 
 def possible_tps(model: ModelSpec, cost_model: CostModel, limit: int) -> list[int]:
-    if isinstance(cost_model, LinearCostModel):
-        tps = list(cost_model.by_tp)  # only degrees with published/profiled coefficients
-    else:
-        tps = [t for t in range(1, limit + 1) if model.num_kv_heads % t == 0 and model.num_heads % t == 0]
-    return [t for t in tps if t <= limit]
+    # A linear model prices only the degrees it has (published/profiled) coefficients for.
+    tps = list(cost_model.by_tp) if isinstance(cost_model, LinearCostModel) else range(1, limit + 1)
+    return [t for t in tps if t <= limit and model.num_kv_heads % t == 0 and model.num_heads % t == 0]
 
 
 def possible_pps(model: ModelSpec, limit: int) -> list[int]:
@@ -157,7 +161,7 @@ def disaggregated_placements(model: ModelSpec, cost_model: CostModel, hw: Hardwa
                     for tp_d in tps:
                         for pp_d in local_pps:
                             segment_gpus = tp_p * pp_p + tp_d * pp_d
-                            if segment_gpus > hw.gpus_per_node or pp_cross * segment_gpus > hw.num_gpus:
+                            if segment_gpus > hw.gpus_per_node or hw.num_fitting(segment_gpus) < pp_cross:
                                 continue
                             if pp_cross * pp_p not in pps or pp_cross * pp_d not in pps:
                                 continue

@@ -21,7 +21,7 @@ def candidate_json(c: Candidate) -> dict[str, Any]:
     return {
         **c.placement.to_json(), "algorithm": c.placement.algorithm, "num_gpus": c.placement.num_gpus,
         "cluster": c.placement.cluster_spec, "per_gpu_goodput_rps": r.per_gpu_rps,
-        "goodput_rps": round(r.per_gpu_rps * c.placement.num_gpus, 9), "pruned": r.pruned, "capped": r.capped,
+        "goodput_rps": float(f"{r.per_gpu_rps * c.placement.num_gpus:.12g}"), "pruned": r.pruned, "capped": r.capped,
         "num_probes": len(r.probes), "bound_per_gpu_rps": round(c.bound_per_gpu_rps, 4),
     }
 
@@ -91,6 +91,8 @@ def plan_text(plan: Plan, rate_rps: float | None = None) -> str:
     lines = [head, f"best unit ({p.num_gpus} GPUs): {unit}",
              f"  per-GPU goodput {best.result.per_gpu_rps:.2f} req/s, unit goodput "
              f"{best.result.per_gpu_rps * p.num_gpus:.2f} req/s"]
+    if best.result.per_gpu_rps <= 0:
+        lines.append(f"  no placement meets the SLOs at any searched rate (the lowest: {s.step_rps:g} req/s per GPU)")
     for name, other in (("best disaggregated", plan.best_disaggregated), ("best colocated", plan.best_colocated)):
         if other is not None and other is not best:
             lines.append(f"  {name}: {other.placement.label}, {other.result.per_gpu_rps:.2f} req/s per GPU")

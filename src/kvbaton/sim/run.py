@@ -143,6 +143,11 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
     if model is not None and deepest > model.num_layers:
         raise InvalidRequestError(f"{setup.cluster!r}: {deepest} pipeline stages, but {setup.model} has only "
                                   f"{model.num_layers} layers")
+    unsplit = sorted({w.parallel.tp for w in spec.workers if model is not None
+                      and (model.num_heads % w.parallel.tp or model.num_kv_heads % w.parallel.tp)})
+    if unsplit and model is not None:
+        raise InvalidRequestError(f"{setup.cluster!r}: tp={unsplit[0]} does not divide {setup.model}'s "
+                                  f"{model.num_heads} attention heads and {model.num_kv_heads} KV heads")
     cost_model = create_cost_model(setup.cost_model, setup.model, setup.gpu)
     num_blocks = kv_blocks_for(setup, spec, cost_model)
     host_num_blocks = host_kv_blocks_for(setup, cost_model)

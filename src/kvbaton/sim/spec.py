@@ -2,7 +2,8 @@
 
 Grammar: `<N>xmixed` or `<P>P<D>D`, then optionally `:` and comma-separated options:
 `tp`/`pp` (every worker), `tp_p`/`pp_p` (prefill pool), `tp_d`/`pp_d` (decode pool), and
-`link=<preset>` for prefill->decode KV transfers (default infiniband).
+`link=<preset>` for prefill->decode KV transfers (default infiniband). Each option at most once; a mixed
+cluster takes only `tp` and `pp`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def parse_cluster_spec(text: str) -> ClusterSpec:
         key, sep, value = item.partition("=")
         if not sep or key not in (*_INT_OPTIONS, "link"):
             raise InvalidRequestError(f"cluster option {item!r}: expected one of {_INT_OPTIONS + ('link',)}=VALUE")
+        if key in options:
+            raise InvalidRequestError(f"cluster spec {text!r}: option {key} given twice")
         options[key] = value
     ints: dict[str, int] = {}
     for key in _INT_OPTIONS:
@@ -64,6 +67,9 @@ def parse_cluster_spec(text: str) -> ClusterSpec:
     get_link(link)
     mixed, disagg = _MIXED.match(shape), _DISAGG.match(shape)
     if mixed:
+        pooled = sorted(set(options) - {"tp", "pp"})
+        if pooled:  # a mixed cluster has no prefill or decode pool, nor transfers between them
+            raise InvalidRequestError(f"cluster spec {text!r}: {', '.join(pooled)} applies to a <P>P<D>D cluster only")
         counts = {"mixed": int(mixed.group(1))}
     elif disagg:
         counts = {"prefill": int(disagg.group(1)), "decode": int(disagg.group(2))}

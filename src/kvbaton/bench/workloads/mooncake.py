@@ -60,7 +60,7 @@ def _parse_row(line: str, where: str) -> dict:
             raise TypeError(f"hash_ids must be a list, got {ids!r}")
         parsed = {"timestamp": float(row["timestamp"]), "input_length": int(row["input_length"]),
                   "output_length": int(row["output_length"]), "hash_ids": [int(h) for h in ids]}
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:  # OverflowError: int(1e400)
         raise InvalidRequestError(f"{where}: not a Mooncake trace row ({exc})") from None
     if not math.isfinite(parsed["timestamp"]):
         raise InvalidRequestError(f"{where}: timestamp must be a finite number, got {parsed['timestamp']}")

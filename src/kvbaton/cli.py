@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -223,7 +224,6 @@ def _check_kv_sizes(args: argparse.Namespace) -> None:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    import os
     import signal
     import socket
 
@@ -313,6 +313,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`kvbaton sim ... | head`): stop quietly, as the standard tools do. Python would
+        # still try to flush stdout at exit and print a second traceback, so point it at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a writer killed by it
     return 0
 
 

@@ -64,3 +64,18 @@ def test_mooncake_salt_outside_uint64_is_taken(salt: int) -> None:
     # Bug: the salt went into np.uint64(salt) unchecked, so --param salt=-1 raised OverflowError (a traceback).
     requests = create_workload("mooncake", num_requests=2, seed=0, salt=salt)
     assert len(requests) == 2
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    # Was a bug: `kvbaton sim --json ... | head` (any output written with print) printed a BrokenPipeError traceback.
+    # The command now stops quietly with status 141, as a writer killed by SIGPIPE reports.
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "sim", "--workload", "tool-use", "--model",
+                                "mistral-7b", "--gpu", "a6000", "--cluster", "1xmixed", "--rate", "2",
+                                "--num-requests", "20", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # the reader is gone before anything is written
+    stderr = process.stderr.read().decode()
+    assert process.wait(120) == 141 and "Traceback" not in stderr, stderr

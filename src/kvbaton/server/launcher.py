@@ -296,8 +296,17 @@ class Launcher:
             return
         workers = [(worker_id, worker_args(config, address, worker_id, role))
                    for worker_id, role in worker_roles(config)]
-        self.processes.update(await self.placement.start(workers, config.num_threads_per_worker,
-                                                         config.gpus_per_worker, config.startup_timeout_s))
+        # Ray may wait for resources until the startup timeout: a stop signal ends the wait (closing the placement
+        # then ends the actors placed so far and those still pending).
+        placing = asyncio.ensure_future(self.placement.start(workers, config.num_threads_per_worker,
+                                                             config.gpus_per_worker, config.startup_timeout_s))
+        stopping = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({placing, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not placing.done():
+            placing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            self.processes.update(await placing)
 
     def _let_go_of_ray(self) -> None:
         if self.placement is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from typing import Any
 from kvbaton.core.errors import KvbatonError
 
 LOCAL = "local"  # --ray local: start a single-node Ray instance on 127.0.0.1
+CONNECT_TIMEOUT_S = 5.0  # a Ray cluster's address must take a TCP connection within this
 
 
 def import_ray(address: str) -> ModuleType:
@@ -43,6 +45,20 @@ def import_ray(address: str) -> ModuleType:
     except ImportError:
         raise KvbatonError("--ray needs Ray installed: pip install 'kvbaton[ray]'") from None
     return ray
+
+
+def check_answers(address: str) -> None:
+    """Refuse a cluster address where nothing takes a connection: `ray.init` would retry it for many minutes. The
+    address is first resolved as `ray.init` resolves it (`auto`, RAY_ADDRESS, 127.0.0.1 -> this node's IP)."""
+    if "://" in address:  # ray://: Ray Client connects on its own terms
+        return
+    from ray._private.services import canonicalize_bootstrap_address
+
+    host, _, port = str(canonicalize_bootstrap_address(address)).rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers at {host}:{port} ({exc.strerror or exc})") from None
 
 
 class WorkerHost:
@@ -123,9 +139,10 @@ class RayPlacement:
         if ray.is_initialized():
             raise KvbatonError("Ray is already initialised in this process")
         try:
-            if address == LOCAL:
-                ray.init(include_dashboard=False)
+            if address == LOCAL:  # "local", not None: a new instance even where RAY_ADDRESS or `ray start` name one
+                ray.init(address=LOCAL, include_dashboard=False)
             else:
+                check_answers(address)
                 ray.init(address=address)
         except (ConnectionError, ValueError, RuntimeError) as exc:  # no cluster there, a malformed address
             raise KvbatonError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
@@ -149,6 +166,19 @@ class RayPlacement:
             if each and num_workers * each > have:
                 raise KvbatonError(f"the Ray cluster has {have:g} {name}s; {num_workers} workers with {each:g} each "
                                    f"need {num_workers * each:g} (see --threads-per-worker, --gpus-per-worker)")
+        # A worker's share must fit on one node: the cluster's total can hold workers that no node can.
+        wanted = [(name, each) for name, each in (("CPU", num_cpus), ("GPU", num_gpus)) if each]
+        if not wanted:
+            return
+        nodes = [node.get("Resources", {}) for node in self.ray.nodes() if node.get("Alive")]
+        room = sum(min(int(float(node.get(name, 0.0)) / each + 1e-9) for name, each in wanted) for node in nodes)
+        if room < num_workers:
+            share = " and ".join(f"{each:g} {name}s" for name, each in wanted)
+            have = "; ".join(", ".join(f"{float(node.get(name, 0.0)):g} {name}s" for name, _ in wanted)
+                             for node in nodes)
+            raise KvbatonError(f"the Ray cluster's nodes can hold {room} of the {num_workers} workers with {share} "
+                               f"each (a worker runs on one node); its nodes have {have} (see --threads-per-worker, "
+                               f"--gpus-per-worker)")
 
     async def start(self, workers: Sequence[tuple[str, Sequence[str]]], num_cpus: float, num_gpus: float,
                     timeout_s: float) -> dict[str, RayWorkerProcess]:
@@ -162,10 +192,14 @@ class RayPlacement:
             actors.append(actor)
             self._actors.append(actor)
         refs = [actor.start.remote(list(args)) for actor, (_, args) in zip(actors, workers)]
+        placed = asyncio.gather(*refs)
         try:
-            started = await asyncio.wait_for(asyncio.gather(*refs), timeout_s)
+            started = await asyncio.wait_for(placed, timeout_s)
         except TimeoutError:
             raise KvbatonError(f"Ray did not place all {len(workers)} workers within {timeout_s:g} s") from None
+        finally:
+            if placed.done() and not placed.cancelled():
+                placed.exception()  # a gather cancelled (a timeout, a stop) holds a CancelledError asyncio would log
         return {worker_id: RayWorkerProcess(self.ray, actor, node_ip, pid)
                 for (worker_id, _), actor, (node_ip, pid) in zip(workers, actors, started)}
 

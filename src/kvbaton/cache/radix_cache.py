@@ -81,6 +81,14 @@ class RadixCache(RadixEviction):
         """Blocks `evict` could free right now: those in nodes with no lock on them or below them."""
         return self._num_cached_blocks - self._num_locked_blocks
 
+    def make_room(self, num_blocks: int) -> bool:
+        """Evict `num_blocks` blocks if the unlocked leaves hold that many, else nothing: an allocation that
+        cannot succeed anyway must not flush the cache. True when it evicted."""
+        if num_blocks > self.num_evictable_blocks:
+            return False
+        self.evict(num_blocks)
+        return True
+
     @property
     def last_seq(self) -> int:
         """Seq of the latest event emitted (taken or not); 0 before any. An empty snapshot is as of it."""

@@ -50,13 +50,8 @@ class DecodeHandoffs:
         # A reservation may evict what this worker's prefix cache holds unused, as any allocation here may, when
         # that makes room: one that cannot fit even so (more than the pool) is refused without flushing the cache.
         cache = engine.prefix_cache
-
-        def make_room(num_blocks: int) -> None:
-            if cache is not None and num_blocks <= cache.num_evictable_blocks:
-                cache.evict(num_blocks)
-
         self.destination = HandoffDestination(layout, engine.pool, lease_s,
-                                              make_room=make_room if cache is not None else None,
+                                              make_room=cache.make_room if cache is not None else None,
                                               peer_lost_fence_s=transport.peer_lost_write_grace_s)
         self.counters = TransferCounters()
         self._expected: dict[str, _Expected] = {}

@@ -166,9 +166,8 @@ class BlockManager:
             return True
         shortfall = num_new - self.pool.num_free_blocks
         if shortfall > 0:
-            if self.cache is None or shortfall > self.cache.num_evictable_blocks:
+            if self.cache is None or not self.cache.make_room(shortfall):
                 return False
-            self.cache.evict(shortfall)
             if not self.pool.can_allocate(num_new):  # an evicted block still held elsewhere (a handoff leg's)
                 return False
         request.block_ids.extend(self.pool.allocate(num_new))

@@ -111,8 +111,9 @@ class HandoffDestination(LegTable[_DestinationLeg]):
         self.num_grants = 0
         self.num_refusals = 0
         self.peer_lost_fence_s = peer_lost_fence_s  # KVTransport.peer_lost_write_grace_s of our end
-        # Frees up to n blocks the worker's prefix cache holds unused (RadixCache.evict), so that a reservation is
-        # refused only when even the evictable cache cannot make room; None: reserve from free blocks alone.
+        # Frees n blocks the worker's prefix cache holds unused, if it holds that many (RadixCache.make_room), so
+        # that a reservation is refused only when even the evictable cache cannot make room; None: reserve from
+        # free blocks alone.
         self.make_room = make_room
 
     # -- queries ---------------------------------------------------------------------------------
@@ -322,19 +323,18 @@ class HandoffDestination(LegTable[_DestinationLeg]):
         """Raise AssertionError if reservations overlap, disagree with the pool, or counts drift."""
         owners: dict[int, TransferId] = {}
         for leg in self._legs.values():
-            if leg.fenced_until is not None:
-                assert leg.state not in DESTINATION_LIVE, f"{leg.transfer_id} is fenced but live"
-                for block_id in leg.block_ids:
-                    assert block_id not in owners, f"block {block_id} held by {owners[block_id]} and {leg.transfer_id}"
-                    owners[block_id] = leg.transfer_id
-                    assert self.pool.ref_count(block_id) >= 1, f"fenced block {block_id} is free in the pool"
-            if leg.state not in DESTINATION_LIVE:
+            live = leg.state in DESTINATION_LIVE
+            assert not (live and leg.fenced_until is not None), f"{leg.transfer_id} is fenced but live"
+            if not live and leg.fenced_until is None:
+                continue  # holds no block
+            held = "reserved" if live else "fenced"
+            for block_id in leg.block_ids:
+                assert block_id not in owners, f"block {block_id} held by {owners[block_id]} and {leg.transfer_id}"
+                owners[block_id] = leg.transfer_id
+                assert self.pool.ref_count(block_id) >= 1, f"{held} block {block_id} is free in the pool"
+            if not live:
                 continue
             assert len(leg.block_ids) == self.layout.num_blocks_for(leg.num_tokens), f"{leg.transfer_id} block count"
-            for block_id in leg.block_ids:
-                assert block_id not in owners, f"block {block_id} reserved by {owners[block_id]} and {leg.transfer_id}"
-                owners[block_id] = leg.transfer_id
-                assert self.pool.ref_count(block_id) >= 1, f"reserved block {block_id} is free in the pool"
             assert leg.tokens_received == [sum(chunks.values()) for chunks in leg.chunks]
             assert all(0 <= n <= leg.num_tokens for n in leg.tokens_received)
             assert leg.num_complete_layers == sum(n == leg.num_tokens for n in leg.tokens_received)

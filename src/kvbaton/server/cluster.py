@@ -117,8 +117,7 @@ class ClusterManager(WorkerMembership, ClusterReports):
                                     calibration if isinstance(calibration, CalibratedTimeModel) else None,
                                     config.reserves_on_arrival)
                       if pricing is not None else None)
-        self.retired_prefix_cache_tokens = [0, 0]  # (queries, hits) of workers that left: keeps totals monotone
-        self.retired_spec_decode_tokens = [0, 0]  # (draft, accepted) of workers that left: likewise
+        self.retired_spec_decode_tokens = [0, 0]  # (draft, accepted) of workers that left: keeps totals monotone
         self._socket: RouterSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_check_at = clock()

@@ -38,7 +38,6 @@ class ClusterReports:
     num_handoff_fallbacks: int
     handoff_endings: dict[str, int]
     pools: PoolBalancer | None
-    retired_prefix_cache_tokens: list[int]
     retired_spec_decode_tokens: list[int]
     address: str
 
@@ -108,14 +107,6 @@ class ClusterReports:
 
     def live_worker_stats(self) -> dict[str, rpc.Stats]:
         return {w: r.stats for w, r in sorted(self.workers.items()) if r.stats is not None}
-
-    def prefix_cache_totals(self) -> tuple[int, int]:
-        """(queried, hit) prompt tokens over all workers ever registered; never decreases."""
-        queries, hits = self.retired_prefix_cache_tokens
-        for stats in self.live_worker_stats().values():
-            queries += stats.prefix_cache_queries_tokens
-            hits += stats.prefix_cache_hits_tokens
-        return queries, hits
 
     def spec_decode_totals(self) -> dict[str, int]:
         """Speculative decoding's draft tokens proposed and accepted over all workers ever registered; never

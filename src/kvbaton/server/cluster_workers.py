@@ -60,7 +60,6 @@ class WorkerMembership:
     num_handoff_fallbacks: int
     handoff_endings: dict[str, int]
     pools: PoolBalancer | None
-    retired_prefix_cache_tokens: list[int]
     retired_spec_decode_tokens: list[int]
     _socket: RouterSocket | None
     _last_check_at: float
@@ -248,8 +247,6 @@ class WorkerMembership:
         if self.pools is not None:
             self.pools.remove_worker(worker_id)
         if record.stats is not None:
-            self.retired_prefix_cache_tokens[0] += record.stats.prefix_cache_queries_tokens
-            self.retired_prefix_cache_tokens[1] += record.stats.prefix_cache_hits_tokens
             self.retired_spec_decode_tokens[0] += record.stats.num_draft_tokens
             self.retired_spec_decode_tokens[1] += record.stats.num_accepted_tokens
         for request_id in sorted(record.in_flight):

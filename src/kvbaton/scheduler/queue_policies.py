@@ -49,20 +49,24 @@ def _split_preempted(waiting: Sequence[Request]) -> tuple[list[Request], list[Re
     return preempted, fresh
 
 
-class FcfsPolicy:
-    """First come, first served: preempted requests first, then arrival order."""
-
-    name = "fcfs"
+class _StatelessPolicy:
+    """A policy whose order depends on the waiting requests alone: admissions teach it nothing."""
 
     def on_admitted(self, request: Request, num_cached_tokens: int) -> None:
         return None
+
+
+class FcfsPolicy(_StatelessPolicy):
+    """First come, first served: preempted requests first, then arrival order."""
+
+    name = "fcfs"
 
     def order(self, waiting: Sequence[Request], cached_tokens: CachedTokensFn) -> list[Request]:
         preempted, fresh = _split_preempted(waiting)
         return preempted + fresh
 
 
-class LongestPrefixPolicy:
+class LongestPrefixPolicy(_StatelessPolicy):
     """Longest prefix match first (SGLang's `lpm`): most cached tokens first, ties FCFS.
 
     Probing the cache for every waiting request costs O(waiting * prompt); above
@@ -73,9 +77,6 @@ class LongestPrefixPolicy:
 
     def __init__(self, fallback_waiting: int = 128) -> None:
         self.fallback_waiting = fallback_waiting
-
-    def on_admitted(self, request: Request, num_cached_tokens: int) -> None:
-        return None
 
     def order(self, waiting: Sequence[Request], cached_tokens: CachedTokensFn) -> list[Request]:
         preempted, fresh = _split_preempted(waiting)
@@ -149,15 +150,12 @@ class PreblePriorityPolicy:
         self._pass[g] += 1.0 / (g + 1)
 
 
-class PriorityPolicy:
+class PriorityPolicy(_StatelessPolicy):
     """vLLM's priority scheduling: the lowest `SamplingParams.priority` first; among equals, preempted requests
     first, then arrival order. The scheduler also preempts the running request of the highest priority value (the
     latest arrival among equals) first (`StepPlanning._preemption_victim`)."""
 
     name = "priority"
-
-    def on_admitted(self, request: Request, num_cached_tokens: int) -> None:
-        return None
 
     def order(self, waiting: Sequence[Request], cached_tokens: CachedTokensFn) -> list[Request]:
         preempted = RequestStatus.PREEMPTED

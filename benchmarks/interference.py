@@ -11,7 +11,7 @@ p99 ITL and TTFT of the short requests side by side and one JSON line with the r
 
 With `--sweep-threshold`, it instead measures, on 1P+1D, TTFT of prompts of growing length sent one
 at a time, with the handoff (threshold 0) and prefilled on the decode worker (huge threshold): the
-length where the two meet is the default `local_prefill_threshold_tokens` (kvbaton.server.pd_router).
+length where the two meet is the default `local_prefill_threshold_tokens` (kvbaton.router.pairs).
 
 Note on resources: 1P+1D uses two worker processes (one thread each) where 1 mixed uses one, as in
 the issue's "same machine" comparison; on this shared 2-core machine that is the whole machine.
@@ -47,7 +47,7 @@ import numpy as np
 from kvbaton.bench.driver import DriverConfig, drive
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
-from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 
 _BANNER = re.compile(r"kvbaton: serving .* at (http://\S+) with .*\(pids ([\d ]+)\)")
 LAYOUTS = {"mixed": ["--workers", "1"], "1p1d": ["--prefill", "1", "--decode", "1"]}

@@ -152,7 +152,7 @@ def _add_reserve_ahead(p: argparse.ArgumentParser) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from kvbaton.server.launcher import ServeConfig, serve
 
-    from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+    from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 
     num_workers = args.workers if args.workers is not None else (0 if args.prefill or args.decode else 2)
     if min(num_workers, args.prefill, args.decode) < 0:

@@ -13,7 +13,7 @@ from kvbaton.router.base import RouteRequest
 from kvbaton.router.load import WorkerStats
 from kvbaton.router.prefix_index import GlobalPrefixIndex
 from kvbaton.router.state import RouterState
-from kvbaton.server.pd_router import PairChoiceConfig, PairChooser
+from kvbaton.router.pairs import PairChoiceConfig, PairChooser
 
 KEY = CacheKey("m", "l")
 BS = 2
@@ -123,11 +123,11 @@ def test_back_to_back_pairs_spread_over_identical_decode_workers_between_heartbe
     for worker in ("p0", "d0", "d1"):
         state.load.on_stats(WorkerStats(worker, 0, 0, 1000, 0, 0, 0, 16), 0.0)
     pairs = PairChooser(state, PairChoiceConfig(local_prefill_threshold_tokens=0))
-    decode_workers = [
-        pairs.choose(RouteRequest.from_tokens(f"r{i}", list(range(100 * i, 100 * i + 64)), KEY, 16, 8), ["p0"],
-                     {"d0": "shm", "d1": "shm"}, 0.01 * i).decode_worker
-        for i in range(4)
-    ]
+    decode_workers = []
+    for i in range(4):
+        r = RouteRequest.from_tokens(f"r{i}", list(range(100 * i, 100 * i + 64)), KEY, 16, 8)
+        decode_workers.append(pairs.choose_decode(r, {"d0": "shm", "d1": "shm"}))
+        pairs.on_handed_off(r, decode_workers[-1], 0.01 * i)
     assert decode_workers == ["d0", "d1", "d0", "d1"]
     assert state.load.free_blocks("d0") == 1000 - 2 * 4  # two 64-token prompts reserved there
     state.load.on_stats(WorkerStats("d0", 0, 0, 1000, 0, 0, 0, 16), 1.0)  # the heartbeat reflects them (none ran)
@@ -143,7 +143,7 @@ def test_prefill_queue_excludes_kv_held_for_handoffs() -> None:
     state.load.on_stats(WorkerStats("p1", 1000, 0, 1000, 1, 0, 0, 16), 0.0)  # 1000 tokens still to prefill
     state.load.on_stats(WorkerStats("d0", 0, 0, 1000, 0, 0, 0, 16), 0.0)
     pairs = PairChooser(state, PairChoiceConfig(local_prefill_threshold_tokens=0))
-    decision = pairs.choose(RouteRequest.from_tokens("r", list(range(200)), KEY, 16, 8), ["p0", "p1"],
-                            {"d0": "shm"}, 0.0)
-    assert decision.prefill_worker == "p0"
-    assert decision.prefill_s == state.prefill_model.predict(200, 0)  # nothing queued ahead of it
+    worker, prefill_s = pairs.choose_prefill(RouteRequest.from_tokens("r", list(range(200)), KEY, 16, 8),
+                                             ["p0", "p1"], {})
+    assert worker == "p0"
+    assert prefill_s == state.prefill_model.predict(200, 0)  # nothing queued ahead of it

@@ -20,7 +20,7 @@ from kvbaton.router.admission import (AdmissionPolicy, AdmissionRequest, Admissi
 from kvbaton.router.pools import PoolBalancer, PoolConfig
 from kvbaton.server.base import GenerateCall, RejectedError
 from kvbaton.server.cluster import ClusterManager
-from kvbaton.server.cluster_admission import AdmissionGate
+from kvbaton.router.call_tally import CallTally
 from kvbaton.server.launcher import ServeConfig, admission_policy, pool_balancer
 from kvbaton.sim.costs.linear import LinearCoefficients, LinearCostModel, save_linear_model
 from tests.server.pd_helpers import BLOCK_SIZE, collect, colocated, greedy, run_pd, tokens_of, wait_clean
@@ -34,8 +34,8 @@ def policy(name: str, ttft_s: float = 0.25, tpot_s: float = 0.05) -> AdmissionPo
     return AdmissionPolicy(name, AdmissionSLO(ttft_s, tpot_s), {}, default_model=COST)
 
 
-def gate(name: str = "early", capacity_tokens: int = 10_000) -> AdmissionGate:
-    return AdmissionGate(policy(name), BLOCK_SIZE, lambda worker: capacity_tokens)
+def gate(name: str = "early", capacity_tokens: int = 10_000) -> CallTally:
+    return CallTally(policy(name), BLOCK_SIZE, lambda worker: capacity_tokens)
 
 
 def test_tally_prices_waiting_prompts_on_their_prefill_worker_and_decodes_on_their_decode_worker() -> None:
@@ -165,7 +165,7 @@ def test_serve_builds_adaptive_pools_only_for_disaggregated_pools_with_slos_and_
 
 def test_the_gate_feeds_measured_ttft_and_tpot_back_into_a_calibrated_model() -> None:
     calibrated = CalibratedTimeModel(COST, smoothing=1.0)  # the last observation is the scale
-    g = AdmissionGate(AdmissionPolicy("baseline", AdmissionSLO(1.0, 0.05), {}, default_model=calibrated),
+    g = CallTally(AdmissionPolicy("baseline", AdmissionSLO(1.0, 0.05), {}, default_model=calibrated),
                       BLOCK_SIZE, lambda worker: 10_000, calibrated)
     g.on_routed("a", "p0", "d0", 100, 0, 5, now=10.0)  # uncorrected: 0.1 s TTFT, a 0.011 s decode step
     g.on_tokens("a", 1, now=10.3)  # 3x the predicted TTFT

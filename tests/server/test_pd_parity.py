@@ -42,7 +42,8 @@ def greedy(**kwargs: object) -> SamplingParams:
 
 
 # (name, prompt index, params); prompt_logprobs calls last: they run whole on the decode worker, whose cache the
-# prefill worker does not share.
+# prefill worker does not share. A call of one token runs whole on the prefill worker (no decode is left to hand
+# off), so it answers as one engine there.
 CASES: list[tuple[str, int, SamplingParams]] = [
     ("plain", 0, greedy()),
     ("max_tokens_1", 1, greedy(max_tokens=1)),
@@ -104,7 +105,8 @@ def test_every_option_through_1p1d_answers_as_one_engine(tiny: LoadedModel) -> N
             deltas = await collect(cluster, GenerateCall(name, tuple(prompts[prompt_index]), params, arrival_at=0.0))
             got, got_prompt_logprobs = cluster_answer(deltas)
             assert_same(got, answer, name)
-            assert deltas[-1].worker_id == "d0", name
+            one_token = params.max_tokens == 1 and params.prompt_logprobs is None
+            assert deltas[-1].worker_id == ("p0" if one_token else "d0"), name
             assert [t.token_id for t in got_prompt_logprobs] == [t.token_id for t in prompt_logprobs], name
             assert [[i for i, _ in t.top_logprobs] for t in got_prompt_logprobs] == [
                 [i for i, _ in t.top_logprobs] for t in prompt_logprobs], name
@@ -112,10 +114,13 @@ def test_every_option_through_1p1d_answers_as_one_engine(tiny: LoadedModel) -> N
                 [t.logprob for t in prompt_logprobs], abs=1e-4), name
         await wait_clean(cluster, ["p0", "d0"])
         num_whole = sum(params.prompt_logprobs is not None for _, _, params in CASES)
-        assert cluster.router_decisions == {"pair": len(CASES) - num_whole, "local_prefill": num_whole}
+        num_one_token = sum(params.max_tokens == 1 and params.prompt_logprobs is None for _, _, params in CASES)
+        num_pairs = len(CASES) - num_whole - num_one_token
+        assert cluster.router_decisions == {"pair": num_pairs, "local_prefill": num_whole,
+                                            "prefill_only": num_one_token}
         for worker_id in ("p0", "d0"):
             stats = cluster.workers[worker_id].stats
-            assert stats.num_transfers_completed == len(CASES) - num_whole, worker_id
+            assert stats.num_transfers_completed == num_pairs, worker_id
             assert stats.num_transfers_failed == stats.num_transfer_recomputes == 0, worker_id
         assert all(w.thread.is_alive() for w in workers.values())
 

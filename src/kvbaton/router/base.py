@@ -23,7 +23,7 @@ router calls policy and state from one thread (its event loop); `now` must never
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -127,10 +127,13 @@ class PlacementPolicy(Protocol):
 
     name: str
 
-    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float) -> RouteDecision:
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float,
+               matched: Mapping[WorkerId, int] | None = None) -> RouteDecision:
         """Pick one of `workers` (non-empty, live, eligible) and commit the choice to the router state.
 
-        Raises CapacityError when `workers` is empty. Deterministic given the seed and the call sequence.
+        `matched`: the prompt's cached blocks per worker, as the prefix index matched them for this request (the
+        placement matches once per request); None matches here. Raises CapacityError when `workers` is empty.
+        Deterministic given the seed and the call sequence.
         """
         ...
 

@@ -7,7 +7,7 @@ All policies share `RouterState`, commit every decision to it, and break ties wi
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvbaton.core.errors import CapacityError, InvalidRequestError
 from kvbaton.router.base import PlacementPolicy, RouteDecision, RouteRequest, WorkerId, make_route_decision
@@ -34,6 +34,10 @@ class BasePolicy:
     def on_worker_removed(self, worker_id: WorkerId) -> None:
         self.state.remove_worker(worker_id)
 
+    def _matched(self, request: RouteRequest, matched: Mapping[WorkerId, int] | None) -> Mapping[WorkerId, int]:
+        """The caller's match of this request (the placement matches once), else the index's now."""
+        return self.state.index.match(request.block_hashes) if matched is None else matched
+
     def _break_tie(self, tied: list[WorkerId]) -> WorkerId:
         return tied[0] if len(tied) == 1 else self.rng.choice(sorted(tied))
 
@@ -44,7 +48,7 @@ class BasePolicy:
         return self._break_tie([w for w, x in zip(candidates, loads) if x == lowest]), lowest
 
     def _decide(
-        self, request: RouteRequest, worker: WorkerId, matched: dict[WorkerId, int], reason: str, now: float
+        self, request: RouteRequest, worker: WorkerId, matched: Mapping[WorkerId, int], reason: str, now: float
     ) -> RouteDecision:
         num_blocks = matched.get(worker, 0)
         state = self.state
@@ -66,11 +70,12 @@ class RoundRobinPolicy(BasePolicy):
         super().__init__(state, rng)
         self._num_routed = 0
 
-    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float) -> RouteDecision:
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float,
+               matched: Mapping[WorkerId, int] | None = None) -> RouteDecision:
         _require_workers(workers)
         worker = workers[self._num_routed % len(workers)]
         self._num_routed += 1
-        return self._decide(request, worker, self.state.index.match(request.block_hashes), self.name, now)
+        return self._decide(request, worker, self._matched(request, matched), self.name, now)
 
 
 class LeastLoadPolicy(BasePolicy):
@@ -78,10 +83,11 @@ class LeastLoadPolicy(BasePolicy):
 
     name = "least_load"
 
-    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float) -> RouteDecision:
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float,
+               matched: Mapping[WorkerId, int] | None = None) -> RouteDecision:
         _require_workers(workers)
         worker, _ = self._least_loaded(workers)
-        return self._decide(request, worker, self.state.index.match(request.block_hashes), self.name, now)
+        return self._decide(request, worker, self._matched(request, matched), self.name, now)
 
 
 class LongestPrefixPolicy(BasePolicy):
@@ -89,9 +95,10 @@ class LongestPrefixPolicy(BasePolicy):
 
     name = "longest_prefix"
 
-    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float) -> RouteDecision:
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float,
+               matched: Mapping[WorkerId, int] | None = None) -> RouteDecision:
         _require_workers(workers)
-        matched = self.state.index.match(request.block_hashes)
+        matched = self._matched(request, matched)
         longest = max((matched.get(w, 0) for w in workers), default=0)
         candidates = [w for w in workers if matched.get(w, 0) == longest]
         worker, _ = self._least_loaded(candidates)

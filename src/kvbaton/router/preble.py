@@ -20,7 +20,7 @@ import math
 import random
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from operator import itemgetter
@@ -135,7 +135,8 @@ class PrebleE2Policy(BasePolicy):
         self.num_replications = 0
 
     # ---- decision ------------------------------------------------------------------------------
-    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float) -> RouteDecision:
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float,
+               matched: Mapping[WorkerId, int] | None = None) -> RouteDecision:
         if not workers:
             raise CapacityError("no live worker to route to")
         state = self.state
@@ -147,7 +148,7 @@ class PrebleE2Policy(BasePolicy):
         if self.num_decisions % _SWEEP_EVERY == 0:
             self.sweep(now)
 
-        matched = state.index.match(request.block_hashes)
+        matched = self._matched(request, matched)
         num_prompt = request.num_prompt_tokens
         longest = self._longest_live(matched, workers)
         longest_tokens = state.matched_tokens(request, longest)
@@ -178,7 +179,7 @@ class PrebleE2Policy(BasePolicy):
             self._live_key, self._live = key, frozenset(key)
         return self._live
 
-    def _longest_live(self, matched: dict[WorkerId, int], workers: Sequence[WorkerId]) -> int:
+    def _longest_live(self, matched: Mapping[WorkerId, int], workers: Sequence[WorkerId]) -> int:
         """Longest match among live workers; scans `workers` only if some holder is not live."""
         if not matched:
             return 0
@@ -187,7 +188,7 @@ class PrebleE2Policy(BasePolicy):
         return max((matched.get(w, 0) for w in workers), default=0)
 
     def _least_cost(
-        self, request: RouteRequest, candidates: Sequence[WorkerId], matched: dict[WorkerId, int]
+        self, request: RouteRequest, candidates: Sequence[WorkerId], matched: Mapping[WorkerId, int]
     ) -> tuple[WorkerId, CostTerms]:
         """The candidate with the least C_i = L_i + M_i + P_i (seeded pick among ties within 1e-9 relative)."""
         state = self.state

@@ -7,16 +7,17 @@ on the event loop as they arrive; `generate` is the queue-backed stream over tha
 - every call handed to `generate` ends with exactly one finished delta, also when its worker dies
   (an "error" delta naming the worker) or the client goes away (the worker is told to abort);
 - a call is in `_calls` and in its worker's `in_flight` from routing until its finished delta;
-- the placement policy sees `choose` once per routed call and `on_finished` once when it ends;
-- a worker leaves the pool (and the policy's index and load state) at most once.
+- the placement (`kvbaton.router.placement.ClusterPlacement`, the object the simulator places with too)
+  places each call once, hears its tokens, and hears `on_finished` once when it ends;
+- a worker joins the placement at its first heartbeat and leaves it (and the index and load state) at most once.
 
-Disaggregated pools (workers registered as `prefill` / `decode`): `PairChooser` picks (p, d) and the
+Disaggregated pools (workers registered as `prefill` / `decode`): the placement picks (p, d) and the
 call goes to both — d answers for it (it streams every delta), p only reports a handoff leg that
 ended without the KV, which is relayed to d to recompute or fail. A call is in the in-flight set of
 both workers; losing p hands the call to d's fallback, losing d fails the call.
 
-This module holds the manager's state and its call side (routing, admission, placement, each call's
-deltas and end). Its base classes hold the rest: `WorkerMembership` (cluster_workers.py) the workers'
+This module holds the manager's state and its call side (sending each call where it is placed, its deltas
+and end). Its base classes hold the rest: `WorkerMembership` (cluster_workers.py) the workers'
 messages, registration and failure detection; `ClusterReports` (cluster_reports.py) the reads for
 /ready, /cluster and /metrics.
 """
@@ -26,25 +27,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from kvbaton.cache.hashing import CacheKey
-from kvbaton.core.errors import CapacityError
-from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, CalibratedTimeModel
+from kvbaton.router.admission import AdmissionPolicy
 from kvbaton.router.base import RouteRequest
-from kvbaton.router.policies import create_policy, local_queue_policy
+from kvbaton.router.call_tally import CallTally
+from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+from kvbaton.router.placement import ClusterPlacement, PlacementConfig, Refusal
+from kvbaton.router.policies import local_queue_policy
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.state import RouterState
 from kvbaton.server import rpc
 from kvbaton.server.base import DeltaSink, GenerateCall, RejectedError, TokenDelta
-from kvbaton.server.cluster_admission import AdmissionGate
 from kvbaton.server.cluster_registry import CallRecord, ProcessHandle, WorkerRecord
 from kvbaton.server.cluster_reports import ClusterReports
 from kvbaton.server.cluster_workers import WorkerMembership
-from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS, PairChoiceConfig, PairChooser
 from kvbaton.server.identity import ClusterIdentity
 from kvbaton.server.router_socket import RouterSocket
 
@@ -84,17 +84,20 @@ class ClusterManager(WorkerMembership, ClusterReports):
                  admission: AdmissionPolicy | None = None, pools: PoolBalancer | None = None) -> None:
         self.config = config
         self.clock = clock
-        self.state = RouterState(block_size=config.block_size)
-        self.policy = create_policy(config.policy, self.state, random.Random(config.seed))
+        # Every placement decision, and the router state it reads (index, load, the tally admission and adaptive
+        # pools price over): the same object the simulator places with.
+        self.placement = ClusterPlacement(
+            PlacementConfig(policy=config.policy, seed=config.seed, block_size=config.block_size,
+                            max_num_waiting=config.max_num_waiting,
+                            local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
+                            kv_bytes_per_token=config.kv_bytes_per_token,
+                            reserves_on_arrival=config.reserves_on_arrival),
+            admission, pools)
         self.queue_policy = config.scheduling_policy or local_queue_policy(config.policy)
         self.identity: ClusterIdentity | None = None  # fixed by the first accepted worker
         self.workers: dict[str, WorkerRecord] = {}  # live workers
         self.lost_workers: dict[str, str] = {}  # worker id -> why it left
         self._calls: dict[str, CallRecord] = {}
-        # Serving workers (registered, heartbeat seen) by role, sorted; read per routed call, so kept until the
-        # pool changes (a worker joins, sends its first heartbeat, or leaves). None: recompute.
-        self._serving_by_role: dict[str, list[str]] | None = None
-        self._num_waiting = 0  # calls in _calls with num_tokens_seen == 0 (kept as a count: read per routing)
         self._processes: dict[str, ProcessHandle] = {}
         self._exits_pending: set[str] = set()  # dropped while their process still ran: its exit code comes later
         # Counters for /metrics (the HTTP layer renders them).
@@ -104,24 +107,27 @@ class ClusterManager(WorkerMembership, ClusterReports):
         self.num_snapshots_requested = 0
         self.num_handoff_fallbacks = 0  # prefill legs that ended without the KV (relayed to the decode worker)
         self.handoff_endings: dict[str, int] = {}  # outcome of those legs -> count
-        self.pairs = PairChooser(self.state, PairChoiceConfig(config.local_prefill_threshold_tokens,
-                                                              config.kv_bytes_per_token))
-        # SLO admission (None: admit whatever the queue limit allows) refuses at arrival what no worker can serve
-        # within its SLO; adaptive pools (None: fixed roles) lend a worker of the idle pool to mixed duty. Both
-        # price over the router's own tally of routed calls.
-        self.admission = admission
-        self.pools = pools
-        pricing = admission if admission is not None else (pools.admission if pools is not None else None)
-        calibration = pricing.default_model if pricing is not None else None
-        self.tally = (AdmissionGate(pricing, config.block_size, self._kv_capacity_tokens,
-                                    calibration if isinstance(calibration, CalibratedTimeModel) else None,
-                                    config.reserves_on_arrival)
-                      if pricing is not None else None)
         self.retired_spec_decode_tokens = [0, 0]  # (draft, accepted) of workers that left: keeps totals monotone
         self._socket: RouterSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_check_at = clock()
         self.address = ""
+
+    @property
+    def state(self) -> RouterState:
+        return self.placement.state
+
+    @property
+    def pools(self) -> PoolBalancer | None:
+        return self.placement.pools
+
+    @property
+    def admission(self) -> AdmissionPolicy | None:
+        return self.placement.admission
+
+    @property
+    def tally(self) -> CallTally | None:
+        return self.placement.tally
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -224,36 +230,31 @@ class ClusterManager(WorkerMembership, ClusterReports):
     def _route(self, call: GenerateCall, sink: DeltaSink) -> CallRecord:
         if call.request_id in self._calls:
             raise RejectedError(f"request id {call.request_id!r} is already in flight", status_code=400)
-        if not self._serving_roles() or self.identity is None:
+        if self.identity is None or not self.placement.num_serving:
             self.num_rejected += 1
             raise RejectedError(f"cluster not ready: {self.is_ready()[1]}", status_code=503,
-                                retry_after_s=self.config.retry_after_s)
-        if self.num_waiting >= self.config.max_num_waiting:
-            self.num_rejected += 1
-            raise RejectedError(f"too many queued requests ({self.num_waiting} waiting, limit "
-                                f"{self.config.max_num_waiting}); retry later", status_code=429,
                                 retry_after_s=self.config.retry_after_s)
         cache_key = CacheKey(self.identity.model_revision, self.identity.kv_layout)
         request = RouteRequest.from_tokens(call.request_id, call.prompt_token_ids, cache_key, self.config.block_size,
                                            call.sampling.max_tokens, call.tenant)
-        now = self.clock()
-        # Before placing: the policy's commit adds the prompt's blocks to the index under the chosen worker.
-        matched = self.state.index.match(request.block_hashes) if self.tally is not None else {}
-        if self.admission is not None:
-            self._admit(call, matched, now)
-        try:
-            entry, reason = self._place(call, sink, request, matched, now)
-        except CapacityError as exc:
+        placement = self.placement.place(request, self.clock(), whole=call.sampling.prompt_logprobs is not None)
+        if isinstance(placement, Refusal):
             self.num_rejected += 1
-            raise RejectedError(str(exc), status_code=503, retry_after_s=self.config.retry_after_s) from exc
-        self.router_decisions[reason] = self.router_decisions.get(reason, 0) + 1
-        if self.tally is not None:
-            prefiller = entry.prefill_worker or entry.worker_id
-            self.tally.on_routed(call.request_id, prefiller, entry.worker_id, len(call.prompt_token_ids),
-                                 self.state.matched_tokens(request, matched.get(prefiller, 0)),
-                                 call.sampling.max_tokens, now)
+            reason = placement.reason
+            if placement.kind in ("slo_prefill", "slo_decode"):
+                counter = f"slo_reject_{placement.kind.removeprefix('slo_')}"
+                self.router_decisions[counter] = self.router_decisions.get(counter, 0) + 1
+                assert self.admission is not None
+                reason = f"request cannot meet its SLO ({self.admission.name} admission): {reason}"
+            raise RejectedError(f"{reason}; retry later", status_code=503 if placement.kind == "not_ready" else 429,
+                                retry_after_s=self.config.retry_after_s)
+        switch = self.placement.last_switch
+        if switch is not None:
+            log.info("adaptive pools: %s %s (%s)", "lent" if switch.lent else "returned", switch.worker_id,
+                     switch.reason)
+        self.router_decisions[placement.reason] = self.router_decisions.get(placement.reason, 0) + 1
+        entry = CallRecord(call, placement.worker_id, sink, prefill_worker=placement.prefill_worker)
         self._calls[call.request_id] = entry
-        self._num_waiting += 1
         self.workers[entry.worker_id].in_flight.add(call.request_id)
         add = rpc.AddRequest(call.request_id, call.prompt_token_ids, call.sampling, call.tenant, call.slo_class)
         if not entry.prefill_worker:
@@ -269,82 +270,6 @@ class ClusterManager(WorkerMembership, ClusterReports):
                                                  decode_address=self.workers[entry.worker_id].register.kv_address))
         return entry
 
-    def _admit(self, call: GenerateCall, matched: Mapping[str, int], now: float) -> None:
-        """Refuse (429) a call no serving option can take within its SLO; see `AdmissionGate`."""
-        assert self.admission is not None and self.tally is not None
-        prefill, decode, mixed = self._serving("prefill"), self._serving("decode"), self._serving("mixed")
-        pairs = ([(p, d) for p in prefill for d in decode] + [(d, d) for d in decode if not prefill]
-                 + [(w, w) for w in mixed])
-        if not pairs:  # only prefill workers serve: placement runs calls whole on them, so price them so
-            pairs = [(p, p) for p in prefill]
-        decision = self.tally.check(call.request_id, len(call.prompt_token_ids), call.sampling.max_tokens,
-                                    matched, pairs, now)
-        if not decision.admitted:
-            self.num_rejected += 1
-            stage = "prefill" if decision.reason.startswith("prefill") else "decode"
-            self.router_decisions[f"slo_reject_{stage}"] = self.router_decisions.get(f"slo_reject_{stage}", 0) + 1
-            raise RejectedError(f"request cannot meet its SLO ({self.admission.name} admission): "
-                                f"{decision.reason}; retry later", status_code=429,
-                                retry_after_s=self.config.retry_after_s)
-
-    def _lent_worker(self, call: GenerateCall, matched: Mapping[str, int], decode: list[str],
-                     now: float) -> str | None:
-        """Adaptive pools: update both pools' pressure, then the lent worker to take this call whole, if any."""
-        assert self.pools is not None and self.tally is not None
-        prompt_len = len(call.prompt_token_ids)
-        request = AdmissionRequest(call.request_id, prompt_len, call.sampling.max_tokens)
-        cached = {w: num_blocks * self.config.block_size for w, num_blocks in matched.items()}
-        lent, switch = self.pools.route(request, cached, self._serving("prefill"), decode, self.tally.prefill_load,
-                                        self.tally.decode_load, now)
-        if switch is not None:
-            log.info("adaptive pools: %s %s (%s)", "lent" if switch.lent else "returned", switch.worker_id,
-                     switch.reason)
-        return lent
-
-    def _kv_capacity_tokens(self, worker_id: str) -> int:
-        record = self.workers.get(worker_id)
-        stats = record.stats if record is not None else None
-        return 0 if stats is None else (stats.num_used_blocks + stats.num_free_blocks) * self.config.block_size
-
-    def _serving_roles(self) -> dict[str, list[str]]:
-        """role -> its serving workers, sorted (only roles that have one); callers must not mutate the lists."""
-        if self._serving_by_role is None:
-            by_role: dict[str, list[str]] = {}
-            for worker_id in sorted(self.workers):
-                record = self.workers[worker_id]
-                if record.stats is not None:
-                    by_role.setdefault(record.register.role, []).append(worker_id)
-            self._serving_by_role = by_role
-        return self._serving_by_role
-
-    def _serving(self, role: str) -> list[str]:
-        return self._serving_roles().get(role, [])
-
-    def _place(self, call: GenerateCall, sink: DeltaSink, request: RouteRequest, matched: Mapping[str, int],
-               now: float) -> tuple[CallRecord, str]:
-        """Mixed pool only: the cluster policy. With prefill and decode pools: the pair chooser, whose
-        short-prompt ("local_prefill") calls go to the mixed pool by the policy when there is one; with adaptive
-        pools, a worker lent to mixed duty may take the call whole ("pool_lent")."""
-        decode_workers = {w: self.workers[w].register.kv_address.partition("://")[0] for w in self._serving("decode")}
-        mixed = self._serving("mixed")
-        if decode_workers and self.pools is not None:
-            lent = self._lent_worker(call, matched, sorted(decode_workers), now)
-            if lent is not None:
-                self.state.commit(request, lent, matched.get(lent, 0), now)
-                return CallRecord(call, lent, sink, by_policy=False), "pool_lent"
-        if decode_workers:
-            pair = self.pairs.choose(request, self._serving("prefill"), decode_workers, now,
-                                     whole=call.sampling.prompt_logprobs is not None)
-            if pair.prefill_worker:
-                return CallRecord(call, pair.decode_worker, sink, prefill_worker=pair.prefill_worker,
-                             by_policy=False), "pair"
-            if not mixed:
-                self.state.commit(request, pair.decode_worker,
-                                  self.state.index.match(request.block_hashes).get(pair.decode_worker, 0), now)
-                return CallRecord(call, pair.decode_worker, sink, by_policy=False), "local_prefill"
-        decision = self.policy.choose(request, mixed or sorted(self.workers), now)
-        return CallRecord(call, decision.worker_id, sink), decision.reason
-
     def _end_call(self, entry: CallRecord) -> None:
         """Idempotent: a send on the way to ending a call (the abort of a consumer that left) may find its worker
         gone, and that worker's removal ends the call first."""
@@ -352,7 +277,6 @@ class ClusterManager(WorkerMembership, ClusterReports):
             return
         entry.finished = True
         if entry.num_tokens_seen == 0:
-            self._num_waiting -= 1
             # Ended before its first token: what routing put in the prefix index for it may never be stored.
             for worker_id in (entry.worker_id, entry.prefill_worker):
                 record = self.workers.get(worker_id)
@@ -360,28 +284,19 @@ class ClusterManager(WorkerMembership, ClusterReports):
                     record.index_dirty_at = self.clock()
         request_id = entry.call.request_id
         self._calls.pop(request_id, None)
-        if self.tally is not None:
-            self.tally.on_ended(request_id)
         for worker_id in (entry.worker_id, entry.prefill_worker):
             record = self.workers.get(worker_id)
             if record is not None:
                 record.in_flight.discard(request_id)
-        if entry.by_policy:
-            self.policy.on_finished(request_id, self.clock())
-        else:
-            self.state.load.on_finished(request_id)
+        self.placement.on_finished(request_id, self.clock())
 
     def _on_delta(self, delta: TokenDelta) -> None:
         entry = self._calls.get(delta.request_id)
         if entry is None or entry.finished:
             return  # the consumer already went away; the worker's late abort delta is dropped
-        if delta.new_token_ids and entry.num_tokens_seen == 0:
-            now = self.clock()
-            self.policy.on_first_token(delta.request_id, now - entry.call.arrival_at, now)
-            self._num_waiting -= 1
+        if delta.new_token_ids:
+            self.placement.on_tokens(delta.request_id, len(delta.new_token_ids), self.clock())
         entry.num_tokens_seen += len(delta.new_token_ids)
-        if self.tally is not None and delta.new_token_ids:
-            self.tally.on_tokens(delta.request_id, len(delta.new_token_ids), self.clock())
         if delta.finished:
             if entry.prefill_worker and delta.worker_id == entry.prefill_worker and entry.worker_id in self.workers:
                 # Ended by its prefill leg (an add it could not take): the decode leg waits for KV that never comes.

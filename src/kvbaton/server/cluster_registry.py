@@ -39,7 +39,6 @@ class CallRecord:
     num_tokens_seen: int = 0
     finished: bool = False
     prefill_worker: str = ""  # a disaggregated call: the worker that prefills and hands the KV to worker_id
-    by_policy: bool = True  # placed by the cluster policy (else by the pair chooser: its state entry is ours)
 
 
 def identity_of(message: rpc.Register) -> ClusterIdentity:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvbaton.router.placement import ClusterPlacement
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.state import RouterState
 from kvbaton.server import rpc
@@ -31,7 +32,7 @@ class ClusterReports:
     workers: dict[str, WorkerRecord]
     lost_workers: dict[str, str]
     _calls: dict[str, CallRecord]
-    _num_waiting: int
+    placement: ClusterPlacement
     router_decisions: dict[str, int]
     num_rejected: int
     num_failed_by_worker_loss: int
@@ -99,7 +100,7 @@ class ClusterReports:
     @property
     def num_waiting(self) -> int:
         """Routed calls that have not produced a token yet (queued somewhere in the cluster)."""
-        return self._num_waiting
+        return self.placement.num_waiting
 
     @property
     def num_in_flight(self) -> int:

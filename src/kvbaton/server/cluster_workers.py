@@ -18,10 +18,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvbaton.cache.events import KVEvent, KVEventKind
-from kvbaton.router.base import PlacementPolicy
 from kvbaton.router.load import WorkerStats
-from kvbaton.router.pools import PoolBalancer
-from kvbaton.router.state import RouterState
+from kvbaton.router.placement import ClusterPlacement
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.cluster_registry import CallRecord, ProcessHandle, WorkerRecord, identity_of, registration_refusal
@@ -45,21 +43,18 @@ class WorkerMembership:
 
     config: ClusterConfig
     clock: Callable[[], float]
-    state: RouterState
-    policy: PlacementPolicy
+    placement: ClusterPlacement
     queue_policy: str
     identity: ClusterIdentity | None
     workers: dict[str, WorkerRecord]
     lost_workers: dict[str, str]
     _calls: dict[str, CallRecord]
-    _serving_by_role: dict[str, list[str]] | None
     _processes: dict[str, ProcessHandle]
     _exits_pending: set[str]
     num_failed_by_worker_loss: int
     num_snapshots_requested: int
     num_handoff_fallbacks: int
     handoff_endings: dict[str, int]
-    pools: PoolBalancer | None
     retired_spec_decode_tokens: list[int]
     _socket: RouterSocket | None
     _last_check_at: float
@@ -90,12 +85,13 @@ class WorkerMembership:
             for delta in message.deltas:
                 self._on_delta(delta)
         elif isinstance(message, rpc.Stats):
-            if record.stats is None:
-                self._serving_by_role = None  # its first heartbeat: it serves from now on
+            if record.stats is None:  # its first heartbeat: it serves from now on
+                register = record.register
+                self.placement.add_worker(sender, register.role, register.kv_address.partition("://")[0])
             record.stats = message
             # The pool's used blocks include the prefix cache's; what the cache alone holds is evictable, so
             # used - cached approximates the running requests' KV (low when they lock cached blocks).
-            self.state.load.on_stats(WorkerStats(
+            self.placement.on_stats(WorkerStats(
                 sender, message.num_queued_prefill_tokens, max(message.num_used_blocks - message.num_cached_blocks, 0),
                 message.num_free_blocks, message.num_running, message.num_waiting, message.num_cached_blocks,
                 self.config.block_size), record.last_heard_at)
@@ -107,13 +103,13 @@ class WorkerMembership:
         elif isinstance(message, rpc.KVEvents):
             if record.snapshot_pending:
                 return  # the snapshot on its way covers these
-            if not self.state.index.on_kv_events(sender, (KVEvent.from_wire(e) for e in message.events)):
+            if not self.placement.on_kv_events(sender, (KVEvent.from_wire(e) for e in message.events)):
                 self._request_snapshot(record, "kv event seq gap")
         elif isinstance(message, rpc.SnapshotResponse):
             record.snapshot_pending = False
             # A leading CLEARED at the snapshot's seq makes the index resume from there even when the cache is empty.
             events = [KVEvent(message.seq, KVEventKind.CLEARED, ()), *(KVEvent.from_wire(e) for e in message.events)]
-            self.state.index.apply_snapshot(sender, events)
+            self.placement.apply_snapshot(sender, events)
         elif isinstance(message, rpc.HandoffEnded):
             self._on_handoff_ended(message)
         elif isinstance(message, rpc.Goodbye):
@@ -151,7 +147,6 @@ class WorkerMembership:
         if self.identity is None:
             self.identity = offered
         self.workers[sender] = WorkerRecord(message, self.clock())
-        self._serving_by_role = None
         self._send(sender, rpc.RegisterAck(sender, self.queue_policy, self.config.heartbeat_interval_s))
         log.info("worker %s registered (pid %d, %s)", sender, message.pid, message.kv_layout)
 
@@ -240,12 +235,9 @@ class WorkerMembership:
         process = self._processes.get(worker_id)
         if process is not None and process.poll() is None:
             self._exits_pending.add(worker_id)
-        self._serving_by_role = None
         log.log(logging.INFO if reason.startswith("left:") else logging.WARNING, "worker %s removed: %s", worker_id,
                 reason)
         self.lost_workers[worker_id] = reason
-        if self.pools is not None:
-            self.pools.remove_worker(worker_id)
         if record.stats is not None:
             self.retired_spec_decode_tokens[0] += record.stats.num_draft_tokens
             self.retired_spec_decode_tokens[1] += record.stats.num_accepted_tokens
@@ -266,4 +258,4 @@ class WorkerMembership:
             entry.sink(TokenDelta(
                 request_id, (), "", True, "error", len(entry.call.prompt_token_ids),
                 error=f"worker {worker_id} was lost while running this request ({reason})", worker_id=worker_id))
-        self.policy.on_worker_removed(worker_id)
+        self.placement.remove_worker(worker_id)

@@ -33,7 +33,7 @@ from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api import create_app
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
-from kvbaton.server.pd_router import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 from kvbaton.server.ray_workers import RayPlacement, RayWorkerProcess
 from kvbaton.router.admission import AdmissionPolicy, AdmissionSLO, CalibratedTimeModel, create_admission
 from kvbaton.router.pools import PoolBalancer

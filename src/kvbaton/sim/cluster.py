@@ -1,8 +1,9 @@
 """The discrete-event cluster: arrivals, worker steps and KV transfers on one heap keyed by (time, seq).
 
 Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
-  arrival  -> the placement policy chooses a front worker (mixed, or prefill when disaggregated;
-              a second policy instance, `decode_policy`, picks the decode worker from its pool)
+  arrival  -> the live router's placement (`kvbaton.router.placement.ClusterPlacement`) admits or refuses
+              it and picks the worker, or the prefill/decode pair, from the same heartbeats, KV events
+              and routed calls a live router hears of (a short prompt prefills on its decode worker)
   steps    -> the worker's LocalScheduler plans, the cost model prices the plan, time advances
   mixed    -> tokens stream until the exact output length; the policy hears on_first_token
               and on_finished
@@ -12,11 +13,11 @@ Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
               streams its KV over the prefill worker's egress link (FIFO: transfers contend);
               on the ack (sent as the last message arrives, even mid-step) the decode worker
               adopts the blocks after its step in flight (`LocalScheduler.admit_prefilled`)
-              and decodes from the first token. A request of one output token skips the handoff.
+              and decodes from the first token; the router hears the first token then, as live.
 With an admission policy (`kvbaton.router.admission`), arrivals it refuses, and prefilled requests
 the decode stage refuses when their KV arrives (its blocks released), end as `rejected` records.
-Workers report heartbeats (stats + their radix caches' real KV events) to the router state at
-most every `heartbeat_s` of simulated time while busy, and whenever they go idle. Everything is
+Every worker reports a heartbeat at time 0, when it starts serving, then (stats + its radix cache's real KV
+events) at most every `heartbeat_s` of simulated time while busy, and whenever it goes idle. Everything is
 a pure function of the inputs and the seed: no clock, and ties on the heap break by `seq`.
 """
 
@@ -35,21 +36,21 @@ from kvbaton.core.config import SchedulerConfig
 from kvbaton.core.errors import KvbatonError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, DecodeLoad, PrefillLoad
+from kvbaton.router.admission import AdmissionPolicy
+from kvbaton.router.base import make_route_request
+from kvbaton.router.placement import ClusterPlacement, PlacementConfig, Refusal
+from kvbaton.router.policies import local_queue_policy
 from kvbaton.router.pools import PoolBalancer
-from kvbaton.router.base import RouteRequest, make_route_request
-from kvbaton.router.policies import create_policy, local_queue_policy
 from kvbaton.router.state import RouterState
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.flight import Flight
-from kvbaton.sim.cluster_handoffs import DELIVERY, RETRY, HandoffFlow
+from kvbaton.sim.cluster_handoffs import DELIVERY, HandoffFlow
 from kvbaton.sim.cluster_records import FlightEndings
 from kvbaton.sim.config import SimConfig, WorkerReport
 from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs
 from kvbaton.sim.links import get_link
 from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import ClusterSpec
-from kvbaton.sim.stage_loads import decode_load, prefill_load
 from kvbaton.sim.worker import SimWorker, TokenFn
 
 _ARRIVAL, _STEP_DONE = 0, 1  # and the handoff part's DELIVERY, RETRY
@@ -75,10 +76,16 @@ class ClusterSim(HandoffFlow, FlightEndings):
                         for w in spec.workers}
         self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
         self.decode_ids = [w.worker_id for w in spec.workers if w.role == "decode"]
-        self.state = RouterState(block_size=config.cache.block_size)
-        self.policy = create_policy(config.policy, self.state, random.Random(config.seed))
-        self.decode_state = RouterState(block_size=config.cache.block_size)
-        self.decode_policy = create_policy(config.decode_policy, self.decode_state, random.Random(config.seed + 1))
+        # The live router's placement object: it hears what a live router hears (heartbeats, KV events, routed calls
+        # and their tokens) and decides as it does.
+        self.placement = ClusterPlacement(
+            PlacementConfig(policy=config.policy, seed=config.seed, block_size=config.cache.block_size,
+                            max_num_waiting=config.max_num_waiting,
+                            local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
+                            kv_bytes_per_token=cost_model.kv_bytes_per_token,
+                            reserves_on_arrival=config.reserve_ahead_tokens is None),
+            admission, pools)
+        self._tracks_tokens = self.placement.tracks_tokens
         prefill = {w.worker_id: self.workers[w.worker_id] for w in spec.workers if w.role == "prefill"}
         self.handoffs: SimHandoffs | None = None
         if prefill:
@@ -111,10 +118,18 @@ class ClusterSim(HandoffFlow, FlightEndings):
 
     # ---- the loop ------------------------------------------------------------------------------------
 
+    @property
+    def state(self) -> RouterState:
+        return self.placement.state
+
     def run(self, requests: Sequence[WorkloadRequest],
             on_record: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
         """Simulate `requests` (arrival_s relative to 0) to completion; records come back in request order."""
         self._on_record = on_record
+        for worker in self.workers.values():  # each starts serving with its first heartbeat, as a live worker
+            if worker.worker_id not in self.placement.serving(worker.spec.role):
+                self._heartbeat(worker, self.now, force=True)
+                self.placement.add_worker(worker.worker_id, worker.spec.role, self.spec.link)
         # Arrivals wait in their own list, sorted by (time, seq) as the heap would order them, and merge with the
         # heap's head: the same total order on (time, seq), from a heap ~requests-in-flight deep instead of
         # holding every future arrival.
@@ -191,65 +206,42 @@ class ClusterSim(HandoffFlow, FlightEndings):
         prompt = self.prompts.ids(wr)
         # RouteRequest.from_tokens, keeping the block tuples: the front worker's cache reuses them and the hashes.
         prompt_blocks = self.prompts.hashed(wr, prompt)
-        route = make_route_request(rid, prompt_blocks.block_hashes, len(prompt), wr.output_tokens)
-        decode_route = make_route_request(rid, (), route.num_prompt_tokens, wr.output_tokens)
-        lent = self._lent_worker(wr, route, now) if self.pools is not None and self.decode_ids else None
-        if lent is None:
-            front = self.workers[self.policy.choose(route, self.front_ids, now).worker_id]
-        elif self.workers[lent].spec.role == "decode":  # committed where its load is tracked
-            front = self.workers[self.decode_policy.choose(decode_route, [lent], now).worker_id]
-        else:
-            front = self.workers[self.policy.choose(route, [lent], now).worker_id]
-        flight = Flight(wr, front.worker_id, prompt, prompt_blocks, whole=lent is not None, at_decode=lent is not None)
+        if wr.output_tokens < 1 or wr.num_prompt_tokens + wr.output_tokens > self.config.max_model_len:
+            # Malformed (SamplingParams refuses max_tokens < 1) or too long: failed at ingress, never dropped.
+            flight = self._flights[rid] = Flight(wr, "", prompt, prompt_blocks)
+            self._fail(flight, f"output_tokens must be at least 1, got {wr.output_tokens}" if wr.output_tokens < 1
+                       else f"prompt + output ({wr.num_prompt_tokens + wr.output_tokens} tokens) exceed "
+                            f"max_model_len {self.config.max_model_len}", now)
+            return
+        placement = self.placement.place(make_route_request(rid, prompt_blocks.block_hashes, len(prompt),
+                                                            wr.output_tokens), now)
+        if type(placement) is Refusal:
+            flight = self._flights[rid] = Flight(wr, "", prompt, prompt_blocks)
+            self._reject(flight, placement.reason, now)
+            return
+        front = self.workers[placement.prefiller]
+        # One worker serves it whole unless it is a pair, or a mixed worker's call; at_decode: a decode worker's.
+        whole = not placement.prefill_worker and front.spec.role != "mixed"
+        flight = Flight(wr, front.worker_id, prompt, prompt_blocks, whole=whole,
+                        at_decode=whole and front.spec.role == "decode")
         self._flights[rid] = flight
-        if lent is not None:
-            flight.decode = lent if front.spec.role == "decode" else ""
-        elif self.decode_ids:
-            flight.decode = self.decode_policy.choose(decode_route, self.decode_ids, now).worker_id
-        if self.admission is not None:
-            decode_at = front.worker_id if flight.whole else flight.decode
-            decision = self.admission.check_arrival(
-                AdmissionRequest(rid, wr.num_prompt_tokens, wr.output_tokens),
-                self._prefill_load(front.worker_id),
-                self._decode_load(decode_at, exclude=rid) if decode_at else None, now)
-            if not decision.admitted:
-                self._reject(flight, decision.reason, now)
-                return
-        if wr.output_tokens < 1:  # malformed (SamplingParams refuses max_tokens < 1): fail it, never drop it
-            self._fail(flight, f"output_tokens must be at least 1, got {wr.output_tokens}", now)
-            return
-        handoff = front.spec.role == "prefill" and not flight.whole
-        max_tokens = 1 if handoff else wr.output_tokens
-        request = Request(rid, prompt, self._sampling(max_tokens), now, tenant=wr.tenant, slo_class=wr.slo_class,
-                          max_model_len=self.config.max_model_len)
-        if wr.num_prompt_tokens + wr.output_tokens > self.config.max_model_len:
-            self._fail(flight, f"prompt + output ({wr.num_prompt_tokens + wr.output_tokens} tokens) exceed "
-                               f"max_model_len {self.config.max_model_len}", now)
-            return
-        if handoff and wr.output_tokens > 1:
+        if self.workers[placement.worker_id].spec.role == "decode":
+            flight.decode = placement.worker_id
+        if placement.prefill_worker:
             if not self.workers[flight.decode].can_ever_hold(wr.num_prompt_tokens + wr.output_tokens):
                 self._fail(flight, f"decode worker {flight.decode} has too few KV blocks for the request", now)
                 return
-            flight.prefill_request = request
+            flight.prefill_request = Request(rid, prompt, self._sampling(1), now, tenant=wr.tenant,
+                                             slo_class=wr.slo_class, max_model_len=self.config.max_model_len)
             if self.config.reserve_ahead_tokens is None:
                 self._start_handoff(flight, now)  # the prefill starts once the decode worker grants blocks
             else:
                 self._unreserved.setdefault(flight.front, deque()).append(flight)
                 self._reserve_in_turn(flight.front, now)
             return
+        request = Request(rid, prompt, self._sampling(wr.output_tokens), now, tenant=wr.tenant,
+                          slo_class=wr.slo_class, max_model_len=self.config.max_model_len)
         self._admit(front, flight, request, now)
-
-    def _lent_worker(self, wr: WorkloadRequest, route: RouteRequest, now: float) -> str | None:
-        """Adaptive pools: both pools' pressure for this arrival, then the lent worker to serve it whole, if any
-        (`PoolBalancer.route`, as in the live router)."""
-        assert self.pools is not None
-        block_size = self.config.cache.block_size
-        cached = {w: n * block_size for w, n in self.state.index.match(route.block_hashes).items()}
-        lent, _ = self.pools.route(
-            AdmissionRequest(wr.request_id, wr.num_prompt_tokens, wr.output_tokens), cached, self.front_ids,
-            self.decode_ids, self._prefill_load,
-            self._decode_load, now)
-        return lent
 
     def _admit(self, worker: SimWorker, flight: Flight, request: Request, now: float) -> None:
         try:
@@ -274,6 +266,8 @@ class ClusterSim(HandoffFlow, FlightEndings):
                     token_times_s = flights[request.request_id].token_times_s
                     if not token_times_s:
                         self._on_first_token(worker, request.request_id, request.output_token_ids[-1], now)
+                    elif self._tracks_tokens:
+                        self.placement.on_tokens(request.request_id, 1, now)
                     token_times_s.append(now)
                 if worker.decodes is None:
                     for request in worker.take_finished():
@@ -290,6 +284,8 @@ class ClusterSim(HandoffFlow, FlightEndings):
                 token_times_s = flights[request.request_id].token_times_s
                 if not token_times_s:
                     self._on_first_token(worker, request.request_id, request.output_token_ids[-1], now)
+                elif self._tracks_tokens:
+                    self.placement.on_tokens(request.request_id, 1, now)
                 token_times_s.append(now)
         else:
             self._on_general_step_done(worker, now)
@@ -308,9 +304,10 @@ class ClusterSim(HandoffFlow, FlightEndings):
     def _on_first_token(self, worker: SimWorker, request_id: str, token_id: int, now: float) -> None:
         flight = self._flights[request_id]
         flight.first_token_id = token_id
-        self.policy.on_first_token(request_id, now - flight.workload.arrival_s, now)
-        if worker.spec.role == "prefill" and not flight.whole and flight.workload.output_tokens > 1:
+        if flight.decode and not flight.at_decode:  # a handoff: the router hears it from the decode worker
             self.handoffs.on_first_token(request_id, token_id, now)  # type: ignore[union-attr]
+        else:
+            self.placement.on_tokens(request_id, 1, now)
 
     def _on_general_step_done(self, worker: SimWorker, now: float) -> None:
         outputs, finished = worker.finish_step(now)
@@ -320,6 +317,8 @@ class ClusterSim(HandoffFlow, FlightEndings):
             token_times_s = flight.token_times_s
             if not token_times_s:
                 self._on_first_token(worker, out.request_id, out.token.token_id, now)
+            elif self._tracks_tokens:
+                self.placement.on_tokens(out.request_id, 1, now)
             token_times_s.append(now)
         for request in finished:
             self._on_request_finished(worker, request, now)
@@ -334,10 +333,9 @@ class ClusterSim(HandoffFlow, FlightEndings):
         if request.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
             self._fail(flight, request.finish_message or request.finish_reason.value, now)
             return
-        if role != "prefill" or flight.workload.output_tokens == 1:
+        if role != "prefill":
             self._complete(flight, now)
-            return
-        self.policy.on_finished(request.request_id, now)  # the prefill worker's part is done; the KV is in flight
+        # else the prefill worker's part is done; the KV is in flight
 
     # ---- bookkeeping ------------------------------------------------------------------------------------
 
@@ -352,20 +350,12 @@ class ClusterSim(HandoffFlow, FlightEndings):
         if not force and now - worker.last_heartbeat_at < self.config.heartbeat_s:
             return
         worker.last_heartbeat_at = now
-        state = self.decode_state if worker.spec.role == "decode" else self.state
-        state.load.on_stats(worker.stats(), now)
+        placement = self.placement
+        placement.on_stats(worker.stats(), now)
         if worker.cache is not None:
             events = worker.cache.take_events()
-            if events and worker.spec.role != "decode":
-                if not state.index.on_kv_events(worker.worker_id, events):
-                    state.index.apply_snapshot(worker.worker_id, worker.cache.snapshot())
-
-    def _prefill_load(self, worker_id: str) -> PrefillLoad:
-        return prefill_load(self.workers[worker_id], self._flights.values())
-
-    def _decode_load(self, decode_id: str, exclude: str = "") -> DecodeLoad:
-        return decode_load(decode_id, self._flights.values(), self.workers, self.cost_model,
-                           self.config.reserve_ahead_tokens is None, exclude)
+            if events and not placement.on_kv_events(worker.worker_id, events):
+                placement.apply_snapshot(worker.worker_id, worker.cache.snapshot())
 
     def prompt_of(self, request_id: str) -> list[int]:
         """The prompt token ids of a request in flight."""
@@ -381,8 +371,7 @@ class ClusterSim(HandoffFlow, FlightEndings):
             if worker.cache is not None:
                 worker.cache.close()
         self.handoffs = None
-        self.state.index.close()
-        self.decode_state.index.close()
+        self.placement.state.index.close()
 
     def worker_reports(self) -> list[WorkerReport]:
         reports = []

@@ -2,7 +2,7 @@
 
 `HandoffFlow` is a base class of `ClusterSim` (`sim/cluster.py`), which owns the state these methods
 read (declared below) and the helpers they call (`_admit`, `_kick`, `_push`, `_fail`, `_reject`,
-`_sampling`, `_decode_load`). A handoff reserves on its decode worker as it arrives (or, with
+`_sampling`). A handoff reserves on its decode worker as it arrives (or, with
 `reserve_ahead_tokens`, in its prefill worker's turn); the grant admits the prefill; each executed
 prefill step streams its KV; the decode worker adopts the blocks once the leg is complete. As live,
 a prefill worker reads protocol messages between its steps, and a decode worker applies them as they
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from kvbaton.core.request import Request
 from kvbaton.core.step import StepPlan
-from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest
+from kvbaton.router.placement import ClusterPlacement
 from kvbaton.sim.config import SimConfig
 from kvbaton.sim.flight import Flight
 from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs
@@ -33,7 +33,7 @@ class HandoffFlow:
     config: SimConfig
     workers: dict[str, SimWorker]
     handoffs: SimHandoffs | None
-    admission: AdmissionPolicy | None
+    placement: ClusterPlacement
     _flights: dict[str, Flight]
     _unreserved: dict[str, deque[Flight]]  # late reservation: per prefill worker, FIFO
     _inbox: dict[str, list[Delivery | HandoffEvent]]  # what a worker in mid-step handles after it
@@ -120,15 +120,15 @@ class HandoffFlow:
         flight.transfer_bytes = self.handoffs.bytes_of.pop(wr.request_id, 0)  # type: ignore[union-attr]
         self.handoffs.forget(wr.request_id)  # type: ignore[union-attr]
         decode = self.workers[flight.decode]
-        if self.admission is not None:  # the decode stage's own gate: the prefill is already paid for
-            decision = self.admission.check_decode(
-                AdmissionRequest(wr.request_id, wr.num_prompt_tokens, wr.output_tokens),
-                self._decode_load(flight.decode, exclude=wr.request_id), now)
-            if not decision.admitted:
-                decode.pool.release(adopted.block_ids)
-                self._reject(flight, decision.reason, now)
-                return
+        # The decode stage's own gate (with admission): the prefill is already paid for.
+        decision = self.placement.check_decode(wr.request_id, wr.num_prompt_tokens, wr.output_tokens, flight.decode,
+                                               now)
+        if decision is not None and not decision.admitted:
+            decode.pool.release(adopted.block_ids)
+            self._reject(flight, decision.reason, now)
+            return
         flight.at_decode = True
+        self.placement.on_tokens(wr.request_id, 1, now)  # the router hears the first token from the decode worker
         # The client sees the first token when the decode worker adopts the KV and streams it, as live: between
         # its steps, so after the one in flight (the prefill worker sampled it earlier; the router hears it here).
         if flight.token_times_s and self.config.first_token_at == "decode":

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvbaton.bench.records import RequestRecord
-from kvbaton.router.base import PlacementPolicy
+from kvbaton.router.placement import ClusterPlacement
 from kvbaton.sim.flight import Flight
 from kvbaton.sim.handoff import SimHandoffs
 
@@ -20,8 +20,7 @@ class FlightEndings:
     """The record-keeping half of `ClusterSim`'s request lifecycle (see the module docstring)."""
 
     handoffs: SimHandoffs | None
-    policy: PlacementPolicy
-    decode_policy: PlacementPolicy
+    placement: ClusterPlacement
     _flights: dict[str, Flight]
     _records: list[RequestRecord]
     _on_record: Callable[[RequestRecord], None] | None
@@ -33,9 +32,7 @@ class FlightEndings:
         if self.handoffs is not None:
             self.handoffs.cancel(flight.workload.request_id, now)
             self.handoffs.bytes_of.pop(flight.workload.request_id, None)
-        self.policy.on_finished(flight.workload.request_id, now)
-        if flight.decode:
-            self.decode_policy.on_finished(flight.workload.request_id, now)
+        self.placement.on_finished(flight.workload.request_id, now)
 
     def _complete(self, flight: Flight, now: float) -> None:
         self._finish_policies(flight, now)

@@ -7,12 +7,17 @@ from dataclasses import dataclass
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError
+from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     policy: str = "round_robin"  # placement policy over the front (mixed or prefill) pool
-    decode_policy: str = "least_load"  # placement over the decode pool when disaggregated
+    # The live router's placement settings (kvbaton.router.placement.PlacementConfig): prompts with fewer uncached
+    # tokens than this prefill on their decode worker; calls waiting for a first token beyond max_num_waiting are
+    # refused (0: no limit, where the live router's default is 256).
+    local_prefill_threshold_tokens: int = DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+    max_num_waiting: int = 0
     seed: int = 0  # seeds the policies' tie-breaking RNGs
     cache: CacheConfig = CacheConfig()  # per worker
     scheduler: SchedulerConfig | None = None  # None: defaults, queue policy paired with `policy`

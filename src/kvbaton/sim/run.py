@@ -19,6 +19,7 @@ from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.router.admission import AdmissionSLO, create_admission
+from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 from kvbaton.router.policies import local_queue_policy
 from kvbaton.router.pools import PoolBalancer, PoolConfig
 from kvbaton.sim.catalog import MODELS, get_gpu
@@ -65,6 +66,10 @@ class SimSetup:
     output_copy_fraction: float = 0.0
     output_copy_span: float = 16.0
     host_kv_gb: float = 0.0  # host memory per worker for the prefix cache's host tier (1e9 bytes); 0: no tier
+    # The live router's placement settings (SimConfig): conditional disaggregation's threshold, and the limit on
+    # calls waiting for a first token (0: none; the live router's default is 256).
+    local_prefill_threshold_tokens: int = DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+    max_num_waiting: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +89,9 @@ def check_setup(setup: SimSetup) -> None:
         if value < 1:
             raise InvalidRequestError(f"{name} must be at least 1, got {value}")
     non_negative = {"seed": setup.seed, "num_blocks": setup.num_blocks, "max_model_len": setup.max_model_len,
-                    "num_speculative_tokens": setup.num_speculative_tokens}
+                    "num_speculative_tokens": setup.num_speculative_tokens,
+                    "local_prefill_threshold_tokens": setup.local_prefill_threshold_tokens,
+                    "max_num_waiting": setup.max_num_waiting}
     for name, value in non_negative.items():
         if value < 0:
             raise InvalidRequestError(f"{name} must be >= 0, got {value}")
@@ -162,7 +169,8 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
                                   **({} if setup.spec_max_running is None
                                      else {"spec_max_running": setup.spec_max_running})),
         heartbeat_s=setup.heartbeat_s, max_model_len=max_model_len, first_token_at=setup.first_token_at,
-        reserve_ahead_tokens=setup.reserve_ahead_tokens)
+        reserve_ahead_tokens=setup.reserve_ahead_tokens,
+        local_prefill_threshold_tokens=setup.local_prefill_threshold_tokens, max_num_waiting=setup.max_num_waiting)
     if host_num_blocks:
         config = replace(config, host_link=get_gpu(setup.gpu).host_link)
     admission = pools = None

@@ -1,9 +1,9 @@
 """Cluster specs: `4xmixed`, `2P2D`, `2P2D:tp_p=2,link=nvlink` -> the workers to simulate.
 
-Grammar: `<N>xmixed` or `<P>P<D>D`, then optionally `:` and comma-separated options:
+Grammar: `<N>xmixed`, `<P>P<D>D` or both (`<N>xmixed+<P>P<D>D`), then optionally `:` and comma-separated options:
 `tp`/`pp` (every worker), `tp_p`/`pp_p` (prefill pool), `tp_d`/`pp_d` (decode pool), and
 `link=<preset>` for prefill->decode KV transfers (default infiniband). Each option at most once; a mixed
-cluster takes only `tp` and `pp`.
+cluster takes only `tp` and `pp`. Worker ids: `w<i>` mixed, `p<i>` prefill, `d<i>` decode.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kvbaton.sim.links import get_link
 ROLES = ("mixed", "prefill", "decode")
 _MIXED = re.compile(r"^(\d+)x(mixed)$")
 _DISAGG = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
+_COMBINED = re.compile(r"^(\d+)xmixed\+(\d+)P(\d+)D$", re.IGNORECASE)  # both kinds of pool, as `kvbaton serve` runs
 _INT_OPTIONS = ("tp", "pp", "tp_p", "pp_p", "tp_d", "pp_d")
 
 
@@ -65,6 +66,7 @@ def parse_cluster_spec(text: str) -> ClusterSpec:
                 raise InvalidRequestError(f"cluster option {key} needs an integer, got {options[key]!r}") from None
     link = options.get("link", "infiniband")
     get_link(link)
+    combined = _COMBINED.match(shape)
     mixed, disagg = _MIXED.match(shape), _DISAGG.match(shape)
     if mixed:
         pooled = sorted(set(options) - {"tp", "pp"})
@@ -73,8 +75,10 @@ def parse_cluster_spec(text: str) -> ClusterSpec:
         counts = {"mixed": int(mixed.group(1))}
     elif disagg:
         counts = {"prefill": int(disagg.group(1)), "decode": int(disagg.group(2))}
+    elif combined:
+        counts = {"mixed": int(combined.group(1)), "prefill": int(combined.group(2)), "decode": int(combined.group(3))}
     else:
-        raise InvalidRequestError(f"cluster spec {text!r}: expected like 4xmixed, 2P2D or 2P2D:tp_p=2")
+        raise InvalidRequestError(f"cluster spec {text!r}: expected like 4xmixed, 2P2D, 2xmixed+1P1D or 2P2D:tp_p=2")
     if any(n <= 0 for n in counts.values()):
         raise InvalidRequestError(f"cluster spec {text!r}: every pool needs at least one worker")
     workers: list[WorkerSpec] = []

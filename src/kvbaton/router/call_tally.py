@@ -1,5 +1,5 @@
-"""The live router's SLO admission gate and adaptive pools: its own tally of routed calls, priced by the pure
-`AdmissionPolicy` and `PoolBalancer`.
+"""The router's tally of the calls it routed: each worker's prefill queue and decode load as admission and adaptive
+pools price them (`AdmissionPolicy`, `PoolBalancer`), in the live router and the simulator alike.
 
 The router knows every call it routed: which worker prefills it, which decodes it, how many prompt
 tokens the prefill worker must compute (uncached at routing) and how many tokens have streamed
@@ -14,6 +14,7 @@ sees them, against the uncorrected model's prediction at routing, tune the model
 
 The same tally feeds adaptive pools (`kvbaton.router.pools`): each arrival updates both pools'
 pressure, and while a worker is lent to mixed duty the arrival may go to it whole (`PoolBalancer.route`).
+It is part of the placement (`kvbaton.router.placement`), which feeds it every routed call, token and end.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _queue_entry(tracked: _Tracked) -> tuple[int, int]:
     return tracked.num_uncached_tokens, tracked.num_prompt_tokens - tracked.num_uncached_tokens
 
 
-class AdmissionGate:
+class CallTally:
     def __init__(self, policy: AdmissionPolicy, block_size: int, capacity_tokens: Callable[[str], int],
                  calibration: CalibratedTimeModel | None = None, reserves_on_arrival: bool = True) -> None:
         self.policy = policy
@@ -124,13 +125,14 @@ class AdmissionGate:
         calls.sort(key=lambda call: call[1].seq)
         return calls
 
-    def decode_load(self, worker: str) -> DecodeLoad:
+    def decode_load(self, worker: str, exclude: str = "") -> DecodeLoad:
+        """The calls `worker` decodes and those on their way to it, but `exclude` (a call priced joining it)."""
         decoding: list[DecodeSlot] = []
         incoming: list[DecodeSlot] = []
         arrivals_s: dict[str, dict[str, float]] = {}  # per prefill worker, computed once for all its calls
         for request_id in sorted(self._by_worker.get(worker, ())):
             t = self._calls[request_id]
-            if t.decode_worker != worker:
+            if t.decode_worker != worker or request_id == exclude:
                 continue
             remaining = max(t.max_tokens - t.num_tokens_seen, 0)
             if t.num_tokens_seen:

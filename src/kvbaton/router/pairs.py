@@ -1,7 +1,7 @@
-"""The router's pair choice for disaggregated pools: which prefill worker, which decode worker, or no handoff at all.
+"""The decode half of a prefill/decode placement: which decode worker takes a handoff, and whether a prompt is worth
+handing off at all (conditional disaggregation).
 
-Pure policy (no clock, no I/O: `now` is passed in; ties break by worker id), reading the router's
-shared `RouterState`:
+Pure policy (no clock, no I/O; ties break by worker id), reading the router's shared `RouterState`:
 - prefill worker p: minimise predicted queue + prefill of the prompt tokens p does not have cached
   (prefix-aware through the global index): `prefill_model(queued tokens) + prefill_model(unmatched)`;
 - decode worker d: minimise predicted decode admission + transfer time: admission is the decode
@@ -11,6 +11,7 @@ shared `RouterState`:
   address);
 - conditional disaggregation: when the prompt tokens d does not have cached are fewer than
   `local_prefill_threshold_tokens`, the handoff costs more than it saves — d prefills them itself.
+The placement (`kvbaton.router.placement`) asks in that order and commits what it decides.
 """
 
 from __future__ import annotations
@@ -38,63 +39,49 @@ class PairChoiceConfig:
     kv_bytes_per_token: int = 0  # all layers, K and V; 0 prices transfers at nothing
 
 
-@dataclass(frozen=True, slots=True)
-class PairDecision:
-    decode_worker: WorkerId
-    prefill_worker: WorkerId  # "" when the decode worker prefills itself (reason "local_prefill")
-    reason: str  # "pair" | "local_prefill"
-    num_matched_tokens: int  # prompt tokens cached on the worker that prefills
-    prefill_s: float  # predicted queue + prefill on the worker that prefills
-    decode_s: float  # predicted admission + transfer on the decode worker
-
-
 class PairChooser:
     def __init__(self, state: RouterState, config: PairChoiceConfig) -> None:
         self.state = state
         self.config = config
 
-    def choose(self, request: RouteRequest, prefill_workers: Sequence[WorkerId],
-               decode_workers: Mapping[WorkerId, str], now: float, whole: bool = False) -> PairDecision:
-        """`decode_workers` maps each decode worker to its link kind ("shm" | "tcp"); `whole` keeps the call on
-        one worker (a "local_prefill" decision: it wants its prompt's logprobs, which only its prefill sees).
-
-        A "pair" decision is committed to the router state (the prefill worker gets the prefill work and,
-        in the index, the prompt's blocks). A "local_prefill" one is not: the caller places it (on the decode
-        worker, or among mixed workers by the cluster policy) and commits that.
-        """
+    def choose_decode(self, request: RouteRequest, decode_workers: Mapping[WorkerId, str]) -> WorkerId:
+        """The decode worker with the least predicted admission + transfer time; `decode_workers` maps each to its
+        link kind ("shm" | "tcp"). Commits nothing (see `on_handed_off`)."""
         if not decode_workers:
             raise CapacityError("no decode worker is serving")
-        matched = self.state.index.match(request.block_hashes)
-        decode_costs = {d: self._decode_s(request, d, kind) for d, kind in decode_workers.items()}
-        decode_worker = min(sorted(decode_costs), key=decode_costs.__getitem__)
-        uncached_on_decode = request.num_prompt_tokens - self._matched_tokens(request, matched, decode_worker)
-        if not prefill_workers or whole or uncached_on_decode < self.config.local_prefill_threshold_tokens:
-            num_matched = self._matched_tokens(request, matched, decode_worker)
-            return PairDecision(decode_worker, "", "local_prefill", num_matched,
-                                self._prefill_s(request, decode_worker, matched), 0.0)
-        prefill_costs = {p: self._prefill_s(request, p, matched) for p in prefill_workers}
-        prefill_worker = min(sorted(prefill_costs), key=prefill_costs.__getitem__)
-        self.state.commit(request, prefill_worker, matched.get(prefill_worker, 0), now)
-        # Until d's next heartbeat, this handoff counts in its batch and blocks: a burst must not herd onto one d.
-        self.state.load.on_reserved(decode_worker, now, self._num_prompt_blocks(request))
-        return PairDecision(decode_worker, prefill_worker, "pair",
-                            self._matched_tokens(request, matched, prefill_worker), prefill_costs[prefill_worker],
-                            decode_costs[decode_worker])
+        costs = {d: self.decode_s(request, d, kind) for d, kind in decode_workers.items()}
+        return min(sorted(costs), key=costs.__getitem__)
 
-    def _matched_tokens(self, request: RouteRequest, matched: Mapping[WorkerId, int], worker: WorkerId) -> int:
-        return self.state.matched_tokens(request, matched.get(worker, 0))
+    def choose_prefill(self, request: RouteRequest, prefill_workers: Sequence[WorkerId],
+                       matched: Mapping[WorkerId, int]) -> tuple[WorkerId, float]:
+        """The prefill worker with the least predicted queue + prefill, and that prediction. Commits nothing."""
+        if not prefill_workers:
+            raise CapacityError("no prefill worker is serving")
+        costs = {p: self.prefill_s(request, p, matched) for p in prefill_workers}
+        worker = min(sorted(costs), key=costs.__getitem__)
+        return worker, costs[worker]
 
-    def _prefill_s(self, request: RouteRequest, worker: WorkerId, matched: Mapping[WorkerId, int]) -> float:
+    def prefill_s(self, request: RouteRequest, worker: WorkerId, matched: Mapping[WorkerId, int]) -> float:
         model = self.state.prefill_model
-        cached = self._matched_tokens(request, matched, worker)
+        cached = self.state.matched_tokens(request, matched.get(worker, 0))
         queue_s = model.marginal_s(self.state.load.queued_prefill_tokens(worker))  # not the KV it holds for handoffs
         return queue_s + model.predict(request.num_prompt_tokens - cached, cached)
+
+    def worth_handing_off(self, request: RouteRequest, decode_worker: WorkerId,
+                          matched: Mapping[WorkerId, int]) -> bool:
+        """False when the prompt tokens `decode_worker` would still compute are too few to pay for a handoff."""
+        cached = self.state.matched_tokens(request, matched.get(decode_worker, 0))
+        return request.num_prompt_tokens - cached >= self.config.local_prefill_threshold_tokens
+
+    def on_handed_off(self, request: RouteRequest, decode_worker: WorkerId, now: float) -> None:
+        """Until d's next heartbeat, this handoff counts in its batch and blocks: a burst must not herd onto one d."""
+        self.state.load.on_reserved(decode_worker, now, self._num_prompt_blocks(request))
 
     def _num_prompt_blocks(self, request: RouteRequest) -> int:
         """Blocks a decode worker reserves for the prompt's KV."""
         return -(-request.num_prompt_tokens // self.state.block_size)
 
-    def _decode_s(self, request: RouteRequest, worker: WorkerId, link_kind: str) -> float:
+    def decode_s(self, request: RouteRequest, worker: WorkerId, link_kind: str) -> float:
         load = self.state.load
         stats = load.stats(worker)
         # The batch as of the last heartbeat plus the requests sent there since (which it may not reflect yet).

@@ -5,9 +5,12 @@
    then the evaluated trace twice (runs A and B). Every worker logs its steps (`--step-log-dir`);
    the records and logs stay in `--workdir`.
 2. The simulator's step-time coefficients for this host (`kvbaton profile --from-step-log`, the few
-   cost-model coefficients and the step noise, never a request's outcome):
-   - held out (the headline): fitted on the calibration run, which the evaluated trace never
-     touches; the simulation of the evaluated trace is scored against both live runs A and B;
+   cost-model coefficients and the step noise, never a request's outcome), fitted on each run:
+   - held out (the headline): fitted on run B's steps and scored against run A, and the other way
+     round: the scored run's own steps are never used;
+   - calibration workload: fitted on the calibration run (other prompts and arrivals) and scored
+     against A and B; next to it, each run's median step time over that fit's prediction for the
+     same shapes: how far the host's own speed moved between runs minutes apart;
    - in run (fit quality only): fitted on run A's own log and scored against run A.
 3. The same requests through `kvbaton.sim` with each cost model, the same cluster shape, policy, KV
    pool and token budget, for `--sim-seeds` step-noise seeds pooled into one distribution.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +40,8 @@ from kvbaton.bench.driver import DriverConfig, discover_model, run_live
 from kvbaton.bench.records import RequestRecord, read_records, write_records
 from kvbaton.bench.workloads import create_workload
 from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.sim.costs.fit import read_step_samples
+from kvbaton.sim.costs.linear import load_linear_model
 from kvbaton.sim.fidelity import FidelityRow, compare_runs, render_fidelity
 from kvbaton.sim.run import SimSetup, simulate
 
@@ -65,6 +71,18 @@ def simulated(args: argparse.Namespace, cluster: str, requests: list[WorkloadReq
             for record in simulate(requests, SimSetup(
                 model=args.model, cluster=cluster, policy=args.policy, cost_model=str(coefficients), seed=seed,
                 num_blocks=args.num_blocks, max_num_batched_tokens=512, max_num_seqs=128)).records]
+
+
+def host_drift(coefficients: Path, logs: dict[str, Path]) -> dict[str, float]:
+    """Each run's median step time over what one fixed cost model predicts for the same shapes: how much the
+    host's speed moved between runs (no simulation, no request outcome involved)."""
+    model = load_linear_model(coefficients)
+    drift = {}
+    for run, folder in logs.items():
+        ratios = [s.duration_s / model.step_s(s.shape) for s in read_step_samples(sorted(folder.iterdir()))
+                  if model.step_s(s.shape) > 0]
+        drift[run] = round(statistics.median(ratios), 3)
+    return drift
 
 
 def rows_json(rows: list[FidelityRow]) -> dict[str, object]:
@@ -119,15 +137,15 @@ def main() -> None:
     for cluster in clusters:
         base = workdir / cluster
         live = {run: read_records(base / f"{run}.jsonl") for run in LIVE_RUNS}
-        held_out = fit(args, base / "calibration-steps", base / "held-out.json")
-        in_run = fit(args, base / "A-steps", base / "in-run-A.json")
+        fits = {run: fit(args, base / f"{run}-steps", base / f"fit-{run}.json") for run in LIVE_RUNS}
         title = f"{cluster}, {args.policy}, {args.num_requests} requests at {args.rate} req/s"
-        predicted = simulated(args, cluster, traces["A"], held_out)
-        comparisons = {
-            "held_out_vs_A": (live["A"], predicted, "simulator (fitted on the calibration run) vs live run A"),
-            "held_out_vs_B": (live["B"], predicted, "simulator (fitted on the calibration run) vs live run B"),
-            "in_run_fit_quality": (live["A"], simulated(args, cluster, traces["A"], in_run),
-                                   "simulator fitted on run A's own steps vs run A (fit quality only)"),
+        sim = {run: simulated(args, cluster, traces["A"], fits[run]) for run in LIVE_RUNS}
+        comparisons = {  # name: (live reference, the other side, what it says)
+            "held_out_B_to_A": (live["A"], sim["B"], "simulator fitted on run B's steps vs live run A"),
+            "held_out_A_to_B": (live["B"], sim["A"], "simulator fitted on run A's steps vs live run B"),
+            "calibration_to_A": (live["A"], sim["calibration"], "simulator fitted on the calibration run vs live A"),
+            "calibration_to_B": (live["B"], sim["calibration"], "simulator fitted on the calibration run vs live B"),
+            "in_run_fit_quality": (live["A"], sim["A"], "simulator fitted on run A's own steps vs run A"),
             "live_B_vs_A": (live["A"], live["B"], "live run B vs live run A (the host's own spread)"),
         }
         figures: dict[str, object] = {}
@@ -135,6 +153,10 @@ def main() -> None:
             rows = compare_runs(reference, other)
             print(render_fidelity(rows, f"{title}: {label}"), file=sys.stderr)
             figures[name] = rows_json(rows)
+        figures["host_step_time_vs_calibration"] = host_drift(base / "fit-calibration.json",
+                                                              {run: base / f"{run}-steps" for run in LIVE_RUNS})
+        print(f"{title}: median step time over the calibration fit's prediction: "
+              f"{figures['host_step_time_vs_calibration']}", file=sys.stderr)
         result["clusters"][cluster] = figures  # type: ignore[index]
     print(json.dumps(result))
 

@@ -11,7 +11,7 @@ from kvbaton.core.errors import InvalidRequestError
 from kvbaton.sim.catalog import GPUS, MODELS, get_model
 from kvbaton.sim.costs import (BatchShape, ConstantCostModel, LinearCoefficients, Parallelism, RooflineCostModel,
                                create_cost_model, load_linear_model)
-from kvbaton.sim.costs.linear import DISTSERVE_A100_PATH, save_linear_model
+from kvbaton.sim.costs.linear import DISTSERVE_A100_PATH, LinearCostModel, save_linear_model
 from kvbaton.sim.links import Link, get_link
 from kvbaton.sim.spec import parse_cluster_spec
 
@@ -196,3 +196,23 @@ def test_a_coefficient_file_naming_its_gpu_sizes_the_kv_pool_from_that_gpus_memo
     save_linear_model(profile, "smollm2-135m", LinearCoefficients((0.01, 0, 0, 0), (0.01, 0, 0), (0.01, 0, 0)), 1,
                       source="test")
     assert build_sim(SimSetup(model="smollm2-135m", cluster="2xmixed", cost_model=str(profile)))[2] == DEFAULT_NUM_BLOCKS
+
+
+def test_a_log_with_few_prefill_only_steps_is_fitted_jointly_over_every_step() -> None:
+    from kvbaton.sim.costs.fit import StepSample, fit_joint, fit_linear
+
+    # A decode worker that prefills short prompts itself: mixed steps, and only two prefill-only ones.
+    def step_s(shape: BatchShape) -> float:  # one forward: 20 ms + 0.1 ms/new token + 1e-6 s/context token + 1 ms/seq
+        return 0.02 + 1e-4 * sum(shape.prefill_new_tokens) + 1e-6 * shape.decode_context_tokens + 1e-3 * shape.num_decodes
+
+    shapes = [BatchShape((32,), (256,)), BatchShape((64,), (0,))]
+    shapes += [BatchShape((), (), b, 300 * b) for b in (1, 2, 3, 4, 6)]
+    shapes += [BatchShape((n,), (256,), b, 300 * b) for n, b in ((32, 1), (32, 3), (48, 2), (16, 5))]
+    samples = [StepSample(shape, step_s(shape)) for shape in shapes]
+    fitted = fit_linear(samples)
+    assert fitted == fit_joint(samples)
+    model = LinearCostModel({1: fitted}, 0)
+    for shape in shapes:  # mixed steps included: prefill + decode - the shared intercept once
+        assert model.step_s(shape) == pytest.approx(step_s(shape), rel=1e-6)
+    with pytest.raises(InvalidRequestError, match="prefill and decode among them"):
+        fit_joint([StepSample(BatchShape((), (), b, 10 * b), 0.01 * b) for b in range(1, 10)])

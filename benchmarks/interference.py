@@ -1,26 +1,22 @@
-"""Prefill-decode interference: short requests decode while 1,500-token prompts keep arriving; 1 mixed vs 1P+1D.
+"""Prefill-decode interference: short requests decode while 1,500-token prompts keep arriving; mixed vs 1P+1D.
 
-For each layout a fresh `kvbaton serve` starts as a subprocess (`--workers 1`, then `--prefill 1
---decode 1`, one torch thread per worker, the same model), the script waits on `/ready`, sends the
+Every layout gets the same two cores' worth of torch threads: 1P+1D (`--prefill 1 --decode 1`, one
+thread each) against 2 mixed workers (`--workers 2`, one thread each, least_load routing) and against
+1 mixed worker with both threads (`--workers 1 --threads-per-worker 2`). For each layout a fresh
+`kvbaton serve` starts as a subprocess (the same model), the script waits on `/ready`, sends the
 same open-loop workload through the live driver, stops the server with SIGTERM and kills anything
 left by pid. Workload: `--num-short` short requests (random 24-token prompts, `--short-output`
 tokens each, arriving over the first seconds) while long requests (`--long-tokens`-token unique
 prompts, 2 output tokens) arrive every `--long-interval` seconds for the whole run. It prints p50 /
-p99 ITL and TTFT of the short requests side by side and one JSON line with the ratios
-(`p99_itl_ratio_mixed_over_pd` is the figure the issue asks for: >= 2 expected).
+p99 ITL and TTFT of the short requests side by side and one JSON line with the ratios of each mixed
+layout's figure to 1P+1D's (`itl_p99_ratio_<layout>_over_1p1d`). `--repeats` runs every layout that
+many times, the layouts' order rotated each round; the figures are medians over the rounds.
 
 With `--sweep-threshold`, it instead measures, on 1P+1D, TTFT of prompts of growing length sent one
 at a time, with the handoff (threshold 0) and prefilled on the decode worker (huge threshold): the
 length where the two meet is the default `local_prefill_threshold_tokens` (kvbaton.router.pairs).
 
-Note on resources: 1P+1D uses two worker processes (one thread each) where 1 mixed uses one, as in
-the issue's "same machine" comparison; on this shared 2-core machine that is the whole machine.
-
-Measured here (SmolLM2-135M, CPU, 2 shared cores, defaults: 8 short requests x 48 tokens, a 1,500-token prompt
-every 3 s for 12 s; ~1 minute in all), short requests, mixed vs 1P+1D: ITL p50 0.054 vs 0.044 s, ITL p99
-0.609 vs 0.119 s (5.1x), TTFT p50 0.528 vs 0.105 s, TTFT p99 1.561 vs 0.150 s (10.4x). With
-`--local-prefill-threshold 0` (the short prompts queue behind long prefills on the prefill worker): ITL p99
-0.753 vs 0.153 s (4.9x), TTFT p50 1.90 vs 0.88 s.
+Measured here: see the README's table (the figures of one invocation, with its command).
 
     .venv/bin/python benchmarks/interference.py [--model smollm2-135m] [--out /tmp/interference]
     .venv/bin/python benchmarks/interference.py --sweep-threshold
@@ -35,6 +31,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -47,16 +44,21 @@ import numpy as np
 from kvbaton.bench.driver import DriverConfig, drive
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
+from routing_live import DTYPE_HELP
+
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 
 _BANNER = re.compile(r"kvbaton: serving .* at (http://\S+) with .*\(pids ([\d ]+)\)")
-LAYOUTS = {"mixed": ["--workers", "1"], "1p1d": ["--prefill", "1", "--decode", "1"]}
+# layout -> (pool flags, workers, torch threads per worker); every layout runs two threads in all.
+LAYOUTS = {"2xmixed": (["--workers", "2"], 2, 1), "1xmixed-2t": (["--workers", "1"], 1, 2),
+           "1p1d": (["--prefill", "1", "--decode", "1"], 2, 1)}
 
 
-def start_server(model: str, layout_args: Sequence[str], extra: Sequence[str]) -> tuple[subprocess.Popen[str], str,
-                                                                                       list[int]]:
-    command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", model, *layout_args, "--port", "0",
-               "--threads-per-worker", "1", "--policy", "least_load", "--num-blocks", "1024", *extra]
+def start_server(model: str, dtype: str, layout_args: Sequence[str], threads_per_worker: int,
+                 extra: Sequence[str]) -> tuple[subprocess.Popen[str], str, list[int]]:
+    command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", model, "--dtype", dtype, *layout_args,
+               "--port", "0", "--threads-per-worker", str(threads_per_worker), "--policy", "least_load",
+               "--num-blocks", "1024", *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert process.stdout is not None
     for line in process.stdout:
@@ -127,7 +129,8 @@ def short_summary(records: Sequence[RequestRecord]) -> dict[str, float]:
 
 def run_layout(args: argparse.Namespace, layout: str, requests: list[WorkloadRequest],
                extra: Sequence[str] = ()) -> list[RequestRecord]:
-    process, url, pids = start_server(args.model, LAYOUTS[layout], extra)
+    pools, _, threads = LAYOUTS[layout]
+    process, url, pids = start_server(args.model, args.dtype, pools, threads, extra)
     try:
         config = DriverConfig(url=url, model=args.model, timeout_s=600.0)
         return asyncio.run(drive(requests, config))
@@ -144,24 +147,38 @@ def vocab_size_of(model: str) -> int:
 
 def interference(args: argparse.Namespace) -> dict[str, object]:
     requests = build_workload(args, vocab_size_of(args.model))
-    results: dict[str, dict[str, float]] = {}
-    for layout in ("mixed", "1p1d"):
-        # 1P+1D with the default conditional-disaggregation threshold: the 24-token short prompts prefill on the
-        # decode worker, the 1,500-token ones are handed off (--local-prefill-threshold 0 hands off everything).
-        extra = ["--local-prefill-threshold", str(args.local_prefill_threshold)] if layout == "1p1d" else []
-        records = run_layout(args, layout, requests, extra)
-        results[layout] = short_summary(records)
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            with open(Path(args.out) / f"{layout}.jsonl", "w") as f:
-                f.writelines(json.dumps(r.to_dict()) + "\n" for r in records)
-    print(f"{'short requests':<16}{'mixed':>12}{'1P+1D':>12}")
-    for key in ("itl_p50_s", "itl_p99_s", "ttft_p50_s", "ttft_p99_s"):
-        print(f"{key:<16}{results['mixed'][key]:>12.4f}{results['1p1d'][key]:>12.4f}")
-    summary: dict[str, object] = {"mixed": results["mixed"], "1p1d": results["1p1d"]}
-    for key in ("itl_p50_s", "itl_p99_s", "ttft_p50_s", "ttft_p99_s"):
-        ratio = results["mixed"][key] / results["1p1d"][key]
-        summary[f"{key.removesuffix('_s')}_ratio_mixed_over_pd"] = round(ratio, 3)
+    layouts = [name for name in args.layouts.split(",") if name]
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown or "1p1d" not in layouts:
+        raise SystemExit(f"--layouts: need 1p1d and names from {sorted(LAYOUTS)}, got {layouts}")
+    rounds: dict[str, list[dict[str, float]]] = {layout: [] for layout in layouts}
+    for repeat in range(args.repeats):
+        for layout in layouts[repeat % len(layouts):] + layouts[:repeat % len(layouts)]:
+            # 1P+1D with the default conditional-disaggregation threshold: the 24-token short prompts prefill on the
+            # decode worker, the 1,500-token ones are handed off (--local-prefill-threshold 0 hands off everything).
+            extra = ["--local-prefill-threshold", str(args.local_prefill_threshold)] if layout == "1p1d" else []
+            records = run_layout(args, layout, requests, extra)
+            rounds[layout].append(short_summary(records))
+            print(f"round {repeat + 1} {layout}: {rounds[layout][-1]}", file=sys.stderr, flush=True)
+            if args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                with open(Path(args.out) / f"{layout}-{repeat + 1}.jsonl", "w") as f:
+                    f.writelines(json.dumps(r.to_dict()) + "\n" for r in records)
+    keys = ("itl_p50_s", "itl_p99_s", "ttft_p50_s", "ttft_p99_s")
+    results = {layout: {key: statistics.median(r[key] for r in runs) for key in (*keys, "num_failed")}
+               for layout, runs in rounds.items()}
+    print(f"{'short requests':<16}" + "".join(f"{layout:>12}" for layout in layouts))
+    for key in keys:
+        print(f"{key:<16}" + "".join(f"{results[layout][key]:>12.4f}" for layout in layouts))
+    summary: dict[str, object] = {"benchmark": "interference", "dtype": args.dtype, "repeats": args.repeats,
+                                  "threads": {layout: LAYOUTS[layout][1] * LAYOUTS[layout][2] for layout in layouts},
+                                  "medians": results, "rounds": rounds}
+    for layout in layouts:
+        if layout == "1p1d":
+            continue
+        for key in keys:
+            ratio = results[layout][key] / results["1p1d"][key]
+            summary[f"{key.removesuffix('_s')}_ratio_{layout}_over_1p1d"] = round(ratio, 3)
     return summary
 
 
@@ -185,6 +202,7 @@ def sweep_threshold(args: argparse.Namespace) -> dict[str, object]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32", help=DTYPE_HELP)
     parser.add_argument("--num-short", type=int, default=8)
     parser.add_argument("--short-output", type=int, default=48)
     parser.add_argument("--short-spacing", type=float, default=0.5, help="seconds between short arrivals")
@@ -194,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--local-prefill-threshold", type=int, default=DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {sorted(LAYOUTS)}")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the layouts (medians reported)")
     parser.add_argument("--out", default="")
     parser.add_argument("--sweep-threshold", action="store_true")
     args = parser.parse_args(argv)

@@ -4,20 +4,24 @@ For each policy a fresh `kvbaton serve --model smollm2-135m --workers 2 --policy
 subprocess (workers pinned to `--threads-per-worker` torch threads so the two share the cores
 fairly), the script waits on `/ready`, drives the `shared-prefix` workload through the live
 driver (`kvbaton.bench.driver`, the one `kvbaton bench --url` uses), then stops the server with
-SIGTERM and kills anything left by pid. It prints a table, writes the comparison report
-(`write_report`, one run per policy) to `--out`, and prints one JSON line with mean/p99 TTFT and
-E2E and the prompt-token hit ratio per policy, plus `ttft_ratio_round_robin_over_preble`.
+SIGTERM and kills anything left by pid. It prints a table per pool size, writes the comparison report
+(`write_report`, every run) to `--out`, and prints one JSON line with, per pool size, the median
+mean/p99 TTFT and E2E and the prompt-token hit ratio per policy and `ttft_mean_ratio_round_robin_over_preble`.
 
-Default sizes fit a shared 2-core CPU machine (about 2.5 minutes per policy): 8 groups, each a
-1,024-token system prompt (64 KV blocks) plus a 32-token question, 8 output tokens, 128 requests
-at 1 req/s (Poisson). A cold 1,056-token prefill takes ~2.5-4 s on one thread here, a hit ~0.5 s,
-so the 8 unavoidable cold misses weigh less with more requests. Each worker's KV cache is `--num-blocks 384` blocks: room for the
-prefixes of about 4 groups plus running requests, so a policy that spreads every group over
-both workers (round_robin, least_load) keeps evicting and re-prefilling system prompts, while a
-prefix-aware one can split the 8 groups between the workers and hit. That is the regime Preble
-targets (a cluster whose aggregate cache holds the working set but no single worker does).
+Default sizes fit a shared 2-core CPU machine (about 1.5 minutes per run): 8 groups, each a
+1,024-token system prompt (64 KV blocks) plus a 32-token question, 8 output tokens, 64 requests
+at 1 req/s (Poisson). A cold 1,056-token prefill takes ~2.5-4 s on one thread here, a hit ~0.5 s.
+The KV pool per worker is swept (`--num-blocks 192,384,768`): 192 blocks hold the prefixes of
+about 2 groups (neither policy keeps the working set: both evict), 384 about 4 (the regime Preble
+targets: the two workers' caches together hold the 8 groups, one alone does not, so a policy that
+spreads every group over both workers keeps re-prefilling while a prefix-aware one splits the
+groups and hits), 768 all 8 on each worker (any policy hits once warm: locality buys little).
+Each (pool size, policy) runs `--repeats` times, interleaved round by round with the policies'
+order rotated; the figures are medians, and the round_robin / preble TTFT ratio is the median of
+the per-round ratios.
 
     .venv/bin/python benchmarks/routing_live.py --out /tmp/routing_live [--policies preble,round_robin]
+        [--num-blocks 192,384,768] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -44,6 +49,8 @@ from kvbaton.bench.workloads import create_workload
 from kvbaton.bench.workloads.base import WorkloadRequest
 
 POLICIES = ("round_robin", "least_load", "longest_prefix", "preble")
+DTYPE_HELP = ("the workers' dtype (float32 by default: on an AVX2-only host such as this one, without AVX-512 BF16 "
+              "or AMX, a bfloat16 matmul runs ~30x slower than float32)")
 _BANNER = re.compile(r"kvbaton: serving .* at (http://\S+) with .*\(pids ([\d ]+)\)")
 
 
@@ -79,7 +86,7 @@ def start_server(args: argparse.Namespace, policy: str, pools: Sequence[str] | N
     command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", args.model, *pools,
                "--policy", policy, "--port", "0", "--num-blocks", str(args.num_blocks),
                "--threads-per-worker", str(args.threads_per_worker), "--max-num-waiting", "1024",
-               "--drain-timeout", "5", "--seed", str(args.seed), *extra]
+               "--drain-timeout", "5", "--seed", str(args.seed), "--dtype", getattr(args, "dtype", "auto"), *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     server = ServerProcess(process)
@@ -156,18 +163,30 @@ def print_table(figures: dict[str, dict[str, float | int | None]]) -> None:
               file=sys.stderr)
 
 
+def median_figures(runs: Sequence[dict[str, float | int | None]]) -> dict[str, float | int | None]:
+    """Each figure's median over repeated runs (None when any run had none)."""
+    out: dict[str, float | int | None] = {}
+    for key in runs[0]:
+        values = [run[key] for run in runs]
+        out[key] = None if any(v is None for v in values) else statistics.median(values)  # type: ignore[type-var]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in this order")
+    parser.add_argument("--policies", default="preble,round_robin", help="comma-separated, from " + ",".join(POLICIES))
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads-per-worker", type=int, default=1)
-    parser.add_argument("--num-blocks", type=int, default=384, help="KV blocks per worker")
+    parser.add_argument("--dtype", default="float32", help=DTYPE_HELP)
+    parser.add_argument("--num-blocks", default="192,384,768",
+                        help="KV blocks per worker: one pool size or a comma-separated sweep")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per (pool size, policy); medians reported")
     parser.add_argument("--num-groups", type=int, default=8)
     parser.add_argument("--system-prompt-tokens", type=int, default=1024)
     parser.add_argument("--question-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=8)
-    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--rate", type=float, default=1.0, help="mean requests/s (Poisson)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout-s", type=float, default=240.0)
@@ -178,27 +197,44 @@ def main() -> None:
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
         parser.error(f"unknown policies {unknown}; choose from {POLICIES}")
+    pool_sizes = [int(n) for n in args.num_blocks.split(",") if n]
 
     requests = build_workload(args)
     runs: dict[str, list[RequestRecord]] = {}
-    figures: dict[str, dict[str, float | int | None]] = {}
-    for policy in policies:
-        started_s = time.monotonic()
-        runs[policy] = run_policy(args, policy, requests)
-        figures[policy] = policy_figures(summarize(runs[policy]))
-        print(f"{policy}: {figures[policy]} ({time.monotonic() - started_s:.0f} s with startup)", file=sys.stderr)
-    print_table(figures)
+    per_run: dict[int, dict[str, list[dict[str, float | int | None]]]] = {n: {p: [] for p in policies}
+                                                                          for n in pool_sizes}
+    for repeat in range(args.repeats):  # interleaved: every (pool, policy) once per round, the order rotated
+        for num_blocks in pool_sizes:
+            order = policies[repeat % len(policies):] + policies[:repeat % len(policies)]
+            for policy in order:
+                started_s = time.monotonic()
+                records = run_policy(argparse.Namespace(**{**vars(args), "num_blocks": num_blocks}), policy, requests)
+                runs[f"{policy}@{num_blocks}#{repeat + 1}"] = records
+                per_run[num_blocks][policy].append(policy_figures(summarize(records)))
+                print(f"round {repeat + 1}, {num_blocks} blocks, {policy}: {per_run[num_blocks][policy][-1]} "
+                      f"({time.monotonic() - started_s:.0f} s with startup)", file=sys.stderr, flush=True)
 
     workload = {"workload": "shared-prefix", "num_groups": args.num_groups,
                 "system_prompt_tokens": args.system_prompt_tokens, "question_tokens": args.question_tokens,
                 "output_tokens": args.output_tokens, "num_requests": args.num_requests, "rate_rps": args.rate,
                 "seed": args.seed}
     cluster = {"model": args.model, "workers": args.workers, "threads_per_worker": args.threads_per_worker,
-               "num_blocks_per_worker": args.num_blocks}
-    result: dict[str, object] = {"workload": workload, "cluster": cluster, "policies": figures}
-    rr, preble = figures.get("round_robin"), figures.get("preble")
-    if rr and preble and rr["ttft_mean_s"] and preble["ttft_mean_s"]:
-        result["ttft_ratio_round_robin_over_preble"] = round(float(rr["ttft_mean_s"]) / float(preble["ttft_mean_s"]), 3)
+               "dtype": args.dtype}
+    pools: dict[str, object] = {}
+    for num_blocks in pool_sizes:
+        figures = {policy: median_figures(per_run[num_blocks][policy]) for policy in policies}
+        print(f"--- {num_blocks} KV blocks per worker, medians of {args.repeats}", file=sys.stderr)
+        print_table(figures)
+        entry: dict[str, object] = {"medians": figures, "runs": per_run[num_blocks]}
+        if "round_robin" in figures and "preble" in figures:
+            rr, preble = per_run[num_blocks]["round_robin"], per_run[num_blocks]["preble"]
+            ratios = [float(r["ttft_mean_s"]) / float(p["ttft_mean_s"]) for r, p in zip(rr, preble)
+                      if r["ttft_mean_s"] and p["ttft_mean_s"]]
+            entry["ttft_mean_ratio_round_robin_over_preble"] = round(statistics.median(ratios), 3) if ratios else None
+            entry["ttft_mean_ratio_per_repeat"] = [round(x, 3) for x in ratios]
+        pools[str(num_blocks)] = entry
+    result: dict[str, object] = {"benchmark": "routing_live", "workload": workload, "cluster": cluster,
+                                 "repeats": args.repeats, "num_blocks_per_worker": pools}
     if args.out:
         write_report(args.out, runs, title="Live routing on SmolLM2: 2 workers, shared-prefix",
                      extra={"command": " ".join(sys.argv), **workload, **cluster})

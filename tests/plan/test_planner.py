@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -37,12 +38,28 @@ def test_small_plan_searches_every_placement_and_picks_the_highest(plan_one_proc
     assert plan.units_for(10.0) * plan.best.result.per_gpu_rps * plan.best.placement.num_gpus >= 10.0
 
 
-def test_parallel_search_gives_the_same_winner(plan_one_process) -> None:  # noqa: ANN001
-    from dataclasses import replace
+@pytest.mark.parametrize("wave_size", [1, 4])
+def test_the_plan_json_is_the_same_bytes_whatever_the_process_count(plan_one_process, wave_size: int) -> None:  # noqa: ANN001
+    # Waves of 1 prune each search by the ones before it (the candidates' pruned flags and probe counts then depend
+    # on the waves alone, not on which process finished first); a wave of 4 holds all three candidates.
+    one = GoodputPlanner(replace(SMALL, wave_size=wave_size)).run()
+    two = GoodputPlanner(replace(SMALL, num_processes=2, wave_size=wave_size)).run()
+    assert json.dumps(plan_json(one, 10.0)) == json.dumps(plan_json(two, 10.0))
+    assert one.best.placement == plan_one_process.best.placement
+    assert one.best.result.per_gpu_rps == plan_one_process.best.result.per_gpu_rps
+    if wave_size == 1:
+        assert any(c.result.pruned for c in one.candidates)
 
-    parallel = GoodputPlanner(replace(SMALL, num_processes=2)).run()
-    assert parallel.best.placement == plan_one_process.best.placement
-    assert parallel.best.result.per_gpu_rps == plan_one_process.best.result.per_gpu_rps
+
+def test_cli_plan_json_is_byte_identical_for_one_and_two_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "opt-13b", "--gpu", "a100", "--num-gpus", "2", "--gpus-per-node", "2", "--ttft-slo",
+            "0.2", "--tpot-slo", "0.1", "--cost-model", "distserve", "--num-requests", "40", "--rate-step", "1",
+            "--first-ceiling", "8", "--max-rate", "16", "--json"]
+    outputs = []
+    for processes in ("1", "2"):
+        assert main([*argv, "--processes", processes]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "search_s" not in outputs[0]
 
 
 def test_plan_json_shape(plan_one_process) -> None:  # noqa: ANN001

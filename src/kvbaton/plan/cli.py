@@ -109,7 +109,7 @@ def run_plan(args: argparse.Namespace) -> int:
         plot_goodput(out / PLOT_NAME, [(c.placement.label, curve) for c, curve in zip(shown, curves)],
                      plan.request.settings.attainment)
         payload["curves"] = {c.placement.label: [list(point) for point in curve] for c, curve in zip(shown, curves)}
-        (out / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
+        (out / "report.json").write_text(json.dumps({**payload, "search_s": round(plan.search_s, 3)}, indent=2) + "\n")
         (out / "report.md").write_text(f"# kvbaton plan\n\n```\n{text}\n```\n\n![goodput vs rate]({PLOT_NAME})\n")
     if args.json:
         print(json.dumps(payload))

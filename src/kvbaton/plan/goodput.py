@@ -11,8 +11,8 @@ keep a search fast without changing its answer:
   grid rate that passes. Under the usual assumption that attainment falls as the rate rises,
   that answer does not depend on where the search starts, so a candidate can start at the best
   rate found so far by the other searches (`floor_rps`), and give up (`pruned`) once another
-  search has passed a rate this one has seen fail — the winner is the same whatever order
-  parallel searches run in, since nothing passes above it.
+  search has passed a rate this one has seen fail — the winner is the same whatever floor a
+  search gets, since nothing passes above it.
 """
 
 from __future__ import annotations
@@ -172,17 +172,14 @@ def distserve_bisection(met: Callable[[float], bool], high_rps: float = 5.0, esp
 
 
 def search_goodput(requests: Sequence[WorkloadRequest], setup: SimSetup, num_gpus: int, settings: SearchSettings,
-                   floor_rps: float = 0.0, best_rps: Callable[[], float] | None = None,
-                   on_pass: Callable[[float], None] | None = None) -> GoodputResult:
+                   floor_rps: float = 0.0) -> GoodputResult:
     """Largest per-GPU grid rate meeting the target, by doubling brackets from the ceiling, then bisection.
 
-    `floor_rps` and `best_rps()` (the best rate any search has passed so far, read between probes) only
-    prune: the search gives up once its bracket top is at or under them, as it can no longer win. They
-    never move the probes: near its limit a simulated placement's pass/fail need not be monotone in the
-    rate, so a bisection started from another search's floor could land elsewhere, and the plan would
-    depend on which process finished first. With a fixed probe sequence the answer of every unpruned
-    search, the winner's included (its answer is the largest rate any search passes), is the same run
-    to run. `on_pass(rate)` hears every rate this search passes.
+    `floor_rps` (the best rate other searches passed) only prunes: the search gives up once its bracket
+    top is at or under it, as it can no longer win. It never moves the probes: near its limit a simulated
+    placement's pass/fail need not be monotone in the rate, so a bisection started from another search's
+    floor could land elsewhere. With a fixed probe sequence and a fixed floor the result is a function of
+    the inputs; the winner's (its answer is the largest rate any search passes) is never pruned.
     """
     step = settings.step_rps
     probes: list[Probe] = []
@@ -193,11 +190,8 @@ def search_goodput(requests: Sequence[WorkloadRequest], setup: SimSetup, num_gpu
     def met(k: int) -> bool:
         result = probe(requests, setup, num_gpus, grid_rate(k, step), settings)
         probes.append(result)
-        if result.met and on_pass is not None:
-            on_pass(result.per_gpu_rps)
         return result.met
 
     floor = to_index(floor_rps)
-    floor_now = (lambda: max(floor, to_index(best_rps()))) if best_rps is not None else (lambda: floor)
-    k, pruned, capped = largest_passing(met, 0, to_index(settings.ceiling_rps), settings.max_steps, floor_now)
+    k, pruned, capped = largest_passing(met, 0, to_index(settings.ceiling_rps), settings.max_steps, lambda: floor)
     return GoodputResult(grid_rate(k, step), pruned, capped, tuple(probes))

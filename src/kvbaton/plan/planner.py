@@ -3,20 +3,23 @@
 The request mix is built once (the named workload, requests longer than the model's context
 dropped as DistServe does, arrivals at rate 1); each candidate's search (`search_goodput`) runs
 in a worker process. Candidates go out best-guess first — a roofline-style bound from the cost
-model — and every search gives up once it knows it falls under the best per-GPU goodput published
-so far by the others, so weak candidates are pruned after a few probes (the published rate only
-prunes, never moves a search's probes). The winner is the highest per-GPU goodput; ties go
-to fewer GPUs, then to enumeration order, so the plan does not depend on which process finished
-first (see goodput.py).
+model — in waves of `wave_size`: every search of a wave gives up once it knows it falls under the
+best per-GPU goodput the earlier waves passed, so weak candidates are pruned after a few probes
+(that rate only prunes, never moves a search's probes). Within a wave the searches share nothing,
+so what each reports (its rate, whether it was pruned, its probes) is a function of the inputs
+alone: the same plan, byte for byte in `--json`, whatever the number of processes or the order
+they finish in. The winner is the highest per-GPU goodput; ties go to fewer GPUs, then to
+enumeration order (see goodput.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,6 +50,7 @@ class PlanRequest:
     colocated_chunk_tokens: int = 512  # chunked-prefill token budget of colocated workers
     disaggregated_batch_tokens: int = 2048  # token budget of prefill and decode workers
     num_processes: int = 0  # 0: every core
+    wave_size: int = 4  # searches that run side by side, pruned only by the rates of the waves before theirs
     max_pp: int = 1  # pipeline degrees searched (see placements.py on why 1 by default)
 
 
@@ -126,25 +130,18 @@ def bound_per_gpu_rps(placement: Placement, cost: CostModel, prompt_tokens: floa
 
 # ---- worker processes --------------------------------------------------------------------------------
 
-_shared_best: Any = None  # multiprocessing.Value("d"): best per-GPU rate any search has passed so far
 _requests: list[WorkloadRequest] = []
 
 
-def _init_worker(shared_best: Any, requests: list[WorkloadRequest]) -> None:
-    global _shared_best, _requests
-    _shared_best, _requests = shared_best, requests
+def _init_worker(requests: list[WorkloadRequest]) -> None:
+    global _requests
+    _requests = requests
 
 
-def _publish(rate_rps: float) -> None:
-    with _shared_best.get_lock():
-        _shared_best.value = max(_shared_best.value, rate_rps)
-
-
-def _search_one(job: tuple[int, SimSetup, int, SearchSettings]) -> tuple[int, GoodputResult, float]:
-    index, setup, num_gpus, settings = job
+def _search_one(job: tuple[int, SimSetup, int, SearchSettings, float]) -> tuple[int, GoodputResult, float]:
+    index, setup, num_gpus, settings, floor_rps = job
     started = time.perf_counter()
-    result = search_goodput(_requests, setup, num_gpus, settings, floor_rps=_shared_best.value,
-                            best_rps=lambda: _shared_best.value, on_pass=_publish)
+    result = search_goodput(_requests, setup, num_gpus, settings, floor_rps=floor_rps)
     return index, result, time.perf_counter() - started
 
 
@@ -194,8 +191,7 @@ class GoodputPlanner:
         bounds = [bound_per_gpu_rps(p, self.cost_model, prompt_p90, output_mean, self.request.settings.slo)
                   for p in placements]
         order = sorted(range(len(placements)), key=lambda i: (-bounds[i], i))
-        jobs = [(i, self.setup_for(placements[i]), placements[i].num_gpus, self.request.settings) for i in order]
-        outcomes = self._run_jobs(jobs, requests)
+        outcomes = self._search_in_waves(placements, order, requests)
         candidates = tuple(Candidate(placements[i], bounds[i], *outcomes[i]) for i in range(len(placements)))
         best = _best(candidates)
         assert best is not None
@@ -216,20 +212,37 @@ class GoodputPlanner:
             curves[index].append((rate, goodput, attained))
         return curves
 
-    def _run_jobs(self, jobs: Sequence[tuple[int, SimSetup, int, SearchSettings]],
-                  requests: list[WorkloadRequest]) -> dict[int, tuple[GoodputResult, float]]:
-        return {index: (result, seconds) for index, result, seconds in self._map(_search_one, jobs, requests)}
+    def _search_in_waves(self, placements: Sequence[Placement], order: Sequence[int],
+                         requests: list[WorkloadRequest]) -> dict[int, tuple[GoodputResult, float]]:
+        """Each candidate's search, `order` cut into waves; a wave's floor is the best rate the waves before
+        it passed (`max` of exact grid rates: the same number in any order)."""
+        wave_size = max(1, self.request.wave_size)
+        waves = [order[i:i + wave_size] for i in range(0, len(order), wave_size)]
+        outcomes: dict[int, tuple[GoodputResult, float]] = {}
+        with self._pool(requests, len(order)) as run:
+            for wave in waves:
+                floor_rps = max((result.per_gpu_rps for result, _ in outcomes.values()), default=0.0)
+                jobs = [(i, self.setup_for(placements[i]), placements[i].num_gpus, self.request.settings, floor_rps)
+                        for i in wave]
+                outcomes.update({index: (result, seconds) for index, result, seconds in run(_search_one, jobs)})
+        return outcomes
 
     def _map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], requests: list[WorkloadRequest]) -> list[Any]:
         """`fn` over `jobs` on every core (results in completion order), or inline with one process."""
-        num_processes = min(self.request.num_processes or os.cpu_count() or 1, len(jobs))
-        context = multiprocessing.get_context("fork")
-        shared_best = context.Value("d", 0.0)
+        with self._pool(requests, len(jobs)) as run:
+            return run(fn, jobs)
+
+    @contextlib.contextmanager
+    def _pool(self, requests: list[WorkloadRequest],
+              num_jobs: int) -> Iterator[Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]]:
+        """A function mapping `fn` over jobs: on a process pool of up to every core, or inline with one."""
+        num_processes = min(self.request.num_processes or os.cpu_count() or 1, num_jobs)
         if num_processes <= 1:
-            _init_worker(shared_best, requests)
-            return [fn(job) for job in jobs]
-        with context.Pool(num_processes, _init_worker, (shared_best, requests)) as pool:
-            return list(pool.imap_unordered(fn, jobs))
+            _init_worker(requests)
+            yield lambda fn, jobs: [fn(job) for job in jobs]
+            return
+        with multiprocessing.get_context("fork").Pool(num_processes, _init_worker, (requests,)) as pool:
+            yield lambda fn, jobs: list(pool.imap_unordered(fn, jobs))
 
 
 def _best(candidates: Sequence[Candidate]) -> Candidate | None:

@@ -5,6 +5,8 @@
    "candidates": [...], ...}
 with `"colocated": {...}` in place of the two pools when a colocated unit wins. `best` is the
 deployment unit that is replicated; with a target rate it also says how many units it takes.
+It holds no timing: the same inputs give the same bytes, whatever the number of processes
+(the search's wall time is in the text and in `--out`'s report.json).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ def plan_json(plan: Plan, rate_rps: float | None = None) -> dict[str, Any]:
         "best_disaggregated": candidate_json(plan.best_disaggregated) if plan.best_disaggregated else None,
         "best_colocated": candidate_json(plan.best_colocated) if plan.best_colocated else None,
         "candidates": [candidate_json(c) for c in plan.candidates],
-        "search_s": round(plan.search_s, 3),
         "settings": {
             "model": req.model, "gpu": req.gpu, "num_gpus": req.num_gpus, "gpus_per_node": req.gpus_per_node,
             "affinity": req.affinity, "cost_model": req.cost_model, "workload": req.workload,

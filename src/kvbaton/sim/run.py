@@ -113,12 +113,17 @@ def check_setup(setup: SimSetup) -> None:
 
 
 def kv_blocks_for(setup: SimSetup, spec: ClusterSpec, cost_model: CostModel) -> int:
-    """KV blocks one worker holds: (memory x GPUs x fraction - weights) / block bytes, per worker of the spec."""
+    """KV blocks one worker holds: (memory x GPUs x fraction - weights) / block bytes, per worker of the spec,
+    for a cost model of a catalog GPU (roofline, distserve, a coefficient file naming its `gpu`)."""
     if setup.num_blocks > 0:
         return setup.num_blocks
     model = MODELS.get(setup.model)
-    if setup.cost_model not in ("roofline", "distserve") or model is None:
-        return DEFAULT_NUM_BLOCKS  # a profiled or constant model: size the pool like the live engine
+    if cost_model.gpu_name is None or model is None:
+        return DEFAULT_NUM_BLOCKS  # a CPU profile or a constant model: size the pool like the live engine
+    if cost_model.gpu_name != setup.gpu:
+        raise InvalidRequestError(f"cost model {cost_model.name} prices {cost_model.gpu_name}, not --gpu {setup.gpu}")
+    if cost_model.kv_bytes_per_token <= 0:
+        raise InvalidRequestError(f"cost model {cost_model.name} has no kv_bytes_per_token to size {setup.gpu}'s pool")
     gpus_per_worker = min(w.parallel.num_gpus for w in spec.workers)
     free_bytes = get_gpu(setup.gpu).mem_bytes * gpus_per_worker * KV_MEMORY_FRACTION - model.weight_bytes
     num_blocks = int(free_bytes // (cost_model.kv_bytes_per_token * setup.block_size))

@@ -31,5 +31,5 @@ def create_cost_model(kind: str, model: str, gpu: str) -> CostModel:
     if kind.endswith(".json"):
         if not Path(kind).is_file():
             raise InvalidRequestError(f"cost coefficient file not found: {kind}")
-        return load_linear_model(kind, None)
+        return load_linear_model(kind, model, only_if_absent=True)
     raise InvalidRequestError(f"unknown cost model {kind!r}; choose one of {', '.join(COST_MODELS)}")

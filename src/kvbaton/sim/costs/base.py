@@ -77,6 +77,9 @@ class CostModel(ABC):
     # Lag-1 correlation of consecutive steps' log(measured / predicted) on one worker: a slow step is followed
     # by slow steps (host contention lasts longer than a step). The simulator's draws follow it (AR(1)).
     step_noise_rho: float = 0.0
+    # The catalog GPU whose steps it prices: the simulator sizes each worker's KV pool from that GPU's memory.
+    # None: a host the catalog does not describe (a CPU profile), whose pool is sized like the live engine's.
+    gpu_name: str | None = None
 
     @abstractmethod
     def step_s(self, shape: BatchShape, parallel: Parallelism = Parallelism()) -> float:

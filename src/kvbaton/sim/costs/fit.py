@@ -2,8 +2,11 @@
 
 Prefill-only steps fit a + b·Σl + c·Σl² + d·Σ l·ctx; decode-only steps fit a + b·Σctx + c·B (one
 regime: a CPU or small GPU shows no batch-size knee worth a second set); mixed steps are kept to
-report how well the combination rule of `LinearCostModel` predicts them. Samples round-trip through JSON
-lines (`write_step_samples` / `read_step_samples`): serving workers log theirs that way.
+report how well the combination rule of `LinearCostModel` predicts them. A log with too few steps of
+one kind (a decode worker that prefills short prompts itself logs mixed steps, its prefill worker a
+handful of cold prompts) is fitted jointly instead: every step, one shared intercept (`fit_joint`).
+Samples round-trip through JSON lines (`write_step_samples` / `read_step_samples`): serving workers
+log theirs that way.
 """
 
 from __future__ import annotations
@@ -54,11 +57,11 @@ def fit_nonnegative(features: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_linear(samples: Sequence[StepSample]) -> LinearCoefficients:
+    """Prefill-only and decode-only steps fitted apart; with fewer than 4 and 3 of them, `fit_joint`."""
     prefill = [s for s in samples if s.shape.prefill_new_tokens and not s.shape.num_decodes]
     decode = [s for s in samples if s.shape.num_decodes and not s.shape.prefill_new_tokens]
     if len(prefill) < 4 or len(decode) < 3:
-        raise InvalidRequestError(f"need >= 4 prefill-only and >= 3 decode-only steps, got {len(prefill)}, "
-                                  f"{len(decode)}")
+        return fit_joint(samples)
     xp = np.array([[1.0, sum(s.shape.prefill_new_tokens), sum(n * n for n in s.shape.prefill_new_tokens),
                     sum(n * c for n, c in zip(s.shape.prefill_new_tokens, s.shape.prefill_context_tokens))]
                    for s in prefill])
@@ -67,6 +70,24 @@ def fit_linear(samples: Sequence[StepSample]) -> LinearCoefficients:
     d = fit_nonnegative(xd, np.array([s.duration_s for s in decode]))
     decode_coeffs = (float(d[0]), float(d[1]), float(d[2]))
     return LinearCoefficients((float(p[0]), float(p[1]), float(p[2]), float(p[3])), decode_coeffs, decode_coeffs)
+
+
+def fit_joint(samples: Sequence[StepSample]) -> LinearCoefficients:
+    """One forward per step, whatever it holds: a + b·Σl + c·Σl² + d·Σ l·ctx + e·Σctx_decode + f·B over every
+    step (prefill-only, decode-only and mixed alike), non-negative, one intercept shared by both phases.
+
+    `LinearCostModel` prices a mixed step as prefill + decode - min(a_prefill, a_decode), which with one shared
+    `a` is exactly this sum."""
+    rows = [s for s in samples if s.shape.prefill_new_tokens or s.shape.num_decodes]
+    prefill = sum(1 for s in rows if s.shape.prefill_new_tokens)
+    if len(rows) < 8 or not prefill or prefill == len(rows):
+        raise InvalidRequestError(f"need >= 8 timed steps, prefill and decode among them, got {len(rows)} "
+                                  f"({prefill} with prefill chunks)")
+    x = np.array([[1.0, sum(s.shape.prefill_new_tokens), sum(n * n for n in s.shape.prefill_new_tokens),
+                   sum(n * c for n, c in zip(s.shape.prefill_new_tokens, s.shape.prefill_context_tokens)),
+                   s.shape.decode_context_tokens, s.shape.num_decodes] for s in rows])
+    a, b, c, d, e, f = (float(v) for v in fit_nonnegative(x, np.array([s.duration_s for s in rows])))
+    return LinearCoefficients((a, b, c, d), (a, e, f), (a, e, f))
 
 
 def fit_quality(model: LinearCostModel, samples: Sequence[StepSample]) -> FitQuality:

@@ -35,6 +35,7 @@ class RooflineCostModel(CostModel):
         self.gpu = gpu
         self.efficiency = efficiency
         self.name = f"roofline:{model.name}@{gpu.name}"
+        self.gpu_name = gpu.name
         self.kv_bytes_per_token = model.kv_bytes_per_token
         embed = model.vocab_size * model.hidden_size
         self._linear_params = model.num_params - embed * (1 if model.tie_word_embeddings else 2)

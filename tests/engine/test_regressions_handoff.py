@@ -32,7 +32,7 @@ def test_decode_worker_prefix_cache_does_not_refuse_reservations(tiny: LoadedMod
     # worker's prefix cache. Every adopted request leaves its blocks cached there, so once the cache fills the
     # pool (15 of 16 blocks here, all evictable) every later handoff is refused, forever: disaggregation silently
     # turns into recomputing every prompt on the decode worker (after a whole lease when no router relays the
-    # refusal). The router's pair choice (server/pd_router.py) even counts cached blocks as room. The simulator
+    # refusal). The router's pair choice (router/pairs.py) even counts cached blocks as room. The simulator
     # avoids it by turning the decode workers' prefix cache off (sim/cluster.py); the live worker does not.
     # Fixed: a reservation evicts what the decode worker's cache holds unused (HandoffDestination.make_room).
     pair = Pair(tiny, decode_blocks=16, lease_s=1.0)

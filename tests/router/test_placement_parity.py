@@ -63,6 +63,7 @@ def _record(sim: ClusterSim) -> list[_Event]:
     placement.place = logged("place", placement.place, 1)  # type: ignore[method-assign]
     placement.on_tokens = logged("tokens", placement.on_tokens, 2)  # type: ignore[method-assign]
     placement.on_finished = logged("finished", placement.on_finished, 1)  # type: ignore[method-assign]
+    placement.check_decode = logged("check_decode", placement.check_decode, 4)  # type: ignore[method-assign]
 
     def no_snapshot(*args: Any) -> None:
         raise AssertionError("the simulator's KV events had a gap: replay it with a snapshot")
@@ -95,6 +96,7 @@ def _replay(events: list[_Event], setup: SimSetup, sim: ClusterSim,
     by_id = {r.request_id: r for r in requests}
     registered: set[str] = set()
     decisions: list[tuple[str, object]] = []
+    first_heard: set[str] = set()  # handed-off calls whose first token reached the live router with the gate
     for event in events:
         now[0] = event.now
         if event.kind == "add":
@@ -127,8 +129,19 @@ def _replay(events: list[_Event], setup: SimSetup, sim: ClusterSim,
                 continue
             entry = live._calls[route.request_id]
             decisions.append((route.request_id, (entry.worker_id, entry.prefill_worker)))
+        elif event.kind == "check_decode":  # the KV reached the decode worker: it streams the first token
+            request_id = event.args[0]
+            entry = live._calls[request_id]
+            live._on_delta(TokenDelta(request_id, (7,), "", False, worker_id=entry.worker_id))
+            refused = event.result is not None and not event.result.admitted  # type: ignore[attr-defined]
+            assert (request_id not in live._calls) == refused, request_id  # the live gate decided alike
+            decisions.append((request_id, ("at decode", refused)))
+            first_heard.add(request_id)
         elif event.kind == "tokens":
             request_id, num_tokens, _ = event.args
+            if request_id in first_heard:  # the sim's on_tokens for that first token: the delta above was it
+                first_heard.discard(request_id)
+                continue
             entry = live._calls[request_id]
             live._on_delta(TokenDelta(request_id, (7,) * num_tokens, "", False, worker_id=entry.worker_id))
         elif event.kind == "finished":
@@ -158,6 +171,9 @@ def _fresh_pools(pools: PoolBalancer | None, sim: ClusterSim) -> PoolBalancer | 
 def _sim_decisions(events: list[_Event]) -> list[tuple[str, object]]:
     out: list[tuple[str, object]] = []
     for event in events:
+        if event.kind == "check_decode":
+            refused = event.result is not None and not event.result.admitted  # type: ignore[attr-defined]
+            out.append((event.args[0], ("at decode", refused)))
         if event.kind != "place":
             continue
         decision = event.result
@@ -234,3 +250,14 @@ def test_adaptive_pools_lend_the_same_workers() -> None:
     simulated, live, reasons = _run_both(requests, setup)
     _same(simulated, live)
     assert "pool_lent" in reasons
+
+
+def test_the_decode_stage_gate_refuses_the_same_prefilled_calls() -> None:
+    rows = create_workload("mooncake", num_requests=120, rate=10.0)
+    requests = [r for r in rows if r.num_prompt_tokens + r.output_tokens <= 32768]
+    setup = SimSetup(cluster="4P1D:link=nvlink-a100", model="mistral-7b", gpu="a100", enable_prefix_cache=False,
+                     admission="baseline", admission_slo=(30.0, 0.03), max_model_len=32768)
+    simulated, live, _ = _run_both(requests, setup)
+    _same(simulated, live)
+    gated = [refused for _, d in simulated if isinstance(d, tuple) and d[0] == "at decode" for refused in d[1:]]
+    assert True in gated and False in gated

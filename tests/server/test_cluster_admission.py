@@ -114,6 +114,22 @@ def test_overloaded_pd_cluster_answers_429_at_once_and_serves_what_it_admitted(t
     run_pd(tiny, {"p0": "prefill", "d0": "decode"}, body, admission=policy("baseline"))
 
 
+def test_the_decode_stage_gate_refuses_a_prefilled_call_and_frees_both_workers(tiny: LoadedModel) -> None:
+    # Baseline admission passes the prompt at arrival (80 ms of prefill under a 0.25 s TTFT); a decode step is priced
+    # at 11 ms against a 5 ms TPOT SLO, so the decode stage refuses it once its KV reached d0, as the simulator's
+    # gate does (`ClusterPlacement.check_decode`).
+    async def body(cluster: ClusterManager, workers: dict[str, WorkerThread]) -> None:
+        prompt = tuple((j * 7) % 380 + 3 for j in range(80))
+        deltas = await collect(cluster, GenerateCall("gated", prompt, greedy(4), 0.0))
+        assert [(d.finish_reason, d.new_token_ids) for d in deltas] == [("rejected", ())]
+        assert "at decode" in deltas[0].error and "decode over capacity" in deltas[0].error
+        assert cluster.router_decisions == {"pair": 1, "slo_reject_at_decode": 1} and cluster.num_rejected == 1
+        await wait_clean(cluster, ["p0", "d0"])  # the decode worker was told to abort: no block is left held
+        assert cluster.tally is not None and cluster.tally.num_tracked == 0 and cluster.num_in_flight == 0
+
+    run_pd(tiny, {"p0": "prefill", "d0": "decode"}, body, admission=policy("baseline", tpot_s=0.005))
+
+
 def test_serve_builds_the_admission_policy_from_a_profile_and_refuses_an_incomplete_setup(tmp_path: Path) -> None:
     assert admission_policy(ServeConfig()) is None
     with pytest.raises(KvbatonError, match="needs --ttft-slo, --tpot-slo and --cost-profile"):

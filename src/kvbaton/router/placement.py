@@ -247,7 +247,8 @@ class ClusterPlacement:
     def check_decode(self, request_id: str, num_prompt_tokens: int, max_tokens: int, decode_worker: WorkerId,
                      now: float) -> AdmissionDecision | None:
         """The decode stage's own gate when a prefilled call's KV reaches `decode_worker` (admission's
-        `check_decode` over the tally, the call itself left out); None without admission."""
+        `check_decode` over the tally, the call itself left out); None without admission. The simulator asks as
+        it adopts the KV, the live router as the call's first token comes from its decode worker."""
         if self.admission is None or self.tally is None:
             return None
         request = AdmissionRequest(request_id, num_prompt_tokens, max_tokens)

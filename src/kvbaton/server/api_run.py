@@ -100,6 +100,12 @@ class SampleRun:
 
     def _on_delta(self, index: int, delta: TokenDelta) -> None:
         """The cluster's sink for sample `index` (callback mode)."""
+        self._take(index, delta)
+
+    def _take(self, index: int, delta: TokenDelta) -> None:
+        if delta.finish_reason == "rejected":  # refused after the cluster took it, before its first token
+            self._push(index, RejectedError(delta.error, 429, delta.extra.get("retry_after_s", 1.0)))
+            return
         self._record(index, delta)
         self._push(index, delta)
 
@@ -107,8 +113,7 @@ class SampleRun:
         call = self.samples[index].call
         try:
             async for delta in self._cluster.generate(call):
-                self._record(index, delta)
-                self._push(index, delta)
+                self._take(index, delta)
                 if delta.finished:
                     return
             raise RuntimeError(f"the cluster ended call {call.request_id} without a finished delta")

@@ -40,7 +40,9 @@ class TokenDelta:
     new_token_ids: tuple[int, ...]
     new_text: str
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" on the finished delta
+    # "stop" | "length" | "abort" | "error" on the finished delta; "rejected" (before any token) when admission's
+    # decode-stage gate refused a call the cluster had taken: the API answers 429 as for a refusal at arrival.
+    finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit (usage.prompt_tokens_details.cached_tokens)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when requested

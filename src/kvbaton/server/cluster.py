@@ -270,13 +270,34 @@ class ClusterManager(WorkerMembership, ClusterReports):
                                                  decode_address=self.workers[entry.worker_id].register.kv_address))
         return entry
 
-    def _end_call(self, entry: CallRecord) -> None:
+    def _refused_at_decode(self, entry: CallRecord, delta: TokenDelta) -> bool:
+        """Admission's decode-stage gate, as the simulator runs it when a handed-off call's KV reaches its decode
+        worker: here when its first token does (the decode worker adopted the KV). A refused call is aborted
+        there and ends "rejected", which the API answers with 429; True when so."""
+        call = entry.call
+        decision = self.placement.check_decode(call.request_id, len(call.prompt_token_ids), call.sampling.max_tokens,
+                                               entry.worker_id, self.clock())
+        if decision is None or decision.admitted:
+            return False
+        assert self.admission is not None
+        self.num_rejected += 1
+        self.router_decisions["slo_reject_at_decode"] = self.router_decisions.get("slo_reject_at_decode", 0) + 1
+        self._send_abort(entry)
+        self._end_call(entry, stored=True)  # its prefill ran: what routing put in the index is there
+        entry.sink(TokenDelta(call.request_id, (), "", True, "rejected", len(call.prompt_token_ids),
+                              error=f"request cannot meet its SLO ({self.admission.name} admission, at decode): "
+                                    f"{decision.reason}; retry later",
+                              worker_id=delta.worker_id, extra={"retry_after_s": self.config.retry_after_s}))
+        return True
+
+    def _end_call(self, entry: CallRecord, stored: bool = False) -> None:
         """Idempotent: a send on the way to ending a call (the abort of a consumer that left) may find its worker
-        gone, and that worker's removal ends the call first."""
+        gone, and that worker's removal ends the call first. `stored`: its prompt's KV was computed, whatever
+        token the router saw."""
         if entry.finished:
             return
         entry.finished = True
-        if entry.num_tokens_seen == 0:
+        if entry.num_tokens_seen == 0 and not stored:
             # Ended before its first token: what routing put in the prefix index for it may never be stored.
             for worker_id in (entry.worker_id, entry.prefill_worker):
                 record = self.workers.get(worker_id)
@@ -294,6 +315,9 @@ class ClusterManager(WorkerMembership, ClusterReports):
         entry = self._calls.get(delta.request_id)
         if entry is None or entry.finished:
             return  # the consumer already went away; the worker's late abort delta is dropped
+        if delta.new_token_ids and entry.num_tokens_seen == 0 and entry.prefill_worker and self._refused_at_decode(
+                entry, delta):
+            return
         if delta.new_token_ids:
             self.placement.on_tokens(delta.request_id, len(delta.new_token_ids), self.clock())
         entry.num_tokens_seen += len(delta.new_token_ids)

@@ -87,7 +87,7 @@ def _replay(events: list[_Event], setup: SimSetup, sim: ClusterSim,
                            max_num_waiting=setup.max_num_waiting,
                            local_prefill_threshold_tokens=setup.local_prefill_threshold_tokens,
                            kv_bytes_per_token=cost_model.kv_bytes_per_token,
-                           reserves_on_arrival=setup.reserve_ahead_tokens is None)
+                           reserve_ahead_tokens=setup.reserve_ahead_tokens)
     live = ClusterManager(config, clock=lambda: now[0], admission=_fresh(sim.placement.admission, sim),
                           pools=_fresh_pools(sim.placement.pools, sim))
     live._socket = _Socket()  # type: ignore[assignment]
@@ -252,11 +252,14 @@ def test_adaptive_pools_lend_the_same_workers() -> None:
     assert "pool_lent" in reasons
 
 
-def test_the_decode_stage_gate_refuses_the_same_prefilled_calls() -> None:
-    rows = create_workload("mooncake", num_requests=120, rate=10.0)
+@pytest.mark.parametrize(("reserve_ahead_tokens", "tpot_slo_s"), [(None, 0.03), (2048, 0.015)])
+def test_the_decode_stage_gate_refuses_the_same_prefilled_calls(reserve_ahead_tokens: int | None,
+                                                                 tpot_slo_s: float) -> None:
+    rows = create_workload("mooncake", num_requests=120, rate=10.0 if reserve_ahead_tokens is None else 20.0)
     requests = [r for r in rows if r.num_prompt_tokens + r.output_tokens <= 32768]
     setup = SimSetup(cluster="4P1D:link=nvlink-a100", model="mistral-7b", gpu="a100", enable_prefix_cache=False,
-                     admission="baseline", admission_slo=(30.0, 0.03), max_model_len=32768)
+                     admission="baseline", admission_slo=(30.0, tpot_slo_s), max_model_len=32768,
+                     reserve_ahead_tokens=reserve_ahead_tokens)
     simulated, live, _ = _run_both(requests, setup)
     _same(simulated, live)
     gated = [refused for _, d in simulated if isinstance(d, tuple) and d[0] == "at decode" for refused in d[1:]]

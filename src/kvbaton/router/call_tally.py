@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from kvbaton.router.admission import (AdmissionDecision, AdmissionPolicy, AdmissionRequest, CalibratedTimeModel,
                                       DecodeLoad, DecodeSlot, PrefillLoad, predict_decode, predict_ttft_s,
                                       queue_drain_s)
+from kvbaton.transfer.source import num_due_to_reserve
 
 
 @dataclass(slots=True)
@@ -50,11 +51,13 @@ def _queue_entry(tracked: _Tracked) -> tuple[int, int]:
 
 class CallTally:
     def __init__(self, policy: AdmissionPolicy, block_size: int, capacity_tokens: Callable[[str], int],
-                 calibration: CalibratedTimeModel | None = None, reserves_on_arrival: bool = True) -> None:
+                 calibration: CalibratedTimeModel | None = None, reserve_ahead_tokens: int | None = None) -> None:
         self.policy = policy
-        # With late reservation the router cannot see which calls on their way already hold decode KV: it counts
-        # them all as holding (conservative), but prices its own prompt's reservation at arrival, not now.
-        self.reserves_on_arrival = reserves_on_arrival
+        # None: a handoff reserves its decode KV as it is routed. A number: late reservation, as the prefill workers
+        # apply it (`transfer.source.num_due_to_reserve`): a call on its way holds its decode KV once the calls
+        # routed to its prefill worker before it leave at most this many tokens to compute; a new call's own
+        # reservation is priced at its arrival at decode, not now.
+        self.reserve_ahead_tokens = reserve_ahead_tokens
         self.calibration = calibration
         self.block_size = block_size
         self._capacity_tokens = capacity_tokens  # worker -> KV tokens it can hold (from its heartbeat)
@@ -130,6 +133,7 @@ class CallTally:
         decoding: list[DecodeSlot] = []
         incoming: list[DecodeSlot] = []
         arrivals_s: dict[str, dict[str, float]] = {}  # per prefill worker, computed once for all its calls
+        holding: dict[str, set[str]] = {}  # per prefill worker, its calls that hold their decode KV already
         for request_id in sorted(self._by_worker.get(worker, ())):
             t = self._calls[request_id]
             if t.decode_worker != worker or request_id == exclude:
@@ -140,9 +144,21 @@ class CallTally:
             else:
                 if t.prefill_worker not in arrivals_s:
                     arrivals_s[t.prefill_worker] = self._prefilled_in_s(t.prefill_worker)
-                incoming.append(DecodeSlot(t.num_prompt_tokens, remaining, arrivals_s[t.prefill_worker][request_id]))
+                    holding[t.prefill_worker] = self._holding_kv(t.prefill_worker)
+                incoming.append(DecodeSlot(t.num_prompt_tokens, remaining, arrivals_s[t.prefill_worker][request_id],
+                                           holds_kv=request_id in holding[t.prefill_worker]))
         return DecodeLoad(worker, tuple(decoding), tuple(incoming), self._capacity_tokens(worker),
-                          self.reserves_on_arrival)
+                          self.reserve_ahead_tokens is None)
+
+    def _holding_kv(self, prefill_worker: str) -> set[str]:
+        """The calls `prefill_worker` still prefills that hold their decode KV: all with reservation on arrival,
+        else the head of its queue as `num_due_to_reserve` lets it reserve (the tokens of those ahead of each)."""
+        calls = self._prefilling(prefill_worker)
+        limit = self.reserve_ahead_tokens
+        if limit is None:
+            return {request_id for request_id, _ in calls}
+        num_due = num_due_to_reserve(0, (t.num_uncached_tokens for _, t in calls), limit)
+        return {request_id for request_id, _ in calls[:num_due]}
 
     def _prefilled_in_s(self, prefill_worker: str) -> dict[str, float]:
         """When each call `prefill_worker` still prefills should reach decode: the worker computes the uncached

@@ -53,7 +53,8 @@ class PlacementConfig:
     # Disaggregation: prompts with fewer uncached tokens than this skip the handoff (prefill where they decode).
     local_prefill_threshold_tokens: int = DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
     kv_bytes_per_token: int = 0  # prices transfers in the decode choice (all layers, K and V)
-    reserves_on_arrival: bool = True  # False: prefill workers reserve decode KV late (--reserve-ahead-tokens)
+    # None: a handoff reserves decode KV as it is routed; a number: late (--reserve-ahead-tokens, the workers' rule)
+    reserve_ahead_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +114,7 @@ class ClusterPlacement:
         load = self.state.load  # (not a bound method of self: the tally must not make a reference cycle)
         self.tally = (CallTally(pricing, config.block_size, lambda worker_id: kv_capacity_tokens(load, worker_id),
                                 calibration if isinstance(calibration, CalibratedTimeModel) else None,
-                                config.reserves_on_arrival)
+                                config.reserve_ahead_tokens)
                       if pricing is not None else None)
         self._roles: dict[WorkerId, str] = {}
         self._links: dict[WorkerId, str] = {}  # decode worker -> the link kind prefill workers reach it by

@@ -70,7 +70,7 @@ class ClusterConfig:
     local_prefill_threshold_tokens: int = DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
     kv_load_failure_policy: str = "recompute"  # recompute | fail, when a handoff's KV does not arrive
     kv_bytes_per_token: int = 0  # prices transfers in the pair choice (all layers, K and V)
-    reserves_on_arrival: bool = True  # False: prefill workers reserve decode KV late (--reserve-ahead-tokens)
+    reserve_ahead_tokens: int | None = None  # the prefill workers' --reserve-ahead-tokens (None: on arrival)
     # The workers' local waiting-queue policy: "" pairs it with `policy` (preble's fairness queue under preble,
     # else fcfs); "fcfs" or "priority" (vLLM's --scheduling-policy: SamplingParams.priority orders the queue
     # and picks who is preempted) replace it.
@@ -91,7 +91,7 @@ class ClusterManager(WorkerMembership, ClusterReports):
                             max_num_waiting=config.max_num_waiting,
                             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
                             kv_bytes_per_token=config.kv_bytes_per_token,
-                            reserves_on_arrival=config.reserves_on_arrival),
+                            reserve_ahead_tokens=config.reserve_ahead_tokens),
             admission, pools)
         self.queue_policy = config.scheduling_policy or local_queue_policy(config.policy)
         self.identity: ClusterIdentity | None = None  # fixed by the first accepted worker

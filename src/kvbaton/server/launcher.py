@@ -212,7 +212,7 @@ class Launcher:
                 max_num_waiting=config.max_num_waiting,
                 local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
                 kv_load_failure_policy=config.kv_load_failure_policy,
-                reserves_on_arrival=config.reserve_ahead_tokens is None,
+                reserve_ahead_tokens=config.reserve_ahead_tokens,
                 scheduling_policy=config.scheduling_policy,
                 kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)),
                 admission=admission, pools=pools)

@@ -83,7 +83,7 @@ class ClusterSim(HandoffFlow, FlightEndings):
                             max_num_waiting=config.max_num_waiting,
                             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
                             kv_bytes_per_token=cost_model.kv_bytes_per_token,
-                            reserves_on_arrival=config.reserve_ahead_tokens is None),
+                            reserve_ahead_tokens=config.reserve_ahead_tokens),
             admission, pools)
         self._tracks_tokens = self.placement.tracks_tokens
         prefill = {w.worker_id: self.workers[w.worker_id] for w in spec.workers if w.role == "prefill"}

@@ -244,7 +244,8 @@ def test_evict_demotes_the_trimmed_blocks_without_an_evicted_event() -> None:
     assert cache.take_events() == []  # the worker still serves them
     assert tier.stored() == [(T[1], T[0]), (T[2], T[1])]
     assert cache.match_prefix(KEY, TOKENS, touch=False).block_ids == (0,)
-    assert tier.match(T[0], [(3, 4), (5, 6)]) == 2  # the tier continues the device match
+    assert tier.match(T[0], [(3, 4), (5, 6)], namespace=KEY) == 2  # the tier continues the device match
+    assert tier.match(T[0], [(3, 4), (5, 6)], namespace=KEY.with_tenant("other")) == 0  # only under their key
     assert pool.num_free_blocks == 7
     cache.check_invariants()
 

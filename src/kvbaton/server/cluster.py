@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 
 from kvbaton.cache.hashing import CacheKey
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.core.errors import CapacityError
 from kvbaton.router.admission import AdmissionPolicy, AdmissionRequest, CalibratedTimeModel
 from kvbaton.router.base import RouteRequest
@@ -75,6 +76,8 @@ class ClusterConfig:
     # else fcfs); "fcfs" or "priority" (vLLM's --scheduling-policy: SamplingParams.priority orders the queue
     # and picks who is preempted) replace it.
     scheduling_policy: str = ""
+    # Only holders of this secret connect as workers (server/rpc_auth.py); None: a fresh one (`ClusterManager.secret`).
+    cluster_secret: ClusterSecret | None = None
 
 
 class ClusterManager(WorkerMembership, ClusterReports):
@@ -84,6 +87,7 @@ class ClusterManager(WorkerMembership, ClusterReports):
                  admission: AdmissionPolicy | None = None, pools: PoolBalancer | None = None) -> None:
         self.config = config
         self.clock = clock
+        self.secret = config.cluster_secret or ClusterSecret.generate()  # what its workers must be handed
         self.state = RouterState(block_size=config.block_size)
         self.policy = create_policy(config.policy, self.state, random.Random(config.seed))
         self.queue_policy = config.scheduling_policy or local_queue_policy(config.policy)
@@ -127,7 +131,7 @@ class ClusterManager(WorkerMembership, ClusterReports):
 
     async def start(self) -> str:
         """Bind the socket, start reading it and start the monitor loop; returns the bound address."""
-        self._socket = RouterSocket(self.config.bind_address)
+        self._socket = RouterSocket(self.config.bind_address, self.secret)
         self.address = self._socket.address
         self._socket.start(self._handle)
         self._tasks = [asyncio.create_task(self._monitor_loop())]

@@ -2,8 +2,11 @@
 
 Wire format: `u32 little-endian header length | msgpack header | payload`, where only a tcp
 `LayerChunk` has a payload (its KV bytes, K then V, in position order; the size follows from the
-layout). A link starts with Hello -> Welcome | Rejected, so a worker with a different KV layout is
-refused at registration.
+layout). A link starts with Challenge -> Hello -> Welcome | Rejected: each end proves it holds the
+cluster secret (`kvbaton.transfer.link_auth`), so a peer without it is refused before any of its bytes
+can reach a block, and a worker with a different KV layout is refused at registration. Handshake frames
+are small (at most 64 KiB) and must arrive within `HANDSHAKE_TIMEOUT_S`, so a peer that connects and
+stalls holds neither the reader thread nor a socket for long.
 
 `SocketKVReceiver` (decode end) listens and runs one reader thread that accepts links and reads
 frames, so KV lands in storage while the engine keeps decoding; the engine drains what arrived with
@@ -18,24 +21,41 @@ import select
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.transfer.base import (
     Delivery,
     KVTransport,
     LayoutRejectedError,
+    LinkAuthError,
     PeerLost,
     TransportError,
     check_storage,
 )
-from kvbaton.transfer.codec import Frame, FrameError, Hello, Rejected, Welcome, decode, encode
+from kvbaton.transfer.codec import (
+    HANDSHAKE_FRAMES,
+    Challenge,
+    Frame,
+    FrameError,
+    Hello,
+    Rejected,
+    Welcome,
+    decode,
+    encode,
+    layout_to_wire,
+)
 from kvbaton.transfer.layout import KVLayout
+from kvbaton.transfer.link_auth import NONCE_BYTES, LinkKey, new_nonce
 from kvbaton.transfer.messages import LayerChunk, Message
 
 _HEADER_LENGTH = struct.Struct("<I")
 _MAX_HEADER_BYTES = 1 << 24
+_MAX_HANDSHAKE_BYTES = 1 << 16
+HANDSHAKE_TIMEOUT_S = 5.0  # a new link's handshake frames must arrive within this
 
 
 _RECV_BYTES = 1 << 18  # one read of a payload-less link: a prefill step's control frames fit many times
@@ -116,13 +136,13 @@ def split_frames(data: bytearray, frames: list[Frame | None]) -> None:
         del data[:offset]
 
 
-def recv_frame(sock: socket.socket) -> Frame | None:
-    """The next frame header, or None when the peer closed the link."""
+def recv_frame(sock: socket.socket, max_bytes: int = _MAX_HEADER_BYTES) -> Frame | None:
+    """The next frame header (at most `max_bytes` long), or None when the peer closed the link."""
     prefix = bytearray(_HEADER_LENGTH.size)
     if not recv_exact_into(sock, memoryview(prefix)):
         return None
     (length,) = _HEADER_LENGTH.unpack(prefix)
-    if length > _MAX_HEADER_BYTES:
+    if length > max_bytes:
         raise FrameError(f"frame header of {length} bytes")
     header = bytearray(length)
     if not recv_exact_into(sock, memoryview(header)):
@@ -142,10 +162,12 @@ class SocketKVReceiver(KVTransport):
     """Decode end: accepts links from prefill workers and delivers their frames (see module docstring)."""
 
     def __init__(self, name: str, layout: KVLayout, kv: np.ndarray, host: str = "127.0.0.1", port: int = 0,
-                 io_timeout_s: float = 30.0) -> None:
+                 io_timeout_s: float = 30.0, *, secret: ClusterSecret) -> None:
         check_storage(kv, layout)
         self.name, self.layout, self.kv = name, layout, kv
         self.io_timeout_s = io_timeout_s  # a peer stalled this long inside one frame counts as lost
+        self._link_key = LinkKey(secret)
+        self.num_refused_links = 0  # links that did not prove the cluster secret
         self._listener = socket.create_server((host, port))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._wake_reader, self._wake_writer = socket.socketpair()
@@ -214,24 +236,28 @@ class SocketKVReceiver(KVTransport):
     # -- reader thread ----------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        pending: list[socket.socket] = []  # accepted, Hello not yet read
+        pending: dict[socket.socket, tuple[bytes, float]] = {}  # accepted, Hello not yet read: (nonce, deadline)
         try:
             while not self._closed:
                 socks = [self._listener, self._wake_reader, *pending, *(link.sock for link in self._links.values())]
-                readable, _, _ = select.select(socks, [], [])
+                wait_s = max(0.0, min(deadline for _, deadline in pending.values()) - time.monotonic()) \
+                    if pending else None
+                readable, _, _ = select.select(socks, [], [], wait_s)
                 for sock in readable:
                     if sock is self._wake_reader:
                         return
                     if sock is self._listener:
-                        conn, _ = self._listener.accept()
-                        conn.settimeout(self.io_timeout_s)
-                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        pending.append(conn)
+                        self._accept(pending)
                     elif sock in pending:
-                        pending.remove(sock)
-                        self._handshake(sock)
+                        nonce, _ = pending.pop(sock)
+                        self._handshake(sock, nonce)
                     else:
                         self._read_available(sock)
+                now = time.monotonic()
+                for sock in [sock for sock, (_, deadline) in pending.items() if deadline <= now]:
+                    del pending[sock]  # connected and said nothing: not a kvbaton worker, or a stalled one
+                    self.num_refused_links += 1
+                    sock.close()
         finally:
             for sock in pending:
                 sock.close()
@@ -239,22 +265,48 @@ class SocketKVReceiver(KVTransport):
                 link.sock.close()
             self._links.clear()
 
-    def _handshake(self, sock: socket.socket) -> None:
+    def _accept(self, pending: dict[socket.socket, tuple[bytes, float]]) -> None:
+        """Take a new connection and challenge it: its Hello must prove the cluster secret over this nonce."""
+        conn, _ = self._listener.accept()
+        nonce = new_nonce()
         try:
-            hello = recv_frame(sock)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send_frame(conn, Challenge(nonce))
+        except OSError:
+            conn.close()
+            return
+        pending[conn] = (nonce, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+
+    def _handshake(self, sock: socket.socket, nonce: bytes) -> None:
+        """Read the Hello; link the sender only if it proves the cluster secret (checked first) and its layout
+        matches."""
+        try:
+            hello = recv_frame(sock, _MAX_HANDSHAKE_BYTES)
             if not isinstance(hello, Hello):
                 raise FrameError("a link must start with Hello")
-            reason = self.layout.mismatch(hello.layout)
-            if not reason and hello.worker_id in self._links:
-                reason = f"worker {hello.worker_id} is already linked"
-            if reason:
-                send_frame(sock, Rejected(reason))
+            fields = [hello.worker_id, *layout_to_wire(hello.layout)]
+            if len(hello.nonce) != NONCE_BYTES or not self._link_key.verify(hello.proof, "hello", nonce, hello.nonce,
+                                                                              fields):
+                self.num_refused_links += 1
+                send_frame(sock, Rejected("the link did not prove the cluster secret", "auth"))
                 sock.close()
                 return
+            reason, kind = self.layout.mismatch(hello.layout), "layout"
+            if not reason and hello.worker_id in self._links:
+                reason, kind = f"worker {hello.worker_id} is already linked", "linked"
+            if reason:
+                send_frame(sock, Rejected(reason, kind))
+                sock.close()
+                return
+            num_blocks, shm_path = self.kv.shape[2], self._shm_path()
+            proof = self._link_key.proof("welcome", nonce, hello.nonce, [self.name, num_blocks, shm_path])
+            sock.settimeout(self.io_timeout_s)
             with self._send_lock:
-                send_frame(sock, Welcome(self.name, self.kv.shape[2], self._shm_path()))
+                send_frame(sock, Welcome(self.name, num_blocks, shm_path, proof))
             self._links[hello.worker_id] = _Link(sock, hello.worker_id)
         except (OSError, FrameError):
+            self.num_refused_links += 1
             sock.close()
 
     def _read_available(self, sock: socket.socket) -> None:
@@ -273,7 +325,7 @@ class SocketKVReceiver(KVTransport):
                     if frame is None:
                         batch.append(self._lose(link.peer, "peer closed the link"))
                         return
-                    if isinstance(frame, (Hello, Welcome, Rejected)):
+                    if isinstance(frame, HANDSHAKE_FRAMES):
                         batch.append(self._lose(link.peer, f"unexpected {type(frame).__name__} frame"))
                         return
                     batch.append(Delivery(link.peer, frame))
@@ -311,9 +363,10 @@ class SocketKVReceiver(KVTransport):
 class SocketKVSender(KVTransport):
     """Prefill end: one persistent connection per decode peer; replies are read in `poll`."""
 
-    def __init__(self, name: str, layout: KVLayout, io_timeout_s: float = 30.0) -> None:
+    def __init__(self, name: str, layout: KVLayout, io_timeout_s: float = 30.0, *, secret: ClusterSecret) -> None:
         self.name, self.layout = name, layout
         self.io_timeout_s = io_timeout_s
+        self._link_key = LinkKey(secret)
         self._links: dict[str, _Link] = {}
         self._lost: list[PeerLost] = []
 
@@ -335,18 +388,32 @@ class SocketKVSender(KVTransport):
     # -- KVTransport --------------------------------------------------------------------------
 
     def connect(self, address: tuple[str, int], timeout_s: float = 10.0) -> str:
-        """Open the persistent link to a decode worker; returns its id. Raises LayoutRejectedError."""
+        """Open the persistent link to a decode worker; returns its id. Raises LayoutRejectedError, LinkAuthError
+        (either end did not prove the cluster secret) or TransportError."""
+        sock: socket.socket | None = None
         try:
             sock = socket.create_connection(address, timeout=timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_frame(sock, Hello(self.name, self.layout))
-            reply = recv_frame(sock)
+            challenge = recv_frame(sock, _MAX_HANDSHAKE_BYTES)
+            if not isinstance(challenge, Challenge) or len(challenge.nonce) != NONCE_BYTES:
+                raise FrameError("the peer did not open with a challenge: not a kvbaton KV receiver")
+            nonce = new_nonce()
+            proof = self._link_key.proof("hello", challenge.nonce, nonce, [self.name, *layout_to_wire(self.layout)])
+            send_frame(sock, Hello(self.name, self.layout, nonce, proof))
+            reply = recv_frame(sock, _MAX_HANDSHAKE_BYTES)
         except (OSError, FrameError) as error:
+            if sock is not None:
+                sock.close()
             raise TransportError(f"{self.name}: cannot link to {address}: {error}") from error
         if not isinstance(reply, Welcome):
             sock.close()
             reason = reply.reason if isinstance(reply, Rejected) else "link closed during the handshake"
-            raise LayoutRejectedError(f"{address} refused the link: {reason}")
+            error_type = LinkAuthError if isinstance(reply, Rejected) and reply.kind == "auth" else LayoutRejectedError
+            raise error_type(f"{address} refused the link: {reason}")
+        if not self._link_key.verify(reply.proof, "welcome", challenge.nonce, nonce,
+                                     [reply.worker_id, reply.num_blocks, reply.shm_path]):
+            sock.close()
+            raise LinkAuthError(f"{address} did not prove the cluster secret: no KV goes to it")
         sock.settimeout(self.io_timeout_s)
         link = _Link(sock, reply.worker_id, reply)
         try:
@@ -400,7 +467,7 @@ class SocketKVSender(KVTransport):
                     frame, reason = None, f"link error: {error}"
                 else:
                     reason = "peer closed the link"
-                if frame is None or isinstance(frame, (Hello, Welcome, Rejected)):
+                if frame is None or isinstance(frame, HANDSHAKE_FRAMES):
                     self._lose(link.peer, reason)
                 else:
                     items.append(Delivery(link.peer, frame))

@@ -1,6 +1,6 @@
-"""Length-prefixed frames over persistent TCP links, and the two link ends the tcp and shm transports share.
+"""Persistent TCP links carrying length-prefixed frames: the two link ends the tcp and shm transports share.
 
-Wire format: `u32 little-endian header length | msgpack header | payload`, where only a tcp
+Wire format (`framing.py`): `u32 little-endian header length | msgpack header | payload`, where only a tcp
 `LayerChunk` has a payload (its KV bytes, K then V, in position order; the size follows from the
 layout). A link starts with Challenge -> Hello -> Welcome | Rejected: each end proves it holds the
 cluster secret (`kvbaton.transfer.link_auth`), so a peer without it is refused before any of its bytes
@@ -19,7 +19,6 @@ from __future__ import annotations
 import queue
 import select
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,109 +44,27 @@ from kvbaton.transfer.codec import (
     Rejected,
     Welcome,
     decode,
-    encode,
     layout_to_wire,
 )
+from kvbaton.transfer.framing import HEADER_LENGTH, recv_frame, send_frame, send_frames, split_frames
 from kvbaton.transfer.layout import KVLayout
 from kvbaton.transfer.link_auth import NONCE_BYTES, LinkKey, new_nonce
 from kvbaton.transfer.messages import LayerChunk, Message
 
-_HEADER_LENGTH = struct.Struct("<I")
-_MAX_HEADER_BYTES = 1 << 24
 _MAX_HANDSHAKE_BYTES = 1 << 16
 HANDSHAKE_TIMEOUT_S = 5.0  # a new link's handshake frames must arrive within this
 
 
 _RECV_BYTES = 1 << 18  # one read of a payload-less link: a prefill step's control frames fit many times
-_MAX_IOVECS = 512  # buffers per sendmsg/recvmsg_into call, under every platform's IOV_MAX
 
 
-def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """Write the buffers in order with gathering `sendmsg` calls (one syscall for many block runs)."""
-    index = 0
-    while index < len(buffers):
-        num_sent = sock.sendmsg(buffers[index:index + _MAX_IOVECS])
-        while index < len(buffers) and num_sent >= len(buffers[index]):
-            num_sent -= len(buffers[index])
-            index += 1
-        if num_sent:
-            buffers[index] = buffers[index][num_sent:]
+@dataclass(slots=True)
+class _Pending:
+    """A link accepted and challenged, its Hello not yet whole."""
 
-
-def recv_into_buffers(sock: socket.socket, buffers: list[memoryview]) -> bool:
-    """Fill the buffers in order with scattering `recvmsg_into` calls; False if the peer closed first."""
-    index = 0
-    buffers = [buffer for buffer in buffers if len(buffer)]
-    while index < len(buffers):
-        num_received = sock.recvmsg_into(buffers[index:index + _MAX_IOVECS])[0]
-        if num_received == 0:
-            return False
-        while index < len(buffers) and num_received >= len(buffers[index]):
-            num_received -= len(buffers[index])
-            index += 1
-        if num_received:
-            buffers[index] = buffers[index][num_received:]
-    return True
-
-
-def send_frames(sock: socket.socket, frames: list[tuple[Frame, list[memoryview]]]) -> None:
-    """Write frames with their payloads (flat byte views) in gathering writes."""
-    buffers: list[memoryview] = []
-    for frame, payload in frames:
-        header = encode(frame)
-        buffers.append(memoryview(_HEADER_LENGTH.pack(len(header)) + header))
-        buffers += payload
-    send_buffers(sock, buffers)
-
-
-def send_frame(sock: socket.socket, frame: Frame) -> None:
-    send_frames(sock, [(frame, [])])
-
-
-def recv_exact_into(sock: socket.socket, buffer: memoryview) -> bool:
-    """Fill `buffer` from the socket; False if the peer closed the link first."""
-    offset, size = 0, len(buffer)
-    while offset < size:
-        num = sock.recv_into(buffer[offset:])
-        if num == 0:
-            return False
-        offset += num
-    return True
-
-
-def split_frames(data: bytearray, frames: list[Frame | None]) -> None:
-    """Decode every complete frame at the start of `data` into `frames`, removing its bytes.
-
-    A partial frame stays in `data` for the next read. A malformed frame raises FrameError after
-    the frames before it were appended, so they are still delivered ahead of the lost link.
-    """
-    offset = 0
-    try:
-        while len(data) - offset >= _HEADER_LENGTH.size:
-            (length,) = _HEADER_LENGTH.unpack_from(data, offset)
-            if length > _MAX_HEADER_BYTES:
-                raise FrameError(f"frame header of {length} bytes")
-            end = offset + _HEADER_LENGTH.size + length
-            if end > len(data):
-                break
-            frames.append(decode(bytes(data[offset + _HEADER_LENGTH.size:end])))
-            offset = end
-    finally:
-        del data[:offset]
-
-
-def recv_frame(sock: socket.socket, max_bytes: int = _MAX_HEADER_BYTES) -> Frame | None:
-    """The next frame header (at most `max_bytes` long), or None when the peer closed the link."""
-    prefix = bytearray(_HEADER_LENGTH.size)
-    if not recv_exact_into(sock, memoryview(prefix)):
-        return None
-    (length,) = _HEADER_LENGTH.unpack(prefix)
-    if length > max_bytes:
-        raise FrameError(f"frame header of {length} bytes")
-    header = bytearray(length)
-    if not recv_exact_into(sock, memoryview(header)):
-        return None
-    return decode(bytes(header))
+    nonce: bytes
+    deadline: float  # monotonic; closed then if its Hello has not arrived
+    data: bytearray = field(default_factory=bytearray)
 
 
 @dataclass(slots=True)
@@ -236,11 +153,11 @@ class SocketKVReceiver(KVTransport):
     # -- reader thread ----------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        pending: dict[socket.socket, tuple[bytes, float]] = {}  # accepted, Hello not yet read: (nonce, deadline)
+        pending: dict[socket.socket, _Pending] = {}  # accepted, Hello not yet complete
         try:
             while not self._closed:
                 socks = [self._listener, self._wake_reader, *pending, *(link.sock for link in self._links.values())]
-                wait_s = max(0.0, min(deadline for _, deadline in pending.values()) - time.monotonic()) \
+                wait_s = max(0.0, min(entry.deadline for entry in pending.values()) - time.monotonic()) \
                     if pending else None
                 readable, _, _ = select.select(socks, [], [], wait_s)
                 for sock in readable:
@@ -249,15 +166,13 @@ class SocketKVReceiver(KVTransport):
                     if sock is self._listener:
                         self._accept(pending)
                     elif sock in pending:
-                        nonce, _ = pending.pop(sock)
-                        self._handshake(sock, nonce)
+                        self._read_hello(sock, pending)
                     else:
                         self._read_available(sock)
                 now = time.monotonic()
-                for sock in [sock for sock, (_, deadline) in pending.items() if deadline <= now]:
-                    del pending[sock]  # connected and said nothing: not a kvbaton worker, or a stalled one
-                    self.num_refused_links += 1
-                    sock.close()
+                for sock in [sock for sock, entry in pending.items() if entry.deadline <= now]:
+                    del pending[sock]  # connected and did not finish its Hello in time
+                    self._refuse(sock)
         finally:
             for sock in pending:
                 sock.close()
@@ -265,7 +180,7 @@ class SocketKVReceiver(KVTransport):
                 link.sock.close()
             self._links.clear()
 
-    def _accept(self, pending: dict[socket.socket, tuple[bytes, float]]) -> None:
+    def _accept(self, pending: dict[socket.socket, _Pending]) -> None:
         """Take a new connection and challenge it: its Hello must prove the cluster secret over this nonce."""
         conn, _ = self._listener.accept()
         nonce = new_nonce()
@@ -276,19 +191,46 @@ class SocketKVReceiver(KVTransport):
         except OSError:
             conn.close()
             return
-        pending[conn] = (nonce, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+        pending[conn] = _Pending(nonce, time.monotonic() + HANDSHAKE_TIMEOUT_S)
 
-    def _handshake(self, sock: socket.socket, nonce: bytes) -> None:
-        """Read the Hello; link the sender only if it proves the cluster secret (checked first) and its layout
-        matches."""
+    def _read_hello(self, sock: socket.socket, pending: dict[socket.socket, _Pending]) -> None:
+        """Read what a new link sent (the socket is readable, so this never waits) until its Hello is whole: a peer
+        that sends it slowly holds only its own socket, never this thread."""
+        entry = pending[sock]
         try:
-            hello = recv_frame(sock, _MAX_HANDSHAKE_BYTES)
+            data = sock.recv(_MAX_HANDSHAKE_BYTES)
+        except OSError:
+            data = b""
+        entry.data += data
+        header, have = HEADER_LENGTH.size, len(entry.data)
+        length = HEADER_LENGTH.unpack_from(entry.data)[0] if have >= header else None
+        if not data or (length is not None and (length > _MAX_HANDSHAKE_BYTES or have > header + length)):
+            del pending[sock]  # closed, too long, or more than a Hello before its Welcome
+            self._refuse(sock)
+            return
+        if length is None or have < header + length:
+            return  # the rest is on its way
+        del pending[sock]
+        try:
+            hello = decode(bytes(entry.data[header:]))
+        except FrameError:
+            self._refuse(sock)
+            return
+        self._handshake(sock, entry.nonce, hello)
+
+    def _refuse(self, sock: socket.socket) -> None:
+        self.num_refused_links += 1
+        sock.close()
+
+    def _handshake(self, sock: socket.socket, nonce: bytes, hello: Frame) -> None:
+        """Link the sender of `hello` only if it proves the cluster secret (checked first) and its layout matches."""
+        try:
             if not isinstance(hello, Hello):
                 raise FrameError("a link must start with Hello")
             fields = [hello.worker_id, *layout_to_wire(hello.layout)]
             if len(hello.nonce) != NONCE_BYTES or not self._link_key.verify(hello.proof, "hello", nonce, hello.nonce,
                                                                               fields):
-                self.num_refused_links += 1
+                self.num_refused_links += 1  # counted before the peer can read why
                 send_frame(sock, Rejected("the link did not prove the cluster secret", "auth"))
                 sock.close()
                 return
@@ -306,8 +248,7 @@ class SocketKVReceiver(KVTransport):
                 send_frame(sock, Welcome(self.name, num_blocks, shm_path, proof))
             self._links[hello.worker_id] = _Link(sock, hello.worker_id)
         except (OSError, FrameError):
-            self.num_refused_links += 1
-            sock.close()
+            self._refuse(sock)
 
     def _read_available(self, sock: socket.socket) -> None:
         """Read frames from one link while more are already waiting, and hand them over in one put."""

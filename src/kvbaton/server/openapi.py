@@ -47,14 +47,16 @@ _BOOL = _nullable({"type": "boolean"})
 _STRING = _nullable({"type": "string"})
 _OBJECT = _nullable({"type": "object"})
 _TOKEN_IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_CHOICES: Schema = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
+_EMPTY: Schema = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
 
 
-def _sampling(max_model_len: int) -> Schema:
+def _sampling(model_name: str, max_model_len: int) -> Schema:
     """Fields both generation routes read (`protocol._sampling` and friends)."""
     return {
-        "model": _STRING,
+        "model": {"enum": [model_name, None]},
         "max_tokens": _int(0, max_model_len),
-        "temperature": _nullable({"type": "number", "minimum": 0}),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 100}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
         "top_k": _int(-1),
         "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
@@ -67,15 +69,16 @@ def _sampling(max_model_len: int) -> Schema:
         "n": _int(1, MAX_BATCH_SAMPLES), "best_of": _int(1, MAX_BATCH_SAMPLES),
         "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
-        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
-        "logit_bias": _nullable({"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
-                                                                              "maximum": 100}}),
+        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 10}),
+        "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
         "priority": _int(),
         "stream": _BOOL,
         "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL,
                                                                       "continuous_usage_stats": _BOOL}}),
         "user": _STRING,
-        "truncate_prompt_tokens": _int(-1, max_model_len),
+        "truncate_prompt_tokens": _nullable({"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1,
+                                                                       "maximum": max_model_len}]}),
         "cache_salt": _nullable({"type": "string", "minLength": 1}),
         "prompt_logprobs": _int(0, MAX_LOGPROBS),
         # Structured outputs (protocol_structured.py): at most one of these constrains the output.
@@ -84,63 +87,77 @@ def _sampling(max_model_len: int) -> Schema:
             "json_schema": {"type": "object", "properties": {"name": {"type": "string"},
                                                              "schema": {"type": "object"}}}}}),
         "structured_outputs": _nullable({"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
-            "json": {"type": "object"}, "regex": {"type": "string"}, "choice": {"type": "array",
-                                                                                 "items": {"type": "string"}},
+            "json": {"type": "object"}, "regex": {"type": "string", "minLength": 1}, "choice": _CHOICES,
             "grammar": {"type": "string"}, "json_object": {"const": True}}, "additionalProperties": False}),
-        "guided_json": _OBJECT, "guided_regex": _STRING, "guided_choice": _nullable(
-            {"type": "array", "items": {"type": "string"}}), "guided_grammar": _STRING,
-        # vLLM fields kvbaton refuses by name unless left at their default (protocol._refuse_unsupported).
-        "use_beam_search": _BOOL, "allowed_token_ids": _nullable(_TOKEN_IDS),
-        "bad_words": _nullable({"type": "array", "items": {"type": "string"}}),
-        "return_tokens_as_token_ids": _BOOL, "logits_processors": _nullable({"type": "array"}),
-        "length_penalty": _NUMBER, "guided_whitespace_pattern": _STRING, "structural_tag": _OBJECT,
-        "functions": _nullable({"type": "array"}), "function_call": _nullable({}), "suffix": _STRING,
+        "guided_json": _OBJECT, "guided_regex": _nullable({"type": "string", "minLength": 1}), "guided_choice": _nullable(_CHOICES), "guided_grammar": _STRING,
+        # vLLM and legacy OpenAI fields kvbaton refuses by name (400, code unsupported_parameter) unless left at
+        # their default (protocol._refuse_unsupported): the document admits the defaults only.
+        "use_beam_search": {"enum": [False, None]}, "allowed_token_ids": _EMPTY, "bad_words": _EMPTY,
+        "return_tokens_as_token_ids": {"enum": [False, None]}, "logits_processors": _EMPTY,
+        "length_penalty": {"enum": [1.0, None]}, "guided_whitespace_pattern": {"type": "null"},
+        "structural_tag": {"type": "null"}, "functions": _EMPTY, "function_call": {"enum": [None, ""]},
+        "suffix": {"enum": [None, ""]},
     }
 
 
-_MESSAGE: Schema = {"type": "object", "required": ["role"], "properties": {
-    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-    "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}),
-    "name": {"type": "string"}, "tool_calls": {"type": "array", "items": {"type": "object"}},
+_TEXT_PART: Schema = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"const": "text"}, "text": {"type": "string"}}}
+_TOOL_CALL: Schema = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string"}, "arguments": {"anyOf": [{"type": "string"}, {"type": "object"}]}}}}}
+# model/chat_template.py `validated_messages`: a string or text parts (it also takes null beside tool_calls).
+_MESSAGE: Schema = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"type": "string", "minLength": 1},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
+    "name": {"type": "string"}, "tool_calls": _nullable({"type": "array", "items": _TOOL_CALL}),
     "tool_call_id": {"type": "string"}}}
 _TOOL: Schema = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}}}}}
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}}}
 _TEMPLATE_FIELDS: Schema = {
     "add_generation_prompt": _BOOL, "continue_final_message": _BOOL,
-    "chat_template_kwargs": _OBJECT, "documents": _nullable({"type": "array", "items": {"type": "object"}}),
+    "chat_template_kwargs": _nullable({"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}}), "documents": _nullable({"type": "array", "items": {"type": "object"}}),
     "tools": _nullable({"type": "array", "items": _TOOL}),
 }
 
 
-def _completion_body(max_model_len: int) -> Schema:
+def _completion_body(model_name: str, max_model_len: int) -> Schema:
     prompt = {"anyOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1},
                         {"type": "array", "minItems": 1, "maxItems": MAX_BATCH_PROMPTS,
                          "items": {"type": "string", "minLength": 1}},
                         {"type": "array", "minItems": 1, "maxItems": MAX_BATCH_PROMPTS,
                          "items": {**_TOKEN_IDS, "minItems": 1}}]}
     return {"type": "object", "required": ["prompt"], "properties": {
-        **_sampling(max_model_len), "prompt": prompt, "echo": _BOOL, "logprobs": _int(0, MAX_LOGPROBS)}}
+        **_sampling(model_name, max_model_len), "prompt": prompt, "echo": _BOOL, "logprobs": _int(0, MAX_LOGPROBS)}}
 
 
-def _chat_body(max_model_len: int) -> Schema:
+def _chat_body(model_name: str, max_model_len: int) -> Schema:
     return {"type": "object", "required": ["messages"], "properties": {
-        **_sampling(max_model_len), **_TEMPLATE_FIELDS,
+        **_sampling(model_name, max_model_len), **_TEMPLATE_FIELDS,
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, {
             "type": "object", "required": ["type", "function"], "properties": {
                 "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
                                                             "properties": {"name": {"type": "string"}}}}}]}),
         "parallel_tool_calls": _BOOL, "logprobs": _BOOL, "top_logprobs": _int(0, MAX_LOGPROBS),
-        "max_completion_tokens": _int(1, max_model_len), "chat_template": _STRING}}
+        "max_completion_tokens": _int(1, max_model_len), "chat_template": {"type": "null"}}}
 
 
-_TOKENIZE_BODY: Schema = {"type": "object", "properties": {
-    "model": _STRING, "prompt": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
-    "add_special_tokens": _BOOL, "return_token_strs": _BOOL, **_TEMPLATE_FIELDS}}
-_DETOKENIZE_BODY: Schema = {"type": "object", "required": ["tokens"], "properties": {
-    "model": _STRING, "tokens": _TOKEN_IDS}}
+def _tokenize_body(model_name: str) -> Schema:
+    return {"type": "object", "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}], "properties": {
+        "model": {"enum": [model_name, None]}, "prompt": {"type": "string"},
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "add_special_tokens": _BOOL, "return_token_strs": _BOOL, **_TEMPLATE_FIELDS}}
+
+
+def _detokenize_body(model_name: str) -> Schema:
+    return {"type": "object", "required": ["tokens"], "properties": {
+        "model": {"enum": [model_name, None]}, "tokens": _TOKEN_IDS}}
+
+
 _GENERATED: Schema = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
     "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
     "model": {"type": "string"}, "choices": {"type": "array", "items": {"type": "object"}},
@@ -175,11 +192,11 @@ def openapi_document(model_name: str, max_model_len: int, *, with_keys: bool = F
     text = {"type": "string"}
     paths = {
         "/v1/completions": {"post": _operation("OpenAI completions (vLLM's extensions)", _GENERATED,
-                                               _completion_body(max_model_len), stream=True, **op)},
+                                               _completion_body(model_name, max_model_len), stream=True, **op)},
         "/v1/chat/completions": {"post": _operation("OpenAI chat completions (vLLM's extensions)", _GENERATED,
-                                                    _chat_body(max_model_len), stream=True, **op)},
-        "/tokenize": {"post": _operation("vLLM's /tokenize", {"type": "object"}, _TOKENIZE_BODY, **op)},
-        "/detokenize": {"post": _operation("vLLM's /detokenize", {"type": "object"}, _DETOKENIZE_BODY, **op)},
+                                                    _chat_body(model_name, max_model_len), stream=True, **op)},
+        "/tokenize": {"post": _operation("vLLM's /tokenize", {"type": "object"}, _tokenize_body(model_name), **op)},
+        "/detokenize": {"post": _operation("vLLM's /detokenize", {"type": "object"}, _detokenize_body(model_name), **op)},
         "/v1/models": {"get": _operation("the served model", {"type": "object"}, **op)},
         "/reset_prefix_cache": {"post": _operation("empty every worker's prefix cache (admin)", {"type": "object"},
                                                    **op)},

@@ -17,7 +17,7 @@ to it in KVBATON_API_KEY, off its command line). The run shows:
 Prints one JSON line (progress on stderr). The machine is shared: rerun before trusting one figure.
 
     .venv/bin/python benchmarks/soak.py [--model tiny-random --num-requests 2000 --concurrency 64]
-    .venv/bin/python benchmarks/soak.py --model smollm2-135m --num-requests 300
+    .venv/bin/python benchmarks/soak.py --model smollm2-135m --num-requests 300 --max-num-batched-tokens 128
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ def _judge_whole(response: httpx.Response, n: int, done: object) -> Outcome:
         return finish("failed", f"{response.status_code}: {message[:120]}")  # type: ignore[operator,no-any-return]
     choices = response.json()["choices"]
     ended = len(choices) == n and all(choice.get("finish_reason") for choice in choices)
-    return finish("completed" if ended else "failed", "" if ended else "a choice without a finish reason")  # type: ignore[operator,no-any-return]
+    if ended:
+        return finish("completed")  # type: ignore[operator,no-any-return]
+    return finish("failed", "a choice without a finish reason")  # type: ignore[operator,no-any-return]
 
 
 def rss_mb(pid: int) -> float:
@@ -195,16 +197,17 @@ def _mix(requests: list[tuple[str, dict[str, object], bool]]) -> dict[str, int]:
             "leave_mid_stream": sum(abandon for _, _, abandon in requests)}
 
 
-def quarters_p99(outcomes: list[Outcome]) -> list[float]:
-    """p99 latency of the completed requests in each quarter of the run, by start order."""
+def quarter_percentiles(outcomes: list[Outcome], fraction: float) -> list[float]:
+    """A latency percentile (`fraction` 0.99: p99) of the completed requests in each quarter of the run, by start
+    order."""
     ordered = sorted(outcomes, key=lambda o: o.started_s)
     size = max(1, len(ordered) // 4)
-    p99s = []
+    values = []
     for q in range(4):
         latencies = sorted(o.latency_s for o in ordered[q * size:(q + 1) * size if q < 3 else None]
                            if o.kind == "completed")
-        p99s.append(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else 0.0)
-    return p99s
+        values.append(latencies[min(len(latencies) - 1, int(fraction * len(latencies)))] if latencies else 0.0)
+    return values
 
 
 def rss_by_quarter(samples: list[tuple[int, dict[str, float]]], num_requests: int) -> dict[str, dict[str, float]]:
@@ -220,7 +223,8 @@ def rss_by_quarter(samples: list[tuple[int, dict[str, float]]], num_requests: in
 def start_server(args: argparse.Namespace, api_key: str) -> tuple[subprocess.Popen[str], str]:
     command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", args.model, "--prefill", "1", "--decode", "1",
                "--port", "0", "--num-blocks", str(args.num_blocks), "--max-num-waiting", str(args.max_num_waiting),
-               "--threads-per-worker", str(args.threads_per_worker), "--drain-timeout", "5"]
+               "--threads-per-worker", str(args.threads_per_worker), "--drain-timeout", "5",
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     environment = {**os.environ, "KVBATON_API_KEY": api_key}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               start_new_session=True, env=environment)
@@ -252,6 +256,9 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
     parser.add_argument("--max-num-waiting", type=int, default=256, help="the router's queue limit (then 429)")
     parser.add_argument("--threads-per-worker", type=int, default=1)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="tokens per worker step; a step must stay well under the router's 30 s liveness timeout "
+                             "(SmolLM2 on one busy core: 128)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--idle-timeout-s", type=float, default=30.0)
@@ -272,7 +279,7 @@ def main() -> None:
     idle: dict[str, object] = run["idle"]  # type: ignore[assignment]
     blocks_held = sum(idle["blocks_held"].values())  # type: ignore[union-attr]
     rss = rss_by_quarter(run["samples"], args.num_requests)  # type: ignore[arg-type]
-    p99 = quarters_p99(outcomes)
+    p99, p50 = quarter_percentiles(outcomes, 0.99), quarter_percentiles(outcomes, 0.5)
     p99_ratio = round(p99[3] / p99[1], 3) if p99[1] else None
     print(json.dumps({
         "model": args.model, "num_requests": args.num_requests, "concurrency": args.concurrency,
@@ -284,6 +291,7 @@ def main() -> None:
         "serving_after": serving_after, "rss": rss,
         "rss_within_5pct": bool(rss) and all(abs(r["ratio"] - 1) <= 0.05 for r in rss.values()),
         "latency_p99_s_by_quarter": [round(v, 3) for v in p99], "p99_last_over_second": p99_ratio,
+        "latency_p50_s_by_quarter": [round(v, 3) for v in p50],
         "p99_within_1_2x": p99_ratio is not None and p99_ratio <= 1.2,
         "wall_s": round(float(run["wall_s"]), 1),  # type: ignore[arg-type]
         "requests_per_s": round(args.num_requests / float(run["wall_s"]), 2),  # type: ignore[arg-type]

@@ -46,7 +46,8 @@ def client(cluster: FakeCluster, tokenizer: Tokenizer) -> Iterator[TestClient]:
         yield test_client
 
 
-def _send(client: TestClient, method: str, path: str, body: object, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+def _send(client: TestClient, method: str, path: str, body: object,  # type: ignore[no-untyped-def]
+          headers: dict[str, str] | None = None):
     return client.request(method, path, json=body, headers=headers or {})
 
 
@@ -168,7 +169,8 @@ def test_key_lookup_keeps_digests_only_and_confirms_with_compare_digest(monkeypa
 
 
 @pytest.mark.parametrize("bad", [[("", Principal("", USER))], [(" k", Principal("", USER))],
-                                 [("k", Principal("", "root"))], [("k", Principal("a", USER)), ("k", Principal("b", USER))]])
+                                 [("k", Principal("", "root"))],
+                                 [("k", Principal("a", USER)), ("k", Principal("b", USER))]])
 def test_bad_key_configurations_are_refused(bad: list[tuple[str, Principal]]) -> None:
     with pytest.raises(KvbatonError):
         ApiKeys(bad)

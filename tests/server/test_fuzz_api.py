@@ -105,7 +105,8 @@ def test_fuzzed_requests_get_no_5xx_and_openai_shaped_4xx(served: Served, api_sc
     operation = api_schema[path][method]
     statuses: dict[int, int] = {}
 
-    @settings(max_examples=MAX_EXAMPLES if (method, path) in WITH_BODIES else 5, derandomize=True, deadline=None, database=None,
+    @settings(max_examples=MAX_EXAMPLES if (method, path) in WITH_BODIES else 5, derandomize=True, deadline=None,
+              database=None,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case: schemathesis.Case) -> None:

@@ -69,7 +69,8 @@ def test_an_api_key_file_maps_keys_to_tenants_and_roles(monkeypatch: pytest.Monk
                                           "--metrics-require-key"])
     keys = served[0].api_keys
     assert status == 0 and keys is not None and served[0].trust_tenant_header and served[0].metrics_require_key
-    assert keys.principal_of(b"sk-a") == Principal("acme", USER) and keys.principal_of(b"sk-ops").is_admin  # type: ignore[union-attr]
+    assert keys.principal_of(b"sk-a") == Principal("acme", USER)
+    assert keys.principal_of(b"sk-ops") == Principal("ops", ADMIN)
     path.write_text(json.dumps([{"key": "sk-a", "role": "root"}]))
     assert run(monkeypatch, [*SERVE, "--api-key-file", str(path)])[0] == 2
     assert "role must be one of user, admin" in capsys.readouterr().err

@@ -193,6 +193,6 @@ def test_a_peer_that_connects_and_stalls_is_dropped_without_holding_up_real_link
 
 
 def test_handshake_frames_round_trip() -> None:
-    frames = [Challenge(b"n" * 16), Hello("p0", LAYOUT, b"s" * 16, b"p" * 32), Welcome("d0", 4, "/dev/shm/x", b"q" * 32),
-              Rejected("no", "auth")]
+    frames = [Challenge(b"n" * 16), Hello("p0", LAYOUT, b"s" * 16, b"p" * 32),
+              Welcome("d0", 4, "/dev/shm/x", b"q" * 32), Rejected("no", "auth")]
     assert [decode(encode(frame)) for frame in frames] == frames

@@ -89,7 +89,8 @@ def _sampling(model_name: str, max_model_len: int) -> Schema:
         "structured_outputs": _nullable({"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
             "json": {"type": "object"}, "regex": {"type": "string", "minLength": 1}, "choice": _CHOICES,
             "grammar": {"type": "string"}, "json_object": {"const": True}}, "additionalProperties": False}),
-        "guided_json": _OBJECT, "guided_regex": _nullable({"type": "string", "minLength": 1}), "guided_choice": _nullable(_CHOICES), "guided_grammar": _STRING,
+        "guided_json": _OBJECT, "guided_regex": _nullable({"type": "string", "minLength": 1}),
+        "guided_choice": _nullable(_CHOICES), "guided_grammar": _STRING,
         # vLLM and legacy OpenAI fields kvbaton refuses by name (400, code unsupported_parameter) unless left at
         # their default (protocol._refuse_unsupported): the document admits the defaults only.
         "use_beam_search": {"enum": [False, None]}, "allowed_token_ids": _EMPTY, "bad_words": _EMPTY,
@@ -119,7 +120,9 @@ _TOOL: Schema = {"type": "object", "required": ["type", "function"], "properties
         "parameters": {"type": "object"}}}}}
 _TEMPLATE_FIELDS: Schema = {
     "add_generation_prompt": _BOOL, "continue_final_message": _BOOL,
-    "chat_template_kwargs": _nullable({"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}}), "documents": _nullable({"type": "array", "items": {"type": "object"}}),
+    "chat_template_kwargs": _nullable({"type": "object",
+                                       "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}}),
+    "documents": _nullable({"type": "array", "items": {"type": "object"}}),
     "tools": _nullable({"type": "array", "items": _TOOL}),
 }
 
@@ -196,7 +199,8 @@ def openapi_document(model_name: str, max_model_len: int, *, with_keys: bool = F
         "/v1/chat/completions": {"post": _operation("OpenAI chat completions (vLLM's extensions)", _GENERATED,
                                                     _chat_body(model_name, max_model_len), stream=True, **op)},
         "/tokenize": {"post": _operation("vLLM's /tokenize", {"type": "object"}, _tokenize_body(model_name), **op)},
-        "/detokenize": {"post": _operation("vLLM's /detokenize", {"type": "object"}, _detokenize_body(model_name), **op)},
+        "/detokenize": {"post": _operation("vLLM's /detokenize", {"type": "object"}, _detokenize_body(model_name),
+                                           **op)},
         "/v1/models": {"get": _operation("the served model", {"type": "object"}, **op)},
         "/reset_prefix_cache": {"post": _operation("empty every worker's prefix cache (admin)", {"type": "object"},
                                                    **op)},

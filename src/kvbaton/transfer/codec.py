@@ -142,8 +142,9 @@ def encode(frame: Frame) -> bytes:
     if isinstance(frame, ReserveRequest):
         fields: list[Any] = ["reserve", _tid(frame.transfer_id), layout_to_wire(frame.layout), frame.num_tokens]
     elif isinstance(frame, LayerChunk):
-        fields = ["chunk", _tid(frame.transfer_id), layout_to_wire(frame.layout), frame.layer_index, frame.first_position,
-                  frame.num_valid_tokens, _block_runs(frame.src_block_ids), _block_runs(frame.dst_block_ids)]
+        fields = ["chunk", _tid(frame.transfer_id), layout_to_wire(frame.layout), frame.layer_index,
+                  frame.first_position, frame.num_valid_tokens, _block_runs(frame.src_block_ids),
+                  _block_runs(frame.dst_block_ids)]
     elif isinstance(frame, SourceDone):
         token = frame.first_token
         fields = ["done", _tid(frame.transfer_id), frame.num_tokens,

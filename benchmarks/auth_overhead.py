@@ -1,7 +1,10 @@
 """What the trust boundary costs: RPC round trip, router CPU per request and KV handoff bandwidth, before vs after.
 
-One run, three comparisons, each side measured in turn (interleaved, repeats, medians), on the same cores:
+One run, three comparisons, each side measured in turn (interleaved, repeats, medians), on the same cores, and
+the gate's own cost:
 
+- check: `ApiAuth.authorize` of one request (an API key to look up, as every request of a keyed server carries),
+  CPU time per call (`time.process_time`, so a shared core's waits do not count), median of --repeats.
 - rpc: a router's zmq ROUTER and a worker's DEALER on 127.0.0.1 exchanging what a request costs the RPC (an
   `AddRequest` of `--prompt-tokens` token ids out, a finished `TokenDeltas` back), plain zmq vs CurveZMQ
   with the ZAP handler exactly as `server/rpc_auth.py` sets them up: round-trip time per request.
@@ -43,8 +46,9 @@ from kvbaton.server.rpc_auth import secure_dealer, secure_router
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rpc_round_trips_us(curve: bool, prompt_tokens: int, num_round_trips: int) -> list[float]:
-    """Round-trip times (µs) of `num_round_trips` request/answer exchanges over one ROUTER/DEALER pair."""
+def rpc_round_trips_us(curve: bool, prompt_tokens: int, num_round_trips: int) -> tuple[list[float], float]:
+    """Round-trip times (µs) of `num_round_trips` request/answer exchanges over one ROUTER/DEALER pair, and the
+    CPU time (µs) each took in this process (both ends, zmq's I/O threads included)."""
     context = zmq.Context()
     router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
     authenticator = None
@@ -62,6 +66,7 @@ def rpc_round_trips_us(curve: bool, prompt_tokens: int, num_round_trips: int) ->
         done = rpc.encode(rpc.TokenDeltas("w0", (TokenDelta("r", (1, 2, 3, 4), " ok ok", True, "length",
                                                             prompt_tokens, 0, worker_id="w0"),)))
         times_us = []
+        cpu_started = time.process_time()
         for _ in range(num_round_trips):
             started = time.perf_counter()
             router.send_multipart([identity, add])
@@ -69,13 +74,31 @@ def rpc_round_trips_us(curve: bool, prompt_tokens: int, num_round_trips: int) ->
             dealer.send(done)
             rpc.decode(router.recv_multipart()[1])
             times_us.append((time.perf_counter() - started) * 1e6)
-        return times_us
+        return times_us, (time.process_time() - cpu_started) / num_round_trips * 1e6
     finally:
         router.close(linger=0)
         dealer.close(linger=0)
         if authenticator is not None:
             authenticator.stop()
         context.term()
+
+
+def authorize_cpu_us(num_calls: int = 100_000) -> float:
+    """CPU time (µs) of one `ApiAuth.authorize` on a generation route's scope, the loop's own cost subtracted."""
+    from kvbaton.server.auth import ADMIN, ApiAuth, ApiKeys, Principal
+
+    auth = ApiAuth(ApiKeys([("kvbaton-benchmark-key", Principal("", ADMIN))]))
+    scope = {"type": "http", "path": "/v1/completions", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                         (b"authorization", b"Bearer kvbaton-benchmark-key"), (b"content-length", b"4000")]}
+    started = time.process_time()
+    for _ in range(num_calls):
+        auth.authorize(scope)
+    checked_s = time.process_time() - started
+    started = time.process_time()
+    for _ in range(num_calls):
+        pass
+    return (checked_s - (time.process_time() - started)) / num_calls * 1e6
 
 
 def extract(ref: str, directory: str) -> Path:
@@ -112,13 +135,15 @@ def main() -> None:
     parser.add_argument("--rpc-round-trips", type=int, default=2000, help="per rpc run")
     parser.add_argument("--prompt-tokens", type=int, default=500, help="token ids an rpc AddRequest carries")
     parser.add_argument("--kv-size-mb", type=float, default=64.0)
-    parser.add_argument("--skip", default="", help="comma-separated: rpc, router, kv")
+    parser.add_argument("--skip", default="", help="comma-separated: check, rpc, router, kv")
     args = parser.parse_args()
     skip = set(args.skip.split(",")) - {""}
     rpc_us: dict[str, list[float]] = {"plain": [], "curve": []}
+    rpc_cpu_us: dict[str, list[float]] = {"plain": [], "curve": []}
     router_cpu: dict[str, list[float]] = {"before": [], "after": []}
     kv: dict[str, dict[str, list[float]]] = {side: {"shm": [], "tcp": []} for side in ("before", "after")}
     link_setup_ms: list[float] = []
+    check_us = [authorize_cpu_us() for _ in range(args.repeats)] if "check" not in skip else []
     router_args = ["--systems", "kvbaton:preble:ids", "--num-requests", str(args.router_requests),
                    "--num-warmup", str(max(50, args.router_requests // 4)), "--repeats", "1"]
     kv_args = ["--size-mb", str(args.kv_size_mb), "--repeats", "3"]
@@ -127,8 +152,9 @@ def main() -> None:
         for repeat in range(args.repeats):
             if "rpc" not in skip:
                 for kind in ("plain", "curve") if repeat % 2 == 0 else ("curve", "plain"):
-                    times = rpc_round_trips_us(kind == "curve", args.prompt_tokens, args.rpc_round_trips)
+                    times, cpu_us = rpc_round_trips_us(kind == "curve", args.prompt_tokens, args.rpc_round_trips)
                     rpc_us[kind].append(statistics.median(times[len(times) // 10:]))
+                    rpc_cpu_us[kind].append(cpu_us)
             sides = ("before", "after") if repeat % 2 == 0 else ("after", "before")
             for side in sides:
                 if "router" not in skip:
@@ -146,11 +172,14 @@ def main() -> None:
             print(f"repeat {repeat + 1}/{args.repeats}: rpc {rpc_us}, router {router_cpu}, kv {kv}", file=sys.stderr,
                   flush=True)
     out: dict[str, object] = {"before_ref": args.before_ref, "repeats": args.repeats}
+    if check_us:
+        out["authorize_cpu_us_per_request"] = _median(check_us)
     if rpc_us["plain"]:
         out["rpc_round_trip_us"] = {"plain": _median(rpc_us["plain"]), "curve": _median(rpc_us["curve"]),
                                     "curve_over_plain": round(statistics.median(rpc_us["curve"])
                                                               / statistics.median(rpc_us["plain"]), 3),
-                                    "prompt_tokens": args.prompt_tokens}
+                                    "cpu_plain": _median(rpc_cpu_us["plain"]),
+                                    "cpu_curve": _median(rpc_cpu_us["curve"]), "prompt_tokens": args.prompt_tokens}
     if router_cpu["before"]:
         out["router_cpu_us_per_request"] = {
             "before": _median(router_cpu["before"]), "after_with_api_key": _median(router_cpu["after"]),

@@ -12,7 +12,8 @@
   HTTP out, and nothing else.
 - `run_load`: a closed-loop HTTP/1.1 keep-alive client (`concurrency` connections, raw asyncio, so
   the client costs as little CPU as possible) that sends a fixed list of prompts round-robin.
-Each runs in its own process, started by `router_overhead.py`.
+Each runs in its own process, started by `router_overhead.py`, which hands the routers and the fake workers one
+cluster secret in the environment (`cluster_secret`), as `kvbaton serve` hands it to its workers.
 """
 
 from __future__ import annotations
@@ -26,8 +27,15 @@ import zmq
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
 from fastapi.responses import JSONResponse
 
+from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
+from kvbaton.server.rpc_auth import secure_dealer
+
+def cluster_secret() -> ClusterSecret:
+    """The secret `router_overhead.py` put in this process's environment (routers and fake workers share it)."""
+    return ClusterSecret.from_hex(os.environ[SECRET_ENV])
+
 
 REPLY_TOKEN_IDS = (28, 29, 30, 31)
 REPLY_TEXT = " ok ok ok ok"
@@ -40,8 +48,10 @@ def run_fake_rpc_workers(router_address: str, num_workers: int, model_name: str,
     """Register `num_workers` fake workers with the router and serve until it sends Shutdown (or dies)."""
     context = zmq.Context()
     sockets: dict[zmq.Socket, str] = {}
+    secret = cluster_secret()
     for i in range(num_workers):
         socket = context.socket(zmq.DEALER)
+        secure_dealer(socket, secret)
         worker_id = f"fake{i:02d}"
         socket.setsockopt(zmq.IDENTITY, worker_id.encode())
         socket.setsockopt(zmq.LINGER, 0)
@@ -209,7 +219,7 @@ def serve_relay_floor(http_port: int, rpc_address: str, model: str) -> None:
     workers: list[str] = []
     waiting: dict[str, asyncio.Future[int]] = {}
     counter = iter(range(1 << 62))
-    socket = RouterSocket(rpc_address)
+    socket = RouterSocket(rpc_address, cluster_secret())
 
     def on_message(identity: str, message: rpc.Message) -> None:
         if isinstance(message, rpc.Register):
@@ -289,8 +299,9 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
 
 
 async def _load(host: str, port: int, path: str, bodies: list[bytes], num_requests: int, concurrency: int,
-                timeout_s: float, first_body: int) -> dict[str, object]:
+                timeout_s: float, first_body: int, api_key: str) -> dict[str, object]:
     counter = iter(range(first_body, first_body + num_requests))
+    authorization = f"authorization: Bearer {api_key}\r\n" if api_key else ""
     statuses: dict[int, int] = {}
     errors: list[str] = []
 
@@ -300,7 +311,7 @@ async def _load(host: str, port: int, path: str, bodies: list[bytes], num_reques
             for i in counter:
                 body = bodies[i % len(bodies)]
                 writer.write((f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-                              f"content-length: {len(body)}\r\n\r\n").encode() + body)
+                              f"{authorization}content-length: {len(body)}\r\n\r\n").encode() + body)
                 status = await _read_response(reader)
                 statuses[status] = statuses.get(status, 0) + 1
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
@@ -316,10 +327,11 @@ async def _load(host: str, port: int, path: str, bodies: list[bytes], num_reques
 
 
 def run_load(url: str, bodies: list[bytes], num_requests: int, concurrency: int, timeout_s: float,
-             first_body: int = 0) -> dict[str, object]:
+             first_body: int = 0, api_key: str = "") -> dict[str, object]:
     """Send `num_requests` POSTs to `url` (http://host:port/path) over `concurrency` keep-alive connections,
     bodies `first_body`, `first_body + 1`, ... (wrapping around the list)."""
     rest = url.removeprefix("http://")
     hostport, _, path = rest.partition("/")
     host, _, port = hostport.partition(":")
-    return asyncio.run(_load(host, int(port), "/" + path, bodies, num_requests, concurrency, timeout_s, first_body))
+    return asyncio.run(_load(host, int(port), "/" + path, bodies, num_requests, concurrency, timeout_s, first_body,
+                             api_key))

@@ -45,7 +45,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
 from overhead_backends import (
+    cluster_secret,
     run_fake_http_workers,
     run_fake_rpc_workers,
     run_load,
@@ -218,7 +220,7 @@ def load_once(script: str, url: str, bodies_path: str, num_requests: int, args: 
               first_body: int) -> dict[str, object]:
     output = subprocess.run([sys.executable, script, "--role", "load", "--url", f"{url}/v1/completions",
                              "--bodies", bodies_path, "--num-requests", str(num_requests),
-                             "--first-body", str(first_body),
+                             "--first-body", str(first_body), "--api-key", args.api_key,
                              "--concurrency", str(args.concurrency)],
                             capture_output=True, text=True, timeout=args.load_timeout_s + 30.0, check=True)
     return json.loads(output.stdout.strip().splitlines()[-1])
@@ -255,18 +257,21 @@ def serve_kvbaton_router(args: argparse.Namespace) -> None:
 
     from kvbaton.model.registry import read_model_header, resolve_model_source
     from kvbaton.server.api import create_app
+    from kvbaton.server.auth import ADMIN, ApiAuth, ApiKeys, Principal
     from kvbaton.server.cluster import ClusterConfig, ClusterManager
     from kvbaton.server.launcher import freeze_startup_heap, run_router_loop
 
     model_config, tokenizer = read_model_header(resolve_model_source(MODEL))
+    auth = ApiAuth(ApiKeys([(args.api_key, Principal("", ADMIN))] if args.api_key else []))
 
     async def main() -> None:
         cluster = ClusterManager(ClusterConfig(bind_address=f"tcp://127.0.0.1:{args.rpc_port}", model_name=MODEL,
-                                               policy=args.policy, max_num_waiting=4096))
+                                               policy=args.policy, max_num_waiting=4096,
+                                               cluster_secret=cluster_secret()))
         await cluster.start()
         try:
             await cluster.wait_for_workers(args.num_workers, timeout_s=60.0)
-            app = create_app(cluster, tokenizer, MODEL, max_model_len=model_config.max_position_embeddings)
+            app = create_app(cluster, tokenizer, MODEL, max_model_len=model_config.max_position_embeddings, auth=auth)
             freeze_startup_heap()  # as `kvbaton serve` does
             config = uvicorn.Config(app, host="127.0.0.1", port=args.http_port, log_level="warning",
                                     access_log=False, backlog=1024)
@@ -296,6 +301,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout-s", type=float, default=120.0)
     parser.add_argument("--load-timeout-s", type=float, default=120.0)
+    parser.add_argument("--api-key", default="", help="the kvbaton router checks this key on every request; the "
+                        "client sends it (default: no key, as on loopback)")
     # Internal roles.
     parser.add_argument("--policy", default="preble")
     parser.add_argument("--http-port", type=int, default=0)
@@ -321,8 +328,9 @@ def main() -> None:
     elif args.role == "load":
         bodies = [b.encode() for b in json.loads(Path(args.bodies).read_text())]
         print(json.dumps(run_load(args.url, bodies, args.num_requests, args.concurrency, args.load_timeout_s,
-                                  args.first_body)))
+                                  args.first_body, args.api_key)))
     else:
+        os.environ.setdefault(SECRET_ENV, ClusterSecret.generate().to_hex())  # the routers' and workers' (children)
         num_prompts = args.num_prompts or args.num_warmup + args.repeats * args.num_requests
         prompts = make_prompts(num_prompts, args.prompt_chars, args.shared_fraction, args.num_groups, args.seed)
         systems = [s for s in args.systems.split(",") if s]

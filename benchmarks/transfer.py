@@ -7,7 +7,9 @@ plus SourceDone in one `send_many` write, wait for the ack — to a decode proce
 send-then-one-byte-ack); the reservation round trip before it is reported apart
 (`*_reserve_rtt_ms`). The baselines run in the same invocation: a single-thread `np.copyto` of the same bytes, and a raw
 TCP socket that `sendall`s them to a peer process that `recv_into`s a preallocated buffer and
-answers one byte. Figures are medians over --repeats; ratios are the numbers to quote.
+answers one byte. Figures are medians over --repeats; ratios are the numbers to quote. Each link
+opens once with its authenticated handshake (`kvbaton.transfer.link_auth`, timed as `*_link_setup_ms`);
+the data path after it is the same bytes whatever the handshake was.
 
     .venv/bin/python benchmarks/transfer.py [--size-mb 64] [--repeats 7] [--fragmented]
 """
@@ -27,6 +29,7 @@ import time
 import numpy as np
 
 from kvbaton.cache.block_pool import BlockPool
+from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
 from kvbaton.transfer import FirstToken, HandoffDestination, HandoffSource, KVLayout, Outcome, TransferId
 from kvbaton.transfer.base import storage_dtype
 from kvbaton.transfer.driver import pump_destination, pump_source, send_all
@@ -37,6 +40,11 @@ from kvbaton.transfer.transport_tcp import TcpKVReceiver, TcpKVSender
 # SmolLM2-135M's KV layout in the engine's default dtype: 30 layers, 3 KV heads, head dim 64.
 LAYOUT = KVLayout("smollm2-135m", "bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 FIRST = FirstToken(1, 0.0)
+
+
+def _secret() -> ClusterSecret:
+    """The link secret `main` put in the environment: this process's and its decode child's."""
+    return ClusterSecret.from_hex(os.environ[SECRET_ENV])
 
 
 def _num_blocks(size_mb: float) -> int:
@@ -66,7 +74,8 @@ def serve(kind: str, num_blocks: int, fragmented: bool) -> None:
         return
     region = ShmKVRegion.create(LAYOUT, capacity) if kind == "shm" else None
     kv = region.kv if region else np.zeros(LAYOUT.storage_shape(capacity), storage_dtype(LAYOUT))
-    receiver = ShmKVReceiver("d0", region) if region else TcpKVReceiver("d0", LAYOUT, kv)
+    receiver = (ShmKVReceiver("d0", region, secret=_secret()) if region
+                else TcpKVReceiver("d0", LAYOUT, kv, secret=_secret()))
     pool = _pool(capacity, fragmented)
     destination = HandoffDestination(LAYOUT, pool, lease_s=60.0)
     print(f"ready {receiver.address[1]}", flush=True)
@@ -165,8 +174,10 @@ class HandoffRun:
 
     def __init__(self, kind: str, num_blocks: int, fragmented: bool) -> None:
         self.child, port = _start_child(kind, num_blocks, fragmented)
-        self.sender: SocketKVSender = (ShmKVSender if kind == "shm" else TcpKVSender)("p0", LAYOUT)
-        self.peer = self.sender.connect(("127.0.0.1", port))
+        self.sender: SocketKVSender = (ShmKVSender if kind == "shm" else TcpKVSender)("p0", LAYOUT, secret=_secret())
+        started_s = time.perf_counter()
+        self.peer = self.sender.connect(("127.0.0.1", port))  # the authenticated handshake, once per link
+        self.link_setup_s = time.perf_counter() - started_s
         self.num_blocks = num_blocks
         self.src_kv = np.random.default_rng(1).integers(0, 2**16, LAYOUT.storage_shape(num_blocks), dtype=np.uint16)
         self.pool = _pool(num_blocks, fragmented)
@@ -214,6 +225,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.num_blocks, args.fragmented)
         return
+    os.environ.setdefault(SECRET_ENV, ClusterSecret.generate().to_hex())  # both ends of the links (children too)
     num_blocks = _num_blocks(args.size_mb)
     num_bytes = num_blocks * LAYOUT.block_bytes
     runs: dict[str, MemcpyRun | RawSocketRun | HandoffRun] = {}
@@ -230,6 +242,7 @@ def main() -> None:
                 times_s[name].append(run.once())
         gb_s = {name: num_bytes / statistics.median(times[1:]) / 1e9 for name, times in times_s.items()}
         reserve_ms = {name: statistics.median(runs[name].reserve_times_s[1:]) * 1e3 for name in ("shm", "tcp")}
+        link_setup_ms = {name: runs[name].link_setup_s * 1e3 for name in ("shm", "tcp")}  # type: ignore[union-attr]
     finally:
         for run in runs.values():
             run.close()
@@ -240,6 +253,7 @@ def main() -> None:
         "tcp_over_raw_socket": round(gb_s["tcp"] / gb_s["raw_socket"], 3),
         "raw_socket_over_memcpy": round(gb_s["raw_socket"] / gb_s["memcpy"], 3),
         "shm_reserve_rtt_ms": round(reserve_ms["shm"], 3), "tcp_reserve_rtt_ms": round(reserve_ms["tcp"], 3),
+        "shm_link_setup_ms": round(link_setup_ms["shm"], 3), "tcp_link_setup_ms": round(link_setup_ms["tcp"], 3),
     }))
 
 

@@ -12,10 +12,17 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvbaton.core.errors import KvbatonError
 from kvbaton.router.admission import ADMISSION_POLICIES
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
+
+from kvbaton.core.cluster_secret import API_KEY_ENV
+
+if TYPE_CHECKING:
+    from kvbaton.core.cluster_secret import ClusterSecret
+    from kvbaton.server.auth import ApiKeys
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -141,6 +148,46 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer-cache-chars", type=int, default=DEFAULT_MAX_CACHED_CHARS, metavar="N",
                    help="reuse ingress token ids of texts and prefixes seen before, up to N characters (0: off)")
     _add_reserve_ahead(p)
+    _add_security(p)
+
+
+def _add_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"a key clients send as 'Authorization: Bearer KEY' (repeatable; also {API_KEY_ENV}); "
+                        "an admin key of tenant ''")
+    p.add_argument("--api-key-file", default="", metavar="FILE",
+                   help='JSON list of {"key", "tenant", "role": "user"|"admin"}: each key\'s tenant (its cache '
+                        "namespace) and role (admin: /cluster, /reset_prefix_cache)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without any API key (refused otherwise)")
+    p.add_argument("--trust-tenant-header", action="store_true",
+                   help="honour the client's `user` field / x-tenant header (set by a gateway in front) as a tenant "
+                        "within the key's")
+    p.add_argument("--metrics-require-key", action="store_true", help="/metrics needs an API key too")
+    p.add_argument("--cluster-secret-file", default="", metavar="FILE",
+                   help="the secret the RPC and KV links authenticate with: read from FILE, or generated and "
+                        "written there (0600) for workers started by hand (default: a fresh one per run)")
+
+
+def _api_keys(args: argparse.Namespace) -> ApiKeys:
+    from kvbaton.server.auth import ADMIN, ApiKeys, Principal, read_api_key_file
+
+    given = [*args.api_key, *([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])]
+    entries = [(key, Principal("", ADMIN)) for key in given]
+    if args.api_key_file:
+        entries += read_api_key_file(args.api_key_file)
+    return ApiKeys(entries)
+
+
+def _cluster_secret(args: argparse.Namespace, create: bool) -> ClusterSecret | None:
+    """The cluster secret from --cluster-secret-file (created there if `create` and absent) or the environment."""
+    from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret, load_or_create_secret
+
+    if args.cluster_secret_file:
+        return (load_or_create_secret if create else ClusterSecret.read_file)(args.cluster_secret_file)
+    if os.environ.get(SECRET_ENV):
+        return ClusterSecret.from_hex(os.environ[SECRET_ENV], SECRET_ENV)
+    return None
 
 
 def _add_reserve_ahead(p: argparse.ArgumentParser) -> None:
@@ -150,6 +197,7 @@ def _add_reserve_ahead(p: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from kvbaton.server.auth import check_exposure
     from kvbaton.server.launcher import ServeConfig, serve
 
     from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
@@ -168,6 +216,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     if not args.drain_timeout >= 0:  # NaN too
         raise KvbatonError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     _check_kv_sizes(args)
+    api_keys = _api_keys(args)
+    check_exposure(args.host, api_keys, args.allow_unauthenticated)  # before anything loads
     threshold = args.local_prefill_threshold
     return serve(ServeConfig(
         model=args.model, num_workers=num_workers, num_prefill=args.prefill, num_decode=args.decode,
@@ -183,7 +233,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
         tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens,
         tool_call_parser=args.tool_call_parser, scheduling_policy=args.scheduling_policy,
-        ray_address=args.ray, gpus_per_worker=args.gpus_per_worker))
+        ray_address=args.ray, gpus_per_worker=args.gpus_per_worker, api_keys=api_keys,
+        allow_unauthenticated=args.allow_unauthenticated, trust_tenant_header=args.trust_tenant_header,
+        metrics_require_key=args.metrics_require_key, cluster_secret=_cluster_secret(args, create=True)))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -210,6 +262,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     _add_reserve_ahead(p)
     p.add_argument("--step-log", default="", metavar="FILE",
                    help="write each step's batch shape and period here at exit (kvbaton profile --from-step-log)")
+    p.add_argument("--cluster-secret-file", default="", metavar="FILE",
+                   help="the router's cluster secret (0600; `kvbaton serve --cluster-secret-file` writes it); "
+                        "default: the KVBATON_CLUSTER_SECRET variable, as the launcher hands it")
 
 
 def _check_kv_sizes(args: argparse.Namespace) -> None:
@@ -230,6 +285,10 @@ def _run_worker(args: argparse.Namespace) -> int:
     from kvbaton.server.worker import Worker, WorkerConfig
 
     _check_kv_sizes(args)
+    secret = _cluster_secret(args, create=False)
+    if secret is None:
+        raise KvbatonError("no cluster secret: give the router's with --cluster-secret-file FILE (written by "
+                           "`kvbaton serve --cluster-secret-file FILE`) or the KVBATON_CLUSTER_SECRET variable")
     # SIGTERM exits through the KeyboardInterrupt path (status 130) instead of dying mid-frame.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -240,7 +299,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.speculative_tokens,
         queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,
         kv_host=args.kv_host, kv_lease_s=args.kv_lease, step_log=args.step_log,
-        reserve_ahead_tokens=args.reserve_ahead_tokens))
+        reserve_ahead_tokens=args.reserve_ahead_tokens, cluster_secret=secret))
     print(f"kvbaton worker {worker_id}: {args.model} loaded, registering with {args.router}", file=sys.stderr,
           flush=True)
     reason = worker.run()

@@ -17,7 +17,8 @@ KEY = CacheKey("rev-a", "layout-a")
 
 
 def reference_root_hash(key: CacheKey) -> int:
-    material = "\x1f".join((key.model_revision, key.kv_layout, key.tenant_salt)).encode()
+    parts = (key.model_revision, key.kv_layout, key.tenant_salt)
+    material = "".join(f"{len(part)}:{part}" for part in parts).encode()  # each part length-prefixed
     digest = hashlib.blake2b(material, digest_size=8, key=b"kvbaton-block-hash-v1").digest()
     return int.from_bytes(digest, "little", signed=True)
 

@@ -227,10 +227,10 @@ def make_cache(num_blocks: int = 8, num_host_blocks: int = 4) -> tuple[BlockPool
     return pool, RadixCache(pool, BLOCK_SIZE, tier), tier, io
 
 
-def cache_tokens(pool: BlockPool, cache: RadixCache, tokens: list[int]) -> PrefixMatch:
+def cache_tokens(pool: BlockPool, cache: RadixCache, tokens: list[int], key: CacheKey = KEY) -> PrefixMatch:
     """Act like a finished request: allocate its blocks, insert them, drop its own references."""
     block_ids = pool.allocate(len(tokens) // BLOCK_SIZE)
-    match = cache.insert(KEY, tokens, block_ids)
+    match = cache.insert(key, tokens, block_ids)
     pool.release(block_ids)
     return match
 
@@ -244,7 +244,8 @@ def test_evict_demotes_the_trimmed_blocks_without_an_evicted_event() -> None:
     assert cache.take_events() == []  # the worker still serves them
     assert tier.stored() == [(T[1], T[0]), (T[2], T[1])]
     assert cache.match_prefix(KEY, TOKENS, touch=False).block_ids == (0,)
-    assert tier.match(T[0], [(3, 4), (5, 6)]) == 2  # the tier continues the device match
+    assert tier.match(T[0], [(3, 4), (5, 6)], namespace=KEY) == 2  # the tier continues the device match
+    assert tier.match(T[0], [(3, 4), (5, 6)], namespace=KEY.with_tenant("other")) == 0  # only under their key
     assert pool.num_free_blocks == 7
     cache.check_invariants()
 
@@ -319,3 +320,25 @@ def test_clear_with_locked_blocks_reports_both_tiers_hashes() -> None:
     pool.release(match.block_ids)
     cache.unlock(match.node)
     cache.check_invariants()
+
+
+def test_a_block_with_the_same_hash_and_tokens_under_another_key_is_no_hit() -> None:
+    # A chained hash is 64 bits of Python's tuple hash: two tenants' blocks may share one, by chance or crafted. The
+    # tier holds tenant A's block under hash H[0]; tenant B presents the same tokens and claims the same hash
+    # (as a caller passing its own hashes can): it must find nothing, and take nothing.
+    _, tier = make_tier(4)
+    alice, bob = KEY.with_tenant("alice"), KEY.with_tenant("bob")
+    tier.demote([EvictedBlock(H[0], CHAIN[0], ROOT, 10, alice)])
+    assert tier.match(ROOT, CHAIN[:1], [H[0]], namespace=bob) == 0
+    assert tier.take(ROOT, CHAIN[:1], [H[0]], namespace=bob) == [] and H[0] in tier
+    assert tier.match(ROOT, CHAIN[:1], [H[0]], namespace=alice) == 1
+
+
+def test_blocks_demoted_by_the_radix_cache_carry_their_trees_key() -> None:
+    pool, cache, tier, _ = make_cache()
+    alice = KEY.with_tenant("alice")
+    cache_tokens(pool, cache, [t for block in CHAIN[:2] for t in block], key=alice)
+    cache.evict(2)
+    assert tier.stored() and {entry.namespace for entry in tier._entries.values()} == {alice}
+    assert tier.match(alice.root_hash, CHAIN[:2], namespace=alice) == 2
+    assert tier.match(alice.root_hash, CHAIN[:2], namespace=KEY) == 0

@@ -251,7 +251,7 @@ def test_a_pool_too_small_for_the_whole_host_chain_loads_part_and_puts_the_rest_
     assert tier.num_cached_blocks == 1 and tier.num_loaded_blocks == 1
     assert harness.cache.match_prefix(CACHE_KEY, prompt(0, 0), touch=False).num_blocks == 2
     assert tier.match(harness.cache.match_prefix(CACHE_KEY, prompt(0, 0), touch=False).block_hashes[-1],
-                      [tuple(prompt(0, 0)[8:12])]) == 1
+                      [tuple(prompt(0, 0)[8:12])], namespace=CACHE_KEY) == 1
     harness.drain()
     assert request.num_cached_tokens == 12  # two blocks from the device, the third from the tier
     harness.check_released()

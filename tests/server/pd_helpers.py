@@ -23,7 +23,7 @@ from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.worker import Worker, WorkerConfig
 from kvbaton.transfer.transport_shm import SHM_DIRECTORY, SHM_PREFIX
-from tests.server.test_worker_cluster import WorkerThread
+from tests.server.test_worker_cluster import SECRET, WorkerThread
 
 NUM_BLOCKS = 128
 BLOCK_SIZE = 16
@@ -35,7 +35,7 @@ def shm_files() -> set[str]:
 
 def start(loaded: LoadedModel, address: str, worker_id: str, role: str, **overrides: object) -> WorkerThread:
     fields: dict[str, object] = {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS, "router_timeout_s": 5.0,
-                                 "max_num_batched_tokens": 64, "role": role}
+                                 "max_num_batched_tokens": 64, "role": role, "cluster_secret": SECRET}
     fields.update(overrides)
     config = WorkerConfig(router_address=address, worker_id=worker_id, model="tiny-random", **fields)  # type: ignore[arg-type]
     return WorkerThread(Worker(config, loaded))
@@ -51,7 +51,8 @@ def run_pd(loaded: LoadedModel, roles: dict[str, str], body: Body,
     before = shm_files()
 
     async def main() -> None:
-        fields: dict[str, object] = {"local_prefill_threshold_tokens": 0, "policy": "round_robin"}
+        fields: dict[str, object] = {"local_prefill_threshold_tokens": 0, "policy": "round_robin",
+                                     "cluster_secret": SECRET}
         fields.update(config)
         cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=BLOCK_SIZE,
                                                tokenizer_probe_hash=tokenizer_probe_hash(loaded.tokenizer),

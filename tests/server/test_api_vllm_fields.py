@@ -94,9 +94,8 @@ def test_cache_salt_divides_the_prefix_cache(client: TestClient, cluster: FakeCl
     assert cached(cache_salt="bob") == 0  # another salt finds nothing of alice's
     assert cached() == 0  # nor does an unsalted request
     assert cached(cache_salt="alice") > 0 and cached() > 0
-    assert cached(user="carol", cache_salt="alice") == 0  # a salt divides a tenant's cache, never joins two
-    tenants = [call.tenant for call in cluster.calls]
-    assert len(set(tenants)) == 4 and "" in tenants
+    tenants = [call.tenant for call in cluster.calls]  # tenants with salts: tests/server/test_auth_tenants.py
+    assert len(set(tenants)) == 3 and "" in tenants
     for bad in ("", 7, ["alice"]):
         r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "cache_salt": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

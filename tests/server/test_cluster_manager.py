@@ -17,10 +17,12 @@ import zmq.asyncio
 
 from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.cache.hashing import CacheKey, hash_block_tokens
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.server import rpc
 from kvbaton.server.base import GenerateCall, RejectedError, TokenDelta
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
+from kvbaton.server.rpc_auth import secure_dealer
 
 LAYOUT = "llama-L2-kvh2-hd16-float32-bs4"
 
@@ -31,12 +33,13 @@ def register(worker_id: str, kv_layout: str = LAYOUT, probe: str = "probe", bloc
 
 
 class ScriptedWorker:
-    def __init__(self, context: zmq.asyncio.Context, address: str, worker_id: str) -> None:
+    def __init__(self, context: zmq.asyncio.Context, cluster: ClusterManager, worker_id: str) -> None:
         self.worker_id = worker_id
         self.socket = context.socket(zmq.DEALER)
+        secure_dealer(self.socket, cluster.secret)
         self.socket.setsockopt(zmq.IDENTITY, worker_id.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(address)
+        self.socket.connect(cluster.address)
 
     async def send(self, message: rpc.Message) -> None:
         await self.socket.send(rpc.encode(message))
@@ -92,7 +95,7 @@ async def settle() -> None:
 def test_register_ack_carries_the_local_queue_policy() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
         assert cluster.is_ready() == (False, "no worker registered yet")
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         ack = await worker.join(heartbeat=False)
         assert ack == rpc.RegisterAck("w0", "preble", 0.05)
         assert cluster.is_ready() == (False, "1 worker(s) registered, none has started its engine loop yet")
@@ -116,9 +119,9 @@ def test_register_ack_carries_the_local_queue_policy() -> None:
 ])
 def test_incompatible_worker_is_refused_with_the_reason(kwargs: dict[str, object], reason: str) -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        first = ScriptedWorker(context, cluster.address, "w0")
+        first = ScriptedWorker(context, cluster, "w0")
         await first.join()
-        second = ScriptedWorker(context, cluster.address, "w1")
+        second = ScriptedWorker(context, cluster, "w1")
         await second.send(register("w1", **kwargs))  # type: ignore[arg-type]
         refuse = await second.expect(rpc.RegisterRefuse)
         assert isinstance(refuse, rpc.RegisterRefuse) and reason in refuse.reason
@@ -129,7 +132,7 @@ def test_incompatible_worker_is_refused_with_the_reason(kwargs: dict[str, object
 
 def test_call_streams_deltas_and_counts_the_decision() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         await worker.join()
         stream = cluster.generate(call("r1"))
         first = asyncio.ensure_future(stream.__anext__())
@@ -152,7 +155,7 @@ def test_call_streams_deltas_and_counts_the_decision() -> None:
 
 def test_consumer_leaving_mid_stream_aborts_on_the_worker() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         await worker.join()
         stream = cluster.generate(call("r1"))
         first = asyncio.ensure_future(stream.__anext__())
@@ -172,7 +175,7 @@ def test_consumer_leaving_mid_stream_aborts_on_the_worker() -> None:
 
 def test_explicit_abort_reaches_the_worker_and_the_stream_ends_with_its_delta() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         await worker.join()
         stream = cluster.generate(call("r1"))
         first = asyncio.ensure_future(stream.__anext__())
@@ -188,7 +191,7 @@ def test_explicit_abort_reaches_the_worker_and_the_stream_ends_with_its_delta() 
 
 def test_silent_worker_fails_its_calls_and_leaves_the_pool() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         await worker.join()
         stream = cluster.generate(call("r1"))
         first = asyncio.ensure_future(stream.__anext__())
@@ -217,7 +220,7 @@ class _ExitedProcess:
 
 def test_process_exit_is_noticed_before_the_heartbeat_timeout() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         await worker.join()
         process = _ExitedProcess()
         cluster.watch_process("w0", process)
@@ -276,7 +279,7 @@ def test_a_lost_connection_waits_a_moment_for_its_processs_exit_code() -> None:
 
 def test_kv_event_gap_requests_a_snapshot_and_the_index_follows_it() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         await worker.join()
         hashes = hash_block_tokens(CacheKey("rev1", LAYOUT), list(range(1, 13)), 4)
         root = CacheKey("rev1", LAYOUT).root_hash
@@ -304,7 +307,7 @@ def test_kv_event_gap_requests_a_snapshot_and_the_index_follows_it() -> None:
 
 def test_queue_limit_rejects_with_retry_after() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         await worker.join()
         streams = [cluster.generate(call(f"r{i}")) for i in range(2)]
         pending = [asyncio.ensure_future(s.__anext__()) for s in streams]
@@ -326,7 +329,7 @@ def test_queue_limit_rejects_with_retry_after() -> None:
 
 def test_goodbye_removes_the_worker_and_shutdown_is_sent_to_live_ones() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        w0, w1 = ScriptedWorker(context, cluster.address, "w0"), ScriptedWorker(context, cluster.address, "w1")
+        w0, w1 = ScriptedWorker(context, cluster, "w0"), ScriptedWorker(context, cluster, "w1")
         await w0.join()
         await w1.join()
         await w0.send(rpc.Goodbye("w0", "shutdown: test"))
@@ -361,10 +364,11 @@ def test_a_router_stall_is_not_blamed_on_the_workers() -> None:
     assert cluster.lost_workers["w0"].startswith("no heartbeat for 5.")
 
 
-def _instant_worker(address: str, worker_id: str) -> None:
+def _instant_worker(address: str, worker_id: str, secret: ClusterSecret) -> None:
     """A synchronous worker in its own thread: registers, then answers every add at once until shutdown."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
+    secure_dealer(socket, secret)
     socket.setsockopt(zmq.IDENTITY, worker_id.encode())
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
@@ -388,7 +392,7 @@ def test_many_concurrent_calls_with_an_instant_worker_never_stall_the_receive_lo
     """Regression: a send on the router socket must not swallow the wakeup of the pending receive."""
 
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        thread = threading.Thread(target=_instant_worker, args=(cluster.address, "w0"))
+        thread = threading.Thread(target=_instant_worker, args=(cluster.address, "w0", cluster.secret))
         thread.start()
         try:
             await cluster.wait_for_workers(1, timeout_s=5.0)

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvbaton.core.cluster_secret import SECRET_ENV
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.server.base import GenerateCall
 from kvbaton.server.cluster import ClusterManager
@@ -28,7 +29,7 @@ from kvbaton.transfer.transport_shm import ShmKVSender
 from kvbaton.engine.handoff import kv_layout_for, transfer_id_of
 from kvbaton.server.worker_kv import parse_kv_address
 from tests.server.pd_helpers import BLOCK_SIZE, colocated, collect, greedy, run_pd, start, tokens_of, wait_clean
-from tests.server.test_worker_cluster import WorkerThread
+from tests.server.test_worker_cluster import SECRET, WorkerThread
 
 PD = {"p0": "prefill", "d0": "decode"}
 PROMPT = list(range(3, 83))  # 80 tokens: 5 blocks, two prefill chunks at a 64-token budget
@@ -161,8 +162,8 @@ def test_mismatched_layout_is_refused_at_registration_and_per_handoff(tiny: Load
         _, address = parse_kv_address(cluster.workers["d0"].register.kv_address)
         other = replace(layout, model_revision="other-revision")
         with pytest.raises(LayoutRejectedError, match="model_revision"):
-            ShmKVSender("intruder", other).connect(address)  # refused at link registration
-        sender = ShmKVSender("p-test", layout)
+            ShmKVSender("intruder", other, secret=SECRET).connect(address)  # refused at link registration
+        sender = ShmKVSender("p-test", layout, secret=SECRET)
         try:
             peer = sender.connect(address)
             sender.send(peer, ReserveRequest(TransferId("x"), other, 32))  # a handoff announcing another layout
@@ -187,7 +188,8 @@ def test_prefill_worker_process_killed_mid_transfer(tiny: LoadedModel, policy: s
         process = subprocess.Popen(
             [sys.executable, "-m", "kvbaton.cli", "worker", "--role", "prefill", "--router", cluster.address,
              "--model", "tiny-random", "--worker-id", "p9", "--block-size", str(BLOCK_SIZE), "--num-blocks", "128",
-             "--max-num-batched-tokens", "16", "--threads", "1"], start_new_session=True)
+             "--max-num-batched-tokens", "16", "--threads", "1"], start_new_session=True,
+            env={**os.environ, SECRET_ENV: SECRET.to_hex()})
         cluster.watch_process("p9", process)
         try:
             await until(lambda: "p9" in cluster.workers and cluster.workers["p9"].stats is not None, 60.0)

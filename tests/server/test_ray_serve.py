@@ -128,6 +128,7 @@ def test_worker_killed_under_its_actor_is_dropped_then_sigterm_stops_everything(
 
 
 def test_actor_handle_reports_the_exit_code_and_an_actor_killed_under_its_worker() -> None:
+    from kvbaton.core.cluster_secret import ClusterSecret
     from kvbaton.server.ray_workers import LOCAL, RayPlacement
 
     async def start(placement: RayPlacement) -> dict[str, object]:
@@ -135,7 +136,7 @@ def test_actor_handle_reports_the_exit_code_and_an_actor_killed_under_its_worker
         # answers runs until its register timeout (60 s), long after this test killed its actor.
         return await placement.start([("ok", ["--help"]), ("bad", ["--no-such-flag"]),
                                       ("hung", ["--router", "tcp://127.0.0.1:9", "--model", "tiny-random"])],
-                                     num_cpus=0, num_gpus=0, timeout_s=120)
+                                     num_cpus=0, num_gpus=0, timeout_s=120, secret=ClusterSecret.generate())
 
     before = _descendants(os.getpid())
     placement = RayPlacement(LOCAL)

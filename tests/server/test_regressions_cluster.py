@@ -32,7 +32,7 @@ def test_admission_without_a_decode_worker_prices_the_prefill_workers_as_placeme
         await cluster.start()
         context = zmq.asyncio.Context()
         try:
-            worker = ScriptedWorker(context, cluster.address, "p0")
+            worker = ScriptedWorker(context, cluster, "p0")
             await worker.send(register("p0", role="prefill"))
             await worker.expect(rpc.RegisterAck)
             await worker.heartbeat()
@@ -65,7 +65,7 @@ def test_admission_without_a_decode_worker_prices_the_prefill_workers_as_placeme
 @pytest.mark.parametrize("ending", ["abort", "error"])
 def test_a_call_that_ended_before_caching_leaves_no_blocks_in_the_index(ending: str) -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         await worker.join()
         tokens = tuple(range(1, 14))  # 3 full blocks of 4
         stream = cluster.generate(call("r0", tokens))

@@ -12,13 +12,17 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.metrics import ApiMetrics
 from kvbaton.server.router_socket import RouterSocket
+from kvbaton.server.rpc_auth import secure_dealer
 from tests.server.test_cluster_manager import ScriptedWorker, call, register, run_cluster, settle
+
+SECRET = ClusterSecret.generate()
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,9 +87,10 @@ def test_a_frame_whose_number_overflows_is_dropped_and_the_frames_after_it_still
 
     async def main() -> list[rpc.Message]:
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: escaped.append(context.get("exception")))
-        router = RouterSocket("tcp://127.0.0.1:*")
+        router = RouterSocket("tcp://127.0.0.1:*", SECRET)
         context = zmq.Context()
         worker = context.socket(zmq.DEALER)
+        secure_dealer(worker, SECRET)
         worker.setsockopt(zmq.IDENTITY, b"w0")
         worker.setsockopt(zmq.LINGER, 0)
         worker.connect(router.address)
@@ -110,9 +115,9 @@ def test_a_frame_whose_number_overflows_is_dropped_and_the_frames_after_it_still
 
 def test_a_decode_worker_registering_a_non_string_kv_address_never_breaks_routing() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         await worker.join()
-        bad = ScriptedWorker(context, cluster.address, "d0")
+        bad = ScriptedWorker(context, cluster, "d0")
         await bad.socket.send(_frame(["register", "d0", "decode", "tiny-random", "rev1",
                                       "llama-L2-kvh2-hd16-float32-bs4", 4, 64, "probe", 1, 5, ""]))
         await bad.socket.send(_frame(_with(_STATS, 1, "d0")))
@@ -128,7 +133,7 @@ def test_a_decode_worker_registering_a_non_string_kv_address_never_breaks_routin
 
 def test_a_heartbeat_with_a_string_counter_never_breaks_the_metrics() -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
-        worker = ScriptedWorker(context, cluster.address, "w0")
+        worker = ScriptedWorker(context, cluster, "w0")
         await worker.join()
         await worker.socket.send(_frame(_with(_STATS, 14, "7")))  # num_transfers_started
         await settle()

@@ -8,12 +8,18 @@ import time
 
 import zmq
 
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.server import rpc
 from kvbaton.server.router_socket import RouterSocket
+from kvbaton.server.rpc_auth import secure_dealer
+
+
+SECRET = ClusterSecret.generate()
 
 
 def _dealer(context: zmq.Context, address: str, identity: str) -> zmq.Socket:
     socket = context.socket(zmq.DEALER)
+    secure_dealer(socket, SECRET)
     socket.setsockopt(zmq.IDENTITY, identity.encode())
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
@@ -29,7 +35,7 @@ async def _until(predicate: object, timeout_s: float = 5.0) -> None:
 
 def test_frames_sent_before_start_and_bursts_beyond_one_drain_all_arrive_in_order() -> None:
     async def main() -> list[tuple[str, rpc.Message]]:
-        router = RouterSocket("tcp://127.0.0.1:*")
+        router = RouterSocket("tcp://127.0.0.1:*", SECRET)
         context = zmq.Context()
         worker = _dealer(context, router.address, "w0")
         received: list[tuple[str, rpc.Message]] = []
@@ -56,7 +62,7 @@ def test_replies_sent_from_the_handler_never_stall_the_reads() -> None:
     """An echo server: each handler sends, which can consume the edge of frames that arrived meanwhile."""
 
     async def main() -> int:
-        router = RouterSocket("tcp://127.0.0.1:*")
+        router = RouterSocket("tcp://127.0.0.1:*", SECRET)
         context = zmq.Context()
         worker = _dealer(context, router.address, "w0")
         try:
@@ -79,7 +85,7 @@ def test_sends_from_outside_the_reader_never_hide_arriving_frames() -> None:
     the socket must notice (EVENTS) or those frames wait for an edge that never comes."""
 
     async def main() -> int:
-        router = RouterSocket("tcp://127.0.0.1:*")
+        router = RouterSocket("tcp://127.0.0.1:*", SECRET)
         context = zmq.Context()
         worker = _dealer(context, router.address, "w0")
         received: list[rpc.Message] = []
@@ -103,7 +109,7 @@ def test_sends_from_outside_the_reader_never_hide_arriving_frames() -> None:
 
 def test_a_send_to_an_unknown_peer_returns_the_error() -> None:
     async def main() -> zmq.ZMQError | None:
-        router = RouterSocket("tcp://127.0.0.1:*")
+        router = RouterSocket("tcp://127.0.0.1:*", SECRET)
         try:
             router.start(lambda sender, message: None)
             return router.send("nobody", rpc.Ping(0.0))

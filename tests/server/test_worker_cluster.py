@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.core.config import CacheConfig, EngineConfig
 from kvbaton.core.errors import KvbatonError
 from kvbaton.core.sampling import SamplingParams
@@ -47,8 +48,12 @@ class WorkerThread:
             self.error = exc
 
 
+SECRET = ClusterSecret.generate()  # the test routers' and workers'
+
+
 def start_worker(loaded: LoadedModel, address: str, worker_id: str, **overrides: object) -> WorkerThread:
-    fields: dict[str, object] = {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS, "router_timeout_s": 5.0}
+    fields: dict[str, object] = {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS, "router_timeout_s": 5.0,
+                                 "cluster_secret": SECRET}
     fields.update(overrides)
     config = WorkerConfig(router_address=address, worker_id=worker_id, model="tiny-random", **fields)  # type: ignore[arg-type]
     return WorkerThread(Worker(config, loaded))
@@ -59,7 +64,7 @@ def run_cluster(loaded: LoadedModel, num_workers: int,
     async def main() -> None:
         cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=BLOCK_SIZE,
                                                tokenizer_probe_hash=tokenizer_probe_hash(loaded.tokenizer),
-                                               **config))  # type: ignore[arg-type]
+                                               cluster_secret=SECRET, **config))  # type: ignore[arg-type]
         address = await cluster.start()
         workers = [start_worker(loaded, address, f"w{i}") for i in range(num_workers)]
         try:
@@ -179,7 +184,7 @@ def test_concurrent_calls_spread_over_workers_and_all_finish(tiny: LoadedModel) 
 
 def test_worker_with_an_incompatible_layout_is_refused(tiny: LoadedModel) -> None:
     async def main() -> None:
-        cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=BLOCK_SIZE))
+        cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=BLOCK_SIZE, cluster_secret=SECRET))
         address = await cluster.start()
         try:
             good = start_worker(tiny, address, "w0")
@@ -198,7 +203,7 @@ def test_worker_with_an_incompatible_layout_is_refused(tiny: LoadedModel) -> Non
 
 def test_worker_exits_when_the_router_is_gone(tiny: LoadedModel) -> None:
     async def main() -> WorkerThread:
-        cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=BLOCK_SIZE))
+        cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=BLOCK_SIZE, cluster_secret=SECRET))
         address = await cluster.start()
         worker = start_worker(tiny, address, "w0", router_timeout_s=0.5)
         await cluster.wait_for_workers(1, timeout_s=20.0)

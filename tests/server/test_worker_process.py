@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 
+from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.model.registry import load_model
 from kvbaton.server.base import GenerateCall
@@ -22,10 +23,15 @@ from kvbaton.server.identity import tokenizer_probe_hash
 STARTUP_TIMEOUT_S = 90.0
 
 
+SECRET = ClusterSecret.generate()
+
+
 def spawn_worker(address: str, worker_id: str, *extra: str) -> subprocess.Popen[bytes]:
+    """A `kvbaton worker` process, handed the test router's cluster secret as the launcher hands it (environment)."""
     command = [sys.executable, "-m", "kvbaton.cli", "worker", "--router", address, "--model", "tiny-random",
                "--worker-id", worker_id, "--num-blocks", "128", "--router-timeout", "10", *extra]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, SECRET_ENV: SECRET.to_hex()})
 
 
 def run_with_worker(body: Callable[[ClusterManager, subprocess.Popen[bytes]], Awaitable[None]],
@@ -34,7 +40,7 @@ def run_with_worker(body: Callable[[ClusterManager, subprocess.Popen[bytes]], Aw
 
     async def main() -> subprocess.Popen[bytes]:
         cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=block_size,
-                                               tokenizer_probe_hash=probe))
+                                               tokenizer_probe_hash=probe, cluster_secret=SECRET))
         address = await cluster.start()
         process = spawn_worker(address, "w0", *extra)
         cluster.watch_process("w0", process)

@@ -13,7 +13,7 @@ from kvbaton.transfer import LayerChunk, SourceDone, TransferId
 from kvbaton.transfer.base import copy_chunk, copy_chunks, storage_dtype
 from kvbaton.transfer.block_runs import flat_runs
 from kvbaton.transfer.codec import FrameError, decode, encode
-from kvbaton.transfer.transport_socket import split_frames
+from kvbaton.transfer.framing import split_frames
 from tests.transfer.helpers import FIRST, LAYOUT
 
 TID = TransferId("req-3", 0)

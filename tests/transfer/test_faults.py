@@ -185,9 +185,9 @@ _CHILD = textwrap.dedent("""
     from kvbaton.transfer.driver import pump_source, send_all
     from kvbaton.transfer.transport_shm import ShmKVSender
     from kvbaton.transfer.transport_tcp import TcpKVSender
-    from tests.transfer.transport_helpers import LAYOUT, random_kv
+    from tests.transfer.transport_helpers import LAYOUT, SECRET, random_kv
     kind, port = sys.argv[1], int(sys.argv[2])
-    sender = (TcpKVSender if kind == "tcp" else ShmKVSender)("p9", LAYOUT)
+    sender = (TcpKVSender if kind == "tcp" else ShmKVSender)("p9", LAYOUT, secret=SECRET)
     peer = sender.connect(("127.0.0.1", port))
     pool, kv, tid = BlockPool(8), random_kv(LAYOUT, 8, 5), TransferId("req-3", 0)
     source = HandoffSource(LAYOUT, pool, 30.0)

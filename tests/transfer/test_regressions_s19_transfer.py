@@ -19,7 +19,7 @@ from kvbaton.transfer.driver import pump_destination
 from kvbaton.transfer.faults import FaultAction, FaultRule, FaultyTransport
 from kvbaton.transfer.transport_inproc import create_inproc_pair
 from kvbaton.transfer.transport_shm import ShmKVReceiver, ShmKVRegion, ShmKVSender
-from tests.transfer.transport_helpers import LAYOUT, Handoff, make_handoff, open_link, shm_files, wait_until
+from tests.transfer.transport_helpers import LAYOUT, SECRET, Handoff, make_handoff, open_link, shm_files, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -150,8 +150,8 @@ def test_shm_sender_reports_an_unmappable_region_as_a_transport_error() -> None:
     # `PrefillHandoffs.submit`) catch TransportError only, so one misrouted handoff crashed the prefill worker.
     # Fixed: it is a TransportError like every other link failure (the handoff is reported failed).
     region = ShmKVRegion.create(LAYOUT, 4)
-    receiver = ShmKVReceiver("d0", region)
-    sender = ShmKVSender("p0", LAYOUT)
+    receiver = ShmKVReceiver("d0", region, secret=SECRET)
+    sender = ShmKVSender("p0", LAYOUT, secret=SECRET)
     try:
         os.unlink(region.path)  # as seen from a prefill worker that does not share this /dev/shm
         with pytest.raises(TransportError, match="cannot map d0's region") as caught:

@@ -38,6 +38,7 @@ from tests.transfer.transport_helpers import (
     KINDS,
     LAYOUT,
     NUM_BLOCKS,
+    SECRET,
     assert_kv_equal,
     make_handoff,
     open_link,
@@ -95,7 +96,7 @@ def test_full_handoff_lands_exact_kv_in_fragmented_blocks(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
 def test_mismatched_layout_is_refused_at_registration(kind: str) -> None:
     with open_link(kind) as link:
-        other = TcpKVSender("p1", replace(LAYOUT, head_dim=16))
+        other = TcpKVSender("p1", replace(LAYOUT, head_dim=16), secret=SECRET)
         address = link.receiver.address
         with pytest.raises(LayoutRejectedError, match="head_dim 16 != expected 8"):
             other.connect(address)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbaton.cache.block_pool import BlockPool
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.transfer import FirstToken, HandoffDestination, HandoffSource, KVLayout, TransferId
 from kvbaton.transfer.base import KVTransport, storage_dtype
 from kvbaton.transfer.driver import pump_destination, pump_source, send_all
@@ -19,6 +20,7 @@ from kvbaton.transfer.transport_inproc import create_inproc_pair
 from kvbaton.transfer.transport_shm import SHM_DIRECTORY, SHM_PREFIX, ShmKVReceiver, ShmKVRegion, ShmKVSender
 from kvbaton.transfer.transport_tcp import TcpKVReceiver, TcpKVSender
 
+SECRET = ClusterSecret(b"kvbaton transfer tests' secret!")  # what both ends of a test link hold
 LAYOUT = KVLayout("rev-1", "float16", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 NUM_BLOCKS = 16
 KINDS = ("inproc", "tcp", "shm")
@@ -51,14 +53,14 @@ def open_link(kind: str, layout: KVLayout = LAYOUT, num_blocks: int = NUM_BLOCKS
         sender, receiver = create_inproc_pair("p0", "d0", dst_kv)
     elif kind == "tcp":
         dst_kv = np.zeros(layout.storage_shape(num_blocks), storage_dtype(layout))
-        receiver = TcpKVReceiver("d0", layout, dst_kv)
-        sender = TcpKVSender("p0", layout)
+        receiver = TcpKVReceiver("d0", layout, dst_kv, secret=SECRET)
+        sender = TcpKVSender("p0", layout, secret=SECRET)
         sender.connect(receiver.address)
     else:
         region = ShmKVRegion.create(layout, num_blocks)
         dst_kv = region.kv
-        receiver = ShmKVReceiver("d0", region)
-        sender = ShmKVSender("p0", layout)
+        receiver = ShmKVReceiver("d0", region, secret=SECRET)
+        sender = ShmKVSender("p0", layout, secret=SECRET)
         sender.connect(receiver.address)
     try:
         yield Link(sender, receiver, dst_kv, "d0")

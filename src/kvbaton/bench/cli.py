@@ -26,6 +26,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--describe", metavar="WORKLOAD", help=f"print a workload's statistics ({names})")
     parser.add_argument("--workload", metavar="W", help="workload to send to --url")
     parser.add_argument("--url", help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--api-key", default="", metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--rate", type=float, default=None, help="mean requests/s (default: the workload's)")
     parser.add_argument("--num-requests", type=int, default=None, help="requests to generate (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -124,10 +125,10 @@ def _drive(args: argparse.Namespace) -> int:
     slo = SLO(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None
     requests, params = _workload(args, args.workload)
     try:
-        model = args.model or discover_model(args.url)
+        model = args.model or discover_model(args.url, api_key=args.api_key)
     except Exception as exc:  # any failure to reach or parse /v1/models is a user-facing setup error
         raise KvbatonError(f"cannot list models at {args.url}/v1/models ({exc}); pass --model") from None
-    config = DriverConfig(url=args.url, model=model, timeout_s=args.timeout_s)
+    config = DriverConfig(url=args.url, model=model, timeout_s=args.timeout_s, api_key=args.api_key)
     records = run_live(requests, config, progress=not args.no_progress and not args.json)
     name = args.name or args.workload
     summary = summarize(records, slo, args.num_gpus)

@@ -23,7 +23,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -40,6 +40,12 @@ class DriverConfig:
     model: str  # the "model" field of every request
     timeout_s: float = 300.0  # per request, send to last byte; a timed-out request is "failed"
     ignore_eos: bool = True  # ask for exactly output_tokens tokens (vLLM/SGLang extension fields)
+    api_key: str = field(default="", repr=False)  # sent as a Bearer token when given
+
+
+def bearer(api_key: str) -> dict[str, str]:
+    """The Authorization header of an API key ("" sends none)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 @dataclass(slots=True)
@@ -124,7 +130,7 @@ async def _send(client: httpx.AsyncClient, request: WorkloadRequest, config: Dri
     base = dict(request_id=request.request_id, slo_class=request.slo_class, tenant=request.tenant,
                 prompt_tokens=request.num_prompt_tokens)
     body = request_body(request, config)
-    headers = {"X-Request-Id": request.request_id, "X-Kvbaton-Slo-Class": request.slo_class}
+    headers = {"X-Request-Id": request.request_id, "X-Kvbaton-Slo-Class": request.slo_class, **bearer(config.api_key)}
     state = _StreamState(token_times_s=[])
     sent_s = clock()
     try:
@@ -201,8 +207,8 @@ def run_live(requests: Sequence[WorkloadRequest], config: DriverConfig, progress
         return asyncio.run(drive(requests, config, on_done=lambda _: bar.advance(task)))
 
 
-def discover_model(url: str, timeout_s: float = 10.0) -> str:
+def discover_model(url: str, timeout_s: float = 10.0, api_key: str = "") -> str:
     """The first model id the server lists at GET /v1/models."""
-    response = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s)
+    response = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s, headers=bearer(api_key))
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])

@@ -4,7 +4,13 @@
 equal prefixes under the same (model revision, KV layout, tenant salt). Only ints and tuples of
 ints go through Python's `hash`, which is not salted per process for those types, so a router
 and its workers compute the same hashes; the string-valued key goes through blake2b once per
-distinct key (memoised: the router and the simulator ask for it on every request).
+distinct key (memoised: the router and the simulator ask for it on every request), its parts
+length-prefixed so that no two different keys share the material.
+
+Hashes name blocks for the router's index and the KV events; they never decide what a request finds
+cached. The radix cache keeps one tree per `CacheKey`, looked up by equality of the whole key, and
+matches token tuples; the host tier checks a block's key as well as its hash. So a request's cached
+tokens come from its own namespace whatever two hashes happen to share.
 
 `hash_prompt` splits a prompt into block tuples and hashes them once, so a caller that both routes
 a request and hands it to a local scheduler (the simulator) can pass the same `HashedBlocks` on
@@ -21,9 +27,25 @@ from functools import lru_cache
 _HASH_SEED = b"kvbaton-block-hash-v1"
 
 
+def length_prefixed(parts: Sequence[str]) -> str:
+    """`len:part` for each part, concatenated: an injective encoding of a tuple of strings of a fixed arity (a
+    reader always knows where each part ends), whatever characters the parts hold."""
+    return "".join(f"{len(part)}:{part}" for part in parts)
+
+
+def tenant_salt(key_tenant: str, client_tenant: str = "", cache_salt: str = "") -> str:
+    """A request's tenant salt (its `Request.tenant`): the tenant of its API key, the tenant its client named
+    (trusted only behind a gateway) and its `cache_salt`. Two requests get equal salts exactly when all three
+    are equal (`length_prefixed` is injective, and "" is the salt of three empty parts only), so a cache
+    namespace is never shared by two different triples."""
+    if not (key_tenant or client_tenant or cache_salt):
+        return ""
+    return length_prefixed((key_tenant, client_tenant, cache_salt))
+
+
 @lru_cache(maxsize=4096)
 def _root_hash(model_revision: str, kv_layout: str, tenant_salt: str) -> int:
-    material = "\x1f".join((model_revision, kv_layout, tenant_salt)).encode()
+    material = length_prefixed((model_revision, kv_layout, tenant_salt)).encode()
     digest = hashlib.blake2b(material, digest_size=8, key=_HASH_SEED).digest()
     return int.from_bytes(digest, "little", signed=True)
 

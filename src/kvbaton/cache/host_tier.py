@@ -50,12 +50,14 @@ class EvictedBlock(NamedTuple):
     token_block: BlockTokens
     parent_hash: int
     device_block_id: int
+    namespace: object = None  # the CacheKey it was cached under
 
 
 class HostEntry(NamedTuple):
     host_block_id: int
     token_block: BlockTokens
     parent_hash: int
+    namespace: object = None
 
 
 class HostTier:
@@ -105,32 +107,35 @@ class HostTier:
                 dropped.append(old_hash)
                 self.num_dropped_blocks += 1
             host_block_id = free.pop()
-            entries[block.block_hash] = HostEntry(host_block_id, block.token_block, block.parent_hash)
+            entries[block.block_hash] = HostEntry(host_block_id, block.token_block, block.parent_hash, block.namespace)
             pending[host_block_id] = block.device_block_id
         if pending:
             self.io.save(list(pending.values()), list(pending))
             self.num_saved_blocks += len(pending)
         return dropped
 
-    def match(self, parent_hash: int, token_blocks: Sequence[BlockTokens], block_hashes: Sequence[int] = ()) -> int:
+    def match(self, parent_hash: int, token_blocks: Sequence[BlockTokens], block_hashes: Sequence[int] = (),
+              namespace: object = None) -> int:
         """How many leading blocks of `token_blocks` (the blocks after the one hashed `parent_hash`) are here, as
-        one chain. `block_hashes`: their chained hashes where the caller has them (the rest are computed).
-        Changes nothing."""
+        one chain, demoted from `namespace` (the CacheKey they are looked up under). `block_hashes`: their chained
+        hashes where the caller has them (the rest are computed). Changes nothing. A block whose hash matches
+        but whose tokens or namespace differ is not a match: a hash is 64 bits of Python's tuple hash, which two
+        tenants' blocks may share, by chance or by construction."""
         entries = self._entries
         num_known = len(block_hashes)
         block_hash = parent_hash
         for i, tokens in enumerate(token_blocks):
             block_hash = block_hashes[i] if i < num_known else hash((block_hash, tokens))
             entry = entries.get(block_hash)
-            if entry is None or entry.token_block != tokens:
+            if entry is None or entry.token_block != tokens or entry.namespace != namespace:
                 return i
         return len(token_blocks)
 
     def take(self, parent_hash: int, token_blocks: Sequence[BlockTokens],
-             block_hashes: Sequence[int] = ()) -> list[int]:
+             block_hashes: Sequence[int] = (), namespace: object = None) -> list[int]:
         """Remove the chain `match` finds from the LRU, keeping its host blocks, for `load` or `put_back`;
         returns its hashes in order."""
-        num = self.match(parent_hash, token_blocks, block_hashes)
+        num = self.match(parent_hash, token_blocks, block_hashes, namespace)
         hashes: list[int] = []
         block_hash = parent_hash
         for i in range(num):

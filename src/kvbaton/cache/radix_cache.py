@@ -267,6 +267,7 @@ class RadixCache(RadixEviction):
         for key, root in self._roots.items():
             assert root.parent is None and not root.block_ids and root.attached, "malformed root"
             assert root.parent_hash == key.root_hash, "root hash does not match its cache key"
+            assert root.namespace is key, "root does not name its cache key"
             self._check_lock_ref(root)
         for node in self._iter_nodes(ordered=False):
             parent = node.parent
@@ -275,6 +276,7 @@ class RadixCache(RadixEviction):
             assert node.token_blocks and node.key == node.token_blocks[0], "empty node or wrong key"
             assert len(node.token_blocks) == len(node.block_ids) == len(node.block_hashes), "ragged node"
             assert node.parent_hash == parent.tail_hash, "hash chain broken between nodes"
+            assert node.namespace is parent.namespace, "node in another tree than its parent"
             assert node.last_access <= parent.last_access, "child touched more recently than parent"
             chained = node.parent_hash
             for tokens, block_hash, block_id in zip(node.token_blocks, node.block_hashes, node.block_ids):
@@ -310,6 +312,7 @@ class RadixCache(RadixEviction):
         root = self._roots.get(key)
         if root is None:
             root = RadixNode(None, key.root_hash, next(self._serials), self._tick)
+            root.namespace = key
             self._roots[key] = root
         return root
 

@@ -123,7 +123,7 @@ class RadixEviction:
                 evicted_hashes.append(block_hash)
             else:  # its KV stays in the freed block until the next allocation: `demote` copies it out first
                 parent_hash = node.block_hashes[-1] if node.block_hashes else node.parent_hash
-                demoted.append(EvictedBlock(block_hash, token_block, parent_hash, block_id))
+                demoted.append(EvictedBlock(block_hash, token_block, parent_hash, block_id, node.namespace))
             if not node.block_ids:
                 self._detach(node)
         if demoted:

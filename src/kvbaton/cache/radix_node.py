@@ -46,7 +46,7 @@ class RadixNode:
 
     __slots__ = (
         "key", "parent", "children", "token_blocks", "block_ids", "block_hashes", "parent_hash",
-        "lock_ref", "num_direct_locks", "last_access", "serial", "attached",
+        "lock_ref", "num_direct_locks", "last_access", "serial", "attached", "namespace",
     )  # fmt: skip
 
     def __init__(self, parent: RadixNode | None, parent_hash: int, serial: int, last_access: int) -> None:
@@ -62,6 +62,8 @@ class RadixNode:
         self.last_access = last_access
         self.serial = serial  # creation order; breaks LRU ties deterministically
         self.attached = True
+        # The CacheKey of this node's tree (set on its root; a node never moves to another tree).
+        self.namespace: object = parent.namespace if parent is not None else None
 
     @property
     def tail_hash(self) -> int:

@@ -91,7 +91,7 @@ class BlockManager:
         if tier is not None and num_hit < num_blocks:  # the host tier supplies blocks too, at a copy's cost
             parent_hash = match.block_hashes[-1] if num_hit else key.root_hash
             num_hit += tier.match(parent_hash, token_blocks[num_hit:],
-                                  self._prompt_hashes.get(request.request_id, ())[num_hit:])
+                                  self._prompt_hashes.get(request.request_id, ())[num_hit:], key)
         return num_hit * self.block_size
 
     def attach_prefix(self, request: Request) -> int:
@@ -127,7 +127,8 @@ class BlockManager:
         cache, tier = self.cache, self.cache.tier  # type: ignore[union-attr]
         assert cache is not None and tier is not None
         num_device = len(request.block_ids)
-        taken = tier.take(parent_hash, token_blocks, self._prompt_hashes.get(request.request_id, ())[num_device:])
+        taken = tier.take(parent_hash, token_blocks, self._prompt_hashes.get(request.request_id, ())[num_device:],
+                          key)
         if not taken:
             return
         # Taken out of the tier's LRU first, so the blocks this eviction demotes cannot push them out.

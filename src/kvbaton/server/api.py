@@ -1,5 +1,7 @@
 """The router's HTTP layer: OpenAI-compatible completions and chat over a `ClusterClient`, plus /v1/models,
-vLLM's /tokenize, /detokenize and /reset_prefix_cache, /health, /ready, /cluster and Prometheus /metrics.
+vLLM's /tokenize, /detokenize and /reset_prefix_cache, /health, /ready, /cluster, Prometheus /metrics and the
+OpenAPI document of them all (/openapi.json). Every request passes `ApiAuth` first (`server/auth.py`: API keys,
+roles, tenants), the generation routes answered straight from `RouterApp.__call__` included.
 
 It validates, applies the chat template and tokenizes once at ingress, expands each prompt of a completions
 batch and `n` into one `GenerateCall` per sample (prompt p's sample j is choice p * n + j, as in vLLM),
@@ -34,9 +36,11 @@ from kvbaton.core.sampling import SamplingParams
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api_run import DisconnectWatch, SampleRun
+from kvbaton.server.auth import ApiAuth
 from kvbaton.server.base import ClusterClient, GenerateCall, SubmittingClusterClient, TokenLogprob
 from kvbaton.server.metrics import ApiMetrics
 from kvbaton.server.api_chat import ChatEndpoint
+from kvbaton.server.openapi import openapi_document
 from kvbaton.server.tool_calls import TOOL_CALL_PARSERS
 from kvbaton.server.protocol import (
     ApiError,
@@ -125,6 +129,7 @@ class RouterApp(FastAPI):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._direct_routes: dict[str, RequestHandler] = {}
+        self.auth = ApiAuth()  # no keys: every request passes (create_app sets the server's)
 
     def add_direct_route(self, path: str, handler: RequestHandler) -> None:
         """`handler` answers POST `path` (other methods get the stack's 405)."""
@@ -132,6 +137,11 @@ class RouterApp(FastAPI):
         self.router.add_route(path, handler, methods=["POST"])  # listed with the others, and its 405
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.auth.enabled and scope["type"] == "http":  # before any route, direct or not, reads the request
+            refusal = self.auth.authorize(scope)
+            if refusal is not None:
+                await _error_response(refusal)(scope, receive, send)
+                return
         handler = self._direct_routes.get(scope["path"]) if scope["type"] == "http" else None
         if handler is None or scope["method"] != "POST" or self.root_path or self.user_middleware:
             await super().__call__(scope, receive, send)
@@ -161,8 +171,9 @@ class OpenAIServer(ChatEndpoint):
 
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                  metrics: ApiMetrics, clock: Callable[[], float], tool_call_parser: str = "",
-                 priority_scheduling: bool = False) -> None:
+                 priority_scheduling: bool = False, auth: ApiAuth | None = None) -> None:
         self.cluster = cluster
+        self.auth = auth if auth is not None else ApiAuth()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -227,11 +238,12 @@ class OpenAIServer(ChatEndpoint):
                request: Request, arrival_at: float, cache_salt: str = "") -> list[GenerateCall]:
         """One call per sample: prompt p's sample j is choice p * n + j, as vLLM numbers a batch's choices. A
         seeded request's sample j is seeded with seed + j (as vLLM seeds them), so its n samples differ.
-        The tenant salts the prompt's block hashes, so tenants never share cached blocks; a cache salt
-        (vLLM's `cache_salt`) divides a tenant's further."""
-        tenant = user or _header(request, b"x-tenant")
-        if cache_salt:
-            tenant = f"{tenant}\x1fsalt:{cache_salt}"
+        The tenant (its API key's, with the client's `user` or x-tenant when trusted: `ApiAuth.tenant_of`) salts
+        the prompt's block hashes, so tenants never share cached blocks; a cache salt (vLLM's `cache_salt`)
+        divides a tenant's further."""
+        auth = self.auth
+        client_tenant = (user or _header(request, b"x-tenant")) if auth.trust_tenant_header else ""
+        tenant = auth.tenant_of(request.scope, client_tenant, cache_salt)
         n = sampling.n
         per_sample = [sampling.for_sample(j) for j in range(n)]
         return [GenerateCall(f"{api_id}-{p * n + j}", prompt_token_ids, per_sample[j], arrival_at, tenant=tenant)
@@ -385,8 +397,12 @@ class OpenAIServer(ChatEndpoint):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created_at,
                                             "owned_by": "kvbaton", "max_model_len": self.max_model_len}]}
 
-    def ready(self) -> JSONResponse:
+    def ready(self, request: Request) -> JSONResponse:
+        """Open to anyone; why the cluster is (not) ready names workers and lost processes, so with API keys only
+        an admin key sees it."""
         ready, reason = self.cluster.is_ready()
+        if not self.auth.shows_cluster_state(request.scope):
+            reason = "ready" if ready else "not ready"
         return JSONResponse({"ready": ready, "reason": reason}, status_code=200 if ready else 503)
 
 
@@ -424,13 +440,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *, max_model_len: int,
                metrics: ApiMetrics | None = None, clock: Callable[[], float] = time.monotonic,
                tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS, tool_call_parser: str = "",
-               priority_scheduling: bool = False) -> FastAPI:
+               priority_scheduling: bool = False, auth: ApiAuth | None = None) -> FastAPI:
     """The router's FastAPI app; the tokenizer is the model's (the cluster only ever sees token ids).
 
     `tokenizer_cache_chars` > 0 turns on the tokenizer's ingress cache (`TokenizationCache`), bounded
     by that many characters; 0 tokenizes every prompt from scratch. `tool_call_parser` ("hermes") reads the
     model's own tool calls for tool_choice "auto" (`server/tool_calls.py`). `priority_scheduling`: the workers'
-    queues follow the requests' `priority` (else a non-zero one is a 400)."""
+    queues follow the requests' `priority` (else a non-zero one is a 400). `auth`: API keys, roles and tenants
+    (`server/auth.py`); None lets every request in, its tenant the cache salt alone."""
     if tool_call_parser and tool_call_parser not in TOOL_CALL_PARSERS:
         raise InvalidRequestError(f"unknown tool call parser {tool_call_parser!r}; one of {', '.join(TOOL_CALL_PARSERS)}")
     metrics = metrics if metrics is not None else ApiMetrics()
@@ -439,8 +456,9 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
         cache = tokenizer.cache or tokenizer.enable_cache(tokenizer_cache_chars)
         metrics.attach_token_cache(cache.stats)
     server = OpenAIServer(cluster, tokenizer, model_name, max_model_len, metrics, clock, tool_call_parser,
-                          priority_scheduling)
+                          priority_scheduling, auth)
     app = RouterApp(title="kvbaton", docs_url=None, redoc_url=None, openapi_url=None, telemetry=fastapi_telemetry())
+    app.auth = server.auth
     app.state.server = server
     _install_error_handlers(app)
 
@@ -469,5 +487,12 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    document = openapi_document(model_name, max_model_len, with_keys=server.auth.enabled,
+                                metrics_open="/metrics" in server.auth.open_paths)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:  # the request bodies as protocol.py reads them (server/openapi.py)
+        return JSONResponse(document)
 
     return app

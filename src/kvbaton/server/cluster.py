@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from kvbaton.cache.hashing import CacheKey
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.router.admission import AdmissionPolicy
 from kvbaton.router.base import RouteRequest
 from kvbaton.router.call_tally import CallTally
@@ -75,6 +76,8 @@ class ClusterConfig:
     # else fcfs); "fcfs" or "priority" (vLLM's --scheduling-policy: SamplingParams.priority orders the queue
     # and picks who is preempted) replace it.
     scheduling_policy: str = ""
+    # Only holders of this secret connect as workers (server/rpc_auth.py); None: a fresh one (`ClusterManager.secret`).
+    cluster_secret: ClusterSecret | None = None
 
 
 class ClusterManager(WorkerMembership, ClusterReports):
@@ -84,6 +87,7 @@ class ClusterManager(WorkerMembership, ClusterReports):
                  admission: AdmissionPolicy | None = None, pools: PoolBalancer | None = None) -> None:
         self.config = config
         self.clock = clock
+        self.secret = config.cluster_secret or ClusterSecret.generate()  # what its workers must be handed
         # Every placement decision, and the router state it reads (index, load, the tally admission and adaptive
         # pools price over): the same object the simulator places with.
         self.placement = ClusterPlacement(
@@ -133,7 +137,7 @@ class ClusterManager(WorkerMembership, ClusterReports):
 
     async def start(self) -> str:
         """Bind the socket, start reading it and start the monitor loop; returns the bound address."""
-        self._socket = RouterSocket(self.config.bind_address)
+        self._socket = RouterSocket(self.config.bind_address, self.secret)
         self.address = self._socket.address
         self._socket.start(self._handle)
         self._tasks = [asyncio.create_task(self._monitor_loop())]

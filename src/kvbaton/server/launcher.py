@@ -1,9 +1,10 @@
 """`kvbaton serve`: start N local worker processes and the router (cluster manager + HTTP API) in this one.
 
-Order: load the tokenizer (not the weights) -> bind the RPC socket -> spawn workers -> wait until all
-have registered (each was checked against the router's tokenizer probe and the first one's layout) ->
-serve HTTP. On SIGINT/SIGTERM: stop accepting, let in-flight requests finish up to the drain deadline,
-tell the workers to shut down, kill any straggler by pid, exit 0. Workers run in their own session so
+Order: refuse a non-loopback host without an API key (`server/auth.py`) -> load the tokenizer (not the
+weights) -> bind the RPC socket -> spawn workers, each handed the cluster secret in its environment (never
+its command line) -> wait until all have registered (each was checked against the router's tokenizer
+probe and the first one's layout) -> serve HTTP. On SIGINT/SIGTERM: stop accepting, let in-flight
+requests finish up to the drain deadline, tell the workers to shut down, kill any straggler by pid, exit 0. Workers run in their own session so
 a terminal's Ctrl-C reaches only the router, which then stops them in order.
 """
 
@@ -26,11 +27,13 @@ from typing import TypeVar
 import uvicorn
 import uvloop
 
+from kvbaton.core.cluster_secret import ClusterSecret, worker_environment
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.config import ModelConfig
 from kvbaton.model.registry import read_model_header, resolve_model_source
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api import create_app
+from kvbaton.server.auth import ApiAuth, ApiKeys, check_exposure
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
@@ -93,6 +96,14 @@ class ServeConfig:
     # Place the workers on a Ray cluster (server/ray_workers.py): "local" | "auto" | its address; "" = local processes.
     ray_address: str = ""
     gpus_per_worker: float = 0.0  # with Ray: GPUs each worker's actor holds (Ray sets its CUDA_VISIBLE_DEVICES)
+    # Trust (server/auth.py): API keys (None or empty: none, allowed on loopback only unless allow_unauthenticated);
+    # the client's tenant honoured within its key's; /metrics behind a key too.
+    api_keys: ApiKeys | None = None
+    allow_unauthenticated: bool = False
+    trust_tenant_header: bool = False
+    metrics_require_key: bool = False
+    # What the RPC and the KV links authenticate with (core/cluster_secret.py); None: a fresh one for this run.
+    cluster_secret: ClusterSecret | None = None
 
 
 def _slo_and_profile(config: ServeConfig, flag: str,
@@ -167,6 +178,7 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
 class Launcher:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
+        self.secret = config.cluster_secret or ClusterSecret.generate()
         self.processes: dict[str, subprocess.Popen[bytes] | RayWorkerProcess] = {}
         self.placement: RayPlacement | None = None
         self.url = ""
@@ -194,6 +206,7 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
         config = self.config
+        check_exposure(config.host, config.api_keys, config.allow_unauthenticated)
         model_config, tokenizer = read_model_header(resolve_model_source(config.model))  # the workers read the weights
         # One calibrated model for both: what admission learns about this host, the balancer prices with too.
         wanted = (config.admission != "none" or config.adaptive_pools) and config.cost_profile
@@ -214,8 +227,8 @@ class Launcher:
                 kv_load_failure_policy=config.kv_load_failure_policy,
                 reserve_ahead_tokens=config.reserve_ahead_tokens,
                 scheduling_policy=config.scheduling_policy,
-                kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4)),
-                admission=admission, pools=pools)
+                kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4),
+                cluster_secret=self.secret), admission=admission, pools=pools)
             self._cluster = cluster
             address = await cluster.start()
         except BaseException:
@@ -232,7 +245,9 @@ class Launcher:
                                                                                               model_config),
                              tokenizer_cache_chars=config.tokenizer_cache_chars,
                              tool_call_parser=config.tool_call_parser,
-                             priority_scheduling=config.scheduling_policy == "priority")
+                             priority_scheduling=config.scheduling_policy == "priority",
+                             auth=ApiAuth(config.api_keys, trust_tenant_header=config.trust_tenant_header,
+                                          metrics_require_key=config.metrics_require_key))
             freeze_startup_heap()
             # uvicorn's annotation says int, but it only hands the value to asyncio.wait_for: a fraction counts too.
             graceful_s: int = config.drain_timeout_s  # type: ignore[assignment]
@@ -290,8 +305,10 @@ class Launcher:
     async def _start_workers(self, address: str) -> None:
         config = self.config
         if self.placement is None:
+            environment = worker_environment(self.secret, dict(os.environ))
             for worker_id, role in worker_roles(config):
-                process = subprocess.Popen(worker_command(config, address, worker_id, role), start_new_session=True)
+                process = subprocess.Popen(worker_command(config, address, worker_id, role), start_new_session=True,
+                                           env=environment)
                 self.processes[worker_id] = process
             return
         workers = [(worker_id, worker_args(config, address, worker_id, role))
@@ -299,7 +316,8 @@ class Launcher:
         # Ray may wait for resources until the startup timeout: a stop signal ends the wait (closing the placement
         # then ends the actors placed so far and those still pending).
         placing = asyncio.ensure_future(self.placement.start(workers, config.num_threads_per_worker,
-                                                             config.gpus_per_worker, config.startup_timeout_s))
+                                                             config.gpus_per_worker, config.startup_timeout_s,
+                                                             self.secret))
         stopping = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({placing, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()

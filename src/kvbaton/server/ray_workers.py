@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from kvbaton.core.cluster_secret import ClusterSecret, worker_environment
 from kvbaton.core.errors import KvbatonError
 
 LOCAL = "local"  # --ray local: start a single-node Ray instance on 127.0.0.1
@@ -67,14 +68,15 @@ class WorkerHost:
     def __init__(self) -> None:
         self._process: subprocess.Popen[bytes] | None = None
 
-    def start(self, worker_args: Sequence[str]) -> tuple[str, int]:
-        """Start the worker with `worker_args` (after `kvbaton worker`) and this node's IP for its KV receiver;
-        returns (node IP, worker pid)."""
+    def start(self, worker_args: Sequence[str], secret_hex: str) -> tuple[str, int]:
+        """Start the worker with `worker_args` (after `kvbaton worker`), this node's IP for its KV receiver and the
+        cluster secret in its environment (never on its command line); returns (node IP, worker pid)."""
         import ray
 
         node_ip = ray.util.get_node_ip_address()
+        environment = worker_environment(ClusterSecret.from_hex(secret_hex), dict(os.environ))
         self._process = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "worker", *worker_args,
-                                          "--kv-host", node_ip])
+                                          "--kv-host", node_ip], env=environment)
         return node_ip, self._process.pid
 
     def wait(self) -> int:
@@ -181,8 +183,10 @@ class RayPlacement:
                                f"--gpus-per-worker)")
 
     async def start(self, workers: Sequence[tuple[str, Sequence[str]]], num_cpus: float, num_gpus: float,
-                    timeout_s: float) -> dict[str, RayWorkerProcess]:
-        """One actor per (worker id, worker args), spread over the nodes; returns once every worker process runs."""
+                    timeout_s: float, secret: ClusterSecret) -> dict[str, RayWorkerProcess]:
+        """One actor per (worker id, worker args), spread over the nodes; returns once every worker process runs.
+        Each actor hands `secret` to its worker: it travels in the actor call, over Ray's own channel (which
+        authenticates with RAY_AUTH_TOKEN where the cluster runs `RAY_AUTH_MODE=token`)."""
         self.check_resources(len(workers), num_cpus, num_gpus)
         actors = []
         for _ in workers:
@@ -191,7 +195,7 @@ class RayPlacement:
                                              max_concurrency=4).remote()
             actors.append(actor)
             self._actors.append(actor)
-        refs = [actor.start.remote(list(args)) for actor, (_, args) in zip(actors, workers)]
+        refs = [actor.start.remote(list(args), secret.to_hex()) for actor, (_, args) in zip(actors, workers)]
         placed = asyncio.gather(*refs)
         try:
             started = await asyncio.wait_for(placed, timeout_s)

@@ -1,6 +1,7 @@
 """The router's end of the RPC: one zmq ROUTER socket that every worker's DEALER connects to, read from the
 event loop's own reader callback.
 
+The socket is a CurveZMQ server that admits only holders of the cluster secret (`server/rpc_auth.py`).
 Frames are [worker identity, msgpack payload]; malformed ones are logged and skipped here, so the
 cluster manager only ever sees decoded `rpc.Message`s, handed to its `on_message` callback on the
 event loop. Sends never wait: a frame to a worker whose connection is gone fails at once
@@ -24,7 +25,9 @@ from collections.abc import Callable
 
 import zmq
 
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.server import rpc
+from kvbaton.server.rpc_auth import secure_router
 
 log = logging.getLogger("kvbaton.cluster")
 
@@ -40,14 +43,22 @@ _MAX_MESSAGES_PER_DRAIN = 256  # then yield to the loop (HTTP handlers) before r
 class RouterSocket:
     """Bound at construction; `start` begins delivering messages to `on_message` on the running loop."""
 
-    def __init__(self, bind_address: str) -> None:
+    def __init__(self, bind_address: str, secret: ClusterSecret) -> None:
         self._context = zmq.Context()
         socket = self._context.socket(zmq.ROUTER)
+        self._authenticator = secure_router(socket, self._context, secret)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished worker raises instead of dropping
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker with the same id takes over
+        # A restarted worker with the same id takes over; only a holder of the cluster secret gets that far.
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 0)  # never drop or refuse a frame to a live worker; admission bounds the queue
-        socket.bind(bind_address)
+        try:
+            socket.bind(bind_address)
+        except zmq.ZMQError:
+            socket.close(linger=0)
+            self._authenticator.stop()
+            self._context.term()
+            raise
         self._socket: zmq.Socket | None = socket
         self.address = socket.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when bound to "*"
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -148,6 +159,7 @@ class RouterSocket:
             if self._loop is not None and self._fd >= 0 and not self._loop.is_closed():
                 self._loop.remove_reader(self._fd)
             self._socket.close(linger=0)
+            self._authenticator.stop()
             self._context.term()
             self._socket = None
             self._on_message = None

@@ -26,6 +26,7 @@ from socket import gethostname
 import torch
 import zmq
 
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.errors import KvbatonError
 from kvbaton.core.request import FinishReason
@@ -37,6 +38,7 @@ from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta, TokenLogprob
 from kvbaton.server.identity import tokenizer_probe_hash
+from kvbaton.server.rpc_auth import secure_dealer
 from kvbaton.server.step_log import StepLog
 from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
 from kvbaton.transfer.faults import FaultRule
@@ -75,6 +77,8 @@ class WorkerConfig:
     reserve_ahead_tokens: int | None = None
     transfer_faults: tuple[FaultRule, ...] = ()  # prefill workers: scripted faults on outgoing KV (tests)
     step_log: str = ""  # write each step's shape and period here at exit (kvbaton.server.step_log)
+    # The router's: the RPC and every KV link authenticate with it (core/cluster_secret.py). Required to run.
+    cluster_secret: ClusterSecret | None = None
 
 
 def kv_layout_of(loaded: LoadedModel, block_size: int) -> str:
@@ -118,8 +122,13 @@ class Worker:
 
     def run(self) -> str:
         """Serve until told to stop; returns why it stopped. Raises KvbatonError if refused or orphaned."""
+        secret = self.config.cluster_secret
+        if secret is None:
+            raise KvbatonError(f"worker {self.config.worker_id} has no cluster secret: give it the router's "
+                               "(--cluster-secret-file FILE or the KVBATON_CLUSTER_SECRET variable)")
         context = zmq.Context()
         socket = context.socket(zmq.DEALER)
+        secure_dealer(socket, secret)
         socket.setsockopt(zmq.IDENTITY, self.config.worker_id.encode())
         socket.setsockopt(zmq.LINGER, 1000)
         socket.connect(self.config.router_address)
@@ -127,10 +136,11 @@ class Worker:
         layout = kv_layout_for(self.loaded, cfg.block_size)
         try:
             if cfg.role == "decode":  # storage first: its address goes into the registration
-                self._decode_kv = DecodeKV(cfg.worker_id, layout, cfg.num_blocks, cfg.kv_transport, cfg.kv_host)
+                self._decode_kv = DecodeKV(cfg.worker_id, layout, cfg.num_blocks, cfg.kv_transport, cfg.kv_host,
+                                           secret=secret)
             ack = self._register(socket)
             try:
-                self._start(socket, layout, ack)
+                self._start(socket, layout, ack, secret)
             except Exception as exc:  # the router counts this worker in: tell it why it will not serve
                 socket.send(rpc.encode(rpc.Goodbye(cfg.worker_id, f"failed to start: {exc}")))
                 raise
@@ -146,7 +156,7 @@ class Worker:
                 self.engine = self.decode = None  # drop every view of the shared region before unmapping it
                 self._decode_kv.close()
 
-    def _start(self, socket: zmq.Socket, layout: KVLayout, ack: rpc.RegisterAck) -> None:
+    def _start(self, socket: zmq.Socket, layout: KVLayout, ack: rpc.RegisterAck, secret: ClusterSecret) -> None:
         """Build the engine (with the queue policy the router named) and the role's handoff drivers."""
         cfg = self.config
         self.engine = self._build_engine(cfg.queue_policy or ack.queue_policy)
@@ -154,7 +164,7 @@ class Worker:
             self.decode = DecodeHandoffs(self.engine, layout, self._decode_kv.receiver, cfg.kv_lease_s, self._clock)
             self.engine.between_layers = self.decode.pump  # grants and KV between layers; adoption after
         if cfg.role == "prefill":
-            self._prefill_links = PrefillLinks(cfg.worker_id, layout, cfg.transfer_faults, self._clock)
+            self._prefill_links = PrefillLinks(cfg.worker_id, layout, cfg.transfer_faults, self._clock, secret=secret)
             self.prefill = PrefillHandoffs(self.engine, layout, self._prefill_links, self._prefill_links.connect,
                                            cfg.kv_lease_s, self._clock, cfg.reserve_ahead_tokens)
             if cfg.reserve_ahead_tokens is None:  # a late reservation waits for its turn between steps anyway
@@ -176,7 +186,8 @@ class Worker:
             if isinstance(message, rpc.Shutdown):
                 raise KvbatonError(f"router shut down before registering worker {self.config.worker_id}")
         raise KvbatonError(f"no answer from the router at {self.config.router_address} within "
-                           f"{self.config.register_timeout_s:g} s")
+                           f"{self.config.register_timeout_s:g} s (a router whose cluster secret differs cannot be "
+                           "reached either)")
 
     def _build_engine(self, queue_policy: str) -> Engine:
         cfg = self.config

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.engine.handoff import numpy_kv
 from kvbaton.transfer.base import Delivery, KVTransport, PeerLost, TransportError
 from kvbaton.transfer.faults import FaultRule, FaultyTransport
@@ -40,7 +41,7 @@ class DecodeKV:
     """The decode end: KV storage plus the receiver prefill workers link to."""
 
     def __init__(self, worker_id: str, layout: KVLayout, num_blocks: int, transport: str, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, *, secret: ClusterSecret) -> None:
         if transport not in KV_TRANSPORTS:
             raise ValueError(f"kv transport must be one of {KV_TRANSPORTS}, got {transport!r}")
         self.region: ShmKVRegion | None = None
@@ -48,14 +49,14 @@ class DecodeKV:
         if transport == "shm":
             self.region = ShmKVRegion.create(layout, num_blocks)
             try:
-                self.receiver = ShmKVReceiver(worker_id, self.region, host, port)
+                self.receiver = ShmKVReceiver(worker_id, self.region, host, port, secret=secret)
             except BaseException:
                 self.region.close()
                 raise
             self.kv_cache = self.region.torch_view()
         else:
             self.kv_cache = torch.zeros(layout.storage_shape(num_blocks), dtype=_TORCH_DTYPES[layout.dtype])
-            self.receiver = TcpKVReceiver(worker_id, layout, numpy_kv(self.kv_cache), host, port)
+            self.receiver = TcpKVReceiver(worker_id, layout, numpy_kv(self.kv_cache), host, port, secret=secret)
         bound_host, bound_port = self.receiver.address
         self.address = f"{transport}://{bound_host}:{bound_port}"
 
@@ -70,10 +71,10 @@ class PrefillLinks(KVTransport):
     """The prefill end: one sender per transport kind, links opened on first use and forgotten when lost."""
 
     def __init__(self, worker_id: str, layout: KVLayout, faults: Sequence[FaultRule] = (),
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, *, secret: ClusterSecret) -> None:
         self.name = worker_id
-        self._senders: dict[str, SocketKVSender] = {"shm": ShmKVSender(worker_id, layout),
-                                                    "tcp": TcpKVSender(worker_id, layout)}
+        self._senders: dict[str, SocketKVSender] = {"shm": ShmKVSender(worker_id, layout, secret=secret),
+                                                    "tcp": TcpKVSender(worker_id, layout, secret=secret)}
         self._faulty = {kind: FaultyTransport(sender, list(faults), clock) for kind, sender in self._senders.items()} \
             if faults and clock is not None else {}
         self._kind_of: dict[str, str] = {}  # linked peer -> transport kind

@@ -8,8 +8,10 @@ Contract shared by every transport:
 - `poll(timeout_s)`: what arrived, in arrival order per peer; `PeerLost` once when a link dies.
 - `disconnect(peer)` drops a link abruptly (both ends see `PeerLost`): the "kill the peer" fault.
 - Sending to a dead or unknown peer raises `TransportError`.
-Peers are trusted cluster members: the destination's protocol rejects chunks whose handles do not
-match its reservation, but with shm the bytes were already written by then.
+Peers are cluster members: a socket link opens only after both ends proved they hold the cluster secret
+(`kvbaton.transfer.link_auth`), so no other process reaches a block. Among members, the destination's
+protocol rejects chunks whose handles do not match its reservation, but with shm the bytes were already
+written by then.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class TransportError(KvbatonError):
 
 class LayoutRejectedError(TransportError):
     """The receiving worker refused the link because its KV layout differs."""
+
+
+class LinkAuthError(TransportError):
+    """One end of a link did not prove it holds the cluster secret (`kvbaton.transfer.link_auth`)."""
 
 
 @dataclass(frozen=True, slots=True)

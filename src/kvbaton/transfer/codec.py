@@ -1,5 +1,6 @@
 """Handoff messages and transport handshake frames to and from msgpack bytes (never pickle).
 
+A link's handshake is Challenge -> Hello -> Welcome | Rejected (the proofs they carry: `link_auth`).
 A frame header is a msgpack array `[tag, *fields]`; nested values (layout, transfer id, first
 token) are arrays too. A layer chunk's block tables travel as runs `[first_id, num_blocks, ...]`
 (a fresh pool's table is one run), so a prefill step's 30+ chunks cost a few bytes each rather
@@ -37,34 +38,49 @@ class FrameError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Challenge:
+    """First frame on a new link, from the receiver: the nonce the sender's proof must cover (`link_auth`)."""
+
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Hello:
-    """First frame on a new link: the sending (prefill) worker and the KV layout it will send."""
+    """The sender's answer: the sending (prefill) worker, the KV layout it will send, its own nonce and its
+    proof of the cluster secret over both nonces and these fields (`kvbaton.transfer.link_auth`)."""
 
     worker_id: str
     layout: KVLayout
+    nonce: bytes = b""
+    proof: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
 class Welcome:
-    """The receiver accepts the link; `num_blocks` and `shm_path` describe its KV storage."""
+    """The receiver accepts the link; `num_blocks` and `shm_path` describe its KV storage; `proof` is its own
+    proof of the cluster secret."""
 
     worker_id: str
     num_blocks: int
     shm_path: str  # "" for transports that stream the bytes
+    proof: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """The receiver refuses the link (layout mismatch at registration) and closes it."""
+    """The receiver refuses the link and closes it: `kind` "auth" (no proof of the cluster secret), "layout"
+    (its KV layout differs) or "linked" (that worker id already has a link)."""
 
     reason: str
+    kind: str = "layout"
 
 
-Frame = Message | Hello | Welcome | Rejected
+Frame = Message | Challenge | Hello | Welcome | Rejected
+HANDSHAKE_FRAMES = (Challenge, Hello, Welcome, Rejected)
 
 
 @lru_cache(maxsize=64)
-def _layout(layout: KVLayout) -> tuple[Any, ...]:
+def layout_to_wire(layout: KVLayout) -> tuple[Any, ...]:
     """Packed as a msgpack array; cached because every chunk of a link carries the same layout."""
     return (layout.model_revision, layout.dtype, layout.block_size, layout.num_layers, layout.num_kv_heads,
             layout.head_dim)
@@ -124,10 +140,11 @@ def _decode_layout(model_revision: Any, dtype: Any, *sizes: Any) -> KVLayout:
 
 def encode(frame: Frame) -> bytes:
     if isinstance(frame, ReserveRequest):
-        fields: list[Any] = ["reserve", _tid(frame.transfer_id), _layout(frame.layout), frame.num_tokens]
+        fields: list[Any] = ["reserve", _tid(frame.transfer_id), layout_to_wire(frame.layout), frame.num_tokens]
     elif isinstance(frame, LayerChunk):
-        fields = ["chunk", _tid(frame.transfer_id), _layout(frame.layout), frame.layer_index, frame.first_position,
-                  frame.num_valid_tokens, _block_runs(frame.src_block_ids), _block_runs(frame.dst_block_ids)]
+        fields = ["chunk", _tid(frame.transfer_id), layout_to_wire(frame.layout), frame.layer_index,
+                  frame.first_position, frame.num_valid_tokens, _block_runs(frame.src_block_ids),
+                  _block_runs(frame.dst_block_ids)]
     elif isinstance(frame, SourceDone):
         token = frame.first_token
         fields = ["done", _tid(frame.transfer_id), frame.num_tokens,
@@ -141,12 +158,14 @@ def encode(frame: Frame) -> bytes:
         fields = ["ack", _tid(frame.transfer_id)]
     elif isinstance(frame, Abort):
         fields = ["abort", _tid(frame.transfer_id), frame.cause.value, frame.reason]
+    elif isinstance(frame, Challenge):
+        fields = ["challenge", frame.nonce]
     elif isinstance(frame, Hello):
-        fields = ["hello", frame.worker_id, _layout(frame.layout)]
+        fields = ["hello", frame.worker_id, layout_to_wire(frame.layout), frame.nonce, frame.proof]
     elif isinstance(frame, Welcome):
-        fields = ["welcome", frame.worker_id, frame.num_blocks, frame.shm_path]
+        fields = ["welcome", frame.worker_id, frame.num_blocks, frame.shm_path, frame.proof]
     elif isinstance(frame, Rejected):
-        fields = ["rejected", frame.reason]
+        fields = ["rejected", frame.reason, frame.kind]
     else:
         raise TypeError(f"cannot encode {type(frame).__name__}")
     return msgpack.packb(fields, use_bin_type=True)
@@ -181,8 +200,10 @@ _DECODERS: dict[str, Any] = {
     "refuse": lambda tid, reason: ReserveRefused(_decode_tid(*tid), _typed(reason, str)),
     "ack": lambda tid: Ack(_decode_tid(*tid)),
     "abort": lambda tid, cause, reason: Abort(_decode_tid(*tid), AbortCause(cause), _typed(reason, str)),
-    "hello": lambda worker_id, layout: Hello(_typed(worker_id, str), _decode_layout(*layout)),
-    "welcome": lambda worker_id, num_blocks, shm_path: Welcome(_typed(worker_id, str), _typed(num_blocks, int),
-                                                               _typed(shm_path, str)),
-    "rejected": lambda reason: Rejected(_typed(reason, str)),
+    "challenge": lambda nonce: Challenge(_typed(nonce, bytes)),
+    "hello": lambda worker_id, layout, nonce, proof: Hello(_typed(worker_id, str), _decode_layout(*layout),
+                                                           _typed(nonce, bytes), _typed(proof, bytes)),
+    "welcome": lambda worker_id, num_blocks, shm_path, proof: Welcome(
+        _typed(worker_id, str), _typed(num_blocks, int), _typed(shm_path, str), _typed(proof, bytes)),
+    "rejected": lambda reason, kind: Rejected(_typed(reason, str), _typed(kind, str)),
 }

@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.transfer.base import TransportError, copy_chunks, storage_dtype
 from kvbaton.transfer.layout import KVLayout
 from kvbaton.transfer.messages import LayerChunk
@@ -102,9 +103,10 @@ class ShmKVReceiver(SocketKVReceiver):
 
     peer_lost_write_grace_s = 2.0  # a sender writes a step's layers, then sends: it sees a dead link after writing
 
-    def __init__(self, name: str, region: ShmKVRegion, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, name: str, region: ShmKVRegion, host: str = "127.0.0.1", port: int = 0, *,
+                 secret: ClusterSecret) -> None:
         assert region.kv is not None
-        super().__init__(name, region.layout, region.kv, host, port)
+        super().__init__(name, region.layout, region.kv, host, port, secret=secret)
         self.region = region
 
     def _shm_path(self) -> str:
@@ -114,8 +116,8 @@ class ShmKVReceiver(SocketKVReceiver):
 class ShmKVSender(SocketKVSender):
     """Prefill end: attaches each decode peer's region at link time and writes chunks into it."""
 
-    def __init__(self, name: str, layout: KVLayout) -> None:
-        super().__init__(name, layout)
+    def __init__(self, name: str, layout: KVLayout, *, secret: ClusterSecret) -> None:
+        super().__init__(name, layout, secret=secret)
         self._regions: dict[str, ShmKVRegion] = {}
 
     def _on_welcome(self, link: _Link) -> None:

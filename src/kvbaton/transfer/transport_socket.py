@@ -1,9 +1,12 @@
-"""Length-prefixed frames over persistent TCP links, and the two link ends the tcp and shm transports share.
+"""Persistent TCP links carrying length-prefixed frames: the two link ends the tcp and shm transports share.
 
-Wire format: `u32 little-endian header length | msgpack header | payload`, where only a tcp
+Wire format (`framing.py`): `u32 little-endian header length | msgpack header | payload`, where only a tcp
 `LayerChunk` has a payload (its KV bytes, K then V, in position order; the size follows from the
-layout). A link starts with Hello -> Welcome | Rejected, so a worker with a different KV layout is
-refused at registration.
+layout). A link starts with Challenge -> Hello -> Welcome | Rejected: each end proves it holds the
+cluster secret (`kvbaton.transfer.link_auth`), so a peer without it is refused before any of its bytes
+can reach a block, and a worker with a different KV layout is refused at registration. Handshake frames
+are small (at most 64 KiB) and must arrive within `HANDSHAKE_TIMEOUT_S`, so a peer that connects and
+stalls holds neither the reader thread nor a socket for long.
 
 `SocketKVReceiver` (decode end) listens and runs one reader thread that accepts links and reads
 frames, so KV lands in storage while the engine keeps decoding; the engine drains what arrived with
@@ -16,118 +19,52 @@ from __future__ import annotations
 import queue
 import select
 import socket
-import struct
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.transfer.base import (
     Delivery,
     KVTransport,
     LayoutRejectedError,
+    LinkAuthError,
     PeerLost,
     TransportError,
     check_storage,
 )
-from kvbaton.transfer.codec import Frame, FrameError, Hello, Rejected, Welcome, decode, encode
+from kvbaton.transfer.codec import (
+    HANDSHAKE_FRAMES,
+    Challenge,
+    Frame,
+    FrameError,
+    Hello,
+    Rejected,
+    Welcome,
+    decode,
+    layout_to_wire,
+)
+from kvbaton.transfer.framing import HEADER_LENGTH, recv_frame, send_frame, send_frames, split_frames
 from kvbaton.transfer.layout import KVLayout
+from kvbaton.transfer.link_auth import NONCE_BYTES, LinkKey, new_nonce
 from kvbaton.transfer.messages import LayerChunk, Message
 
-_HEADER_LENGTH = struct.Struct("<I")
-_MAX_HEADER_BYTES = 1 << 24
+_MAX_HANDSHAKE_BYTES = 1 << 16
+HANDSHAKE_TIMEOUT_S = 5.0  # a new link's handshake frames must arrive within this
 
 
 _RECV_BYTES = 1 << 18  # one read of a payload-less link: a prefill step's control frames fit many times
-_MAX_IOVECS = 512  # buffers per sendmsg/recvmsg_into call, under every platform's IOV_MAX
 
 
-def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """Write the buffers in order with gathering `sendmsg` calls (one syscall for many block runs)."""
-    index = 0
-    while index < len(buffers):
-        num_sent = sock.sendmsg(buffers[index:index + _MAX_IOVECS])
-        while index < len(buffers) and num_sent >= len(buffers[index]):
-            num_sent -= len(buffers[index])
-            index += 1
-        if num_sent:
-            buffers[index] = buffers[index][num_sent:]
+@dataclass(slots=True)
+class _Pending:
+    """A link accepted and challenged, its Hello not yet whole."""
 
-
-def recv_into_buffers(sock: socket.socket, buffers: list[memoryview]) -> bool:
-    """Fill the buffers in order with scattering `recvmsg_into` calls; False if the peer closed first."""
-    index = 0
-    buffers = [buffer for buffer in buffers if len(buffer)]
-    while index < len(buffers):
-        num_received = sock.recvmsg_into(buffers[index:index + _MAX_IOVECS])[0]
-        if num_received == 0:
-            return False
-        while index < len(buffers) and num_received >= len(buffers[index]):
-            num_received -= len(buffers[index])
-            index += 1
-        if num_received:
-            buffers[index] = buffers[index][num_received:]
-    return True
-
-
-def send_frames(sock: socket.socket, frames: list[tuple[Frame, list[memoryview]]]) -> None:
-    """Write frames with their payloads (flat byte views) in gathering writes."""
-    buffers: list[memoryview] = []
-    for frame, payload in frames:
-        header = encode(frame)
-        buffers.append(memoryview(_HEADER_LENGTH.pack(len(header)) + header))
-        buffers += payload
-    send_buffers(sock, buffers)
-
-
-def send_frame(sock: socket.socket, frame: Frame) -> None:
-    send_frames(sock, [(frame, [])])
-
-
-def recv_exact_into(sock: socket.socket, buffer: memoryview) -> bool:
-    """Fill `buffer` from the socket; False if the peer closed the link first."""
-    offset, size = 0, len(buffer)
-    while offset < size:
-        num = sock.recv_into(buffer[offset:])
-        if num == 0:
-            return False
-        offset += num
-    return True
-
-
-def split_frames(data: bytearray, frames: list[Frame | None]) -> None:
-    """Decode every complete frame at the start of `data` into `frames`, removing its bytes.
-
-    A partial frame stays in `data` for the next read. A malformed frame raises FrameError after
-    the frames before it were appended, so they are still delivered ahead of the lost link.
-    """
-    offset = 0
-    try:
-        while len(data) - offset >= _HEADER_LENGTH.size:
-            (length,) = _HEADER_LENGTH.unpack_from(data, offset)
-            if length > _MAX_HEADER_BYTES:
-                raise FrameError(f"frame header of {length} bytes")
-            end = offset + _HEADER_LENGTH.size + length
-            if end > len(data):
-                break
-            frames.append(decode(bytes(data[offset + _HEADER_LENGTH.size:end])))
-            offset = end
-    finally:
-        del data[:offset]
-
-
-def recv_frame(sock: socket.socket) -> Frame | None:
-    """The next frame header, or None when the peer closed the link."""
-    prefix = bytearray(_HEADER_LENGTH.size)
-    if not recv_exact_into(sock, memoryview(prefix)):
-        return None
-    (length,) = _HEADER_LENGTH.unpack(prefix)
-    if length > _MAX_HEADER_BYTES:
-        raise FrameError(f"frame header of {length} bytes")
-    header = bytearray(length)
-    if not recv_exact_into(sock, memoryview(header)):
-        return None
-    return decode(bytes(header))
+    nonce: bytes
+    deadline: float  # monotonic; closed then if its Hello has not arrived
+    data: bytearray = field(default_factory=bytearray)
 
 
 @dataclass(slots=True)
@@ -142,10 +79,12 @@ class SocketKVReceiver(KVTransport):
     """Decode end: accepts links from prefill workers and delivers their frames (see module docstring)."""
 
     def __init__(self, name: str, layout: KVLayout, kv: np.ndarray, host: str = "127.0.0.1", port: int = 0,
-                 io_timeout_s: float = 30.0) -> None:
+                 io_timeout_s: float = 30.0, *, secret: ClusterSecret) -> None:
         check_storage(kv, layout)
         self.name, self.layout, self.kv = name, layout, kv
         self.io_timeout_s = io_timeout_s  # a peer stalled this long inside one frame counts as lost
+        self._link_key = LinkKey(secret)
+        self.num_refused_links = 0  # links that did not prove the cluster secret
         self._listener = socket.create_server((host, port))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._wake_reader, self._wake_writer = socket.socketpair()
@@ -214,24 +153,26 @@ class SocketKVReceiver(KVTransport):
     # -- reader thread ----------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        pending: list[socket.socket] = []  # accepted, Hello not yet read
+        pending: dict[socket.socket, _Pending] = {}  # accepted, Hello not yet complete
         try:
             while not self._closed:
                 socks = [self._listener, self._wake_reader, *pending, *(link.sock for link in self._links.values())]
-                readable, _, _ = select.select(socks, [], [])
+                wait_s = max(0.0, min(entry.deadline for entry in pending.values()) - time.monotonic()) \
+                    if pending else None
+                readable, _, _ = select.select(socks, [], [], wait_s)
                 for sock in readable:
                     if sock is self._wake_reader:
                         return
                     if sock is self._listener:
-                        conn, _ = self._listener.accept()
-                        conn.settimeout(self.io_timeout_s)
-                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        pending.append(conn)
+                        self._accept(pending)
                     elif sock in pending:
-                        pending.remove(sock)
-                        self._handshake(sock)
+                        self._read_hello(sock, pending)
                     else:
                         self._read_available(sock)
+                now = time.monotonic()
+                for sock in [sock for sock, entry in pending.items() if entry.deadline <= now]:
+                    del pending[sock]  # connected and did not finish its Hello in time
+                    self._refuse(sock)
         finally:
             for sock in pending:
                 sock.close()
@@ -239,23 +180,75 @@ class SocketKVReceiver(KVTransport):
                 link.sock.close()
             self._links.clear()
 
-    def _handshake(self, sock: socket.socket) -> None:
+    def _accept(self, pending: dict[socket.socket, _Pending]) -> None:
+        """Take a new connection and challenge it: its Hello must prove the cluster secret over this nonce."""
+        conn, _ = self._listener.accept()
+        nonce = new_nonce()
         try:
-            hello = recv_frame(sock)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send_frame(conn, Challenge(nonce))
+        except OSError:
+            conn.close()
+            return
+        pending[conn] = _Pending(nonce, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+
+    def _read_hello(self, sock: socket.socket, pending: dict[socket.socket, _Pending]) -> None:
+        """Read what a new link sent (the socket is readable, so this never waits) until its Hello is whole: a peer
+        that sends it slowly holds only its own socket, never this thread."""
+        entry = pending[sock]
+        try:
+            data = sock.recv(_MAX_HANDSHAKE_BYTES)
+        except OSError:
+            data = b""
+        entry.data += data
+        header, have = HEADER_LENGTH.size, len(entry.data)
+        length = HEADER_LENGTH.unpack_from(entry.data)[0] if have >= header else None
+        if not data or (length is not None and (length > _MAX_HANDSHAKE_BYTES or have > header + length)):
+            del pending[sock]  # closed, too long, or more than a Hello before its Welcome
+            self._refuse(sock)
+            return
+        if length is None or have < header + length:
+            return  # the rest is on its way
+        del pending[sock]
+        try:
+            hello = decode(bytes(entry.data[header:]))
+        except FrameError:
+            self._refuse(sock)
+            return
+        self._handshake(sock, entry.nonce, hello)
+
+    def _refuse(self, sock: socket.socket) -> None:
+        self.num_refused_links += 1
+        sock.close()
+
+    def _handshake(self, sock: socket.socket, nonce: bytes, hello: Frame) -> None:
+        """Link the sender of `hello` only if it proves the cluster secret (checked first) and its layout matches."""
+        try:
             if not isinstance(hello, Hello):
                 raise FrameError("a link must start with Hello")
-            reason = self.layout.mismatch(hello.layout)
-            if not reason and hello.worker_id in self._links:
-                reason = f"worker {hello.worker_id} is already linked"
-            if reason:
-                send_frame(sock, Rejected(reason))
+            fields = [hello.worker_id, *layout_to_wire(hello.layout)]
+            if len(hello.nonce) != NONCE_BYTES or not self._link_key.verify(hello.proof, "hello", nonce, hello.nonce,
+                                                                              fields):
+                self.num_refused_links += 1  # counted before the peer can read why
+                send_frame(sock, Rejected("the link did not prove the cluster secret", "auth"))
                 sock.close()
                 return
+            reason, kind = self.layout.mismatch(hello.layout), "layout"
+            if not reason and hello.worker_id in self._links:
+                reason, kind = f"worker {hello.worker_id} is already linked", "linked"
+            if reason:
+                send_frame(sock, Rejected(reason, kind))
+                sock.close()
+                return
+            num_blocks, shm_path = self.kv.shape[2], self._shm_path()
+            proof = self._link_key.proof("welcome", nonce, hello.nonce, [self.name, num_blocks, shm_path])
+            sock.settimeout(self.io_timeout_s)
             with self._send_lock:
-                send_frame(sock, Welcome(self.name, self.kv.shape[2], self._shm_path()))
+                send_frame(sock, Welcome(self.name, num_blocks, shm_path, proof))
             self._links[hello.worker_id] = _Link(sock, hello.worker_id)
         except (OSError, FrameError):
-            sock.close()
+            self._refuse(sock)
 
     def _read_available(self, sock: socket.socket) -> None:
         """Read frames from one link while more are already waiting, and hand them over in one put."""
@@ -273,7 +266,7 @@ class SocketKVReceiver(KVTransport):
                     if frame is None:
                         batch.append(self._lose(link.peer, "peer closed the link"))
                         return
-                    if isinstance(frame, (Hello, Welcome, Rejected)):
+                    if isinstance(frame, HANDSHAKE_FRAMES):
                         batch.append(self._lose(link.peer, f"unexpected {type(frame).__name__} frame"))
                         return
                     batch.append(Delivery(link.peer, frame))
@@ -311,9 +304,10 @@ class SocketKVReceiver(KVTransport):
 class SocketKVSender(KVTransport):
     """Prefill end: one persistent connection per decode peer; replies are read in `poll`."""
 
-    def __init__(self, name: str, layout: KVLayout, io_timeout_s: float = 30.0) -> None:
+    def __init__(self, name: str, layout: KVLayout, io_timeout_s: float = 30.0, *, secret: ClusterSecret) -> None:
         self.name, self.layout = name, layout
         self.io_timeout_s = io_timeout_s
+        self._link_key = LinkKey(secret)
         self._links: dict[str, _Link] = {}
         self._lost: list[PeerLost] = []
 
@@ -335,18 +329,32 @@ class SocketKVSender(KVTransport):
     # -- KVTransport --------------------------------------------------------------------------
 
     def connect(self, address: tuple[str, int], timeout_s: float = 10.0) -> str:
-        """Open the persistent link to a decode worker; returns its id. Raises LayoutRejectedError."""
+        """Open the persistent link to a decode worker; returns its id. Raises LayoutRejectedError, LinkAuthError
+        (either end did not prove the cluster secret) or TransportError."""
+        sock: socket.socket | None = None
         try:
             sock = socket.create_connection(address, timeout=timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_frame(sock, Hello(self.name, self.layout))
-            reply = recv_frame(sock)
+            challenge = recv_frame(sock, _MAX_HANDSHAKE_BYTES)
+            if not isinstance(challenge, Challenge) or len(challenge.nonce) != NONCE_BYTES:
+                raise FrameError("the peer did not open with a challenge: not a kvbaton KV receiver")
+            nonce = new_nonce()
+            proof = self._link_key.proof("hello", challenge.nonce, nonce, [self.name, *layout_to_wire(self.layout)])
+            send_frame(sock, Hello(self.name, self.layout, nonce, proof))
+            reply = recv_frame(sock, _MAX_HANDSHAKE_BYTES)
         except (OSError, FrameError) as error:
+            if sock is not None:
+                sock.close()
             raise TransportError(f"{self.name}: cannot link to {address}: {error}") from error
         if not isinstance(reply, Welcome):
             sock.close()
             reason = reply.reason if isinstance(reply, Rejected) else "link closed during the handshake"
-            raise LayoutRejectedError(f"{address} refused the link: {reason}")
+            error_type = LinkAuthError if isinstance(reply, Rejected) and reply.kind == "auth" else LayoutRejectedError
+            raise error_type(f"{address} refused the link: {reason}")
+        if not self._link_key.verify(reply.proof, "welcome", challenge.nonce, nonce,
+                                     [reply.worker_id, reply.num_blocks, reply.shm_path]):
+            sock.close()
+            raise LinkAuthError(f"{address} did not prove the cluster secret: no KV goes to it")
         sock.settimeout(self.io_timeout_s)
         link = _Link(sock, reply.worker_id, reply)
         try:
@@ -400,7 +408,7 @@ class SocketKVSender(KVTransport):
                     frame, reason = None, f"link error: {error}"
                 else:
                     reason = "peer closed the link"
-                if frame is None or isinstance(frame, (Hello, Welcome, Rejected)):
+                if frame is None or isinstance(frame, HANDSHAKE_FRAMES):
                     self._lose(link.peer, reason)
                 else:
                     items.append(Delivery(link.peer, frame))

@@ -15,13 +15,8 @@ import numpy as np
 from kvbaton.transfer.base import plane_bytes
 from kvbaton.transfer.block_runs import flat_runs
 from kvbaton.transfer.messages import LayerChunk
-from kvbaton.transfer.transport_socket import (
-    SocketKVReceiver,
-    SocketKVSender,
-    _Link,
-    recv_exact_into,
-    recv_into_buffers,
-)
+from kvbaton.transfer.framing import recv_exact_into, recv_into_buffers
+from kvbaton.transfer.transport_socket import SocketKVReceiver, SocketKVSender, _Link
 
 
 class TcpKVSender(SocketKVSender):

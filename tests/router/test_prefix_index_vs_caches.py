@@ -1,4 +1,4 @@
-"""Regressions (session 18, router core): the global prefix index against real worker caches; the pair choice."""
+"""Regressions: the global prefix index against real worker caches; the pair choice."""
 
 from __future__ import annotations
 

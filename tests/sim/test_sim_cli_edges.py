@@ -1,4 +1,4 @@
-"""Regressions of `kvbaton sim` found by the s19 bug hunt: cluster specs, arrivals and traces at their edges."""
+"""Regressions of `kvbaton sim` found by a bug hunt: cluster specs, arrivals and traces at their edges."""
 
 from __future__ import annotations
 

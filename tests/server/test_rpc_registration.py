@@ -1,4 +1,4 @@
-"""Regressions found by the s19 bug hunt in the router <-> worker RPC and registration; each test names the bug it
+"""Regressions found by a bug hunt in the router <-> worker RPC and registration; each test names the bug it
 guards, which it showed on the code it was written against."""
 
 from __future__ import annotations

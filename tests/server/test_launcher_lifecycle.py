@@ -1,4 +1,4 @@
-"""Regressions of `kvbaton serve`'s lifecycle (session 19): flags refused as one line, a worker that fails after
+"""Regressions of `kvbaton serve`'s lifecycle: flags refused as one line, a worker that fails after
 registering names why, a stop or a failure during startup ends every worker promptly, and a second signal
 exits without a traceback. Every process is started here and killed by pid on the way out."""
 

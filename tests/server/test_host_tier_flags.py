@@ -1,4 +1,4 @@
-"""Regressions found by bug hunting (session 18): the host KV tier's command-line options.
+"""Regressions found by bug hunting: the host KV tier's command-line options.
 
 Each test failed on the code it was written against; the fix it guards is named in its comment.
 """

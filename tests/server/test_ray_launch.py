@@ -1,4 +1,4 @@
-"""Regressions of `kvbaton serve --ray` (session 19): an address where no Ray cluster answers is refused in seconds
+"""Regressions of `kvbaton serve --ray`: an address where no Ray cluster answers is refused in seconds
 (Ray itself retries it for many minutes); `--ray local` starts its own instance even where RAY_ADDRESS names
 another cluster; workers no single node can hold are refused at once, not waited for until the startup timeout;
 and a stop signal while Ray is still placing the workers ends the launch promptly, removing its own actors only.

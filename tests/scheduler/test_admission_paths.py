@@ -1,4 +1,4 @@
-"""Regressions found by bug hunting (session 19): the block manager and the LocalScheduler's admission paths.
+"""Regressions found by bug hunting: the block manager and the LocalScheduler's admission paths.
 
 Each test failed on the code it was written against; the fix it guards is named in its comment.
 """

@@ -1,4 +1,4 @@
-"""Regressions of `kvbaton plan` found by the s19 bug hunt: edge inputs, tiny rates, placements that fit no node."""
+"""Regressions of `kvbaton plan` found by a bug hunt: edge inputs, tiny rates, placements that fit no node."""
 
 from __future__ import annotations
 

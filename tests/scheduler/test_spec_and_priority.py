@@ -1,4 +1,4 @@
-"""Regressions found by bug hunting (session 18): speculative decoding and priority scheduling in the LocalScheduler.
+"""Regressions found by bug hunting: speculative decoding and priority scheduling in the LocalScheduler.
 
 Each test failed on the code it was written against; the fix it guards is named in its comment.
 """

@@ -1,4 +1,4 @@
-"""Regressions found by bug hunting (session 18): speculative decoding's verification in the sampler.
+"""Regressions found by bug hunting: speculative decoding's verification in the sampler.
 
 Each test failed on the code it was written against; the fix it guards is named in its comment.
 """

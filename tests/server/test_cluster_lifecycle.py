@@ -1,4 +1,4 @@
-"""Regressions found by the s18 bug hunt in the live cluster's failure and lifecycle paths (router bookkeeping when
+"""Regressions found by a bug hunt in the live cluster's failure and lifecycle paths (router bookkeeping when
 workers vanish, worker liveness, stopping); each test names the bug it guards, which it showed on the code it was
 written against."""
 
@@ -204,7 +204,7 @@ def test_a_second_stop_signal_stops_waiting_for_the_drain() -> None:
             assert time.monotonic() - forced_at < 8.0, "the router waited for the stream after a second signal"
 
 
-# Was a bug (s19): a disaggregated call ended by a finished delta from its prefill worker (the error delta of an add
+# Was a bug: a disaggregated call ended by a finished delta from its prefill worker (the error delta of an add
 # it could not read) ended on the router but not on the decode worker, which waited out a lease for KV that never
 # came, then recomputed the prompt and decoded it to the end for nobody. Fixed: the router aborts the other leg.
 def test_a_pd_call_ended_by_its_prefill_worker_is_aborted_on_its_decode_worker() -> None:

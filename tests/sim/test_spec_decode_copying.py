@@ -1,4 +1,4 @@
-"""Regressions found by bug hunting (session 18): the simulator's speculative decoding and its copying outputs.
+"""Regressions found by bug hunting: the simulator's speculative decoding and its copying outputs.
 
 Each test failed on the code it was written against; the fix it guards is named in its comment.
 """

@@ -1,4 +1,4 @@
-"""Model numerics against transformers (session 19 bug hunt): tiny random checkpoints, float32.
+"""Model numerics against transformers (bug hunt): tiny random checkpoints, float32.
 
 Each test names a config transformers runs and kvbaton either ran with other logits or refused for no reason
 (or accepted where it must refuse).

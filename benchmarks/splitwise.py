@@ -14,7 +14,8 @@ Budgets: equal cost — what `--machines` DGX-H100s cost per hour (default table
 `kvbaton.sim.hardware`; Splitwise's $38 and $17.6 per machine-hour); equal power — their TDP (700 W x 8).
 Each design takes every prompt/token split the budget fills (`kvbaton.plan.fleets.enumerate_fleets`); its
 figure is its best split's goodput: the largest request rate at which `--attainment` of the requests meet
-both the TTFT and the TPOT SLO each (`kvbaton.plan.goodput`, Poisson arrivals). Ratios are to baseline-h100
+the TTFT and the TPOT SLO each (`kvbaton.plan.goodput`, Poisson arrivals), each probe lasting
+`--min-probe-s` at least (at a fleet's rates a few hundred requests are one burst, over before queues build). Ratios are to baseline-h100
 under the same budget: throughput, cost per hour, power, and cost and power per unit of throughput.
 Usage: python benchmarks/splitwise.py [--machines 4] [--num-requests 300] [--cap 0.7]
 """
@@ -29,7 +30,7 @@ from typing import Any
 
 from kvbaton.bench.metrics import SLO
 from kvbaton.plan.fleet_planner import FleetPlanner, FleetRequest
-from kvbaton.plan.fleets import Budget, Fleet
+from kvbaton.plan.fleets import Budget, Fleet, fleet_bound_rps
 from kvbaton.plan.goodput import SearchSettings, search_goodput
 from kvbaton.plan.planner import search_requests
 from kvbaton.sim.catalog import get_gpu
@@ -65,7 +66,7 @@ def design_of(fleet: Fleet, cap: float) -> str | None:
 
 def study(mix: str, budget: Budget, args: argparse.Namespace) -> dict[str, Any]:
     settings = SearchSettings(SLO(args.ttft_slo, args.tpot_slo), args.attainment, step_rps=args.rate_step,
-                              max_per_gpu_rps=20.0, ceiling_rps=1.0)
+                              max_per_gpu_rps=20.0, ceiling_rps=1.0, min_probe_s=args.min_probe_s)
     request = FleetRequest(MODEL, ("h100", "a100"), budget, settings, decode_caps=(1.0, args.cap),
                            max_tp=GPUS_PER_MACHINE, workload="sharegpt-like",
                            workload_params=tuple(sorted(MIXES[mix].items())), num_requests=args.num_requests,
@@ -78,10 +79,14 @@ def study(mix: str, budget: Budget, args: argparse.Namespace) -> dict[str, Any]:
         design = design_of(fleet, args.cap)
         if design is not None:
             by_design[design].append(fleet)
+    prompt_p90 = sorted(r.num_prompt_tokens for r in requests)[int(0.9 * (len(requests) - 1))]
+    output_mean = sum(r.output_tokens for r in requests) / len(requests)
     out: dict[str, Any] = {}
     for design, fleets in by_design.items():
         best: tuple[float, Fleet] | None = None
-        for fleet in fleets:  # each design's splits, pruned only by that design's best so far
+        bounds = {f: fleet_bound_rps(f, planner.cost_models, prompt_p90, output_mean, args.ttft_slo) for f in fleets}
+        # each design's splits, best guess first, pruned only by that design's best so far
+        for fleet in sorted(fleets, key=lambda f: -bounds[f]):
             floor_rps = best[0] / fleet.num_gpus if best else 0.0
             result = search_goodput(requests, planner.setup_for(fleet), fleet.num_gpus, settings, floor_rps)
             goodput = float(f"{result.per_gpu_rps * fleet.num_gpus:.12g}")
@@ -121,6 +126,8 @@ def main() -> None:
     parser.add_argument("--tpot-slo", type=float, default=0.05)
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--rate-step", type=float, default=0.02, help="per-GPU rate resolution (req/s)")
+    parser.add_argument("--min-probe-s", type=float, default=20.0,
+                        help="each probe's arrivals last this long at least (the mix repeated)")
     parser.add_argument("--mix", choices=(*MIXES, "both"), default="both")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -138,7 +145,8 @@ def main() -> None:
                     "equal_power_kw": budgets["equal_power"].power_kw},
         "prices_per_gpu_hour": {g: prices[g] for g in ("h100", "a100")},
         "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo, "attainment": args.attainment},
-        "mixes": {m: MIXES[m] for m in mixes}, "num_requests": args.num_requests, "seed": args.seed,
+        "mixes": {m: MIXES[m] for m in mixes}, "num_requests": args.num_requests, "min_probe_s": args.min_probe_s,
+        "seed": args.seed,
         "results": results, "splitwise_published": PUBLISHED, "cpu_s": round(time.process_time() - started, 1)}))
 
 

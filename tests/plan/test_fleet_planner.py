@@ -94,13 +94,14 @@ def test_plan_reports_goodput_per_gpu_dollar_and_kw(default_plan) -> None:  # no
 def test_cli_hardware_search_is_byte_identical_for_one_and_two_processes(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--model", "llama-2-70b", "--gpus", "h100,a100", "--budget-per-hour", "10", "--max-tp", "2",
             "--ttft-slo", "1", "--tpot-slo", "0.1", "--num-requests", "60", "--rate-step", "1", "--first-ceiling",
-            "4", "--max-rate", "16", "--decode-caps", "1,0.6", "--json"]
+            "4", "--max-rate", "16", "--decode-caps", "1,0.6", "--min-probe-s", "3", "--json"]
     outputs = []
     for processes in ("1", "2"):
         assert main([*argv, "--processes", processes]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1]
-    assert json.loads(outputs[0])["settings"]["budget_per_hour"] == 10.0
+    settings = json.loads(outputs[0])["settings"]
+    assert settings["budget_per_hour"] == 10.0 and settings["min_probe_s"] == 3.0
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -121,3 +122,21 @@ def test_bad_hardware_searches_are_one_line_errors(extra: list[str], message: st
     assert err.count("\n") == 1 and message in err, err
     with pytest.raises(InvalidRequestError):
         Budget()
+
+
+def test_a_probe_lasts_long_enough_at_a_fleets_rate() -> None:
+    """At 100 req/s, 50 requests arrive in half a second — one burst a fleet absorbs before its queues build; with
+    min_probe_s the mix is repeated (new ids, later arrivals) until the arrivals span that long."""
+    from kvbaton.plan.goodput import lasting
+    from kvbaton.plan.planner import search_requests
+
+    requests = search_requests("sharegpt-like", (), 50, 0, 4096)
+    assert lasting(requests, 100.0, 0.0) is requests and lasting(requests, 0.5, 20.0) is requests
+    long = lasting(requests, 100.0, 20.0)
+    assert long[-1].arrival_s / 100.0 >= 20.0 and len(long) % 50 == 0
+    assert len({r.request_id for r in long}) == len(long)
+    assert [r.index for r in long] == list(range(len(long)))
+    assert all(b.arrival_s > a.arrival_s for a, b in zip(long, long[1:]))
+    assert [r.output_tokens for r in long[50:100]] == [r.output_tokens for r in requests]
+    with pytest.raises(InvalidRequestError):
+        SearchSettings(SLO(1.0, 0.1), min_probe_s=-1.0)

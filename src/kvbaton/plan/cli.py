@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvbaton.plan.planner import PlanRequest
 
 PLOT_NAME = "goodput_vs_rate.png"
+HARDWARE_MIN_PROBE_S = 30.0
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rate", type=float, default=80.0, help="per-GPU rate limit of the search")
     parser.add_argument("--first-ceiling", type=float, default=5.0,
                         help="first per-GPU bracket top of the bisection, doubled while met (DistServe: 5)")
+    parser.add_argument("--min-probe-s", type=float, default=None,
+                        help="a probe's arrivals last at least this long, the mix repeated (default: 0, the mix as "
+                             f"it is; the hardware search: {HARDWARE_MIN_PROBE_S:g} s, since fleets run at high rates)")
     parser.add_argument("--rate", type=float, default=None, help="target req/s: how many units it takes")
     parser.add_argument("--processes", type=int, default=0, help="search processes (0: every core)")
     parser.add_argument("--seed", type=int, default=0)
@@ -94,7 +98,7 @@ def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:
     if not all(math.isfinite(x) for x in (args.attainment, args.rate_step, args.max_rate, args.first_ceiling)):
         raise InvalidRequestError("--attainment, --rate-step, --max-rate and --first-ceiling must be finite numbers")
     settings = SearchSettings(SLO(args.ttft_slo, args.tpot_slo), args.attainment, args.joint, args.rate_step,
-                              args.max_rate, min(args.first_ceiling, args.max_rate))
+                              args.max_rate, min(args.first_ceiling, args.max_rate), args.min_probe_s or 0.0)
     params = parse_params(args.param)
     return PlanRequest(
         model=args.model, gpu=args.gpu, num_gpus=args.num_gpus, settings=settings, gpus_per_node=args.gpus_per_node,
@@ -132,8 +136,9 @@ def fleet_request_from_args(args: argparse.Namespace) -> FleetRequest:
         raise InvalidRequestError("the hardware search prices each pool's GPU with the roofline model: "
                                   f"--cost-model {args.cost_model} does not apply")
     prices = load_prices(args.prices)
+    min_probe_s = HARDWARE_MIN_PROBE_S if args.min_probe_s is None else args.min_probe_s
     settings = SearchSettings(SLO(args.ttft_slo, args.tpot_slo), args.attainment, args.joint, args.rate_step,
-                              args.max_rate, min(args.first_ceiling, args.max_rate))
+                              args.max_rate, min(args.first_ceiling, args.max_rate), min_probe_s)
     return FleetRequest(
         model=args.model, gpus=gpus, budget=Budget(args.budget_per_hour, args.power_budget_kw), settings=settings,
         decode_caps=caps or (1.0,), prices=tuple(sorted(prices.items())), max_tp=min(args.max_tp, args.gpus_per_node),

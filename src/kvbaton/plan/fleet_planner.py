@@ -179,7 +179,7 @@ def fleet_plan_json(plan: FleetPlan) -> dict[str, Any]:
             "num_requests": req.num_requests, "mean_prompt_tokens": round(plan.workload_means[0], 1),
             "mean_output_tokens": round(plan.workload_means[1], 1), "ttft_slo_s": s.slo.ttft_s,
             "tpot_slo_s": s.slo.tpot_s, "attainment": s.attainment, "joint": s.joint, "rate_step_rps": s.step_rps,
-            "seed": req.seed,
+            "min_probe_s": s.min_probe_s, "seed": req.seed,
         },
     }
 

@@ -35,7 +35,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", required=True, help=f"one of {', '.join(WORKLOADS)}")
     parser.add_argument("--model", default="llama-3-8b", help=f"catalog model: {', '.join(MODELS)}")
     parser.add_argument("--gpu", default="h100", help=f"catalog GPU: {', '.join(GPUS)}")
-    parser.add_argument("--cluster", default="4xmixed", help="e.g. 4xmixed, 2P2D, 2P2D:tp_p=2,link=nvlink")
+    parser.add_argument("--cluster", default="4xmixed", help="e.g. 4xmixed, 2P2D, 2P2D:tp_p=2,link=nvlink, 2P3D:gpu_p=h100,gpu_d=a100,cap_d=0.7")
     parser.add_argument("--policy", default="round_robin", help=f"comma-separated, from {', '.join(POLICY_NAMES)}")
     parser.add_argument("--cost-model", default="roofline", help=f"{' | '.join(COST_MODELS)} (from kvbaton profile)")
     parser.add_argument("--rate", default=None, help="mean requests/s, or a comma-separated sweep")

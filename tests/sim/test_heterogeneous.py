@@ -143,6 +143,8 @@ def test_a_pool_with_no_gpu_is_an_error() -> None:
     with pytest.raises(InvalidRequestError, match="the decode pool has no GPU"):
         parse_cluster_spec("2P3D:gpu_p=h100")  # no default GPU for the decode pool
     assert [w.gpu for w in parse_cluster_spec("2P3D").workers] == [""] * 5  # none named: the cost model's own
+    with pytest.raises(InvalidRequestError, match="no price for worker p0's GPU ''"):
+        parse_cluster_spec("2P3D").price_per_hour(load_prices(None))
 
 
 def test_caps_need_the_roofline_model_and_layouts_must_match() -> None:

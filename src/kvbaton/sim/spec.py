@@ -63,7 +63,12 @@ class ClusterSpec:
         return tuple(dict.fromkeys((w.gpu, w.power_cap) for w in self.workers))
 
     def price_per_hour(self, prices: dict[str, float]) -> float:
-        """USD per hour of all its GPUs at `prices` (per GPU-hour, `kvbaton.sim.hardware.load_prices`)."""
+        """USD per hour of all its GPUs at `prices` (per GPU-hour, `kvbaton.sim.hardware.load_prices`); every pool
+        must name its GPU (parse with a default GPU)."""
+        unpriced = [w for w in self.workers if w.gpu not in prices]
+        if unpriced:
+            raise InvalidRequestError(f"cluster spec {self.text!r}: no price for worker {unpriced[0].worker_id}'s GPU "
+                                      f"{unpriced[0].gpu!r}")
         return sum(w.parallel.num_gpus * prices[w.gpu] for w in self.workers)
 
     @property

@@ -91,6 +91,18 @@ def _rates(text: str | None) -> list[float | None]:
     return rates
 
 
+def _fleet_figures(cluster: str, gpu: str, cost_model: str) -> dict[str, float]:
+    """What the cluster's GPUs cost per hour (the default price table, `kvbaton.sim.hardware`) and draw (kW), when
+    the cost model prices catalog GPUs (a profile of a CPU host has neither)."""
+    from kvbaton.sim.hardware import load_prices
+    from kvbaton.sim.spec import parse_cluster_spec
+
+    if cost_model not in ("roofline", "distserve"):
+        return {}
+    spec = parse_cluster_spec(cluster, gpu)
+    return {"price_per_hour": round(spec.price_per_hour(load_prices(None)), 4), "power_kw": round(spec.power_kw, 4)}
+
+
 def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
     return SimSetup(model=args.model, gpu=args.gpu, cluster=args.cluster, policy=policy,
                     cost_model=args.cost_model, seed=args.seed, block_size=args.block_size,
@@ -151,7 +163,7 @@ def run_sim(args: argparse.Namespace) -> int:
                       "num_blocks_per_worker": next(iter(results.values())).num_blocks_per_worker,
                       "host_kv_gb": args.host_kv_gb, "speculative_tokens": args.speculative_tokens,
                       "spec_max_running": args.spec_max_running, "output_copy_fraction": args.output_copy_fraction,
-                      "output_copy_span": args.output_copy_span},
+                      "output_copy_span": args.output_copy_span, **_fleet_figures(args.cluster, args.gpu, args.cost_model)},
         "workload": args.workload, "params": {k: str(v) for k, v in params.items()}, "seed": args.seed,
         "workers": {name: [asdict(w) for w in r.workers] for name, r in results.items()},
     }

@@ -2,7 +2,7 @@
 
 Prices (`DEFAULT_PRICE_SOURCES`) are USD per GPU-hour, on-demand list prices from public price pages:
 a100 (80 GB SXM) 2.21, a100-40gb 2.06, h100 (HGX SXM) 4.76, a6000 1.28: CoreWeave's on-demand list
-(2023-24) — the figures behind Splitwise's DGX prices ($17.6/h and $38/h per 8-GPU machine, H100 2.16x an
+(2023-24), which x 8 match Splitwise's DGX prices ($17.6/h and $38/h per 8-GPU machine, H100 2.16x an
 A100); h200 6.31 and l40s 2.25: on-demand list prices of 2024 public GPU clouds, the least certain rows.
 Prices change monthly and differ by provider and commitment: pass a file (`load_prices`) to use your own.
 

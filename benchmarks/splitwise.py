@@ -15,8 +15,9 @@ Budgets: equal cost — what `--machines` DGX-H100s cost per hour (default table
 Each design takes every prompt/token split the budget fills (`kvbaton.plan.fleets.enumerate_fleets`); its
 figure is its best split's goodput: the largest request rate at which `--attainment` of the requests meet
 the TTFT and the TPOT SLO each (`kvbaton.plan.goodput`, Poisson arrivals), each probe lasting
-`--min-probe-s` at least (at a fleet's rates a few hundred requests are one burst, over before queues build). Ratios are to baseline-h100
-under the same budget: throughput, cost per hour, power, and cost and power per unit of throughput.
+`--min-probe-s` at least (at a fleet's rates a few hundred requests are one burst, over before queues build).
+Ratios are to baseline-h100 under the same budget: throughput, cost per hour, power, and cost and power per
+unit of throughput.
 Usage: python benchmarks/splitwise.py [--machines 4] [--num-requests 300] [--cap 0.7]
 """
 
@@ -98,7 +99,8 @@ def study(mix: str, budget: Budget, args: argparse.Namespace) -> dict[str, Any]:
         price, power = fleet.price_per_hour(planner.prices), fleet.power_kw
         out[design] = {"fleet": fleet.label, "cluster": fleet.cluster_spec, "num_machines": fleet.num_gpus // 8,
                        "goodput_rps": goodput, "price_per_hour": round(price, 2), "power_kw": round(power, 3),
-                       "goodput_per_dollar_hour": round(goodput / price, 4), "goodput_per_kw": round(goodput / power, 4),
+                       "goodput_per_dollar_hour": round(goodput / price, 4),
+                       "goodput_per_kw": round(goodput / power, 4),
                        "num_splits_searched": len(fleets)}
         print(f"  {mix:<12} {design:<16} {fleet.label:<44} {goodput:7.2f} req/s  ${price:7.2f}/h  {power:6.2f} kW",
               file=sys.stderr)
@@ -139,7 +141,8 @@ def main() -> None:
     mixes = list(MIXES) if args.mix == "both" else [args.mix]
     results = {mix: {name: study(mix, budget, args) for name, budget in budgets.items()} for mix in mixes}
     print(json.dumps({
-        "benchmark": "splitwise", "model": MODEL, "machine": f"{GPUS_PER_MACHINE} GPUs, one tp={GPUS_PER_MACHINE} worker",
+        "benchmark": "splitwise", "model": MODEL,
+        "machine": f"{GPUS_PER_MACHINE} GPUs, one tp={GPUS_PER_MACHINE} worker",
         "cost_model": "roofline", "baseline_machines": args.machines, "power_cap": args.cap,
         "budgets": {"equal_cost_per_hour": round(budgets["equal_cost"].per_hour or 0, 2),
                     "equal_power_kw": budgets["equal_power"].power_kw},

@@ -102,7 +102,8 @@ def parse_cluster_spec(text: str, default_gpu: str = "") -> ClusterSpec:
             try:
                 value = float(options[key])
             except ValueError:
-                raise InvalidRequestError(f"cluster option {key} needs a number in (0, 1], got {options[key]!r}") from None
+                raise InvalidRequestError(f"cluster option {key} needs a number in (0, 1], "
+                                          f"got {options[key]!r}") from None
             caps[key] = check_cap(value)
     for key in _GPU_OPTIONS:
         if key in options:

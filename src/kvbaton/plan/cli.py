@@ -5,6 +5,12 @@
       --attainment 0.9 --workload sharegpt-like --json
 `--cost-model auto` picks DistServe's published A100 coefficients when they cover the model
 (OPT-13B/66B on a100), else the roofline model of the catalog GPU.
+
+With `--gpus` it searches hardware instead (`kvbaton.plan.fleet_planner`): every fleet of those GPUs (per
+phase, decode pools also under each `--decode-caps` power cap) a budget buys, e.g.
+  kvbaton plan --model llama-2-70b --gpus h100,a100 --budget-per-hour 80 --ttft-slo 1 --tpot-slo 0.1 --json
+reporting each fleet's goodput, per GPU, per dollar-hour and per kW, the best under the budget and the best
+homogeneous fleet beside it. `--prices FILE` overrides the default GPU price table (`kvbaton.sim.hardware`).
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from typing import TYPE_CHECKING
 from kvbaton.core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from kvbaton.plan.fleet_planner import FleetRequest
     from kvbaton.plan.planner import PlanRequest
 
 PLOT_NAME = "goodput_vs_rate.png"
+HARDWARE_MIN_PROBE_S = 30.0
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,8 +36,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     from kvbaton.sim.catalog import GPUS, MODELS
 
     parser.add_argument("--model", required=True, help=f"catalog model: {', '.join(MODELS)}")
-    parser.add_argument("--gpu", required=True, help=f"catalog GPU: {', '.join(GPUS)}")
-    parser.add_argument("--num-gpus", type=int, required=True, help="GPUs available in all")
+    parser.add_argument("--gpu", help=f"catalog GPU: {', '.join(GPUS)} (placement search)")
+    parser.add_argument("--num-gpus", type=int, help="GPUs available in all (placement search)")
+    parser.add_argument("--gpus", help="comma-separated catalog GPUs: search fleets of them under a budget instead")
+    parser.add_argument("--budget-per-hour", type=float, help="hardware search: USD per hour for all GPUs")
+    parser.add_argument("--power-budget-kw", type=float, help="hardware search: kW for all GPUs (TDP x cap)")
+    parser.add_argument("--decode-caps", default="1", help="hardware search: power caps tried for decode pools, "
+                                                          "fractions of TDP in (0, 1], comma-separated")
+    parser.add_argument("--prices", metavar="FILE", help='hardware search: {"prices_per_gpu_hour": {"h100": 4.0}}')
+    parser.add_argument("--max-tp", type=int, default=8, help="hardware search: largest tensor degree of a worker")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink domain)")
     parser.add_argument("--ttft-slo", type=float, required=True, help="TTFT SLO in seconds")
     parser.add_argument("--tpot-slo", type=float, required=True, help="TPOT SLO in seconds")
@@ -48,6 +63,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rate", type=float, default=80.0, help="per-GPU rate limit of the search")
     parser.add_argument("--first-ceiling", type=float, default=5.0,
                         help="first per-GPU bracket top of the bisection, doubled while met (DistServe: 5)")
+    parser.add_argument("--min-probe-s", type=float, default=None,
+                        help="a probe's arrivals last at least this long, the mix repeated (default: 0, the mix as "
+                             f"it is; the hardware search: {HARDWARE_MIN_PROBE_S:g} s, since fleets run at high rates)")
     parser.add_argument("--rate", type=float, default=None, help="target req/s: how many units it takes")
     parser.add_argument("--processes", type=int, default=0, help="search processes (0: every core)")
     parser.add_argument("--seed", type=int, default=0)
@@ -70,6 +88,8 @@ def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:
     from kvbaton.plan.goodput import SearchSettings
     from kvbaton.plan.planner import PlanRequest
 
+    if args.gpu is None or args.num_gpus is None:
+        raise InvalidRequestError("give --gpu and --num-gpus (placement search) or --gpus and a budget (hardware)")
     if args.num_gpus <= 0 or args.num_requests <= 0:
         raise InvalidRequestError("--num-gpus and --num-requests must be positive")
     if args.max_pp < 1 or args.processes < 0:
@@ -78,7 +98,7 @@ def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:
     if not all(math.isfinite(x) for x in (args.attainment, args.rate_step, args.max_rate, args.first_ceiling)):
         raise InvalidRequestError("--attainment, --rate-step, --max-rate and --first-ceiling must be finite numbers")
     settings = SearchSettings(SLO(args.ttft_slo, args.tpot_slo), args.attainment, args.joint, args.rate_step,
-                              args.max_rate, min(args.first_ceiling, args.max_rate))
+                              args.max_rate, min(args.first_ceiling, args.max_rate), args.min_probe_s or 0.0)
     params = parse_params(args.param)
     return PlanRequest(
         model=args.model, gpu=args.gpu, num_gpus=args.num_gpus, settings=settings, gpus_per_node=args.gpus_per_node,
@@ -88,9 +108,68 @@ def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:
         num_processes=args.processes, max_pp=args.max_pp)
 
 
+def fleet_request_from_args(args: argparse.Namespace) -> FleetRequest:
+    from kvbaton.bench.cli import parse_params
+    from kvbaton.bench.metrics import SLO
+    from kvbaton.plan.fleet_planner import FleetRequest
+    from kvbaton.plan.fleets import Budget
+    from kvbaton.plan.goodput import SearchSettings
+    from kvbaton.sim.catalog import get_gpu
+    from kvbaton.sim.hardware import check_cap, load_prices
+
+    if args.gpu is not None or args.num_gpus is not None:
+        raise InvalidRequestError("--gpus searches fleets under a budget: leave out --gpu and --num-gpus")
+    gpus = tuple(dict.fromkeys(g.strip() for g in args.gpus.split(",") if g.strip()))
+    for gpu in gpus:
+        get_gpu(gpu)
+    try:
+        caps = tuple(dict.fromkeys(float(c) for c in args.decode_caps.split(",") if c.strip()))
+    except ValueError:
+        raise InvalidRequestError(f"--decode-caps expects numbers in (0, 1], got {args.decode_caps!r}") from None
+    for cap in caps:
+        check_cap(cap)
+    if args.num_requests <= 0 or args.max_tp < 1 or args.processes < 0:
+        raise InvalidRequestError("--num-requests and --max-tp must be positive, --processes at least 0")
+    if not all(math.isfinite(x) for x in (args.attainment, args.rate_step, args.max_rate, args.first_ceiling)):
+        raise InvalidRequestError("--attainment, --rate-step, --max-rate and --first-ceiling must be finite numbers")
+    if args.cost_model not in ("auto", "roofline"):
+        raise InvalidRequestError("the hardware search prices each pool's GPU with the roofline model: "
+                                  f"--cost-model {args.cost_model} does not apply")
+    prices = load_prices(args.prices)
+    min_probe_s = HARDWARE_MIN_PROBE_S if args.min_probe_s is None else args.min_probe_s
+    settings = SearchSettings(SLO(args.ttft_slo, args.tpot_slo), args.attainment, args.joint, args.rate_step,
+                              args.max_rate, min(args.first_ceiling, args.max_rate), min_probe_s)
+    return FleetRequest(
+        model=args.model, gpus=gpus, budget=Budget(args.budget_per_hour, args.power_budget_kw), settings=settings,
+        decode_caps=caps or (1.0,), prices=tuple(sorted(prices.items())), max_tp=min(args.max_tp, args.gpus_per_node),
+        workload=args.workload, workload_params=tuple(sorted(parse_params(args.param).items())),
+        num_requests=args.num_requests, seed=args.seed, colocated_chunk_tokens=args.chunk_tokens,
+        num_processes=args.processes)
+
+
+def run_fleet_plan(args: argparse.Namespace) -> int:
+    from kvbaton.plan.fleet_planner import FleetPlanner, fleet_plan_json, fleet_plan_text
+
+    plan = FleetPlanner(fleet_request_from_args(args)).run()
+    payload = fleet_plan_json(plan)
+    text = fleet_plan_text(plan)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps({**payload, "search_s": round(plan.search_s, 3)}, indent=2) + "\n")
+        (out / "report.md").write_text(f"# kvbaton plan (hardware)\n\n```\n{text}\n```\n")
+    print(json.dumps(payload) if args.json else text)
+    return 0
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from kvbaton.plan.planner import GoodputPlanner
     from kvbaton.plan.report import plan_json, plan_text, plot_goodput
+
+    if args.gpus is not None:
+        return run_fleet_plan(args)
+    if args.budget_per_hour is not None or args.power_budget_kw is not None:
+        raise InvalidRequestError("a budget applies to the hardware search: name the GPUs with --gpus")
 
     if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
         raise InvalidRequestError(f"--rate must be a positive finite number, got {args.rate}")

@@ -38,10 +38,15 @@ class SearchSettings:
     step_rps: float = 0.05  # per-GPU rate grid
     max_per_gpu_rps: float = 80.0  # the search's limit (a candidate meeting it is reported as capped)
     ceiling_rps: float = 5.0  # first top of the bisection bracket, doubled while it passes (DistServe: 5)
+    # A probe's arrivals span at least this long at the probed rate (the mix repeated, `lasting`), so a large fleet's
+    # probe is not one burst that ends before queues build; 0: the mix as it is.
+    min_probe_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.attainment <= 1 or not 0 < self.step_rps <= self.ceiling_rps <= self.max_per_gpu_rps:
             raise InvalidRequestError("need 0 < attainment <= 1 and 0 < step_rps <= ceiling_rps <= max_per_gpu_rps")
+        if not (math.isfinite(self.min_probe_s) and self.min_probe_s >= 0):
+            raise InvalidRequestError(f"min_probe_s must be a finite number >= 0, got {self.min_probe_s}")
 
     @property
     def max_steps(self) -> int:
@@ -82,9 +87,29 @@ def scaled(requests: Sequence[WorkloadRequest], rate_rps: float) -> list[Workloa
     return [replace(r, arrival_s=r.arrival_s / rate_rps) for r in requests]
 
 
+def lasting(requests: Sequence[WorkloadRequest], rate_rps: float, min_s: float) -> Sequence[WorkloadRequest]:
+    """`requests` (timed at rate 1) followed by copies of themselves (new indices, so new ids; each copy's arrivals
+    after the previous one's, one mean gap on) until their arrivals at `rate_rps` span `min_s` seconds; the
+    requests themselves when they already do. The copies repeat the prompts: a search runs without prefix cache."""
+    if min_s <= 0 or not requests or requests[-1].arrival_s >= min_s * rate_rps:
+        return requests
+    period_s = requests[-1].arrival_s * (1 + 1 / len(requests))
+    if period_s <= 0:
+        return requests
+    out = list(requests)
+    copy = 0
+    while out[-1].arrival_s < min_s * rate_rps:
+        copy += 1
+        out += [replace(r, index=copy * len(requests) + r.index, arrival_s=r.arrival_s + copy * period_s)
+                for r in requests]
+    return out
+
+
 def probe(requests: Sequence[WorkloadRequest], setup: SimSetup, num_gpus: int, per_gpu_rps: float,
           settings: SearchSettings) -> Probe:
-    """Simulate `requests` (timed at rate 1) at `per_gpu_rps` x `num_gpus` and check the target."""
+    """Simulate `requests` (timed at rate 1) at `per_gpu_rps` x `num_gpus` and check the target (with
+    `settings.min_probe_s`, on the mix repeated until it lasts that long)."""
+    requests = lasting(requests, per_gpu_rps * num_gpus, settings.min_probe_s)
     slo = settings.slo
     allowed_misses = math.floor((1.0 - settings.attainment) * len(requests) + 1e-9)
     misses = {"ttft": 0, "tpot": 0, "both": 0}

@@ -82,13 +82,20 @@ class Plan:
 
 def plan_requests(request: PlanRequest, max_model_len: int) -> list[WorkloadRequest]:
     """The search's request mix: `num_requests` that fit the context, Poisson arrivals at 1 req/s."""
+    return search_requests(request.workload, request.workload_params, request.num_requests, request.seed,
+                           max_model_len)
+
+
+def search_requests(workload: str, workload_params: tuple[tuple[str, Any], ...], num_requests: int, seed: int,
+                    max_model_len: int) -> list[WorkloadRequest]:
+    """`plan_requests` from its parts (the hardware search's mix too)."""
     # An explicit Poisson process: a self-timed workload (mooncake, hot-prefix-burst) would otherwise keep its own
     # times, whose mean rate is not 1, and the probes, which rescale these times, would run slower than they claim.
-    drawn = create_workload(request.workload, num_requests=request.num_requests * 2, seed=request.seed, rate=1.0,
-                            arrival="poisson", **dict(request.workload_params))
-    fitting = [r for r in drawn if r.num_prompt_tokens + r.output_tokens <= max_model_len][:request.num_requests]
+    drawn = create_workload(workload, num_requests=num_requests * 2, seed=seed, rate=1.0, arrival="poisson",
+                            **dict(workload_params))
+    fitting = [r for r in drawn if r.num_prompt_tokens + r.output_tokens <= max_model_len][:num_requests]
     if not fitting:
-        raise InvalidRequestError(f"no request of {request.workload} fits the {max_model_len}-token context")
+        raise InvalidRequestError(f"no request of {workload} fits the {max_model_len}-token context")
     # Dropping requests thins the process; the kept ones take the first arrival times of the drawn rate-1 process
     # in order (unchanged when nothing was dropped), so they too arrive at 1 req/s.
     return [replace(r, index=i, arrival_s=drawn[i].arrival_s) for i, r in enumerate(fitting)]
@@ -133,12 +140,12 @@ def bound_per_gpu_rps(placement: Placement, cost: CostModel, prompt_tokens: floa
 _requests: list[WorkloadRequest] = []
 
 
-def _init_worker(requests: list[WorkloadRequest]) -> None:
+def init_search_worker(requests: list[WorkloadRequest]) -> None:
     global _requests
     _requests = requests
 
 
-def _search_one(job: tuple[int, SimSetup, int, SearchSettings, float]) -> tuple[int, GoodputResult, float]:
+def search_one(job: tuple[int, SimSetup, int, SearchSettings, float]) -> tuple[int, GoodputResult, float]:
     index, setup, num_gpus, settings, floor_rps = job
     started = time.perf_counter()
     result = search_goodput(_requests, setup, num_gpus, settings, floor_rps=floor_rps)
@@ -224,7 +231,7 @@ class GoodputPlanner:
                 floor_rps = max((result.per_gpu_rps for result, _ in outcomes.values()), default=0.0)
                 jobs = [(i, self.setup_for(placements[i]), placements[i].num_gpus, self.request.settings, floor_rps)
                         for i in wave]
-                outcomes.update({index: (result, seconds) for index, result, seconds in run(_search_one, jobs)})
+                outcomes.update({index: (result, seconds) for index, result, seconds in run(search_one, jobs)})
         return outcomes
 
     def _map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], requests: list[WorkloadRequest]) -> list[Any]:
@@ -238,10 +245,10 @@ class GoodputPlanner:
         """A function mapping `fn` over jobs: on a process pool of up to every core, or inline with one."""
         num_processes = min(self.request.num_processes or os.cpu_count() or 1, num_jobs)
         if num_processes <= 1:
-            _init_worker(requests)
+            init_search_worker(requests)
             yield lambda fn, jobs: [fn(job) for job in jobs]
             return
-        with multiprocessing.get_context("fork").Pool(num_processes, _init_worker, (requests,)) as pool:
+        with multiprocessing.get_context("fork").Pool(num_processes, init_search_worker, (requests,)) as pool:
             yield lambda fn, jobs: list(pool.imap_unordered(fn, jobs))
 
 

@@ -1,8 +1,10 @@
 """Named GPUs and model architectures the simulator can price (the `--gpu` and `--model` CLI names).
 
 Figures are public datasheet values (dense 16-bit tensor FLOPs, HBM bandwidth, memory, the
-GPU-to-GPU link inside a node, the PCIe generation of the link to host memory) and the
-architectures of the published checkpoints. The sim layer cannot import `kvbaton.model`, so
+GPU-to-GPU link inside a node, the PCIe generation of the link to host memory, the board power (TDP) of
+the SXM/PCIe part named) and the architectures of the published checkpoints. Each GPU also carries a
+default price per GPU-hour: public on-demand list prices, see `kvbaton.sim.hardware` for the sources and
+for a file that overrides them, and for how a power cap scales a GPU. The sim layer cannot import `kvbaton.model`, so
 architectures are restated here as plain values.
 """
 
@@ -21,6 +23,16 @@ class GpuSpec:
     mem_bytes: int  # device memory
     intra_node_link: str  # link preset between GPUs of one node (kvbaton.sim.links)
     host_link: str  # link preset between one GPU and host memory (the host KV tier's copies)
+    tdp_w: float = 0.0  # board power at full load (watts)
+    price_per_hour: float = 0.0  # USD per GPU-hour, default table (kvbaton.sim.hardware.DEFAULT_PRICE_SOURCES)
+    # Fraction of TDP the GPU is held to (kvbaton.sim.hardware.capped): flops_per_s and mem_bytes_per_s above are
+    # already the capped ones. 1.0: uncapped.
+    power_cap: float = 1.0
+
+    @property
+    def power_w(self) -> float:
+        """The power provisioned for it: TDP under its cap."""
+        return self.tdp_w * self.power_cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +72,12 @@ class ModelSpec:
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    GpuSpec("a100", 312e12, 2.039e12, 80 * 2**30, "nvlink-a100", "host-pcie4"),
-    GpuSpec("a100-40gb", 312e12, 1.555e12, 40 * 2**30, "nvlink-a100", "host-pcie4"),
-    GpuSpec("h100", 989e12, 3.35e12, 80 * 2**30, "nvlink", "host-pcie5"),
-    GpuSpec("h200", 989e12, 4.8e12, 141 * 2**30, "nvlink", "host-pcie5"),
-    GpuSpec("l40s", 362e12, 0.864e12, 48 * 2**30, "pcie", "host-pcie4"),
-    GpuSpec("a6000", 155e12, 0.768e12, 48 * 2**30, "pcie", "host-pcie4"),
+    GpuSpec("a100", 312e12, 2.039e12, 80 * 2**30, "nvlink-a100", "host-pcie4", 400.0, 2.21),
+    GpuSpec("a100-40gb", 312e12, 1.555e12, 40 * 2**30, "nvlink-a100", "host-pcie4", 400.0, 2.06),
+    GpuSpec("h100", 989e12, 3.35e12, 80 * 2**30, "nvlink", "host-pcie5", 700.0, 4.76),
+    GpuSpec("h200", 989e12, 4.8e12, 141 * 2**30, "nvlink", "host-pcie5", 700.0, 6.31),
+    GpuSpec("l40s", 362e12, 0.864e12, 48 * 2**30, "pcie", "host-pcie4", 350.0, 2.25),
+    GpuSpec("a6000", 155e12, 0.768e12, 48 * 2**30, "pcie", "host-pcie4", 300.0, 1.28),
 )}
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (

@@ -35,7 +35,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", required=True, help=f"one of {', '.join(WORKLOADS)}")
     parser.add_argument("--model", default="llama-3-8b", help=f"catalog model: {', '.join(MODELS)}")
     parser.add_argument("--gpu", default="h100", help=f"catalog GPU: {', '.join(GPUS)}")
-    parser.add_argument("--cluster", default="4xmixed", help="e.g. 4xmixed, 2P2D, 2P2D:tp_p=2,link=nvlink")
+    parser.add_argument("--cluster", default="4xmixed",
+                        help="e.g. 4xmixed, 2P2D, 2P2D:tp_p=2,link=nvlink, 2P3D:gpu_p=h100,gpu_d=a100,cap_d=0.7")
     parser.add_argument("--policy", default="round_robin", help=f"comma-separated, from {', '.join(POLICY_NAMES)}")
     parser.add_argument("--cost-model", default="roofline", help=f"{' | '.join(COST_MODELS)} (from kvbaton profile)")
     parser.add_argument("--rate", default=None, help="mean requests/s, or a comma-separated sweep")
@@ -89,6 +90,18 @@ def _rates(text: str | None) -> list[float | None]:
     if not rates or not all(math.isfinite(r) and r > 0 for r in rates):
         raise InvalidRequestError(f"--rate expects positive finite numbers separated by commas, got {text!r}")
     return rates
+
+
+def _fleet_figures(cluster: str, gpu: str, cost_model: str) -> dict[str, float]:
+    """What the cluster's GPUs cost per hour (the default price table, `kvbaton.sim.hardware`) and draw (kW), when
+    the cost model prices catalog GPUs (a profile of a CPU host has neither)."""
+    from kvbaton.sim.hardware import load_prices
+    from kvbaton.sim.spec import parse_cluster_spec
+
+    if cost_model not in ("roofline", "distserve"):
+        return {}
+    spec = parse_cluster_spec(cluster, gpu)
+    return {"price_per_hour": round(spec.price_per_hour(load_prices(None)), 4), "power_kw": round(spec.power_kw, 4)}
 
 
 def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
@@ -151,7 +164,8 @@ def run_sim(args: argparse.Namespace) -> int:
                       "num_blocks_per_worker": next(iter(results.values())).num_blocks_per_worker,
                       "host_kv_gb": args.host_kv_gb, "speculative_tokens": args.speculative_tokens,
                       "spec_max_running": args.spec_max_running, "output_copy_fraction": args.output_copy_fraction,
-                      "output_copy_span": args.output_copy_span},
+                      "output_copy_span": args.output_copy_span,
+                      **_fleet_figures(args.cluster, args.gpu, args.cost_model)},
         "workload": args.workload, "params": {k: str(v) for k, v in params.items()}, "seed": args.seed,
         "workers": {name: [asdict(w) for w in r.workers] for name, r in results.items()},
     }

@@ -26,13 +26,13 @@ from __future__ import annotations
 import gc
 import heapq
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections import deque
 from dataclasses import replace
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
-from kvbaton.core.config import SchedulerConfig
+from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import KvbatonError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
@@ -46,11 +46,11 @@ from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.flight import Flight
 from kvbaton.sim.cluster_handoffs import DELIVERY, HandoffFlow
 from kvbaton.sim.cluster_records import FlightEndings
-from kvbaton.sim.config import SimConfig, WorkerReport
-from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs
-from kvbaton.sim.links import get_link
+from kvbaton.sim.config import SimConfig, WorkerHardware, WorkerReport
+from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs, check_same_layout
+from kvbaton.sim.links import LinkSpec, get_link
 from kvbaton.sim.prompts import SimPrompts
-from kvbaton.sim.spec import ClusterSpec
+from kvbaton.sim.spec import ClusterSpec, WorkerSpec
 from kvbaton.sim.worker import SimWorker, TokenFn
 
 _ARRIVAL, _STEP_DONE = 0, 1  # and the handoff part's DELIVERY, RETRY
@@ -59,7 +59,9 @@ _ARRIVAL, _STEP_DONE = 0, 1  # and the handoff part's DELIVERY, RETRY
 class ClusterSim(HandoffFlow, FlightEndings):
     def __init__(self, spec: ClusterSpec, cost_model: CostModel, config: SimConfig = SimConfig(),
                  token_for: TokenFn | None = None, admission: AdmissionPolicy | None = None,
-                 pools: PoolBalancer | None = None) -> None:
+                 pools: PoolBalancer | None = None, hardware: Mapping[str, WorkerHardware] | None = None) -> None:
+        """`hardware`: per worker id, its own cost model and KV pool where its pool's GPU is not `cost_model`'s
+        (per-pool GPUs and power caps); the others run on `cost_model` with `config.cache`."""
         self.spec = spec
         self.admission = admission
         self.pools = pools
@@ -70,9 +72,22 @@ class ClusterSim(HandoffFlow, FlightEndings):
         # so a cache would only hold finished requests' blocks until reservations evict them.
         decode_cache = replace(config.cache, enable_prefix_cache=False, host_num_blocks=0)
         host_link = get_link(config.host_link)
-        self.workers = {w.worker_id: SimWorker(w, sched, decode_cache if w.role == "decode" else config.cache,
-                                               config.cache_key, cost_model, token_for,
-                                               random.Random(f"{config.seed}:{w.worker_id}"), host_link)
+        hardware = hardware or {}
+        costs = {w.worker_id: hardware[w.worker_id].cost_model if w.worker_id in hardware else cost_model
+                 for w in spec.workers}
+        check_same_layout(costs)
+
+        def cache_of(worker: WorkerSpec) -> CacheConfig:
+            cache = decode_cache if worker.role == "decode" else config.cache
+            own = hardware.get(worker.worker_id)
+            return cache if own is None else replace(cache, num_blocks=own.num_blocks)
+
+        def host_link_of(worker: WorkerSpec) -> LinkSpec:
+            own = hardware.get(worker.worker_id)
+            return get_link(own.host_link) if own is not None and own.host_link else host_link
+
+        self.workers = {w.worker_id: SimWorker(w, sched, cache_of(w), config.cache_key, costs[w.worker_id], token_for,
+                                               random.Random(f"{config.seed}:{w.worker_id}"), host_link_of(w))
                         for w in spec.workers}
         self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
         self.decode_ids = [w.worker_id for w in spec.workers if w.role == "decode"]

@@ -1,4 +1,5 @@
-"""What a simulated cluster run is configured with (`SimConfig`) and reports per worker (`WorkerReport`)."""
+"""What a simulated cluster run is configured with (`SimConfig`, per-pool `WorkerHardware`) and reports per worker
+(`WorkerReport`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from kvbaton.cache.hashing import CacheKey
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+from kvbaton.sim.costs.base import CostModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,16 @@ class SimConfig:
             raise InvalidRequestError(f"first_token_at must be 'decode' or 'prefill', got {self.first_token_at!r}")
         if self.reserve_ahead_tokens is not None and self.reserve_ahead_tokens < 0:
             raise InvalidRequestError(f"reserve_ahead_tokens must be >= 0, got {self.reserve_ahead_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHardware:
+    """A worker whose GPU (or power cap) is not the cluster's: the cost model that prices its steps and the KV
+    blocks its memory holds (`SimConfig.cache.num_blocks` is the others')."""
+
+    cost_model: CostModel
+    num_blocks: int
+    host_link: str = ""  # its GPU's link to host memory (a kvbaton.sim.links preset); "": SimConfig.host_link
 
 
 @dataclass(frozen=True, slots=True)

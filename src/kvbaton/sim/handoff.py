@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.request import Request
 from kvbaton.core.step import StepPlan
+from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.links import Link, LinkSpec
 from kvbaton.sim.worker import SimWorker
 from kvbaton.transfer import (Ack, AdoptedKV, DestinationState, HandoffDestination, HandoffSource, KVLayout, Message,
@@ -45,6 +47,22 @@ class HandoffEvent(NamedTuple):
     request_id: str
     reason: str = ""
     transfer_id: TransferId | None = None
+
+
+def layout_identity(cost_model: CostModel) -> tuple[str, int]:
+    """What two workers' KV must agree on, besides the block size every simulated worker shares: the model and
+    its KV bytes per token (layers x KV heads x head dim x dtype bytes). A GPU or a power cap changes neither."""
+    return cost_model.model_name, cost_model.kv_bytes_per_token
+
+
+def check_same_layout(cost_models: dict[str, CostModel]) -> None:
+    """Refuses a cluster whose workers would hand off KV of different layouts (per worker id, its cost model)."""
+    identities = {wid: layout_identity(cost) for wid, cost in cost_models.items()}
+    first_id, first = next(iter(identities.items()))
+    for wid, identity in identities.items():
+        if identity != first:
+            raise InvalidRequestError(f"workers {first_id} and {wid} do not share a KV layout (model, KV bytes per "
+                                      f"token): {first} vs {identity}; KV cannot move between them")
 
 
 def sim_layout(block_size: int) -> KVLayout:

@@ -4,7 +4,9 @@
 cost model, sizes each worker's KV pool from the GPU's memory (catalog models) unless
 `num_blocks` is given, runs `ClusterSim` and returns the records with per-worker figures.
 `host_kv_gb` gives each worker with a prefix cache a host-memory KV tier of that size, whose copies
-take the GPU's host link (`GpuSpec.host_link`, `kvbaton.sim.host_link`).
+take the GPU's host link (`GpuSpec.host_link`, `kvbaton.sim.host_link`). A cluster spec naming pools' own GPUs
+or power caps (`2P3D:gpu_p=h100,gpu_d=a100,cap_d=0.7`) prices and sizes each such pool from its own GPU
+(`worker_hardware`); the others run on `gpu`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kvbaton.router.policies import local_queue_policy
 from kvbaton.router.pools import PoolBalancer, PoolConfig
 from kvbaton.sim.catalog import MODELS, get_gpu
 from kvbaton.sim.cluster import ClusterSim
-from kvbaton.sim.config import SimConfig, WorkerReport
+from kvbaton.sim.config import SimConfig, WorkerHardware, WorkerReport
 from kvbaton.sim.outputs import CopyingOutputs
 from kvbaton.sim.stage_loads import stage_time_models
 from kvbaton.sim.costs import CostModel, create_cost_model
@@ -112,25 +114,39 @@ def check_setup(setup: SimSetup) -> None:
         raise InvalidRequestError(f"spec_max_running must be >= 0, got {setup.spec_max_running}")
 
 
-def kv_blocks_for(setup: SimSetup, spec: ClusterSpec, cost_model: CostModel) -> int:
+def kv_blocks_for(setup: SimSetup, spec: ClusterSpec, cost_model: CostModel, gpu: str = "") -> int:
     """KV blocks one worker holds: (memory x GPUs x fraction - weights) / block bytes, per worker of the spec,
-    for a cost model of a catalog GPU (roofline, distserve, a coefficient file naming its `gpu`)."""
+    for a cost model of a catalog GPU (roofline, distserve, a coefficient file naming its `gpu`). `gpu`: the
+    workers of a pool of that GPU ("": those of --gpu, or all of a one-GPU cluster), sized from its memory."""
     if setup.num_blocks > 0:
         return setup.num_blocks
     model = MODELS.get(setup.model)
     if cost_model.gpu_name is None or model is None:
         return DEFAULT_NUM_BLOCKS  # a CPU profile or a constant model: size the pool like the live engine
-    if cost_model.gpu_name != setup.gpu:
-        raise InvalidRequestError(f"cost model {cost_model.name} prices {cost_model.gpu_name}, not --gpu {setup.gpu}")
+    gpu = gpu or setup.gpu
+    if cost_model.gpu_name != gpu:
+        named = f"--gpu {gpu}" if gpu == setup.gpu else gpu
+        raise InvalidRequestError(f"cost model {cost_model.name} prices {cost_model.gpu_name}, not {named}")
     if cost_model.kv_bytes_per_token <= 0:
-        raise InvalidRequestError(f"cost model {cost_model.name} has no kv_bytes_per_token to size {setup.gpu}'s pool")
-    gpus_per_worker = min(w.parallel.num_gpus for w in spec.workers)
-    free_bytes = get_gpu(setup.gpu).mem_bytes * gpus_per_worker * KV_MEMORY_FRACTION - model.weight_bytes
+        raise InvalidRequestError(f"cost model {cost_model.name} has no kv_bytes_per_token to size {gpu}'s pool")
+    gpus_per_worker = min(w.parallel.num_gpus for w in spec.workers if w.gpu in ("", gpu))
+    free_bytes = get_gpu(gpu).mem_bytes * gpus_per_worker * KV_MEMORY_FRACTION - model.weight_bytes
     num_blocks = int(free_bytes // (cost_model.kv_bytes_per_token * setup.block_size))
     if num_blocks < 16:
-        raise InvalidRequestError(f"{setup.model} leaves no room for KV on {gpus_per_worker} x {setup.gpu}; "
+        raise InvalidRequestError(f"{setup.model} leaves no room for KV on {gpus_per_worker} x {gpu}; "
                                   "raise tp or pp")
     return num_blocks
+
+
+def worker_hardware(setup: SimSetup, spec: ClusterSpec) -> dict[str, WorkerHardware]:
+    """Per worker id, its own cost model and KV pool, for each worker whose pool's GPU or power cap is not the
+    first worker's (the run's cost model); empty for a one-GPU cluster. A pool's KV comes from its GPU's memory."""
+    own: dict[str, WorkerHardware] = {}
+    for gpu, cap in spec.hardware[1:]:
+        cost_model = create_cost_model(setup.cost_model, setup.model, gpu, cap)
+        pool = WorkerHardware(cost_model, kv_blocks_for(setup, spec, cost_model, gpu), get_gpu(gpu).host_link)
+        own.update({w.worker_id: pool for w in spec.workers if (w.gpu, w.power_cap) == (gpu, cap)})
+    return own
 
 
 def host_kv_blocks_for(setup: SimSetup, cost_model: CostModel) -> int:
@@ -149,7 +165,7 @@ def host_kv_blocks_for(setup: SimSetup, cost_model: CostModel) -> int:
 
 def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
     check_setup(setup)
-    spec = parse_cluster_spec(setup.cluster)
+    spec = parse_cluster_spec(setup.cluster, setup.gpu)
     model = MODELS.get(setup.model)
     deepest = max(w.parallel.pp for w in spec.workers)
     if model is not None and deepest > model.num_layers:
@@ -160,8 +176,11 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
     if unsplit and model is not None:
         raise InvalidRequestError(f"{setup.cluster!r}: tp={unsplit[0]} does not divide {setup.model}'s "
                                   f"{model.num_heads} attention heads and {model.num_kv_heads} KV heads")
-    cost_model = create_cost_model(setup.cost_model, setup.model, setup.gpu)
-    num_blocks = kv_blocks_for(setup, spec, cost_model)
+    base_gpu, base_cap = spec.hardware[0]  # the first pool's: the run's cost model; other pools get their own
+    cost_model = create_cost_model(setup.cost_model, setup.model, base_gpu, base_cap)
+    num_blocks = kv_blocks_for(setup, spec, cost_model, base_gpu)
+    hardware = worker_hardware(setup, spec)
+    own_costs = {wid: hw.cost_model for wid, hw in hardware.items()}
     host_num_blocks = host_kv_blocks_for(setup, cost_model)
     max_model_len = setup.max_model_len or (model.max_context_tokens if model else 8192)
     config = SimConfig(
@@ -177,24 +196,24 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
         reserve_ahead_tokens=setup.reserve_ahead_tokens,
         local_prefill_threshold_tokens=setup.local_prefill_threshold_tokens, max_num_waiting=setup.max_num_waiting)
     if host_num_blocks:
-        config = replace(config, host_link=get_gpu(setup.gpu).host_link)
+        config = replace(config, host_link=get_gpu(base_gpu).host_link)
     admission = pools = None
     if (setup.admission != "none" or setup.adaptive_pools) and setup.admission_slo is None:
         raise InvalidRequestError("admission and adaptive pools need admission_slo (TTFT s, TPOT s)")
     if setup.admission != "none":
         admission = create_admission(setup.admission, AdmissionSLO(*setup.admission_slo),
-                                     stage_time_models(spec, cost_model), setup.admission_max_load)
+                                     stage_time_models(spec, cost_model, own_costs), setup.admission_max_load)
     if setup.adaptive_pools:
         if not any(w.role == "decode" for w in spec.workers) or not any(w.role == "prefill" for w in spec.workers):
             raise InvalidRequestError(f"adaptive pools need prefill and decode workers; {setup.cluster!r} has not")
-        pools = PoolBalancer(AdmissionSLO(*setup.admission_slo), stage_time_models(spec, cost_model),
+        pools = PoolBalancer(AdmissionSLO(*setup.admission_slo), stage_time_models(spec, cost_model, own_costs),
                              config=setup.pools)
     # The default tokens count up from 100, so drafts from a prompt holding such a run would be accepted by accident:
     # a speculating run draws its tokens from CopyingOutputs, fresh ones only with a copy fraction of 0.
     token_for = (CopyingOutputs(setup.output_copy_fraction, setup.output_copy_span, setup.seed)
                  if setup.output_copy_fraction > 0 or setup.num_speculative_tokens > 0 else None)
-    return (ClusterSim(spec, cost_model, config, token_for=token_for, admission=admission, pools=pools), spec,
-            num_blocks)
+    return (ClusterSim(spec, cost_model, config, token_for=token_for, admission=admission, pools=pools,
+                       hardware=hardware), spec, num_blocks)
 
 
 def simulate(requests: Sequence[WorkloadRequest], setup: SimSetup,

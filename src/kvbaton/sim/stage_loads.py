@@ -4,6 +4,8 @@ own tally of routed calls (`kvbaton.router.call_tally`), as live."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kvbaton.sim.costs.base import CostModel, Parallelism
 from kvbaton.sim.spec import ClusterSpec
 
@@ -24,6 +26,9 @@ class BoundCost:
         return self.cost_model.decode_s(num_seqs, context_tokens, self.parallel)
 
 
-def stage_time_models(spec: ClusterSpec, cost_model: CostModel) -> dict[str, BoundCost]:
-    """Per worker id, the step-time model an admission policy for this cluster prices with."""
-    return {w.worker_id: BoundCost(cost_model, w.parallel) for w in spec.workers}
+def stage_time_models(spec: ClusterSpec, cost_model: CostModel,
+                      own: Mapping[str, CostModel] | None = None) -> dict[str, BoundCost]:
+    """Per worker id, the step-time model an admission policy for this cluster prices with: its own cost model
+    (`own`, per worker id, where its pool's GPU differs) or `cost_model`."""
+    own = own or {}
+    return {w.worker_id: BoundCost(own.get(w.worker_id, cost_model), w.parallel) for w in spec.workers}

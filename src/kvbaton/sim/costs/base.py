@@ -80,6 +80,9 @@ class CostModel(ABC):
     # The catalog GPU whose steps it prices: the simulator sizes each worker's KV pool from that GPU's memory.
     # None: a host the catalog does not describe (a CPU profile), whose pool is sized like the live engine's.
     gpu_name: str | None = None
+    # The model whose steps it prices: with `kv_bytes_per_token`, the KV layout identity two workers must share to
+    # hand KV from one to the other (`kvbaton.sim.handoff.layout_identity`). "": one unnamed model.
+    model_name: str = ""
 
     @abstractmethod
     def step_s(self, shape: BatchShape, parallel: Parallelism = Parallelism()) -> float:

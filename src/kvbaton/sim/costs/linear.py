@@ -152,6 +152,7 @@ def load_linear_model(path: str | Path, model: str | None = None, only_if_absent
         raise InvalidRequestError(f"{path}: gpu must be a catalog GPU name, got {gpu!r}")
     fitted = LinearCostModel(by_tp, int(entry.get("kv_bytes_per_token", 0)), name=f"{Path(path).stem}:{model}",
                              overhead=StepOverhead.from_json(data.get("step_overhead", {}), unit), gpu_name=gpu)
+    fitted.model_name = model
     fitted.step_noise_sigma = float(data.get("step_noise_sigma", 0.0))
     fitted.step_noise_rho = float(data.get("step_noise_rho", 0.0))
     return fitted

@@ -34,8 +34,10 @@ class RooflineCostModel(CostModel):
         self.model = model
         self.gpu = gpu
         self.efficiency = efficiency
-        self.name = f"roofline:{model.name}@{gpu.name}"
+        cap = f" cap {gpu.power_cap:g}" if gpu.power_cap < 1 else ""
+        self.name = f"roofline:{model.name}@{gpu.name}{cap}"
         self.gpu_name = gpu.name
+        self.model_name = model.name
         self.kv_bytes_per_token = model.kv_bytes_per_token
         embed = model.vocab_size * model.hidden_size
         self._linear_params = model.num_params - embed * (1 if model.tie_word_embeddings else 2)

@@ -128,8 +128,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduling-policy", default="", choices=("", "fcfs", "priority"),
                    help="the workers' waiting queue: priority = vLLM's (a request's `priority` field, lower first, "
                         "orders admission and preemption); fcfs; default: the one --policy pairs with")
-    p.add_argument("--tool-call-parser", default="", choices=("", "hermes"),
-                   help="read the model's own tool calls for tool_choice auto: hermes = <tool_call> blocks (Qwen2.5)")
+    p.add_argument("--tool-call-parser", default="", choices=("", "hermes", "mistral", "llama3_json", "qwen3_xml"),
+                   help="read the model's own tool calls for tool_choice auto (vLLM's names): hermes = <tool_call> JSON "
+                        "blocks (Hermes, Qwen2.5), mistral = [TOOL_CALLS], llama3_json = Llama 3.x JSON calls, "
+                        "qwen3_xml = Qwen3-Coder <function=...> blocks")
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
     p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")

@@ -451,7 +451,7 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
     if tool_call_parser and tool_call_parser not in TOOL_CALL_PARSERS:
         raise InvalidRequestError(f"unknown tool call parser {tool_call_parser!r}; one of {', '.join(TOOL_CALL_PARSERS)}")
     metrics = metrics if metrics is not None else ApiMetrics()
-    metrics.attach_cluster(cluster.cluster_info)
+    metrics.attach_cluster(cluster.cluster_info, model_name)
     if tokenizer_cache_chars > 0:
         cache = tokenizer.cache or tokenizer.enable_cache(tokenizer_cache_chars)
         metrics.attach_token_cache(cache.stats)

@@ -39,6 +39,7 @@ Submit = Callable[[GenerateCall, DeltaSink], None]  # SubmittingClusterClient.su
 class SampleState:
     call: GenerateCall
     texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the output's, as generated (a stored response keeps them)
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with prompt_logprobs (or echo and logprobs): from its first delta
@@ -137,6 +138,7 @@ class SampleRun:
             self._metrics.observe_queue(queue_s, worker_id)
         sample.texts.append(delta.new_text)
         sample.num_output_tokens += len(delta.new_token_ids)
+        sample.token_ids.extend(delta.new_token_ids)
         sample.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs:
             sample.prompt_logprobs = delta.prompt_logprobs

@@ -42,7 +42,7 @@ WITH_BODIES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("
                ("POST", "/tokenize"), ("POST", "/detokenize")]
 BY_ID = [("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}")]  # random ids: 404s
 WITHOUT = [("GET", "/v1/models"), ("POST", "/reset_prefix_cache"), ("GET", "/cluster"), ("GET", "/health"),
-           ("GET", "/ready"), ("GET", "/metrics"), *BY_ID]
+           ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/dashboard"), ("GET", "/dashboard/data"), *BY_ID]
 OPERATIONS = WITH_BODIES + WITHOUT
 # (method, path, mode): an operation without a body or parameters has nothing to break, so only valid requests.
 FUZZED = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + [(m, p, GenerationMode.NEGATIVE)

@@ -1,6 +1,6 @@
 """The router's HTTP layer: OpenAI-compatible completions, chat and Responses over a `ClusterClient`, plus /v1/models,
-vLLM's /tokenize, /detokenize and /reset_prefix_cache, /health, /ready, /cluster, Prometheus /metrics and the
-OpenAPI document of them all (/openapi.json). Every request passes `ApiAuth` first (`server/auth.py`: API keys,
+vLLM's /tokenize, /detokenize and /reset_prefix_cache, /health, /ready, /cluster, Prometheus /metrics, the live
+/dashboard and the OpenAPI document of them all (/openapi.json). Every request passes `ApiAuth` first (`server/auth.py`: API keys,
 roles, tenants), the generation routes answered straight from `RouterApp.__call__` included.
 
 It validates, applies the chat template and tokenizes once at ingress, expands each prompt of a completions
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -41,6 +41,7 @@ from kvbaton.server.base import ClusterClient, GenerateCall, SubmittingClusterCl
 from kvbaton.server.metrics import ApiMetrics
 from kvbaton.server.api_chat import ChatEndpoint
 from kvbaton.server.api_responses import ResponsesEndpoint
+from kvbaton.server.dashboard import DASHBOARD_HTML, dashboard_data
 from kvbaton.server.responses_store import ResponseStore
 from kvbaton.server.openapi import openapi_document
 from kvbaton.server.tool_calls import TOOL_CALL_PARSERS
@@ -496,6 +497,14 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard")
+    async def dashboard() -> HTMLResponse:  # the page only (server/dashboard.py); its data is an admin route
+        return HTMLResponse(DASHBOARD_HTML)
+
+    @app.get("/dashboard/data")
+    async def dashboard_json() -> JSONResponse:
+        return JSONResponse(dashboard_data(cluster.cluster_info(), metrics.recent.summary(clock()), model_name))
 
     document = openapi_document(model_name, max_model_len, with_keys=server.auth.enabled,
                                 metrics_open="/metrics" in server.auth.open_paths)

@@ -26,6 +26,7 @@ Expected `cluster_info()` keys (all optional; missing ones read as 0):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -34,6 +35,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from kvbaton.model.token_cache import TokenCacheStats
+from kvbaton.server.recent import RecentWindow
 
 PREFIX = "kvbaton:"
 VLLM = "vllm:"
@@ -179,8 +181,11 @@ class _FoldPending(Collector):
 class ApiMetrics:
     """The metrics one app exposes at /metrics; `observe_*` are called by the API layer."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` times the observations of `recent` (the dashboard's sliding window)."""
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._clock = clock
+        self.recent = RecentWindow()
         r = self.registry
         r.register(_FoldPending(self.fold_pending))
         # Pending observations, in arrival order (folded in that order: sums come out exactly as before).
@@ -249,6 +254,7 @@ class ApiMetrics:
     def observe_first_token(self, num_tokens: int, ttft_s: float, worker_id: str = "") -> None:
         self._count_tokens(num_tokens, worker_id)
         self._ttfts_s.append((ttft_s, worker_id))
+        self.recent.on_first_token(self._clock(), ttft_s)
         if len(self._ttfts_s) >= _MAX_PENDING:
             self.fold_pending()
 
@@ -256,6 +262,7 @@ class ApiMetrics:
         """`num_tokens` arrived `gap_s` after the previous ones: each gets an equal share of the gap."""
         self._count_tokens(num_tokens, worker_id)
         self._itls.append((num_tokens, gap_s, worker_id))
+        self.recent.on_tokens(self._clock(), num_tokens, gap_s)
         if len(self._itls) >= _MAX_PENDING:
             self.fold_pending()
 
@@ -274,11 +281,16 @@ class ApiMetrics:
     def observe_finished(self, finish_reason: str, e2e_s: float, num_prompt_tokens: int,
                          num_cached_tokens: int, worker_id: str = "") -> None:
         self._finished.append((finish_reason, e2e_s, num_prompt_tokens, num_cached_tokens, worker_id))
+        if finish_reason == "error":
+            self.recent.on_refusal(self._clock(), "error")
+        else:
+            self.recent.on_finished(self._clock())
         if len(self._finished) >= _MAX_PENDING:
             self.fold_pending()
 
     def observe_failure(self, reason: str) -> None:
         self.request_failure.labels(reason=reason).inc()
+        self.recent.on_refusal(self._clock(), reason)
 
     def fold_pending(self) -> None:
         """Apply the pending observations to the prometheus metrics (idempotent; runs at every collection)."""

@@ -267,6 +267,10 @@ def openapi_document(model_name: str, max_model_len: int, *, with_keys: bool = F
         "/ready": {"get": _operation("some worker serves", {"type": "object"}, open_route=True, **op)},
         "/metrics": {"get": _operation("Prometheus metrics", text, open_route=metrics_open, media_type="text/plain",
                                        **op)},
+        "/dashboard": {"get": _operation("the live dashboard's page (its data: /dashboard/data)", text,
+                                         open_route=True, media_type="text/html", **op)},
+        "/dashboard/data": {"get": _operation("the dashboard's data: workers and recent traffic (admin)",
+                                              {"type": "object", "required": ["workers", "recent"]}, **op)},
     }
     document: Schema = {"openapi": "3.1.0", "info": {"title": "kvbaton", "version": "0.1.0",
                                                      "description": f"serving {model_name}"}, "paths": paths}

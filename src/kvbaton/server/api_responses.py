@@ -41,7 +41,7 @@ from kvbaton.server.responses_protocol import (
 )
 from kvbaton.server.responses_store import ResponseStore, StoredResponse, continued_prompt_ids
 from kvbaton.server.tool_calls import message_of
-from kvbaton.server.tool_parsers import PARSERS
+from kvbaton.server.tool_parsers import PARSERS, new_call_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,21 +98,21 @@ class ResponsesEndpoint:
             raise bad_request(str(exc), param="input") from None
         prompt_ids = continued_prompt_ids(self.tokenizer, prompt_text, previous)
         sampling = chat.sampling
-        self._check_sampling(sampling)  # type: ignore[attr-defined]
+        self._check_sampling(sampling)
         if not chat.max_tokens_given:
             sampling = replace(sampling, max_tokens=max(self.max_model_len - len(prompt_ids), 1))
-        self._check_context(len(prompt_ids), sampling, "input")  # type: ignore[attr-defined]
+        self._check_context(len(prompt_ids), sampling, "input")
         turn = _Turn(req, replace(chat, sampling=sampling), new_response_id(), int(time.time()), owner, messages,
                      prompt_text, prompt_ids)
-        calls = self._calls(turn.response_id, [prompt_ids], sampling, chat.user, request, arrival_at,  # type: ignore[attr-defined]
+        calls = self._calls(turn.response_id, [prompt_ids], sampling, chat.user, request, arrival_at,
                             chat.cache_salt)
         if req.stream:
-            run = await self._start(request, calls)  # type: ignore[attr-defined]
-            return self._stream_response(run, self._responses_stream(run, turn), request)  # type: ignore[attr-defined,no-any-return]
-        run = await self._run_to_end(request, calls)  # type: ignore[attr-defined]
+            run = await self._start(request, calls)
+            return self._stream_response(run, self._responses_stream(run, turn), request)
+        run = await self._run_to_end(request, calls)
         message, finish_reason = self._answer(turn, run)
         response = self._finish(turn, run, output_items(message), message, finish_reason)
-        return FastJSONResponse(response, headers=self._headers(request))  # type: ignore[attr-defined]
+        return FastJSONResponse(response, headers=self._headers(request))
 
     def _answer(self, turn: _Turn, run: SampleRun) -> tuple[dict[str, object], str | None]:
         sample = run.samples[0]
@@ -173,8 +173,7 @@ class ResponsesEndpoint:
                 if use is not None and use.mode == "named":
                     if delta.new_text:
                         if call_item is None:
-                            call = {"id": f"call_{turn.response_id[5:29]}", "function": {
-                                "name": use.name, "arguments": ""}}
+                            call = {"id": new_call_id(), "function": {"name": use.name, "arguments": ""}}
                             call_item = function_call_item(call, "in_progress")
                             output.append(call_item)
                             yield event("response.output_item.added", output_index=len(output) - 1, item=call_item)
@@ -191,8 +190,9 @@ class ResponsesEndpoint:
                     if text_item is None:
                         for opened in open_text():
                             yield opened
-                    yield event("response.output_text.delta", item_id=text_item["id"], output_index=0,  # type: ignore[index]
-                                content_index=0, delta=text[num_sent_chars:content_end], logprobs=[])
+                    yield event("response.output_text.delta", item_id=text_item["id"],  # type: ignore[index]
+                                output_index=output.index(text_item), content_index=0,  # type: ignore[arg-type]
+                                delta=text[num_sent_chars:content_end], logprobs=[])
                     num_sent_chars = content_end
             message, finish_reason = self._answer(turn, run)
             for piece in self._stream_end(event, message, output, text_item, call_item, num_sent_chars, open_text):

@@ -79,31 +79,23 @@ def parse_tool_use(body: Mapping[str, object], parser: str = "") -> tuple[tuple[
 def tool_calls_of(use: ToolUse, text: str) -> list[dict[str, object]] | None:
     """The forced calls (mode "named" or "required") the output `text` makes, in OpenAI's shape; None when it is
     not a complete call (the output was cut by max_tokens), which the caller returns as plain content. Mode
-    "auto" is read by `hermes_tool_calls`."""
+    "auto" is read by its parser (`message_of`)."""
     if use.mode == "named":
         try:
             json.loads(text)
         except ValueError:
             return None
-        return [_call(use.name, text)]
+        return [chat_call(use.name, text)]
     try:
         calls = json.loads(text)
     except ValueError:
         return None
-    return [_call(call["name"], _arguments(call["parameters"])) for call in calls]
+    return [chat_call(call["name"], arguments_json(call["parameters"])) for call in calls]
 
 
 def hermes_tool_calls(text: str) -> tuple[str | None, list[dict[str, object]] | None]:
     """(content, calls) of a Hermes-style answer (`tool_parsers.HermesParser`)."""
     return PARSERS["hermes"].calls(text, ())
-
-
-def _arguments(value: object) -> str:
-    return arguments_json(value)
-
-
-def _call(name: str, arguments: str) -> dict[str, object]:
-    return chat_call(name, arguments)
 
 
 def parse_tools(value: object) -> tuple[Mapping[str, object], ...]:

@@ -219,3 +219,13 @@ def test_the_store_is_bounded_in_number_tokens_and_time(cluster: FakeCluster, to
     assert store.get("d", "other", 3.0) is None  # another tenant's reads as missing
     assert store.get("d", "t", 7.9) is not None and store.get("d", "t", 8.0) is None  # the TTL
     assert len(store) == 0 and store.num_tokens == 0
+
+
+def test_auto_without_a_parser_says_how_to_name_a_function(cluster: FakeCluster, tokenizer: Tokenizer) -> None:
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(cluster, tokenizer, MODEL, max_model_len=1024)) as plain:
+        r = plain.post("/v1/responses", json={"input": "hi", "tools": [WEATHER]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "tool_choice"
+    assert "{'type': 'function', 'name': ...}" in error["message"]

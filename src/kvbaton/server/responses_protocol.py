@@ -228,6 +228,8 @@ def parse_as_chat(req: ResponsesRequest, messages: Sequence[Mapping[str, object]
             exc.param = _CHAT_TO_RESPONSES[exc.param]
         exc.message = re.sub(r"\bmax_tokens\b", "max_output_tokens", exc.message)
         exc.message = re.sub(r"\bresponse_format\b", "text.format", exc.message)
+        exc.message = exc.message.replace("{'type': 'function', 'function': {'name': ...}}",
+                                          "{'type': 'function', 'name': ...}")
         raise
 
 

@@ -71,7 +71,7 @@ h1 { font-size: 1.3em; margin: 0 0 .3em; } .muted { color: #777; }
 .card { border: 1px solid #ddd; border-radius: 6px; padding: .6em 1em; min-width: 9em; }
 .card b { display: block; font-size: 1.4em; }
 table { border-collapse: collapse; width: 100%; } th, td { padding: .35em .6em; border-bottom: 1px solid #eee;
-  text-align: right; } th:first-child, td:first-child, td.text { text-align: left; }
+  text-align: right; } th:nth-child(-n+3), td.text { text-align: left; }
 th { background: #f6f6f6; } .bar { background: #e8eef8; position: relative; min-width: 5em; }
 .bar span { position: absolute; left: 0; top: 0; bottom: 0; background: #8fb0e8; }
 .bar em { position: relative; font-style: normal; } #status.error { color: #b00; }

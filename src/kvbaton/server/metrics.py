@@ -17,8 +17,9 @@ have given. The cluster-wide gauges (running, waiting, KV usage) and the router'
 `cluster.cluster_info()` at scrape time, so they are never stale and need no background thread.
 
 Expected `cluster_info()` keys (all optional; missing ones read as 0):
-  "workers": [{"num_running", "num_waiting", "num_used_blocks", "num_evictable_blocks", "num_free_blocks",
-               "num_blocks"?, ...}, ...]
+  "workers": [{"worker_id", "num_running", "num_waiting", "num_used_blocks", "num_evictable_blocks",
+               "num_free_blocks", "num_blocks"?, "prefix_cache_queries_tokens", "prefix_cache_hits_tokens",
+               "num_preemptions", ...}, ...]
   "router_decisions": {reason: count}  # router placement decisions by reason, cumulative
   "transfers": {name: value}  # KV handoff totals (bytes, time_s, queue_s, num_fallbacks, ...): kv_transfer_<name>
   "spec_decode": {"num_draft_tokens", "num_accepted_tokens"}  # cumulative over all workers ever registered

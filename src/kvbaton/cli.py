@@ -129,8 +129,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the workers' waiting queue: priority = vLLM's (a request's `priority` field, lower first, "
                         "orders admission and preemption); fcfs; default: the one --policy pairs with")
     p.add_argument("--tool-call-parser", default="", choices=("", "hermes", "mistral", "llama3_json", "qwen3_xml"),
-                   help="read the model's own tool calls for tool_choice auto (vLLM's names): hermes = <tool_call> JSON "
-                        "blocks (Hermes, Qwen2.5), mistral = [TOOL_CALLS], llama3_json = Llama 3.x JSON calls, "
+                   help="read the model's own tool calls for tool_choice auto (vLLM's names): "
+                        "hermes = <tool_call> JSON blocks (Hermes, Qwen2.5), mistral = [TOOL_CALLS], "
+                        "llama3_json = Llama 3.x JSON calls, "
                         "qwen3_xml = Qwen3-Coder <function=...> blocks")
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
     p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")

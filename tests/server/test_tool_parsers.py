@@ -36,7 +36,8 @@ CASES = [
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "argu', None, None),  # cut by max_tokens
     ("mistral", "Just text.", "Just text.", None),
     # Llama 3.1 / 3.2 / 3.3 JSON tool calling.
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None, [("get_weather", {"city": "Oslo"})]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
+     [("get_weather", {"city": "Oslo"})]),
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
                     '{"name": "get_time", "parameters": {}}',
      None, [("get_weather", {"city": "Oslo"}), ("get_time", {})]),

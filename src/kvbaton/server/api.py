@@ -1,7 +1,8 @@
-"""The router's HTTP layer: OpenAI-compatible completions, chat and Responses over a `ClusterClient`, plus /v1/models,
-vLLM's /tokenize, /detokenize and /reset_prefix_cache, /health, /ready, /cluster, Prometheus /metrics, the live
-/dashboard and the OpenAPI document of them all (/openapi.json). Every request passes `ApiAuth` first (`server/auth.py`: API keys,
-roles, tenants), the generation routes answered straight from `RouterApp.__call__` included.
+"""The router's HTTP layer: OpenAI-compatible completions, chat and Responses over a `ClusterClient`, plus
+/v1/models, vLLM's /tokenize, /detokenize and /reset_prefix_cache, /health, /ready, /cluster, Prometheus /metrics,
+the live /dashboard and the OpenAPI document of them all (/openapi.json). Every request passes `ApiAuth` first
+(`server/auth.py`: API keys, roles, tenants), the generation routes answered straight from `RouterApp.__call__`
+included.
 
 It validates, applies the chat template and tokenizes once at ingress, expands each prompt of a completions
 batch and `n` into one `GenerateCall` per sample (prompt p's sample j is choice p * n + j, as in vLLM),

@@ -98,7 +98,9 @@ const key = sessionStorage.getItem("kvbaton-key");
 const $ = (id) => document.getElementById(id);
 const ms = (s) => s === null || s === undefined ? "-" : (s * 1000).toFixed(s < 0.1 ? 1 : 0) + " ms";
 const pct = (x) => x === null || x === undefined ? "-" : (x * 100).toFixed(1) + " %";
-function cell(row, text, cls) { const td = row.insertCell(); td.textContent = text; if (cls) td.className = cls; return td; }
+function cell(row, text, cls) {
+  const td = row.insertCell(); td.textContent = text; if (cls) td.className = cls; return td;
+}
 function bar(row, fraction) {
   const td = cell(row, "", "bar"); const fill = document.createElement("span");
   fill.style.width = Math.min(100, fraction * 100) + "%"; const label = document.createElement("em");
@@ -112,7 +114,8 @@ function render(data) {
   $("itl").textContent = [r.itl_s.p50, r.itl_s.p90, r.itl_s.p99].map(ms).join(" / ");
   $("inflight").textContent = data.num_in_flight;
   const refused = Object.entries(r.refusals).map(([why, n]) => why + " " + n).join(", ");
-  $("rejections").textContent = data.num_rejected + (refused ? " (last " + r.window_s / 60 + " min: " + refused + ")" : "");
+  const lately = refused ? " (last " + r.window_s / 60 + " min: " + refused + ")" : "";
+  $("rejections").textContent = data.num_rejected + lately;
   const body = $("workers").tBodies[0]; body.replaceChildren();
   for (const w of data.workers) {
     const row = body.insertRow(); row.dataset.workerId = w.worker_id;

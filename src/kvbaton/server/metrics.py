@@ -126,7 +126,8 @@ class VllmWorkerCollector(Collector):
         self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        workers = [w for w in self._cluster_info().get("workers", []) or [] if isinstance(w, Mapping)]  # type: ignore[union-attr]
+        info = self._cluster_info()
+        workers = [w for w in info.get("workers", []) or [] if isinstance(w, Mapping)]  # type: ignore[union-attr]
         families = (
             (GaugeMetricFamily, "num_requests_running", "Number of requests in model execution batches.",
              lambda w: _number(w.get("num_running"))),

@@ -125,7 +125,8 @@ class MistralParser(ToolCallParser):
                 found = [_name_and_arguments(one) for one in listed] if isinstance(listed, list) else [None]
                 if not found or None in found:
                     return None
-                calls.extend(chat_call(name, arguments, _mistral_call_id()) for name, arguments in found)  # type: ignore[misc]
+                calls.extend(chat_call(name, arguments, _mistral_call_id())  # type: ignore[misc]
+                             for name, arguments in found)
                 continue
             match = self._named.match(segment)
             if match is None:

@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.stamp-install
 PROMPT ?= Explain in one sentence why the sky is blue.
 PORT   ?= 8000
 
-.PHONY: install serve demo test test-fast bench clean
+.PHONY: install browser serve demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Debian's chromium, which the dashboard's browser test drives headless (tests/server/test_agents_e2e.py); the test
+# installs nothing itself and fails without it in CI.
+browser:
+	@command -v chromium >/dev/null || { if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
+
 # Router + 2 mixed workers on the real model, OpenAI-compatible API on http://127.0.0.1:$(PORT).
 serve: install
 	$(VENV)/bin/kvbaton serve --model smollm2-135m --prefill 1 --decode 1 --policy preble --speculative-tokens 4 --host 127.0.0.1 --port $(PORT)
@@ -29,10 +35,10 @@ serve: install
 demo: install
 	$(VENV)/bin/kvbaton generate --model smollm2-135m --chat --max-tokens 64 --prompt "$(PROMPT)"
 
-test: install
+test: install browser
 	$(PY) -m pytest tests
 
-test-fast: install
+test-fast: install browser
 	$(PY) -m pytest tests -m "not smollm2"
 
 bench: install

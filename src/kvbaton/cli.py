@@ -128,8 +128,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduling-policy", default="", choices=("", "fcfs", "priority"),
                    help="the workers' waiting queue: priority = vLLM's (a request's `priority` field, lower first, "
                         "orders admission and preemption); fcfs; default: the one --policy pairs with")
-    p.add_argument("--tool-call-parser", default="", choices=("", "hermes"),
-                   help="read the model's own tool calls for tool_choice auto: hermes = <tool_call> blocks (Qwen2.5)")
+    p.add_argument("--tool-call-parser", default="", choices=("", "hermes", "mistral", "llama3_json", "qwen3_xml"),
+                   help="read the model's own tool calls for tool_choice auto (vLLM's names): "
+                        "hermes = <tool_call> JSON blocks (Hermes, Qwen2.5), mistral = [TOOL_CALLS], "
+                        "llama3_json = Llama 3.x JSON calls, "
+                        "qwen3_xml = Qwen3-Coder <function=...> blocks")
+    p.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="/v1/responses kept for previous_response_id and GET (and at most 4M tokens of them); 0 = none")
+    p.add_argument("--stored-response-ttl", type=float, default=3600.0, help="seconds a stored response is kept")
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
     p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
@@ -233,6 +239,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
         tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens,
         tool_call_parser=args.tool_call_parser, scheduling_policy=args.scheduling_policy,
+        max_stored_responses=args.max_stored_responses, stored_response_ttl_s=args.stored_response_ttl,
         ray_address=args.ray, gpus_per_worker=args.gpus_per_worker, api_keys=api_keys,
         allow_unauthenticated=args.allow_unauthenticated, trust_tenant_header=args.trust_tenant_header,
         metrics_require_key=args.metrics_require_key, cluster_secret=_cluster_secret(args, create=True)))

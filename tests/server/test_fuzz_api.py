@@ -38,16 +38,17 @@ ADMIN_KEY = "sk-fuzz-admin-0123456789"
 USER_KEY = "sk-fuzz-user-9876543210"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 MAX_EXAMPLES = 20  # per operation with a body and generation mode (5 for the others)
-WITH_BODIES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-               ("POST", "/detokenize")]
+WITH_BODIES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+               ("POST", "/tokenize"), ("POST", "/detokenize")]
+BY_ID = [("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}")]  # random ids: 404s
 WITHOUT = [("GET", "/v1/models"), ("POST", "/reset_prefix_cache"), ("GET", "/cluster"), ("GET", "/health"),
-           ("GET", "/ready"), ("GET", "/metrics")]
+           ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/dashboard"), ("GET", "/dashboard/data"), *BY_ID]
 OPERATIONS = WITH_BODIES + WITHOUT
 # (method, path, mode): an operation without a body or parameters has nothing to break, so only valid requests.
 FUZZED = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + [(m, p, GenerationMode.NEGATIVE)
                                                                     for m, p in WITH_BODIES]
-_CLAMPS = {"n": 2, "best_of": 2, "max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 8, "top_logprobs": 5,
-           "logprobs": 5, "prompt_logprobs": 5}
+_CLAMPS = {"n": 2, "best_of": 2, "max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "min_tokens": 8,
+           "top_logprobs": 5, "logprobs": 5, "prompt_logprobs": 5}
 _MAX_BATCH = 4
 
 
@@ -78,8 +79,11 @@ def clamp(body: Any) -> Any:
             body[name] = min(value, most)
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = _CLAMPS["max_tokens"]  # a chat without one may run to the end of the context
-    if type(body.get("min_tokens")) is int and type(body.get("max_tokens")) is int:
-        body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
+    if "input" in body and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = _CLAMPS["max_output_tokens"]  # so may a response
+    for limit in ("max_tokens", "max_output_tokens"):
+        if type(body.get("min_tokens")) is int and type(body.get(limit)) is int:
+            body["min_tokens"] = min(body["min_tokens"], body[limit])
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (list, str)) for p in prompt):
         body["prompt"] = prompt[:_MAX_BATCH]
@@ -118,6 +122,8 @@ def test_fuzzed_requests_get_no_5xx_and_openai_shaped_4xx(served: Served, api_sc
     fuzz()
     if mode is GenerationMode.NEGATIVE:  # broken bodies were refused, not answered
         assert any(400 <= status < 500 for status in statuses), statuses
+    elif (method, path) in BY_ID:  # no response was stored under a generated id
+        assert set(statuses) == {404}, statuses
     else:
         assert statuses.get(200), statuses
 

@@ -54,3 +54,36 @@ def test_a_long_pending_list_is_folded_without_a_scrape(monkeypatch: object) -> 
         metrics.observe_finished("length", 0.5, 10, 0)
     assert metrics.request_success.labels(finished_reason="length")._value.get() == 3
     assert metrics.e2e_s._sum.get() == 1.5
+
+
+def test_each_worker_gets_vllms_series_labelled_by_model_and_engine() -> None:
+    metrics = ApiMetrics()
+    workers = [{"worker_id": "w0", "num_running": 2, "num_waiting": 1, "num_used_blocks": 6, "num_evictable_blocks": 2,
+                "num_blocks": 8, "prefix_cache_queries_tokens": 100, "prefix_cache_hits_tokens": 48,
+                "num_preemptions": 3},
+               {"worker_id": "w1", "num_running": 0, "num_waiting": 0, "num_used_blocks": 0, "num_blocks": 8}]
+    metrics.attach_cluster(lambda: {"workers": workers}, "tiny-random")
+    metrics.observe_first_token(1, 0.003, "w0")
+    metrics.observe_tokens(2, 0.04, "w0")
+    metrics.observe_queue(0.002, "w0")
+    metrics.observe_finished("length", 0.7, 100, 48, "w0")
+    metrics.observe_first_token(1, 0.2, "w1")
+    metrics.observe_finished("stop", 0.3, 10, 0, "w1")
+    values = _values(metrics)
+    w0, w1 = 'engine="w0",model_name="tiny-random"', 'engine="w1",model_name="tiny-random"'
+    assert values[f"vllm:num_requests_running{{{w0}}}"] == 2 and values[f"vllm:num_requests_waiting{{{w0}}}"] == 1
+    assert values[f"vllm:kv_cache_usage_perc{{{w0}}}"] == 0.5  # blocks only the cache holds count as free
+    assert values[f"vllm:prefix_cache_queries_total{{{w0}}}"] == 100
+    assert values[f"vllm:prefix_cache_hits_total{{{w0}}}"] == 48
+    assert values[f"vllm:num_preemptions_total{{{w0}}}"] == 3 and values[f"vllm:num_preemptions_total{{{w1}}}"] == 0
+    assert values[f"vllm:generation_tokens_total{{{w0}}}"] == 3 and values[f"vllm:generation_tokens_total{{{w1}}}"] == 1
+    assert values[f"vllm:prompt_tokens_total{{{w0}}}"] == 100 and values[f"vllm:prompt_tokens_total{{{w1}}}"] == 10
+    assert values['vllm:request_success_total{engine="w0",finished_reason="length",model_name="tiny-random"}'] == 1
+    assert values['vllm:request_success_total{engine="w1",finished_reason="stop",model_name="tiny-random"}'] == 1
+    assert values[f"vllm:time_to_first_token_seconds_count{{{w0}}}"] == 1
+    assert values[f"vllm:time_to_first_token_seconds_sum{{{w1}}}"] == 0.2
+    assert values[f"vllm:inter_token_latency_seconds_count{{{w0}}}"] == 2
+    assert values[f"vllm:e2e_request_latency_seconds_sum{{{w0}}}"] == 0.7
+    assert values[f"vllm:request_queue_time_seconds_count{{{w0}}}"] == 1
+    # The cluster-wide figures stay under kvbaton:, summed over the workers.
+    assert values["kvbaton:generation_tokens_total"] == 4 and values["kvbaton:num_requests_running"] == 2

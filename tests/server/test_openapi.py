@@ -14,7 +14,7 @@ from kvbaton.server.auth import ADMIN, ApiAuth, ApiKeys, Principal
 from tests.server.api_fakes import FakeCluster
 
 SERVER = Path(__file__).resolve().parents[2] / "src" / "kvbaton" / "server"
-PARSERS = ("protocol.py", "protocol_structured.py", "tool_calls.py")
+PARSERS = ("protocol.py", "protocol_structured.py", "tool_calls.py", "responses_protocol.py")
 READERS = {"_int", "_float", "_bool", "_str"}
 
 
@@ -36,8 +36,9 @@ def fields_read_from_a_body() -> set[str]:
                 names.add(node.args[0].value)
     from kvbaton.server.protocol import _UNSUPPORTED_VLLM_FIELDS
     from kvbaton.server.protocol_structured import STRUCTURED_FIELDS
+    from kvbaton.server.responses_protocol import _PASSED_THROUGH, _REFUSED
 
-    return names | set(_UNSUPPORTED_VLLM_FIELDS) | set(STRUCTURED_FIELDS)
+    return names | set(_UNSUPPORTED_VLLM_FIELDS) | set(STRUCTURED_FIELDS) | set(_PASSED_THROUGH) | set(_REFUSED)
 
 
 def document(cluster: FakeCluster, tokenizer: Tokenizer, **auth: object) -> dict[str, object]:
@@ -55,7 +56,7 @@ def _body_properties(doc: dict[str, object], path: str) -> set[str]:
 
 def test_every_field_a_parser_reads_is_in_the_document(cluster: FakeCluster, tokenizer: Tokenizer) -> None:
     doc = document(cluster, tokenizer)
-    routes = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+    routes = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
     described = set().union(*(_body_properties(doc, path) for path in routes))
     read = fields_read_from_a_body()
     assert len(read) > 40
@@ -64,6 +65,10 @@ def test_every_field_a_parser_reads_is_in_the_document(cluster: FakeCluster, tok
     assert {"messages", "tools", "tool_choice", "top_logprobs", "max_completion_tokens"} <= _body_properties(
         doc, "/v1/chat/completions")
     assert {"prompt", "messages", "return_token_strs"} <= _body_properties(doc, "/tokenize")
+    from kvbaton.server.responses_protocol import _PASSED_THROUGH, _REFUSED
+
+    assert {"input", "instructions", "previous_response_id", "store", "text", "max_output_tokens",
+            *_PASSED_THROUGH, *_REFUSED} <= _body_properties(doc, "/v1/responses")
     assert _body_properties(doc, "/detokenize") == {"model", "tokens"}
 
 

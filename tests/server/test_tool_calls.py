@@ -101,4 +101,4 @@ def test_without_a_parser_auto_is_refused(cluster: FakeCluster, tokenizer: Token
 
 def test_an_unknown_parser_is_refused_at_startup(cluster: FakeCluster, tokenizer: Tokenizer) -> None:
     with pytest.raises(Exception, match="unknown tool call parser"):
-        create_app(cluster, tokenizer, "tiny-random", max_model_len=1024, tool_call_parser="mistral")
+        create_app(cluster, tokenizer, "tiny-random", max_model_len=1024, tool_call_parser="pythonic")

@@ -48,6 +48,8 @@ class RequestOutput:
     error: str = ""  # set when finish_reason is ERROR
     # With SamplingParams.prompt_logprobs, on the output of the first token: prompt tokens 1.. given those before.
     prompt_logprobs: tuple[SampledToken, ...] = ()
+    # On the output of the first token: arrival to first scheduled, on the engine's clock (vLLM's queue time).
+    queue_time_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -309,11 +311,16 @@ class Engine:
         new_text = tracked.text[tracked.num_emitted_chars:emit_to]
         tracked.num_emitted_chars = emit_to
         prompt_logprobs: tuple[SampledToken, ...] = ()
-        if tracked.prompt_logprobs is not None and len(request.output_token_ids) == 1:
-            prompt_logprobs = tuple(tracked.prompt_logprobs)
+        queue_time_s = None
+        if len(request.output_token_ids) == 1:
+            if tracked.prompt_logprobs is not None:
+                prompt_logprobs = tuple(tracked.prompt_logprobs)
+            if request.first_scheduled_at is not None:
+                queue_time_s = max(request.first_scheduled_at - request.arrival_at, 0.0)
         return RequestOutput(request.request_id, (token.token_id,), new_text, (token,), finished, finish_reason,
                              request.num_prompt_tokens, max(request.num_cached_tokens, 0),
-                             request.finish_message if finish_reason is FinishReason.ERROR else "", prompt_logprobs)
+                             request.finish_message if finish_reason is FinishReason.ERROR else "", prompt_logprobs,
+                             queue_time_s)
 
     def _advance_grammar(self, grammar: RequestGrammar, request: Request, token_id: int) -> FinishReason | None:
         """The grammar takes the request's new token: the request ends (stop) once the grammar is complete, or

@@ -1,7 +1,8 @@
-"""The router's HTTP layer: OpenAI-compatible completions and chat over a `ClusterClient`, plus /v1/models,
-vLLM's /tokenize, /detokenize and /reset_prefix_cache, /health, /ready, /cluster, Prometheus /metrics and the
-OpenAPI document of them all (/openapi.json). Every request passes `ApiAuth` first (`server/auth.py`: API keys,
-roles, tenants), the generation routes answered straight from `RouterApp.__call__` included.
+"""The router's HTTP layer: OpenAI-compatible completions, chat and Responses over a `ClusterClient`, plus
+/v1/models, vLLM's /tokenize, /detokenize and /reset_prefix_cache, /health, /ready, /cluster, Prometheus /metrics,
+the live /dashboard and the OpenAPI document of them all (/openapi.json). Every request passes `ApiAuth` first
+(`server/auth.py`: API keys, roles, tenants), the generation routes answered straight from `RouterApp.__call__`
+included.
 
 It validates, applies the chat template and tokenizes once at ingress, expands each prompt of a completions
 batch and `n` into one `GenerateCall` per sample (prompt p's sample j is choice p * n + j, as in vLLM),
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -40,6 +41,9 @@ from kvbaton.server.auth import ApiAuth
 from kvbaton.server.base import ClusterClient, GenerateCall, SubmittingClusterClient, TokenLogprob
 from kvbaton.server.metrics import ApiMetrics
 from kvbaton.server.api_chat import ChatEndpoint
+from kvbaton.server.api_responses import ResponsesEndpoint
+from kvbaton.server.dashboard import DASHBOARD_HTML, dashboard_data
+from kvbaton.server.responses_store import ResponseStore
 from kvbaton.server.openapi import openapi_document
 from kvbaton.server.tool_calls import TOOL_CALL_PARSERS
 from kvbaton.server.protocol import (
@@ -166,13 +170,15 @@ class RouterApp(FastAPI):
         raise exc
 
 
-class OpenAIServer(ChatEndpoint):
+class OpenAIServer(ChatEndpoint, ResponsesEndpoint):
     """Request handling shared by the routes; one per app, holding no global state."""
 
     def __init__(self, cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                  metrics: ApiMetrics, clock: Callable[[], float], tool_call_parser: str = "",
-                 priority_scheduling: bool = False, auth: ApiAuth | None = None) -> None:
+                 priority_scheduling: bool = False, auth: ApiAuth | None = None,
+                 responses: ResponseStore | None = None) -> None:
         self.cluster = cluster
+        self.responses = responses if responses is not None else ResponseStore()
         self.auth = auth if auth is not None else ApiAuth()
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -440,23 +446,25 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *, max_model_len: int,
                metrics: ApiMetrics | None = None, clock: Callable[[], float] = time.monotonic,
                tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS, tool_call_parser: str = "",
-               priority_scheduling: bool = False, auth: ApiAuth | None = None) -> FastAPI:
+               priority_scheduling: bool = False, auth: ApiAuth | None = None,
+               responses: ResponseStore | None = None) -> FastAPI:
     """The router's FastAPI app; the tokenizer is the model's (the cluster only ever sees token ids).
 
     `tokenizer_cache_chars` > 0 turns on the tokenizer's ingress cache (`TokenizationCache`), bounded
     by that many characters; 0 tokenizes every prompt from scratch. `tool_call_parser` ("hermes") reads the
     model's own tool calls for tool_choice "auto" (`server/tool_calls.py`). `priority_scheduling`: the workers'
     queues follow the requests' `priority` (else a non-zero one is a 400). `auth`: API keys, roles and tenants
-    (`server/auth.py`); None lets every request in, its tenant the cache salt alone."""
+    (`server/auth.py`); None lets every request in, its tenant the cache salt alone. `responses`: where
+    /v1/responses keeps its answers for `previous_response_id` (default: `ResponseStore()`'s bounds)."""
     if tool_call_parser and tool_call_parser not in TOOL_CALL_PARSERS:
         raise InvalidRequestError(f"unknown tool call parser {tool_call_parser!r}; one of {', '.join(TOOL_CALL_PARSERS)}")
     metrics = metrics if metrics is not None else ApiMetrics()
-    metrics.attach_cluster(cluster.cluster_info)
+    metrics.attach_cluster(cluster.cluster_info, model_name)
     if tokenizer_cache_chars > 0:
         cache = tokenizer.cache or tokenizer.enable_cache(tokenizer_cache_chars)
         metrics.attach_token_cache(cache.stats)
     server = OpenAIServer(cluster, tokenizer, model_name, max_model_len, metrics, clock, tool_call_parser,
-                          priority_scheduling, auth)
+                          priority_scheduling, auth, responses)
     app = RouterApp(title="kvbaton", docs_url=None, redoc_url=None, openapi_url=None, telemetry=fastapi_telemetry())
     app.auth = server.auth
     app.state.server = server
@@ -467,6 +475,9 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
     # request; the app's middleware and error handlers apply to them unchanged.
     app.add_direct_route("/v1/completions", server.completions)
     app.add_direct_route("/v1/chat/completions", server.chat_completions)
+    app.add_direct_route("/v1/responses", server.responses_create)
+    app.add_api_route("/v1/responses/{response_id}", server.responses_retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", server.responses_delete, methods=["DELETE"])
     app.add_direct_route("/tokenize", server.tokenize)
     app.add_direct_route("/detokenize", server.detokenize)
     app.add_api_route("/v1/models", server.models, methods=["GET"])
@@ -487,6 +498,14 @@ def create_app(cluster: ClusterClient, tokenizer: Tokenizer, model_name: str, *,
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard")
+    async def dashboard() -> HTMLResponse:  # the page only (server/dashboard.py); its data is an admin route
+        return HTMLResponse(DASHBOARD_HTML)
+
+    @app.get("/dashboard/data")
+    async def dashboard_json() -> JSONResponse:
+        return JSONResponse(dashboard_data(cluster.cluster_info(), metrics.recent.summary(clock()), model_name))
 
     document = openapi_document(model_name, max_model_len, with_keys=server.auth.enabled,
                                 metrics_open="/metrics" in server.auth.open_paths)

@@ -39,6 +39,7 @@ Submit = Callable[[GenerateCall, DeltaSink], None]  # SubmittingClusterClient.su
 class SampleState:
     call: GenerateCall
     texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the output's, as generated (a stored response keeps them)
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with prompt_logprobs (or echo and logprobs): from its first delta
@@ -46,6 +47,7 @@ class SampleState:
     finish_reason: str | None = None  # set by the finished delta; None while running
     error: str = ""
     last_token_at: float | None = None  # clock() when the latest tokens arrived; None before the first
+    queue_observed: bool = False  # its worker's queue time went to the metrics
 
     @property
     def text(self) -> str:
@@ -123,14 +125,20 @@ class SampleRun:
     def _record(self, index: int, delta: TokenDelta) -> None:
         sample = self.samples[index]
         now = self._clock()
+        worker_id = delta.worker_id
         if delta.new_token_ids:
             if sample.last_token_at is None:
-                self._metrics.observe_first_token(len(delta.new_token_ids), now - sample.call.arrival_at)
+                self._metrics.observe_first_token(len(delta.new_token_ids), now - sample.call.arrival_at, worker_id)
             else:
-                self._metrics.observe_tokens(len(delta.new_token_ids), now - sample.last_token_at)
+                self._metrics.observe_tokens(len(delta.new_token_ids), now - sample.last_token_at, worker_id)
             sample.last_token_at = now
+        queue_s = delta.extra.get("queue_s") if delta.extra else None
+        if queue_s is not None and not sample.queue_observed and worker_id:
+            sample.queue_observed = True  # the first worker's wait (a decode worker adopting it reports its own)
+            self._metrics.observe_queue(queue_s, worker_id)
         sample.texts.append(delta.new_text)
         sample.num_output_tokens += len(delta.new_token_ids)
+        sample.token_ids.extend(delta.new_token_ids)
         sample.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs:
             sample.prompt_logprobs = delta.prompt_logprobs
@@ -139,7 +147,7 @@ class SampleRun:
             sample.finish_reason = delta.finish_reason or "stop"
             sample.error = delta.error
             self._metrics.observe_finished(sample.finish_reason, now - sample.call.arrival_at,
-                                           len(sample.call.prompt_token_ids), sample.num_cached_tokens)
+                                           len(sample.call.prompt_token_ids), sample.num_cached_tokens, worker_id)
 
     def _fail(self, index: int, exc: BaseException) -> TokenDelta:
         """A stream that broke after it started: the sample ends as an error (logged, not shown verbatim)."""

@@ -4,9 +4,10 @@ Keys come from `--api-key KEY` (repeatable) and `KVBATON_API_KEY`, each an admin
 `--api-key`: one key for everything), and from `--api-key-file FILE`, a JSON list of
 `{"key": ..., "tenant": ..., "role": "user" | "admin"}`. A request presents one as `Authorization: Bearer
 KEY`; a missing or unknown key is a 401 in OpenAI's error shape (with `WWW-Authenticate: Bearer`), a user key
-on an admin route a 403. `/health`, `/ready` and `/openapi.json` are open, and so is `/metrics` unless
-`metrics_require_key`; `/cluster` and `/reset_prefix_cache` (what reveals or changes cluster state: pids,
-hosts, KV addresses, every worker's cache) need an admin key; every other path, unknown ones included, a
+on an admin route a 403. `/health`, `/ready`, `/openapi.json` and the dashboard's page `/dashboard` (code, no
+data) are open, and so is `/metrics` unless `metrics_require_key`; `/cluster`, `/reset_prefix_cache` and
+`/dashboard/data` (what reveals or changes cluster state: pids, hosts, KV addresses, every worker's cache)
+need an admin key; every other path, unknown ones included, a
 key of either role. With no key configured every request passes (the CLI allows that on loopback only).
 
 Only SHA-256 digests of the keys are kept. A presented key is hashed and looked up by its digest's first
@@ -40,8 +41,8 @@ USER = "user"
 ADMIN = "admin"
 ROLES = (USER, ADMIN)
 PRINCIPAL_SCOPE_KEY = "kvbaton.principal"  # where an authenticated request's Principal sits in its ASGI scope
-OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json"})
-ADMIN_PATHS = frozenset({"/cluster", "/reset_prefix_cache"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json", "/dashboard"})  # /dashboard: the page, not its data
+ADMIN_PATHS = frozenset({"/cluster", "/reset_prefix_cache", "/dashboard/data"})
 _BEARER = b"bearer "
 _BUCKET_BYTES = 8
 

@@ -38,6 +38,7 @@ from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 from kvbaton.server.ray_workers import RayPlacement, RayWorkerProcess
+from kvbaton.server.responses_store import DEFAULT_MAX_NUM_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from kvbaton.router.admission import AdmissionPolicy, AdmissionSLO, CalibratedTimeModel, create_admission
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.sim.costs.linear import load_linear_model
@@ -90,6 +91,9 @@ class ServeConfig:
     step_log_dir: str = ""  # each worker logs its step shapes and periods to <dir>/<worker id>.steps.jsonl
     tokenizer_cache_chars: int = DEFAULT_MAX_CACHED_CHARS  # ingress tokenization cache bound (0: off)
     tool_call_parser: str = ""  # "hermes": tool_choice "auto" reads the model's <tool_call> blocks
+    # /v1/responses' stored responses (server/responses_store.py): how many, and for how long
+    max_stored_responses: int = DEFAULT_MAX_NUM_RESPONSES
+    stored_response_ttl_s: float = DEFAULT_TTL_S
     # "" = the local queue the routing policy pairs with; "fcfs"; "priority" (vLLM's: requests' `priority` field)
     scheduling_policy: str = ""
     reserve_ahead_tokens: int | None = None  # prefill workers' late KV reservation (None: on arrival)
@@ -246,6 +250,8 @@ class Launcher:
                              tokenizer_cache_chars=config.tokenizer_cache_chars,
                              tool_call_parser=config.tool_call_parser,
                              priority_scheduling=config.scheduling_policy == "priority",
+                             responses=ResponseStore(config.max_stored_responses,
+                                                     ttl_s=config.stored_response_ttl_s),
                              auth=ApiAuth(config.api_keys, trust_tenant_header=config.trust_tenant_header,
                                           metrics_require_key=config.metrics_require_key))
             freeze_startup_heap()

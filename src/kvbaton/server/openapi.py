@@ -149,6 +149,56 @@ def _chat_body(model_name: str, max_model_len: int) -> Schema:
         "max_completion_tokens": _int(1, max_model_len), "chat_template": {"type": "null"}}}
 
 
+_TEXT_PARTS: Schema = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}}
+_RESPONSES_ITEM: Schema = {"anyOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]},
+        "content": {"anyOf": [{"type": "string"}, _TEXT_PARTS]}}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": {"type": "string", "minLength": 1},
+        "name": {"type": "string", "minLength": 1}, "arguments": {"type": "string"}, "id": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": {"type": "string", "minLength": 1},
+        "output": {"anyOf": [{"type": "string"}, _TEXT_PARTS]}}}]}
+_RESPONSES_TOOL: Schema = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "function"}, "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+    "description": {"type": "string"}, "parameters": {"type": "object"}, "strict": _BOOL}}
+
+
+def _responses_body(model_name: str, max_model_len: int) -> Schema:
+    """`responses_protocol.parse_responses_request`, and the sampling fields it passes on to the chat parser."""
+    sampling = _sampling(model_name, max_model_len)
+    passed = {name: sampling[name] for name in ("model", "temperature", "top_p", "top_k", "min_p", "min_tokens",
+                                                 "seed", "stop", "stop_token_ids", "repetition_penalty",
+                                                 "presence_penalty", "frequency_penalty", "cache_salt", "priority",
+                                                 "skip_special_tokens", "ignore_eos", "user", "stream")}
+    return {"type": "object", "required": ["input"], "properties": {
+        **passed,
+        "input": {"anyOf": [{"type": "string", "minLength": 1},
+                            {"type": "array", "minItems": 1, "items": _RESPONSES_ITEM}]},
+        "instructions": _STRING, "previous_response_id": _nullable({"type": "string", "minLength": 1}),
+        "store": _BOOL, "max_output_tokens": _int(1, max_model_len), "parallel_tool_calls": _BOOL,
+        "metadata": _nullable({"type": "object", "maxProperties": 16,
+                               "additionalProperties": {"type": "string", "maxLength": 512}}),
+        "tools": _nullable({"type": "array", "items": _RESPONSES_TOOL}),
+        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "name"], "properties": {
+                "type": {"const": "function"}, "name": {"type": "string"}}}]}),
+        "text": _nullable({"type": "object", "properties": {"format": {"type": "object", "required": ["type"],
+                                                                       "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]}, "name": {"type": "string"},
+            "schema": {"type": "object"}, "strict": _BOOL, "description": {"type": "string"}}}}}),
+        "truncation": {"enum": ["disabled", None]}, "background": {"enum": [False, None]},
+        "conversation": {"type": "null"}, "prompt": {"type": "null"}, "top_logprobs": {"enum": [0, None]}}}
+
+
+_RESPONSE: Schema = {"type": "object", "required": ["id", "object", "created_at", "status", "output"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
+    "status": {"type": "string"}, "output": {"type": "array", "items": {"type": "object"}}, "usage": _OBJECT}}
+_RESPONSE_ID: Schema = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
 def _tokenize_body(model_name: str) -> Schema:
     return {"type": "object", "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}], "properties": {
         "model": {"enum": [model_name, None]}, "prompt": {"type": "string"},
@@ -198,6 +248,14 @@ def openapi_document(model_name: str, max_model_len: int, *, with_keys: bool = F
                                                _completion_body(model_name, max_model_len), stream=True, **op)},
         "/v1/chat/completions": {"post": _operation("OpenAI chat completions (vLLM's extensions)", _GENERATED,
                                                     _chat_body(model_name, max_model_len), stream=True, **op)},
+        "/v1/responses": {"post": _operation("OpenAI Responses (previous_response_id, function calls, text.format)",
+                                             _RESPONSE, _responses_body(model_name, max_model_len), stream=True,
+                                             **op)},
+        "/v1/responses/{response_id}": {
+            "get": {**_operation("a stored response (its tenant's only)", _RESPONSE, **op),
+                    "parameters": [_RESPONSE_ID]},
+            "delete": {**_operation("delete a stored response", {"type": "object", "required": ["id", "deleted"]},
+                                    **op), "parameters": [_RESPONSE_ID]}},
         "/tokenize": {"post": _operation("vLLM's /tokenize", {"type": "object"}, _tokenize_body(model_name), **op)},
         "/detokenize": {"post": _operation("vLLM's /detokenize", {"type": "object"}, _detokenize_body(model_name),
                                            **op)},
@@ -209,6 +267,10 @@ def openapi_document(model_name: str, max_model_len: int, *, with_keys: bool = F
         "/ready": {"get": _operation("some worker serves", {"type": "object"}, open_route=True, **op)},
         "/metrics": {"get": _operation("Prometheus metrics", text, open_route=metrics_open, media_type="text/plain",
                                        **op)},
+        "/dashboard": {"get": _operation("the live dashboard's page (its data: /dashboard/data)", text,
+                                         open_route=True, media_type="text/html", **op)},
+        "/dashboard/data": {"get": _operation("the dashboard's data: workers and recent traffic (admin)",
+                                              {"type": "object", "required": ["workers", "recent"]}, **op)},
     }
     document: Schema = {"openapi": "3.1.0", "info": {"title": "kvbaton", "version": "0.1.0",
                                                      "description": f"serving {model_name}"}, "paths": paths}

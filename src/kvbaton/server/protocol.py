@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import orjson
 
@@ -19,6 +19,7 @@ from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import MAX_LOGPROBS, SamplingParams
 from kvbaton.server.protocol_structured import STRUCTURED_FIELDS, structured_grammar
 from kvbaton.server.tool_calls import ToolUse, parse_tool_use, parse_tools
+from kvbaton.server.tool_parsers import KEEPS_SPECIAL_TOKENS
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions batch
@@ -480,12 +481,15 @@ def parse_chat_request(body: Mapping[str, object], served_model: str, *, max_mod
     max_tokens = _int(body, "max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None)
+    sampling = _sampling(body, max_tokens=max_tokens if max_tokens is not None else max_model_len,
+                         logprobs=top_logprobs if logprobs else None, tool_use=tool_use,
+                         prompt_logprobs=prompt_logprobs)
+    if tool_use is not None and tool_use.parser in KEEPS_SPECIAL_TOKENS and body.get("skip_special_tokens") is None:
+        sampling = replace(sampling, skip_special_tokens=False)  # the call marker is a special token (as vLLM's)
     return ChatRequest(
         model=model,
         messages=tuple(messages),
-        sampling=_sampling(body, max_tokens=max_tokens if max_tokens is not None else max_model_len,
-                           logprobs=top_logprobs if logprobs else None, tool_use=tool_use,
-                           prompt_logprobs=prompt_logprobs),
+        sampling=sampling,
         max_tokens_given=max_tokens is not None,
         stream=stream,
         include_usage=include_usage,

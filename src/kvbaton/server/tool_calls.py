@@ -8,21 +8,21 @@ with "required", to a JSON array of one or more {"name", "parameters"} objects o
 Those constraints are structured-output grammars (`engine/structured.py`), so they also hold through a
 prefill -> decode handoff. "none" (the default without tools) ignores the tools. "auto" (the default with
 tools) lets the model decide in its own tool-call syntax, which only a parser for that syntax can read:
-`kvbaton serve --tool-call-parser hermes` reads `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-blocks (Hermes, Qwen2.5), as vLLM's parser of that name; without a parser "auto" is refused, as vLLM
-refuses it without `--tool-call-parser`.
+`kvbaton serve --tool-call-parser NAME` reads it with vLLM's parser of that name (`server/tool_parsers.py`:
+hermes, mistral, llama3_json, qwen3_xml); without a parser "auto" is refused, as vLLM refuses it without
+`--tool-call-parser`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.engine.structured import grammar_for
+from kvbaton.server.tool_parsers import PARSERS, arguments_json, chat_call, new_call_id
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
@@ -34,11 +34,11 @@ class ToolUse:
     mode: str  # "named" | "required" | "auto" (read by the parser)
     name: str  # the forced function (mode "named")
     grammar: str  # "" in mode "auto"
+    parser: str = ""  # mode "auto": the tool_parsers.PARSERS name that reads the output
+    tools: tuple[Mapping[str, object], ...] = ()  # mode "auto": the request's tools (their parameters' types)
 
 
-TOOL_CALL_PARSERS = ("hermes",)
-_HERMES_OPEN = "<tool_call>"
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+TOOL_CALL_PARSERS = tuple(PARSERS)
 
 
 def parse_tool_use(body: Mapping[str, object], parser: str = "") -> tuple[tuple[Mapping[str, object], ...],
@@ -52,7 +52,7 @@ def parse_tool_use(body: Mapping[str, object], parser: str = "") -> tuple[tuple[
     if not tools or choice == "none":
         return (), None
     if (choice is None or choice == "auto") and parser:
-        return tools, ToolUse("auto", "", "")
+        return tools, ToolUse("auto", "", "", parser, tools)
     if choice is None or choice == "auto":
         raise InvalidRequestError(
             "tool_choice 'auto' (the default with tools) needs a parser for the model's own tool-call syntax "
@@ -79,55 +79,23 @@ def parse_tool_use(body: Mapping[str, object], parser: str = "") -> tuple[tuple[
 def tool_calls_of(use: ToolUse, text: str) -> list[dict[str, object]] | None:
     """The forced calls (mode "named" or "required") the output `text` makes, in OpenAI's shape; None when it is
     not a complete call (the output was cut by max_tokens), which the caller returns as plain content. Mode
-    "auto" is read by `hermes_tool_calls`."""
+    "auto" is read by its parser (`message_of`)."""
     if use.mode == "named":
         try:
             json.loads(text)
         except ValueError:
             return None
-        return [_call(use.name, text)]
+        return [chat_call(use.name, text)]
     try:
         calls = json.loads(text)
     except ValueError:
         return None
-    return [_call(call["name"], _arguments(call["parameters"])) for call in calls]
+    return [chat_call(call["name"], arguments_json(call["parameters"])) for call in calls]
 
 
 def hermes_tool_calls(text: str) -> tuple[str | None, list[dict[str, object]] | None]:
-    """(content, calls) of a Hermes-style answer: the text before the first `<tool_call>` block (None when
-    blank), and each block's {"name", "arguments"} JSON as a call. (text, None) when the text holds no
-    block, or a block that is not a complete call (cut by max_tokens, or not JSON), as vLLM's parser does."""
-    start = text.find(_HERMES_OPEN)
-    if start < 0:
-        return text, None
-    calls = []
-    blocks = _HERMES_BLOCK.findall(text, start)
-    if text.count(_HERMES_OPEN) != len(blocks):
-        return text, None
-    for block in blocks:
-        try:
-            call = json.loads(block)
-        except ValueError:
-            return text, None
-        name, arguments = (call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else (None, None)
-        if not isinstance(name, str):
-            return text, None
-        calls.append(_call(name, arguments if isinstance(arguments, str) else _arguments(arguments)))
-    content = text[:start].strip()
-    return content or None, calls
-
-
-def new_call_id() -> str:
-    return f"call_{os.urandom(12).hex()}"
-
-
-def _arguments(value: object) -> str:
-    """A call's arguments as the JSON string OpenAI's shape carries, keeping their characters (as vLLM writes them)."""
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _call(name: str, arguments: str) -> dict[str, object]:
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    """(content, calls) of a Hermes-style answer (`tool_parsers.HermesParser`)."""
+    return PARSERS["hermes"].calls(text, ())
 
 
 def parse_tools(value: object) -> tuple[Mapping[str, object], ...]:
@@ -174,7 +142,7 @@ def message_of(use: ToolUse, text: str, finish_reason: str | None) -> tuple[dict
     else (cut by max_tokens; in mode "auto", an answer without complete calls) its text as content. Parsed
     calls end with "tool_calls", as vLLM reports them."""
     if use.mode == "auto":
-        content, calls = hermes_tool_calls(text)
+        content, calls = PARSERS[use.parser].calls(text, use.tools)
         if calls is None:
             return {"role": "assistant", "content": text, "refusal": None}, finish_reason
         return {"role": "assistant", "content": content, "tool_calls": calls, "refusal": None}, "tool_calls"
@@ -189,8 +157,8 @@ class ToolCallStream:
     """The streamed deltas of tool calls, per choice. A named call opens with its id and name, then each
     piece of text extends its arguments (as vLLM streams one); a "required" list is sent whole when the
     choice ends, since which calls it holds is known only then. In mode "auto" the text streams as content
-    up to the first `<tool_call>` (a tail that could be its start is held back), and the calls after it are
-    sent whole at the end. `pieces` returns (delta, finish reason)."""
+    as far as the parser knows it is content (up to the first call's marker, a tail that could be its start
+    held back), and the calls after it are sent whole at the end. `pieces` returns (delta, finish reason)."""
 
     def __init__(self, use: ToolUse) -> None:
         self.use = use
@@ -229,15 +197,12 @@ class ToolCallStream:
                      full_text: str) -> list[tuple[dict[str, object], str | None]]:
         out: list[tuple[dict[str, object], str | None]] = []
         sent = self._num_sent_chars.get(index, 0)
-        start = full_text.find(_HERMES_OPEN)
+        parser = PARSERS[self.use.parser]
         if finished:
-            _, calls = hermes_tool_calls(full_text)
-            end = start if calls is not None else len(full_text)
-        elif start >= 0:
-            end = start
-        else:  # hold back a tail that may be the start of "<tool_call>"
-            end = len(full_text) - next((n for n in range(len(_HERMES_OPEN) - 1, 0, -1)
-                                         if full_text.endswith(_HERMES_OPEN[:n])), 0)
+            _, calls = parser.calls(full_text, self.use.tools)
+            end = len(full_text) if calls is None else max(sent, parser.content_end(full_text))
+        else:
+            end = parser.content_end(full_text)
         if end > sent:
             out.append(({"content": full_text[sent:end]}, None))
             self._num_sent_chars[index] = end

@@ -381,6 +381,7 @@ class Worker:
                                 for t in out.prompt_logprobs) if out.prompt_logprobs else ()
         return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, reason,
                           out.num_prompt_tokens, out.num_cached_tokens, logprobs, out.error, self.config.worker_id,
+                          {} if out.queue_time_s is None else {"queue_s": out.queue_time_s},
                           prompt_logprobs=prompt_logprobs)
 
     def _finish_all(self, socket: zmq.Socket) -> None:

@@ -12,9 +12,9 @@ by running/arrival order, so the same inputs give the same plans and block ids.
 Preemption is by recompute: the most recently admitted running request gives all its blocks back
 and goes to the front of the waiting queue (`step_planning`).
 
-This module holds the scheduler's state, requests in and out, `schedule`/`update` and introspection;
-the general step path (running chunks, preemption, admission) is the mixin in `step_planning`, the
-steady-decode fast path the one in `decode_fast_path`.
+This module holds the scheduler's state, requests in and out, `schedule`/`update` (with the one fast path,
+for a steady step in which every running request decodes) and introspection; the general step path
+(running chunks, preemption, admission) is the mixin in `step_planning`.
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ from kvbaton.core.errors import CapacityError, InvalidRequestError
 from kvbaton.core.request import FinishReason, Request, RequestStatus
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.scheduler.block_manager import BlockManager
-from kvbaton.scheduler.decode_fast_path import DecodeFastPath
-from kvbaton.scheduler.fast_values import make_plan
+from kvbaton.scheduler.fast_values import make_chunk, make_plan
 from kvbaton.scheduler.outputs import SchedulerStats, TokenOutput, new_output
 from kvbaton.scheduler.queue_policies import create_queue_policy
 from kvbaton.scheduler.spec_decode import NgramProposer, SpeculativeDecodes
 from kvbaton.scheduler.step_planning import StepBuilder, StepPlanning
 
 
-class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
+class LocalScheduler(StepPlanning, SpeculativeDecodes):
     """Iteration-level scheduler of one worker (see the module docstring for the step rules)."""
 
     def __init__(
@@ -218,6 +217,48 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
         if chunks:
             self._num_steps += 1
         return make_plan(self._step_id, chunks, step.num_tokens, tuple(step.preempted_ids), tuple(step.finished_ids))
+
+    def _plan_steady_decodes(self) -> StepPlan | None:
+        """The plan of a steady step, or None (changing nothing) when the state is not steady: the fast path.
+
+        Steady: nothing waits (the caller checks), every running request decodes one token past position 0,
+        they all fit the token budget, and the free blocks cover every decode whose position opens a new block.
+        The general path then gives each running request its one-token chunk in running order, growing a full
+        table by one free block as it meets it (no eviction is needed, so none happens and nothing is
+        preempted) and admits nothing: this builds that same plan without the step builder, and sets
+        `steady_plan_context_tokens`. Most steps of a loaded worker are steady; the simulator runs every step
+        of every worker through here. `test_local_scheduler_fast_path` compares it with the general path.
+        """
+        running = self._running
+        if len(running) > self.config.max_num_batched_tokens:
+            return None
+        block_size = self.block_size
+        context_tokens = 0
+        num_growing = 0
+        for request in running:
+            start = request.num_computed_tokens
+            # start == 0 (a one-token prompt) is left to the general path: the same plan, but not a decode
+            # for pricing, so `steady_plan_context_tokens` always describes an all-decode batch.
+            if len(request.prompt_token_ids) + len(request.output_token_ids) - start != 1 or not start:
+                return None
+            if len(request.block_ids) * block_size <= start:
+                num_growing += 1  # a running table covers its computed tokens: one block more covers the next
+            context_tokens += start
+        blocks = self.blocks
+        if num_growing > blocks.pool.num_free_blocks:
+            return None  # the general path evicts or preempts
+        block_table = self._block_table
+        chunks = []
+        for request in running:
+            start = request.num_computed_tokens
+            if num_growing and len(request.block_ids) * block_size <= start:
+                grown = blocks.try_grow(request, start + 1)
+                assert grown, "a free block was counted for every growing decode"
+            output = request.output_token_ids
+            last_token = output[-1] if output else request.prompt_token_ids[-1]
+            chunks.append(make_chunk(request.request_id, start, (last_token,), block_table(request), True))
+        self.steady_plan_context_tokens = context_tokens + len(chunks)
+        return make_plan(self._step_id, tuple(chunks), len(chunks))
 
     def _block_table(self, request: Request) -> tuple[int, ...]:
         """tuple(request.block_ids), reused from the previous step while the table is unchanged."""

@@ -16,8 +16,7 @@ and goes to the front of the waiting queue (`step_planning`).
 locks), `RequestQueues` (waiting, running and finished requests and the moves between them),
 `StepPlanner` (the general step: running chunks, preemption, admission) and, when configured,
 `SpeculativeDecodes` (drafts and their verdicts). This module holds requests in and out,
-`schedule`/`update` (with the one fast path, for a steady step in which every running request
-decodes) and introspection.
+`schedule`/`update` and introspection. There is one step path: the simulator drives it as the engine does.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from kvbaton.core.errors import CapacityError, InvalidRequestError
 from kvbaton.core.request import FinishReason, Request, RequestStatus
 from kvbaton.core.step import StepPlan, StepResult
 from kvbaton.scheduler.block_manager import BlockManager
-from kvbaton.scheduler.fast_values import make_chunk, make_plan
 from kvbaton.scheduler.outputs import SchedulerStats, TokenOutput, new_output
 from kvbaton.scheduler.queue_policies import create_queue_policy
 from kvbaton.scheduler.request_queues import RequestQueues, stop_reason
@@ -64,11 +62,10 @@ class LocalScheduler:
         self.planner = StepPlanner(config, self.blocks, self.policy, self.queues, self.speculation)
         self._step_id = 0
         self._num_steps = 0
-        self.steady_fast_path = self.proposer is None  # False forces the general path (tests compare the two)
-        # Σ (start_pos + 1) over the last plan's chunks when it came from the steady-decode path (every
-        # chunk a one-token decode past position 0, i.e. a decode by `BatchShape.of_plan`'s rule), else -1:
-        # lets an executor price the batch (`CostModel.decode_s`) without reading the plan again.
-        self.steady_plan_context_tokens = -1
+        # Σ (start_pos + 1) over the last plan's chunks when every one is a decode (one sampled token past
+        # position 0, `BatchShape.of_plan`'s rule), else -1: lets an executor price the batch
+        # (`CostModel.decode_s`) without reading the plan again.
+        self.decode_context_tokens = -1
 
     @property
     def on_preempted(self) -> Callable[[Request], None] | None:
@@ -188,59 +185,22 @@ class LocalScheduler:
 
     def schedule(self, now: float) -> StepPlan:
         self._step_id += 1
-        self.steady_plan_context_tokens = -1
-        queues = self.queues
-        if self.steady_fast_path and not queues.waiting and queues.running:
-            plan = self._plan_steady_decodes()
-            if plan is not None:
-                self._num_steps += 1
-                return plan
         plan = self.planner.plan(self._step_id, now)
-        if plan.chunks:
+        chunks = plan.chunks
+        context_tokens = -1
+        if chunks:
             self._num_steps += 1
+            # Σ (start_pos + 1) when every chunk is a decode by `BatchShape.of_plan`'s rule (one sampled token past
+            # position 0): most steps of a loaded worker, which the simulator then prices without a BatchShape.
+            context_tokens = 0
+            for chunk in chunks:
+                start_pos = chunk.start_pos
+                if len(chunk.token_ids) != 1 or not start_pos or not chunk.samples:
+                    context_tokens = -1
+                    break
+                context_tokens += start_pos + 1
+        self.decode_context_tokens = context_tokens
         return plan
-
-    def _plan_steady_decodes(self) -> StepPlan | None:
-        """The plan of a steady step, or None (changing nothing) when the state is not steady: the fast path.
-
-        Steady: nothing waits (the caller checks), every running request decodes one token past position 0,
-        they all fit the token budget, and the free blocks cover every decode whose position opens a new block.
-        The general path then gives each running request its one-token chunk in running order, growing a full
-        table by one free block as it meets it (no eviction is needed, so none happens and nothing is
-        preempted) and admits nothing: this builds that same plan without the step builder, and sets
-        `steady_plan_context_tokens`. Most steps of a loaded worker are steady; the simulator runs every step
-        of every worker through here. `test_local_scheduler_fast_path` compares it with the general path.
-        """
-        running = self.queues.running
-        if len(running) > self.config.max_num_batched_tokens:
-            return None
-        block_size = self.block_size
-        context_tokens = 0
-        num_growing = 0
-        for request in running:
-            start = request.num_computed_tokens
-            # start == 0 (a one-token prompt) is left to the general path: the same plan, but not a decode
-            # for pricing, so `steady_plan_context_tokens` always describes an all-decode batch.
-            if len(request.prompt_token_ids) + len(request.output_token_ids) - start != 1 or not start:
-                return None
-            if len(request.block_ids) * block_size <= start:
-                num_growing += 1  # a running table covers its computed tokens: one block more covers the next
-            context_tokens += start
-        blocks = self.blocks
-        if num_growing > blocks.pool.num_free_blocks:
-            return None  # the general path evicts or preempts
-        block_table = blocks.table
-        chunks = []
-        for request in running:
-            start = request.num_computed_tokens
-            if num_growing and len(request.block_ids) * block_size <= start:
-                grown = blocks.try_grow(request, start + 1)
-                assert grown, "a free block was counted for every growing decode"
-            output = request.output_token_ids
-            last_token = output[-1] if output else request.prompt_token_ids[-1]
-            chunks.append(make_chunk(request.request_id, start, (last_token,), block_table(request), True))
-        self.steady_plan_context_tokens = context_tokens + len(chunks)
-        return make_plan(self._step_id, tuple(chunks), len(chunks))
 
     # ---- results -------------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The general path of a local scheduler step: running requests' chunks, preemption, admission of waiting ones.
 
-`LocalScheduler.schedule` has its `StepPlanner` build a step when the steady-decode fast path does not
-apply: running decodes, then running prefills continuing their chunks (`_schedule_running_requests`),
-then waiting requests in the queue policy's order (`_admit_waiting`), all under the token budget. Preemption is by
+`LocalScheduler.schedule` has its `StepPlanner` build every step: running decodes, then running
+prefills continuing their chunks (`_schedule_running_requests`), then waiting requests in the queue
+policy's order (`_admit_waiting`), all under the token budget. Preemption is by
 recompute: when a running request cannot get a block (after evicting from the prefix cache), the most
 recently admitted running request gives all its blocks back and goes to the front of the waiting queue,
 keeping its output tokens to recompute them. Admission never preempts.

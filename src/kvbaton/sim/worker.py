@@ -3,18 +3,17 @@
 A step is scheduled at its start time (`start_step`, which prices it) and applied at its end
 (`finish_step`), exactly as the live engine schedules, runs, then updates, through the scheduler's own
 `schedule` and `update`; requests that arrive meanwhile wait for the next step. A step in which every
-running request decodes comes with its context size (`steady_plan_context_tokens`) and is priced from
+running request decodes comes with its context size (`decode_context_tokens`) and is priced from
 that (`CostModel.decode_pricer`) without reading its chunks. Sampled tokens are
 deterministic: `token_for(request_id, output_index)` (by default 100 + index mod 1000, never an
 end-of-sequence id in the workloads, which run with ignore_eos and an exact output length).
 
 With a host KV tier (`CacheConfig.host_num_blocks`), the radix cache demotes what it evicts into a
 `HostTier` whose copies a `HostLink` prices (`kvbaton.sim.host_link`); they are charged to the next
-general step, serial with its compute (the step-time noise scales the whole step). Only
-`scheduler.schedule` copies: its admissions promote blocks and its evictions demote them. A steady
-decode step admits nothing and grows tables from free blocks only (the scheduler takes the general
-path when the pool is short), so it copies nothing, and a handoff is adopted into blocks its
-reservation holds, with no eviction; any copy made elsewhere waits for the next general step.
+step, serial with its compute (the step-time noise scales the whole step). Only
+`scheduler.schedule` copies: its admissions promote blocks and its evictions demote them; a handoff
+is adopted into blocks its reservation holds, with no eviction; any copy made elsewhere waits for
+the next step.
 """
 
 from __future__ import annotations
@@ -120,13 +119,13 @@ class SimWorker:
         if not plan.chunks:
             return None
         self.plan = plan
-        context_tokens = scheduler.steady_plan_context_tokens
+        context_tokens = scheduler.decode_context_tokens
         if context_tokens >= 0:  # all decodes: the same price as plan_s, without reading the chunks again
             step_s = self._decode_price(len(plan.chunks), context_tokens)
         else:
             step_s = self.cost_model.plan_s(plan, self.spec.parallel)
-            if self.host_link is not None:  # the host tier's copies since the last step, before this one's compute
-                step_s += self.host_link.take_copy_s()
+        if self.host_link is not None:  # the host tier's copies since the last step, before this one's compute
+            step_s += self.host_link.take_copy_s()
         self.busy = True
         if self._rng is not None:
             step_s *= self._noise()

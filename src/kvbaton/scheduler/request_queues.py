@@ -100,13 +100,20 @@ class RequestQueues:
     def append_token(self, request: Request, token: SampledToken, now: float) -> FinishReason | None:
         """A running request's sampled token: appended, and the request finished if it stops there."""
         token_id = token.token_id
-        request.output_token_ids.append(token_id)
+        output = request.output_token_ids
+        output.append(token_id)
         if request.first_token_at is None:
             request.first_token_at = now
-        reason = stop_reason(request, token_id)
-        if reason is not None:
-            self.finish(request, reason, now)
-        return reason
+        sampling = request.sampling
+        # `stop_reason`'s tests, inline (once per token): the usual token stops nothing
+        if ((token_id == request.eos_token_id and not sampling.ignore_eos) or sampling.stop_token_ids
+                or len(output) >= sampling.max_tokens
+                or len(request.prompt_token_ids) + len(output) >= request.max_model_len):
+            reason = stop_reason(request, token_id)
+            if reason is not None:
+                self.finish(request, reason, now)
+            return reason
+        return None
 
     def take_finished(self) -> list[Request]:
         finished, self._finished = self._finished, []

@@ -75,8 +75,9 @@ class StepPlanner:
             self._schedule_running_requests(step, now)
         if queues.waiting and not step.preempted_ids:  # memory is tight: admitting now would only preempt again
             self._admit_waiting(step, now)
-        return make_plan(step_id, tuple(step.chunks.values()), step.num_tokens, tuple(step.preempted_ids),
-                         tuple(step.finished_ids))
+        preempted_ids, finished_ids = step.preempted_ids, step.finished_ids
+        return make_plan(step_id, tuple(step.chunks.values()), step.num_tokens,
+                         tuple(preempted_ids) if preempted_ids else (), tuple(finished_ids) if finished_ids else ())
 
     def _chunk_tokens(self, request: Request, budget_left_tokens: int) -> int:
         n = min(request.num_uncomputed_tokens, budget_left_tokens)

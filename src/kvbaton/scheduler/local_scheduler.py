@@ -21,7 +21,7 @@ locks), `RequestQueues` (waiting, running and finished requests and the moves be
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.hashing import CacheKey, HashedBlocks
@@ -166,6 +166,11 @@ class LocalScheduler:
         """A waiting or running request; None once it has finished."""
         return self.queues.get(request_id)
 
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Read-only: every waiting or running request by id."""
+        return self.queues.requests
+
     def waiting_request_ids(self) -> list[str]:
         """The waiting queue in FCFS order (preempted first), before any policy reordering."""
         return [r.request_id for r in self.queues.waiting]
@@ -207,7 +212,7 @@ class LocalScheduler:
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[TokenOutput]:
         """Apply an executed plan; chunks of requests no longer running (aborted, preempted) are ignored."""
         outputs: list[TokenOutput] = []
-        get_request = self.queues.get
+        get_request = self.queues.requests.get
         sampled = result.sampled
         running = RequestStatus.RUNNING
         # With no prefix cache, cache_computed_blocks does nothing: skip the call per chunk. With one, it

@@ -10,7 +10,7 @@ aborted) frees its blocks and waits in `finished` until `take_finished`. The sch
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvbaton.core.request import FinishReason, Request, RequestStatus
 from kvbaton.core.step import SampledToken
@@ -41,6 +41,11 @@ class RequestQueues:
     @property
     def finished(self) -> Sequence[Request]:
         return self._finished
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Every unfinished request by id (a hot loop binds its `get`: one C call per chunk)."""
+        return self._requests
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)

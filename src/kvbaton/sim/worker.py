@@ -155,7 +155,7 @@ class SimWorker:
     def _execute(self, plan: StepPlan) -> StepResult:
         sampled: dict[str, SampledToken] = {}
         accepted: dict[str, tuple[SampledToken, ...]] | None = None  # speculative chunks' accepted drafts, if any
-        get = self.scheduler.get_request
+        get = self.scheduler.requests.get
         token_for = self.token_for
         for chunk in plan.chunks:
             if not chunk.samples:
@@ -164,13 +164,15 @@ class SimWorker:
             request = get(request_id)
             if request is None:
                 continue  # aborted while the step ran; update() ignores its chunk
-            num_drafts = chunk.start_pos + len(chunk.token_ids) - request.num_tokens
+            prompt_len = len(request.prompt_token_ids)
+            end_pos = chunk.start_pos + len(chunk.token_ids)
+            num_drafts = end_pos - prompt_len - len(request.output_token_ids)  # past the request's tokens
             if num_drafts > 0:  # speculative decoding: the request's decode carries draft tokens
                 if accepted is None:
                     accepted = {}
                 sampled[request_id] = self._verify(request, chunk.token_ids[-num_drafts:], accepted)
                 continue
-            index = chunk.start_pos + len(chunk.token_ids) - len(request.prompt_token_ids)  # output index
+            index = end_pos - prompt_len  # output index
             if token_for is None:
                 sampled[request_id] = _TOKENS[index % 1000]
             else:

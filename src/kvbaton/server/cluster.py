@@ -16,10 +16,10 @@ call goes to both — d answers for it (it streams every delta), p only reports 
 ended without the KV, which is relayed to d to recompute or fail. A call is in the in-flight set of
 both workers; losing p hands the call to d's fallback, losing d fails the call.
 
-This module holds the manager's state and its call side (sending each call where it is placed, its deltas
-and end). Its base classes hold the rest: `WorkerMembership` (cluster_workers.py) the workers'
-messages, registration and failure detection; `ClusterReports` (cluster_reports.py) the reads for
-/ready, /cluster and /metrics.
+This module holds the call side (sending each call where it is placed, its deltas and end, the calls of a
+worker that left) and the reads for /ready, /cluster and /metrics. The workers themselves (their messages,
+registration, failure detection) are a `WorkerPool` (cluster_workers.py) the manager owns and hears from
+through three callbacks.
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.state import RouterState
 from kvbaton.server import rpc
 from kvbaton.server.base import DeltaSink, GenerateCall, RejectedError, TokenDelta
-from kvbaton.server.cluster_registry import CallRecord, ProcessHandle, WorkerRecord
-from kvbaton.server.cluster_reports import ClusterReports
-from kvbaton.server.cluster_workers import WorkerMembership
+from kvbaton.server.cluster_registry import CallRecord, ProcessHandle, WorkerRecord, transfer_info, worker_info
+from kvbaton.server.cluster_workers import WorkerPool
 from kvbaton.server.identity import ClusterIdentity
 from kvbaton.server.router_socket import RouterSocket
 
@@ -80,7 +79,7 @@ class ClusterConfig:
     cluster_secret: ClusterSecret | None = None
 
 
-class ClusterManager(WorkerMembership, ClusterReports):
+class ClusterManager:
     """Routes and streams calls over the worker pool; see the module docstring for its invariants."""
 
     def __init__(self, config: ClusterConfig, clock: Callable[[], float] = time.monotonic,
@@ -98,24 +97,45 @@ class ClusterManager(WorkerMembership, ClusterReports):
                             reserve_ahead_tokens=config.reserve_ahead_tokens),
             admission, pools)
         self.queue_policy = config.scheduling_policy or local_queue_policy(config.policy)
-        self.identity: ClusterIdentity | None = None  # fixed by the first accepted worker
-        self.workers: dict[str, WorkerRecord] = {}  # live workers
-        self.lost_workers: dict[str, str] = {}  # worker id -> why it left
+        self.pool = WorkerPool(config, clock, self.placement, self.queue_policy, self._on_delta,
+                               self._on_handoff_ended, self._on_worker_removed)
         self._calls: dict[str, CallRecord] = {}
-        self._processes: dict[str, ProcessHandle] = {}
-        self._exits_pending: set[str] = set()  # dropped while their process still ran: its exit code comes later
         # Counters for /metrics (the HTTP layer renders them).
         self.router_decisions: dict[str, int] = {}  # decision reason -> count
         self.num_rejected = 0
         self.num_failed_by_worker_loss = 0
-        self.num_snapshots_requested = 0
         self.num_handoff_fallbacks = 0  # prefill legs that ended without the KV (relayed to the decode worker)
         self.handoff_endings: dict[str, int] = {}  # outcome of those legs -> count
-        self.retired_spec_decode_tokens = [0, 0]  # (draft, accepted) of workers that left: keeps totals monotone
-        self._socket: RouterSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._last_check_at = clock()
         self.address = ""
+
+    # -- the pool's, as the HTTP layer, the launcher and tests read them ---------------------------
+
+    @property
+    def workers(self) -> dict[str, WorkerRecord]:
+        """Live workers by id."""
+        return self.pool.workers
+
+    @property
+    def lost_workers(self) -> dict[str, str]:
+        """Why each worker that left did."""
+        return self.pool.lost_workers
+
+    @property
+    def identity(self) -> ClusterIdentity | None:
+        return self.pool.identity
+
+    @property
+    def num_snapshots_requested(self) -> int:
+        return self.pool.num_snapshots_requested
+
+    def watch_process(self, worker_id: str, process: ProcessHandle) -> None:
+        """Let the monitor notice at once when this worker's process exits."""
+        self.pool.watch_process(worker_id, process)
+
+    def check_workers(self) -> None:
+        """Drop workers whose process exited or that went silent; ping the rest."""
+        self.pool.check_workers()
 
     @property
     def state(self) -> RouterState:
@@ -137,11 +157,19 @@ class ClusterManager(WorkerMembership, ClusterReports):
 
     async def start(self) -> str:
         """Bind the socket, start reading it and start the monitor loop; returns the bound address."""
-        self._socket = RouterSocket(self.config.bind_address, self.secret)
-        self.address = self._socket.address
-        self._socket.start(self._handle)
+        socket = self.pool.socket = RouterSocket(self.config.bind_address, self.secret)
+        self.address = socket.address
+        socket.start(self.pool.handle)
         self._tasks = [asyncio.create_task(self._monitor_loop())]
         return self.address
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.config.ping_interval_s, 0.1))
+            try:
+                self.pool.check_workers()
+            except Exception:  # keep detecting dead workers whatever went wrong once
+                log.exception("worker check failed")
 
     async def wait_for_workers(self, num_workers: int, timeout_s: float) -> None:
         deadline = self.clock() + timeout_s
@@ -173,27 +201,27 @@ class ClusterManager(WorkerMembership, ClusterReports):
         blocks out of the router's index. Returns the workers asked."""
         worker_ids = sorted(self.workers)
         for worker_id in worker_ids:
-            self._send(worker_id, rpc.ResetPrefixCache("reset requested through the API"))
+            self.pool.send(worker_id, rpc.ResetPrefixCache("reset requested through the API"))
         return worker_ids
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Tell every worker to stop (they abort what is left), wait for their goodbyes, then close."""
         for worker_id in sorted(self.workers):
-            self._send(worker_id, rpc.Shutdown("router shutting down"))
+            self.pool.send(worker_id, rpc.Shutdown("router shutting down"))
         deadline = self.clock() + timeout_s
         while self.workers and self.clock() < deadline:
             await asyncio.sleep(0.05)
         for worker_id in sorted(self.workers):
-            self._remove_worker(worker_id, "did not acknowledge shutdown")
+            self.pool.remove(worker_id, "did not acknowledge shutdown")
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
-        if self._socket is not None:
-            self._socket.close()
-        self._socket = None
+        if self.pool.socket is not None:
+            self.pool.socket.close()
+        self.pool.socket = None
 
     # -- ClusterClient --------------------------------------------------------------------------
 
@@ -226,8 +254,8 @@ class ClusterManager(WorkerMembership, ClusterReports):
         """Cancellation reaches both legs of a disaggregated call (each tells its transfer peer too)."""
         request_ids = (entry.call.request_id,)
         if entry.prefill_worker and entry.prefill_worker in self.workers:
-            self._send(entry.prefill_worker, rpc.Abort(request_ids))
-        self._send(entry.worker_id, rpc.Abort(request_ids))
+            self.pool.send(entry.prefill_worker, rpc.Abort(request_ids))
+        self.pool.send(entry.worker_id, rpc.Abort(request_ids))
 
     # -- routing --------------------------------------------------------------------------------
 
@@ -262,15 +290,15 @@ class ClusterManager(WorkerMembership, ClusterReports):
         self.workers[entry.worker_id].in_flight.add(call.request_id)
         add = rpc.AddRequest(call.request_id, call.prompt_token_ids, call.sampling, call.tenant, call.slo_class)
         if not entry.prefill_worker:
-            self._send(entry.worker_id, add)
+            self.pool.send(entry.worker_id, add)
             return entry
         # The decode leg first, so it usually knows the request before the reservation arrives (either order works).
         self.workers[entry.prefill_worker].in_flight.add(call.request_id)
-        self._send(entry.worker_id, replace(add, prefill_worker=entry.prefill_worker,
+        self.pool.send(entry.worker_id, replace(add, prefill_worker=entry.prefill_worker,
                                             kv_load_failure_policy=self.config.kv_load_failure_policy))
         if entry.finished:  # the decode worker was unreachable: it left the pool and failed this call with it
             return entry
-        self._send(entry.prefill_worker, replace(add, decode_worker=entry.worker_id,
+        self.pool.send(entry.prefill_worker, replace(add, decode_worker=entry.worker_id,
                                                  decode_address=self.workers[entry.worker_id].register.kv_address))
         return entry
 
@@ -328,6 +356,111 @@ class ClusterManager(WorkerMembership, ClusterReports):
         if delta.finished:
             if entry.prefill_worker and delta.worker_id == entry.prefill_worker and entry.worker_id in self.workers:
                 # Ended by its prefill leg (an add it could not take): the decode leg waits for KV that never comes.
-                self._send(entry.worker_id, rpc.Abort((delta.request_id,)))
+                self.pool.send(entry.worker_id, rpc.Abort((delta.request_id,)))
             self._end_call(entry)
         entry.sink(delta)
+
+    def _on_handoff_ended(self, message: rpc.HandoffEnded) -> None:
+        """A prefill leg ended without the KV: the decode worker falls back (it may already know, harmlessly)."""
+        self.handoff_endings[message.outcome] = self.handoff_endings.get(message.outcome, 0) + 1
+        entry = self._calls.get(message.request_id)
+        if entry is None or entry.finished or entry.prefill_worker != message.worker_id or entry.num_tokens_seen:
+            return  # a first token came: the decode worker adopted the KV (its ack was late) or recomputed
+        self.num_handoff_fallbacks += 1
+        self.pool.send(entry.worker_id, rpc.HandoffFailed(message.request_id, message.reason,
+                                                          refused=message.outcome == "refused"))
+
+    def _on_worker_removed(self, worker_id: str, record: WorkerRecord, reason: str) -> None:
+        """The calls of a worker that left the pool: a lost prefill leg hands its call to the decode worker's
+        fallback; any other call fails with an error delta naming the worker."""
+        for request_id in sorted(record.in_flight):
+            entry = self._calls.get(request_id)
+            if entry is None or entry.finished:
+                continue
+            if entry.prefill_worker == worker_id:  # the decode worker answers: it recomputes or fails cleanly
+                if entry.num_tokens_seen:
+                    continue  # a first token came: the decode worker adopted the KV or recomputed, it needs nothing
+                self.num_handoff_fallbacks += 1
+                self.pool.send(entry.worker_id,
+                               rpc.HandoffFailed(request_id, f"prefill worker lost ({reason})", False))
+                continue
+            if entry.prefill_worker:
+                self.pool.send(entry.prefill_worker, rpc.Abort((request_id,)))
+            self.num_failed_by_worker_loss += 1
+            self._end_call(entry)
+            entry.sink(TokenDelta(
+                request_id, (), "", True, "error", len(entry.call.prompt_token_ids),
+                error=f"worker {worker_id} was lost while running this request ({reason})", worker_id=worker_id))
+
+    # -- readiness, /cluster and /metrics
+    @property
+    def num_serving_workers(self) -> int:
+        """Registered workers whose engine loop runs (they have sent a heartbeat)."""
+        return self.pool.num_serving
+
+    def is_ready(self) -> tuple[bool, str]:
+        serving = sorted(w for w, record in self.workers.items() if record.stats is not None)
+        if serving:
+            return True, f"{len(serving)} worker(s) serving: {', '.join(serving)}"
+        if self.workers:
+            return False, f"{len(self.workers)} worker(s) registered, none has started its engine loop yet"
+        if self.lost_workers:
+            lost = "; ".join(f"{w}: {why}" for w, why in sorted(self.lost_workers.items()))
+            return False, f"no live worker (lost: {lost})"
+        return False, "no worker registered yet"
+
+    def cluster_info(self) -> dict[str, object]:
+        now = self.clock()
+        return {
+            "policy": self.config.policy,
+            "worker_queue_policy": self.queue_policy,
+            "model": self.config.model_name,
+            "identity": None if self.identity is None else {
+                "model_revision": self.identity.model_revision, "kv_layout": self.identity.kv_layout,
+                "block_size": self.identity.block_size},
+            "router_address": self.address,
+            "workers": [worker_info(self.workers[w], self.state, now) for w in sorted(self.workers)],
+            "lost_workers": dict(sorted(self.lost_workers.items())),
+            "num_in_flight": len(self._calls),
+            "num_waiting": self.num_waiting,
+            "index_blocks": self.state.index.num_blocks,
+            "lent_workers": {} if self.pools is None else dict(sorted(self.pools.lent.items())),
+            "pool_switches": 0 if self.pools is None else len(self.pools.switches),
+            "router_decisions": dict(sorted(self.router_decisions.items())),
+            "num_rejected": self.num_rejected,
+            "num_failed_by_worker_loss": self.num_failed_by_worker_loss,
+            "transfers": self.transfer_totals(),
+            "spec_decode": self.spec_decode_totals(),
+        }
+
+    def transfer_totals(self) -> dict[str, float]:
+        """KV handoff counters summed over live workers (prefill side: bytes, time, queue; decode side:
+        adoptions, recomputes), plus the router's fallbacks and reservation refusals."""
+        totals: dict[str, float] = {}
+        for stats in self.live_worker_stats().values():
+            for name, value in transfer_info(stats).items():
+                totals[name] = totals.get(name, 0) + value
+        totals["num_fallbacks"] = self.num_handoff_fallbacks
+        totals["num_refusals_reported"] = self.handoff_endings.get("refused", 0)
+        return totals
+
+    @property
+    def num_waiting(self) -> int:
+        """Routed calls that have not produced a token yet (queued somewhere in the cluster)."""
+        return self.placement.num_waiting
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._calls)
+
+    def live_worker_stats(self) -> dict[str, rpc.Stats]:
+        return self.pool.live_stats()
+
+    def spec_decode_totals(self) -> dict[str, int]:
+        """Speculative decoding's draft tokens proposed and accepted over all workers ever registered; never
+        decreases."""
+        num_draft_tokens, num_accepted_tokens = self.pool.retired_spec_decode_tokens
+        for stats in self.live_worker_stats().values():
+            num_draft_tokens += stats.num_draft_tokens
+            num_accepted_tokens += stats.num_accepted_tokens
+        return {"num_draft_tokens": num_draft_tokens, "num_accepted_tokens": num_accepted_tokens}

@@ -20,10 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvbaton.bench.workloads.base import WorkloadRequest
-from kvbaton.cache.hashing import CacheKey, hash_block_tokens
 from kvbaton.core.errors import InvalidRequestError
-
-_KEY = CacheKey("pooled-bound", "pooled-bound")  # any fixed key: the bound compares requests with each other
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,17 +76,24 @@ def pooled_lru_hit_ratio(requests: Sequence[WorkloadRequest], capacity_blocks: i
                          block_size: int) -> PooledBound:
     """The bound over workload requests, their prompts hashed per tenant as the workers' caches hash them (two
     tenants never share a block); `capacity_blocks` None: unlimited memory."""
-    keys: dict[str, CacheKey] = {}
 
     def prompts() -> Iterable[tuple[Sequence[int], int]]:
         for request in requests:
-            key = keys.get(request.tenant)
-            if key is None:
-                key = keys[request.tenant] = _KEY.with_tenant(request.tenant)
             tokens = request.prompt_array.tolist()
-            yield hash_block_tokens(key, tokens, block_size), len(tokens)
+            yield _chained_ids(("pooled-bound", request.tenant), tokens, block_size), len(tokens)
 
     return pooled_lru_hit_ratio_of_blocks(prompts(), capacity_blocks, block_size)
+
+
+def _chained_ids(root: tuple[str, str], tokens: list[int], block_size: int) -> list[int]:
+    """Chained ids of the full blocks of `tokens` from a per-tenant root, as `kvbaton.cache.hashing` chains them
+    (that layer sits above bench, so the two lines are repeated here)."""
+    parent = hash(root)
+    ids = []
+    for block in zip(*[iter(tokens)] * block_size):
+        parent = hash((parent, block))
+        ids.append(parent)
+    return ids
 
 
 def pooled_lru_hit_ratio_of_trace(rows: Sequence[dict], capacity_tokens: int | None,

@@ -15,6 +15,7 @@ does. The figure is hit tokens over prompt tokens, the same ratio the simulator 
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -80,15 +81,15 @@ def pooled_lru_hit_ratio(requests: Sequence[WorkloadRequest], capacity_blocks: i
     def prompts() -> Iterable[tuple[Sequence[int], int]]:
         for request in requests:
             tokens = request.prompt_array.tolist()
-            yield _chained_ids(("pooled-bound", request.tenant), tokens, block_size), len(tokens)
+            yield _chained_ids(request.tenant, tokens, block_size), len(tokens)
 
     return pooled_lru_hit_ratio_of_blocks(prompts(), capacity_blocks, block_size)
 
 
-def _chained_ids(root: tuple[str, str], tokens: list[int], block_size: int) -> list[int]:
+def _chained_ids(tenant: str, tokens: list[int], block_size: int) -> list[int]:
     """Chained ids of the full blocks of `tokens` from a per-tenant root, as `kvbaton.cache.hashing` chains them
     (that layer sits above bench, so the two lines are repeated here)."""
-    parent = hash(root)
+    parent = zlib.crc32(tenant.encode())  # str hashes are salted per process; ints and int tuples are not
     ids = []
     for block in zip(*[iter(tokens)] * block_size):
         parent = hash((parent, block))

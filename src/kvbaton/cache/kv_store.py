@@ -184,6 +184,14 @@ class KVStore:
             return None
         return choose_source(holders, reader)
 
+    def depth_after(self, parent_hash: int) -> int:
+        """The depth of a block following the block hashed `parent_hash`: one more than the parent's, 0 when the
+        store does not hold the parent."""
+        holders = self._where.get(parent_hash)
+        if not holders:
+            return 0
+        return self.nodes[next(iter(holders))].entries[parent_hash].depth + 1
+
     @property
     def num_blocks(self) -> int:
         """Copies held, all nodes and tiers."""

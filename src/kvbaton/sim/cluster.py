@@ -32,6 +32,7 @@ from dataclasses import replace
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.cache.kv_store import KVStore, StoreConfig
 from kvbaton.core.config import SchedulerConfig
 from kvbaton.core.errors import KvbatonError
 from kvbaton.core.request import FinishReason, Request
@@ -51,6 +52,7 @@ from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs
 from kvbaton.sim.links import get_link
 from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import ClusterSpec
+from kvbaton.sim.store_io import router_prefill_model
 from kvbaton.sim.worker import SimWorker, TokenFn
 
 _ARRIVAL, _STEP_DONE = 0, 1  # and the handoff part's DELIVERY, RETRY
@@ -70,11 +72,15 @@ class ClusterSim(HandoffFlow, FlightEndings):
         # so a cache would only hold finished requests' blocks until reservations evict them.
         decode_cache = replace(config.cache, enable_prefix_cache=False, host_num_blocks=0)
         host_link = get_link(config.host_link)
+        self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
+        # The cluster KV store: one node per front worker's host, named by the worker's id.
+        self.store = (KVStore(StoreConfig(config.store_dram_blocks, config.store_disk_blocks), self.front_ids)
+                      if config.store_prices is not None else None)
         self.workers = {w.worker_id: SimWorker(w, sched, decode_cache if w.role == "decode" else config.cache,
                                                config.cache_key, cost_model, token_for,
-                                               random.Random(f"{config.seed}:{w.worker_id}"), host_link)
+                                               random.Random(f"{config.seed}:{w.worker_id}"), host_link,
+                                               self.store if w.role != "decode" else None, config.store_prices)
                         for w in spec.workers}
-        self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
         self.decode_ids = [w.worker_id for w in spec.workers if w.role == "decode"]
         # The live router's placement object: it hears what a live router hears (heartbeats, KV events, routed calls
         # and their tokens) and decides as it does.
@@ -83,7 +89,10 @@ class ClusterSim(HandoffFlow, FlightEndings):
                             max_num_waiting=config.max_num_waiting,
                             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
                             kv_bytes_per_token=cost_model.kv_bytes_per_token,
-                            reserve_ahead_tokens=config.reserve_ahead_tokens),
+                            reserve_ahead_tokens=config.reserve_ahead_tokens, store_prices=config.store_prices,
+                            prefill_model=(router_prefill_model(cost_model, spec.workers[0].parallel,
+                                                                config.max_model_len)
+                                           if self.store is not None else None)),
             admission, pools)
         self._tracks_tokens = self.placement.tracks_tokens
         prefill = {w.worker_id: self.workers[w.worker_id] for w in spec.workers if w.role == "prefill"}
@@ -356,6 +365,11 @@ class ClusterSim(HandoffFlow, FlightEndings):
             events = worker.cache.take_events()
             if events and not placement.on_kv_events(worker.worker_id, events):
                 placement.apply_snapshot(worker.worker_id, worker.cache.snapshot())
+        store = self.store
+        if store is not None:  # the worker's host is a store node: its events travel with the heartbeat
+            events = store.take_events(worker.worker_id)
+            if events and not placement.on_store_events(worker.worker_id, events):
+                placement.apply_store_snapshot(worker.worker_id, store.snapshot(worker.worker_id))
 
     def prompt_of(self, request_id: str) -> list[int]:
         """The prompt token ids of a request in flight."""

@@ -1,0 +1,70 @@
+"""Transfer-aware placement (Mooncake's conductor, FAST'25 Algorithm 1): the worker with the least predicted TTFT.
+
+For each candidate worker, with the prompt's blocks matched in the router's prefix index (what the
+worker's device holds) and in the store directory (`RouterState.store`, what the cluster KV store holds
+after that, and on which node and tier):
+
+    TTFT = queue + min(prefill of what the device misses,
+                       load of the store's run from where it lives + prefill of what is left)
+
+`queue` is the predicted prefill of the tokens already queued on the worker (its heartbeat plus what was
+routed since); the load is priced per block by its path (`StorePrices`: this node's DRAM over the host
+link, another node's over the NIC, a disk at the disk's speed), and loading is chosen only when it beats
+recomputing those blocks. A conversation's next turn thus lands where its last turn's KV is (no load at
+all) unless that worker's queue costs more than fetching the KV elsewhere: no hot spot, since every worker
+can reach every block. Without a store the policy prices the device match alone (cache-aware least TTFT).
+The choice commits the blocks it will load as cached, so the load tracker books only the prefill left.
+Ties within a relative 1e-9 go to a seeded random pick. Time is passed in; nothing is read from a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvbaton.router.base import RouteDecision, RouteRequest, WorkerId, make_cost_terms, make_route_decision
+from kvbaton.router.policies import BasePolicy, _require_workers
+
+
+class ConductorPolicy(BasePolicy):
+    name = "conductor"
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerId], now: float,
+               matched: Mapping[WorkerId, int] | None = None) -> RouteDecision:
+        _require_workers(workers)
+        state = self.state
+        state.load.prune(now)
+        matched = self._matched(request, matched)
+        predict = state.prefill_model.predict
+        block_size = state.block_size
+        num_prompt = request.num_prompt_tokens
+        max_hit = max(0, (num_prompt - 1) // block_size)  # the last prompt token is always computed
+        hashes = request.block_hashes
+        store, prices = state.store, state.store_prices
+        queued = state.load.queued_prefill_tokens
+        low = high = float("inf")
+        tied: list[tuple[WorkerId, int, float, float, float]] = []
+        for worker in workers:
+            num_device = min(matched.get(worker, 0), max_hit)
+            queue_s = predict(queued(worker))
+            prefill_s = predict(num_prompt - num_device * block_size, num_device * block_size)
+            load_s, num_loaded = 0.0, 0
+            if store is not None and prices is not None and num_device < max_hit:
+                sources = store.sources(hashes[num_device:max_hit], worker)
+                if sources:
+                    cached = (num_device + len(sources)) * block_size
+                    with_load_s = prices.load_s(sources, worker) + predict(num_prompt - cached, cached)
+                    if with_load_s < prefill_s:
+                        load_s = prices.load_s(sources, worker)
+                        prefill_s = with_load_s - load_s
+                        num_loaded = len(sources)
+            total = queue_s + load_s + prefill_s
+            if total <= high:
+                if total < low:
+                    tolerance = 1e-9 * max(total, 1.0)
+                    low, high, tied = total - tolerance, total + tolerance, []
+                tied.append((worker, num_device + num_loaded, queue_s, load_s, prefill_s))
+        chosen = self._break_tie([option[0] for option in tied])
+        worker, num_blocks, queue_s, load_s, prefill_s = next(option for option in tied if option[0] == chosen)
+        state.commit(request, worker, num_blocks, now, prefill_s=load_s + prefill_s)
+        return make_route_decision(worker, state.matched_tokens(request, num_blocks), self.name,
+                                   state.load.load_tokens(worker), make_cost_terms(queue_s, 0.0, prefill_s, load_s))

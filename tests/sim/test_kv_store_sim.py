@@ -113,3 +113,18 @@ def test_cli_flags_and_bad_setups(capsys):
         build_sim(_setup(host_kv_gb=1.0))  # the store takes the host tier's place
     with pytest.raises(InvalidRequestError):
         build_sim(_setup(kv_store_gb=-1.0))
+
+
+def test_a_prefix_on_another_nodes_disk_is_priced_at_the_disk_and_promoted():
+    # one DRAM block per node (8 MiB blocks), 1 GB of disk: w0's 32 prefix blocks end 1 in DRAM, 31 on disk
+    sim, records = _run(_two_requests(), _setup(kv_store_gb=0.009, kv_store_disk_gb=1.0))
+    assert records[1].cached_tokens == 2048
+    prices = sim.config.store_prices
+    w1 = sim.workers["w1"]
+    assert w1.host_link.copy_s == pytest.approx(prices.path_s(1, remote=True, on_disk=False)
+                                                + prices.path_s(31, remote=True, on_disk=True))
+    node = sim.store.nodes["w0"]
+    assert node.num_in == {"dram": 1, "disk": 31}  # a promotion swapped one disk block into DRAM
+    sim.store.check_invariants()
+    for worker in sim.workers.values():
+        worker.cache.check_invariants()

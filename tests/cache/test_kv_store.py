@@ -21,7 +21,7 @@ def _store(dram: int = 4, disk: int = 0, **kwargs) -> KVStore:
 
 def _put(store: KVStore, writer: str, hashes: list[int], namespace: object = "k", first_depth: int = 0,
          cost=_flat) -> int:
-    return store.put(writer, hashes, -1 if first_depth == 0 else hashes[0] - 1, namespace, first_depth, cost)
+    return len(store.put(writer, hashes, -1 if first_depth == 0 else hashes[0] - 1, namespace, first_depth, cost))
 
 
 def _feed(directory: StoreDirectory, store: KVStore) -> None:

@@ -159,7 +159,8 @@ class HostTier:
         for block_hash in reversed(block_hashes):
             self._entries[block_hash] = self._taken.pop(block_hash)
 
-    def on_cached(self, block_hashes: Sequence[int], parent_hash: int, namespace: object) -> None:
+    def on_cached(self, block_hashes: Sequence[int], parent_hash: int, namespace: object,
+                  device_block_ids: Sequence[int] = ()) -> None:
         """The device cache just cached these blocks (the chain after `parent_hash`): they leave this tier."""
         self.discard(block_hashes)
 

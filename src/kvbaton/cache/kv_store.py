@@ -199,21 +199,25 @@ class KVStore:
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, writer: NodeId, block_hashes: Sequence[int], parent_hash: int, namespace: Hashable,
-            first_depth: int, recompute_s: Callable[[int], float]) -> int:
+            first_depth: int, recompute_s: Callable[[int], float]) -> list[int]:
         """Store the chain `block_hashes` (following the block hashed `parent_hash`, the first at depth
         `first_depth` blocks) written by a worker on `writer`; blocks the cluster holds are skipped (one copy).
-        `recompute_s(depth)` prices a block. Returns how many blocks were stored."""
+        `recompute_s(depth)` prices a block. Returns the positions in `block_hashes` of the blocks stored and still
+        held when it returns (their bytes are to be written: a chain longer than the room may push out its own
+        head)."""
         node = self._node_for(writer)
-        num_stored = 0
+        stored = []
         parent = parent_hash
         for i, block_hash in enumerate(block_hashes):
             if block_hash not in self._where and node is not None:
                 entry = _Entry(block_hash, parent, namespace, first_depth + i, recompute_s(first_depth + i))
                 if self._insert(node, entry):
-                    num_stored += 1
+                    stored.append(i)
             parent = block_hash
-        self.num_stored_blocks += num_stored
-        return num_stored
+        if node is not None:
+            stored = [i for i in stored if block_hashes[i] in node.entries]
+        self.num_stored_blocks += len(stored)
+        return stored
 
     def pin(self, block_hashes: Sequence[int]) -> None:
         """Keep every copy of these blocks from eviction (a load of them is in flight); each needs one `unpin`."""

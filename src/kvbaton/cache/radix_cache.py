@@ -229,7 +229,7 @@ class RadixCache(RadixEviction):
             path_hashes.extend(node.block_hashes)
             if self.tier is not None:
                 # the host tier drops its copies (one tier holds a block); the KV store writes them through
-                self.tier.on_cached(tuple(node.block_hashes), parent_hash, node.namespace)
+                self.tier.on_cached(tuple(node.block_hashes), parent_hash, node.namespace, tuple(node.block_ids))
             self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
         self._touch(node)
         return make_prefix_match(tuple(path_ids), tuple(path_hashes), node)

@@ -32,11 +32,12 @@ from kvbaton.cache.kv_store import KVStore, NodeId
 class StoreIO(Protocol):
     """Moves KV between the store and the worker's device blocks (the executor's side)."""
 
-    def load(self, sources: list[tuple[NodeId, str]], device_block_ids: list[int]) -> None:
+    def load(self, block_hashes: list[int], sources: list[tuple[NodeId, str]], device_block_ids: list[int]) -> None:
         """Copy each block from its (node, tier) into the device block at the same position."""
 
-    def save(self, num_blocks: int) -> None:
-        """Write `num_blocks` newly cached device blocks to this node's store (asynchronously)."""
+    def save(self, block_hashes: list[int], device_block_ids: list[int]) -> None:
+        """Write these newly cached device blocks to this node's store (asynchronously: they must be read
+        before the device block is reused, and the cache holds a block while it is cached)."""
 
 
 class StoreTier:
@@ -56,15 +57,17 @@ class StoreTier:
         node = self.store.nodes.get(self.node_id)
         return len(node.entries) if node is not None else 0
 
-    def on_cached(self, block_hashes: Sequence[int], parent_hash: int, namespace: Hashable) -> None:
-        """Blocks just cached on the device, the chain after `parent_hash`: write them through."""
+    def on_cached(self, block_hashes: Sequence[int], parent_hash: int, namespace: Hashable,
+                  device_block_ids: Sequence[int] = ()) -> None:
+        """Blocks just cached on the device (in `device_block_ids`), the chain after `parent_hash`: write them
+        through."""
         if not block_hashes:
             return
         first_depth = self.store.depth_after(parent_hash)
-        num = self.store.put(self.node_id, block_hashes, parent_hash, namespace, first_depth, self.recompute_s)
-        if num:
-            self.io.save(num)
-            self.num_saved_blocks += num
+        stored = self.store.put(self.node_id, block_hashes, parent_hash, namespace, first_depth, self.recompute_s)
+        if stored:
+            self.io.save([block_hashes[i] for i in stored], [device_block_ids[i] for i in stored])
+            self.num_saved_blocks += len(stored)
 
     def demote(self, blocks: Sequence[EvictedBlock]) -> list[int]:
         """The device evicted these: the store already has what write-through could keep; all left the device."""
@@ -97,7 +100,7 @@ class StoreTier:
             if node is None or block_hash not in node.entries:
                 raise RuntimeError(f"store node {node_id} lost block {block_hash} during its load")
             sources.append((node_id, node.entries[block_hash].tier))
-        self.io.load(sources, device_block_ids)
+        self.io.load(list(block_hashes), sources, device_block_ids)
         self.store.on_loaded(self.node_id, list(zip(block_hashes, (node_id for node_id, _ in sources))))
         self.store.unpin(block_hashes)
         self.num_loaded_blocks += len(block_hashes)

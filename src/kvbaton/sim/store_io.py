@@ -30,12 +30,12 @@ class SimStoreIO:
         self.num_saved_blocks = 0
         self.copy_s = 0.0  # seconds charged to steps, in all
 
-    def load(self, sources: list[tuple[NodeId, str]], device_block_ids: list[int]) -> None:
+    def load(self, block_hashes: list[int], sources: list[tuple[NodeId, str]], device_block_ids: list[int]) -> None:
         self._pending_s += self.prices.load_s(sources, self.node_id, self.num_gpus)
         self.num_loaded_blocks += len(sources)
 
-    def save(self, num_blocks: int) -> None:
-        self.num_saved_blocks += num_blocks
+    def save(self, block_hashes: list[int], device_block_ids: list[int]) -> None:
+        self.num_saved_blocks += len(block_hashes)
 
     def take_copy_s(self) -> float:
         """Seconds the loads made since the last call take; they count as charged."""

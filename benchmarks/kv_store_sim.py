@@ -13,7 +13,7 @@ of the same requests:
 Per run: `hit_ratio` (prompt tokens served from any cache or the store over prompt tokens), the pooled
 bound `pooled_lru_hit_ratio` (`kvbaton.bench.pooled`: one LRU cache of all the memory the run has, device
 KV plus DRAM, at block granularity, in arrival order) and `hit_over_pooled`, TTFT p50/p99 and their ratios
-to round-robin's. Prints one JSON line; progress goes to stderr.
+to round-robin's, and the busiest worker's busy time over the mean (1.0: no hot spot). Prints one JSON line; progress goes to stderr.
 Usage: python benchmarks/kv_store_sim.py [--trace FILE | --workload conversation] [--num-requests N]
                                           [--sessions S] [--store-gb 256] [--seed 0]
 """
@@ -85,12 +85,14 @@ def main() -> None:
         if capacity not in bounds:
             bounds[capacity] = pooled_lru_hit_ratio(requests, capacity, BLOCK_SIZE).hit_ratio
         hit = o.cache_hit_ratio or 0.0
+        busy = [w.busy_s for w in result.workers]  # a hot spot shows as one worker far busier than the mean
         runs[name] = {"policy": setup.policy, "completed": o.num_completed, "hit_ratio": round(hit, 4),
                       "pooled_lru_hit_ratio": round(bounds[capacity], 4),
                       "hit_over_pooled": round(hit / bounds[capacity], 3) if bounds[capacity] else None,
                       "ttft_p50_s": round(o.ttft.p50_s, 4), "ttft_p99_s": round(o.ttft.p99_s, 4),
                       "ttft_mean_s": round(o.ttft.mean_s, 4), "memory_blocks": capacity,
-                      "store_loaded_blocks": sum(w.host_loaded_blocks for w in result.workers)}
+                      "store_loaded_blocks": sum(w.host_loaded_blocks for w in result.workers),
+                      "busy_max_over_mean": round(max(busy) / (sum(busy) / len(busy)), 3) if sum(busy) else None}
         print(f"{name}: {json.dumps(runs[name])} ({time.process_time() - started:.0f} CPU-s)", file=sys.stderr)
     base = runs["round_robin"]
     for run in runs.values():

@@ -17,7 +17,8 @@ Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
 With an admission policy (`kvbaton.router.admission`), arrivals it refuses, and prefilled requests
 the decode stage refuses when their KV arrives (its blocks released), end as `rejected` records.
 Every worker reports a heartbeat at time 0, when it starts serving, then (stats + its radix cache's real KV
-events) at most every `heartbeat_s` of simulated time while busy, and whenever it goes idle. Everything is
+events, and with a cluster KV store its store node's events) at most every `heartbeat_s` of simulated time while
+busy, and whenever it goes idle. Everything is
 a pure function of the inputs and the seed: no clock, and ties on the heap break by `seq`.
 """
 

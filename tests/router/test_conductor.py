@@ -126,3 +126,20 @@ def test_ties_break_by_the_seed_and_the_placement_feeds_the_directory():
     picks = {ClusterPlacement(PlacementConfig(policy="conductor", block_size=BS, seed=seed)).policy.choose(
         req(f"r{seed}", 5), WORKERS, now=0.0).worker_id for seed in range(12)}
     assert len(picks) > 1  # identical workers: the seed spreads ties
+
+
+def test_preble_prices_store_loads_in_its_prefill_term():
+    state = make_state()
+    request = req("a", 1, 2, 3, 4)  # 17 tokens: 0.17 s cold
+    for worker in WORKERS:
+        heartbeat(state, worker)
+    store_holds(state, "w2", request.block_hashes)  # w2's DRAM: 4 ms to load, 0.01 s left to prefill
+    decision = create_policy("preble", state, random.Random(0)).choose(request, WORKERS, now=1.0)
+    assert decision.reason == "explore" and decision.worker_id == "w2" and decision.num_matched_tokens == 16
+    assert decision.costs.store_load_s == pytest.approx(0.004) and decision.costs.prefill_s == pytest.approx(0.01)
+    assert state.load.queued_prefill_tokens("w2") == 1
+    plain = make_state(prices=None)
+    for worker in WORKERS:
+        heartbeat(plain, worker)
+    decision = create_policy("preble", plain, random.Random(0)).choose(request, WORKERS, now=1.0)
+    assert decision.num_matched_tokens == 0 and decision.costs.store_load_s == 0.0

@@ -23,6 +23,30 @@ from collections.abc import Mapping, Sequence
 
 from kvbaton.router.base import RouteDecision, RouteRequest, WorkerId, make_cost_terms, make_route_decision
 from kvbaton.router.policies import BasePolicy, _require_workers
+from kvbaton.router.state import RouterState
+
+
+def with_store_load(state: RouterState, request: RouteRequest, worker: WorkerId, num_device_blocks: int,
+                    prefill_s: float) -> tuple[float, float, int]:
+    """(prefill_s, store_load_s, num_loaded_blocks) for `request` on `worker`, whose device holds its first
+    `num_device_blocks` and would prefill the rest in `prefill_s`: the store's run after them is loaded (from
+    where the directory says it is) only when that plus the prefill left beats `prefill_s`. Without a store, or
+    when recomputing is cheaper: (prefill_s, 0.0, 0)."""
+    store, prices = state.store, state.store_prices
+    block_size = state.block_size
+    num_prompt = request.num_prompt_tokens
+    max_hit = max(0, (num_prompt - 1) // block_size)  # the last prompt token is always computed
+    if store is None or prices is None or num_device_blocks >= max_hit:
+        return prefill_s, 0.0, 0
+    sources = store.sources(request.block_hashes[num_device_blocks:max_hit], worker)
+    if not sources:
+        return prefill_s, 0.0, 0
+    cached = (num_device_blocks + len(sources)) * block_size
+    load_s = prices.load_s(sources, worker)
+    rest_s = state.prefill_model.predict(num_prompt - cached, cached)
+    if load_s + rest_s >= prefill_s:
+        return prefill_s, 0.0, 0
+    return rest_s, load_s, len(sources)
 
 
 class ConductorPolicy(BasePolicy):
@@ -37,9 +61,7 @@ class ConductorPolicy(BasePolicy):
         predict = state.prefill_model.predict
         block_size = state.block_size
         num_prompt = request.num_prompt_tokens
-        max_hit = max(0, (num_prompt - 1) // block_size)  # the last prompt token is always computed
-        hashes = request.block_hashes
-        store, prices = state.store, state.store_prices
+        max_hit = max(0, (num_prompt - 1) // block_size)
         queued = state.load.queued_prefill_tokens
         low = high = float("inf")
         tied: list[tuple[WorkerId, int, float, float, float]] = []
@@ -47,16 +69,7 @@ class ConductorPolicy(BasePolicy):
             num_device = min(matched.get(worker, 0), max_hit)
             queue_s = predict(queued(worker))
             prefill_s = predict(num_prompt - num_device * block_size, num_device * block_size)
-            load_s, num_loaded = 0.0, 0
-            if store is not None and prices is not None and num_device < max_hit:
-                sources = store.sources(hashes[num_device:max_hit], worker)
-                if sources:
-                    cached = (num_device + len(sources)) * block_size
-                    with_load_s = prices.load_s(sources, worker) + predict(num_prompt - cached, cached)
-                    if with_load_s < prefill_s:
-                        load_s = prices.load_s(sources, worker)
-                        prefill_s = with_load_s - load_s
-                        num_loaded = len(sources)
+            prefill_s, load_s, num_loaded = with_store_load(state, request, worker, num_device, prefill_s)
             total = queue_s + load_s + prefill_s
             if total <= high:
                 if total < low:

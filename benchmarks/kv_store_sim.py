@@ -8,7 +8,8 @@ of the same requests:
 - `preble`: islands, as today: each worker its own prefix cache plus a host tier of --store-gb GB;
 - `store`: the `conductor` policy (least predicted queue + store load + prefill) with the cluster KV
   store: --store-gb GB of DRAM per node (one node per worker), write-through, loads priced over PCIe 5
-  (host link), 200 Gb InfiniBand between nodes and a 5 GB/s disk (none unless --store-disk-gb).
+  (host link), 200 Gb InfiniBand between nodes and a 5 GB/s disk (none unless --store-disk-gb);
+- `preble_store`: preble with the same store, its P_i pricing the loads (for comparison).
 
 Per run: `hit_ratio` (prompt tokens served from any cache or the store over prompt tokens), the pooled
 bound `pooled_lru_hit_ratio` (`kvbaton.bench.pooled`: one LRU cache of all the memory the run has, device
@@ -42,7 +43,9 @@ def run_setups(store_gb: float, disk_gb: float, cluster: str, seed: int) -> dict
     return {"round_robin": SimSetup(**{**_fields(base), "policy": "round_robin"}),
             "preble": SimSetup(**{**_fields(base), "policy": "preble", "host_kv_gb": store_gb}),
             "store": SimSetup(**{**_fields(base), "policy": "conductor", "kv_store_gb": store_gb,
-                                 "kv_store_disk_gb": disk_gb})}
+                                 "kv_store_disk_gb": disk_gb}),
+            "preble_store": SimSetup(**{**_fields(base), "policy": "preble", "kv_store_gb": store_gb,
+                                        "kv_store_disk_gb": disk_gb})}
 
 
 def _fields(setup: SimSetup) -> dict[str, Any]:

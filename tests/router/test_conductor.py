@@ -143,3 +143,19 @@ def test_preble_prices_store_loads_in_its_prefill_term():
         heartbeat(plain, worker)
     decision = create_policy("preble", plain, random.Random(0)).choose(request, WORKERS, now=1.0)
     assert decision.num_matched_tokens == 0 and decision.costs.store_load_s == 0.0
+
+
+def test_a_busy_mixed_worker_is_priced_by_the_kv_its_steps_read():
+    state = make_state()
+    state.kv_read_s_per_token, state.step_tokens = 1e-4, 8
+    request = req("a", 1, 2, 3, 4)  # 17 tokens, 16 on w0's device and in its node's DRAM
+    state.index.on_routed("w0", request.block_hashes)
+    store_holds(state, "w0", request.block_hashes)
+    state.load.on_stats(WorkerStats("w0", 0, 250, 750, block_size=BS), now=0.0)  # 1,000 KV tokens in use
+    heartbeat(state, "w1")
+    decision = create_policy("conductor", state, random.Random(0)).choose(request, ["w0", "w1"], now=1.0)
+    # w0: 1,000 tokens x 1e-4 s x 1 step = 0.1 s + 0.01 prefill; w1: 0.04 s over the NIC + 0.01 prefill
+    assert decision.worker_id == "w1" and decision.costs.store_load_s == pytest.approx(0.04)
+    state.kv_read_s_per_token = 0.0  # unpriced: the device match wins
+    decision = create_policy("conductor", state, random.Random(0)).choose(req("b", 1, 2, 3, 4), ["w0", "w1"], 1.0)
+    assert decision.worker_id == "w0"

@@ -8,7 +8,10 @@ after that, and on which node and tier):
                        load of the store's run from where it lives + prefill of what is left)
 
 `queue` is the predicted prefill of the tokens already queued on the worker (its heartbeat plus what was
-routed since); the load is priced per block by its path (`StorePrices`: this node's DRAM over the host
+routed since), plus, on a mixed worker, what its running requests add to each step until the first token:
+every step reads their KV (`RouterState.kv_read_s_per_token` x KV tokens in use, one step per
+`step_tokens` of queued and new tokens), so sessions that stay on one worker make it slower to reach, and
+new ones go elsewhere; the load is priced per block by its path (`StorePrices`: this node's DRAM over the host
 link, another node's over the NIC, a disk at the disk's speed), and loading is chosen only when it beats
 recomputing those blocks. A conversation's next turn thus lands where its last turn's KV is (no load at
 all) unless that worker's queue costs more than fetching the KV elsewhere: no hot spot, since every worker
@@ -63,13 +66,20 @@ class ConductorPolicy(BasePolicy):
         num_prompt = request.num_prompt_tokens
         max_hit = max(0, (num_prompt - 1) // block_size)
         queued = state.load.queued_prefill_tokens
+        kv_in_use = state.load.kv_tokens_in_use
+        kv_read_s = state.kv_read_s_per_token
+        step_tokens = max(1, state.step_tokens)
         low = high = float("inf")
         tied: list[tuple[WorkerId, int, float, float, float]] = []
         for worker in workers:
             num_device = min(matched.get(worker, 0), max_hit)
-            queue_s = predict(queued(worker))
+            num_queued = queued(worker)
+            queue_s = predict(num_queued)
             prefill_s = predict(num_prompt - num_device * block_size, num_device * block_size)
             prefill_s, load_s, num_loaded = with_store_load(state, request, worker, num_device, prefill_s)
+            if kv_read_s:  # the steps until its first token each read the running batch's KV
+                num_new = num_prompt - (num_device + num_loaded) * block_size
+                queue_s += kv_read_s * kv_in_use(worker) * (1 + (num_queued + num_new) // step_tokens)
             total = queue_s + load_s + prefill_s
             if total <= high:
                 if total < low:

@@ -64,6 +64,8 @@ class PlacementConfig:
     # from the store nodes' events (`on_store_events`) and the `conductor` policy prices loads from it.
     store_prices: StorePrices | None = None
     prefill_model: PrefillTimeModel | None = None  # None: the router's default (kvbaton.router.prefill_model)
+    kv_read_s_per_token: float = 0.0  # RouterState's: the running batch's KV read per step (0: unpriced)
+    step_tokens: int = 2048  # the workers' token budget per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,7 @@ class ClusterPlacement:
         self.state = RouterState(block_size=config.block_size)
         if config.prefill_model is not None:
             self.state.prefill_model = config.prefill_model
+        self.state.kv_read_s_per_token, self.state.step_tokens = config.kv_read_s_per_token, config.step_tokens
         if config.store_prices is not None:
             self.state.store, self.state.store_prices = StoreDirectory(), config.store_prices
         self.policy = create_policy(config.policy, self.state, random.Random(config.seed), policy_config)

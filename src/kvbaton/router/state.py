@@ -27,6 +27,11 @@ class RouterState:
     # loading a block costs; store nodes are named by the worker ids on them.
     store: StoreDirectory | None = None
     store_prices: StorePrices | None = None
+    # What a mixed worker's running requests add to each step a prefill takes (the conductor's TTFT): every step
+    # reads their KV, this many seconds per KV token in use (KV bytes per token / memory bandwidth; 0: unpriced),
+    # and a prefill takes one step per `step_tokens` (the workers' token budget) of what is queued and its own.
+    kv_read_s_per_token: float = 0.0
+    step_tokens: int = 2048
 
     def matched_tokens(self, request: RouteRequest, num_matched_blocks: int) -> int:
         return min(num_matched_blocks * self.block_size, request.num_prompt_tokens)

@@ -53,7 +53,7 @@ from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs
 from kvbaton.sim.links import get_link
 from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import ClusterSpec
-from kvbaton.sim.store_io import router_prefill_model
+from kvbaton.sim.store_io import kv_read_s_per_token, router_prefill_model
 from kvbaton.sim.worker import SimWorker, TokenFn
 
 _ARRIVAL, _STEP_DONE = 0, 1  # and the handoff part's DELIVERY, RETRY
@@ -91,9 +91,7 @@ class ClusterSim(HandoffFlow, FlightEndings):
                             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
                             kv_bytes_per_token=cost_model.kv_bytes_per_token,
                             reserve_ahead_tokens=config.reserve_ahead_tokens, store_prices=config.store_prices,
-                            prefill_model=(router_prefill_model(cost_model, spec.workers[0].parallel,
-                                                                config.max_model_len)
-                                           if self.store is not None else None)),
+                            **self._calibration(cost_model, sched, config)),
             admission, pools)
         self._tracks_tokens = self.placement.tracks_tokens
         prefill = {w.worker_id: self.workers[w.worker_id] for w in spec.workers if w.role == "prefill"}
@@ -125,6 +123,16 @@ class ClusterSim(HandoffFlow, FlightEndings):
         if token_for is not None and hasattr(token_for, "prompt_of"):
             token_for.prompt_of = self.prompt_of  # type: ignore[attr-defined]
         self._forget_tokens: Callable[[str], None] | None = getattr(token_for, "forget", None)
+
+    def _calibration(self, cost_model: CostModel, sched: SchedulerConfig, config: SimConfig) -> dict[str, object]:
+        """The router's time models fitted to the cost model, for placements that weigh seconds of this GPU (the
+        store's loads, the conductor's TTFT); other runs keep the router's defaults, as before the store."""
+        if self.store is None and config.policy != "conductor":
+            return {}
+        parallel = self.spec.workers[0].parallel
+        return {"prefill_model": router_prefill_model(cost_model, parallel, config.max_model_len),
+                "kv_read_s_per_token": kv_read_s_per_token(cost_model, parallel),
+                "step_tokens": sched.max_num_batched_tokens}
 
     # ---- the loop ------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ on disk) and charged to the worker's next step, serial with its compute, as the 
 Saves (write-through) are counted, not charged: they are asynchronous and never delay a step.
 `router_prefill_model` fits the router's prefill-time model to the cost model, so a placement that weighs
 a load against a prefill (the `conductor` policy) compares seconds of the same GPU, as a live router
-calibrated by `kvbaton profile` would.
+calibrated by `kvbaton profile` would; `kv_read_s_per_token` gives it what a running batch adds to each step.
 """
 
 from __future__ import annotations
@@ -50,3 +50,11 @@ def router_prefill_model(cost_model: CostModel, parallel: Parallelism, max_token
     samples = [PrefillSample(new, cached, cost_model.prefill_s(new, cached, parallel))
                for new in sizes for cached in (0, *sizes) if new + cached <= max_tokens]
     return PrefillTimeModel.fit(samples)
+
+
+def kv_read_s_per_token(cost_model: CostModel, parallel: Parallelism, context_tokens: int = 65536) -> float:
+    """Seconds one decode step spends per KV token of its batch's context on `parallel` (the slope of
+    `decode_s` in context tokens: KV bytes per token over the memory bandwidth, for the roofline)."""
+    return max(0.0, (cost_model.decode_s(1, 2 * context_tokens, parallel) - cost_model.decode_s(1, context_tokens,
+                                                                                                 parallel))
+               / context_tokens)

@@ -38,7 +38,9 @@ and EVICTED (with the hashes) when locked blocks survive. Sequence numbers are 1
 
 Host tier: with a `HostTier` (`kvbaton.cache.host_tier`), evicted blocks are demoted there and
 EVICTED lists only what left both tiers; a block adopted by an insert leaves the tier (exclusive);
-a snapshot lists the tier's blocks after the tree's. `BlockManager.attach_prefix` promotes them.
+a snapshot lists the tier's blocks after the tree's. `BlockManager.attach_prefix` promotes them. The tier may
+instead be a worker's view of the cluster KV store (`kvbaton.cache.store_tier`, the same calls): it is
+written through as blocks are cached and is not exclusive.
 """
 
 from __future__ import annotations
@@ -227,7 +229,8 @@ class RadixCache:
             path_ids.extend(new_ids)
             path_hashes.extend(node.block_hashes)
             if self.tier is not None:
-                self.tier.discard(node.block_hashes)  # computed again on the device: one tier holds a block
+                # the host tier drops its copies (one tier holds a block); the KV store writes them through
+                self.tier.on_cached(tuple(node.block_hashes), parent_hash, node.namespace, tuple(node.block_ids))
             self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
         self._lru.touch(node, self._num_nodes)
         return make_prefix_match(tuple(path_ids), tuple(path_hashes), node)

@@ -17,7 +17,8 @@ Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
 With an admission policy (`kvbaton.router.admission`), arrivals it refuses, and prefilled requests
 the decode stage refuses when their KV arrives (its blocks released), end as `rejected` records.
 Every worker reports a heartbeat at time 0, when it starts serving, then (stats + its radix cache's real KV
-events) at most every `heartbeat_s` of simulated time while busy, and whenever it goes idle. Everything is
+events, and with a cluster KV store its store node's events) at most every `heartbeat_s` of simulated time while
+busy, and whenever it goes idle. Everything is
 a pure function of the inputs and the seed: no clock, and ties on the heap break by `seq`.
 """
 
@@ -32,6 +33,7 @@ from dataclasses import replace
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.cache.kv_store import KVStore, StoreConfig
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import KvbatonError
 from kvbaton.core.request import FinishReason, Request
@@ -51,6 +53,7 @@ from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs, check_same_
 from kvbaton.sim.links import LinkSpec, get_link
 from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import ClusterSpec, WorkerSpec
+from kvbaton.sim.store_io import kv_read_s_per_token, router_prefill_model
 from kvbaton.sim.worker import SimWorker, TokenFn
 
 _ARRIVAL, _STEP_DONE = 0, 1  # and the handoff part's DELIVERY, RETRY
@@ -86,10 +89,14 @@ class ClusterSim(HandoffFlow, FlightEndings):
             own = hardware.get(worker.worker_id)
             return get_link(own.host_link) if own is not None and own.host_link else host_link
 
-        self.workers = {w.worker_id: SimWorker(w, sched, cache_of(w), config.cache_key, costs[w.worker_id], token_for,
-                                               random.Random(f"{config.seed}:{w.worker_id}"), host_link_of(w))
-                        for w in spec.workers}
         self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
+        # The cluster KV store: one node per front worker's host, named by the worker's id.
+        self.store = (KVStore(StoreConfig(config.store_dram_blocks, config.store_disk_blocks), self.front_ids)
+                      if config.store_prices is not None else None)
+        self.workers = {w.worker_id: SimWorker(w, sched, cache_of(w), config.cache_key, costs[w.worker_id], token_for,
+                                               random.Random(f"{config.seed}:{w.worker_id}"), host_link_of(w),
+                                               self.store if w.role != "decode" else None, config.store_prices)
+                        for w in spec.workers}
         self.decode_ids = [w.worker_id for w in spec.workers if w.role == "decode"]
         # The live router's placement object: it hears what a live router hears (heartbeats, KV events, routed calls
         # and their tokens) and decides as it does.
@@ -98,7 +105,8 @@ class ClusterSim(HandoffFlow, FlightEndings):
                             max_num_waiting=config.max_num_waiting,
                             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
                             kv_bytes_per_token=cost_model.kv_bytes_per_token,
-                            reserve_ahead_tokens=config.reserve_ahead_tokens),
+                            reserve_ahead_tokens=config.reserve_ahead_tokens, store_prices=config.store_prices,
+                            **self._calibration(cost_model, sched, config)),
             admission, pools)
         self._tracks_tokens = self.placement.tracks_tokens
         prefill = {w.worker_id: self.workers[w.worker_id] for w in spec.workers if w.role == "prefill"}
@@ -130,6 +138,16 @@ class ClusterSim(HandoffFlow, FlightEndings):
         if token_for is not None and hasattr(token_for, "prompt_of"):
             token_for.prompt_of = self.prompt_of  # type: ignore[attr-defined]
         self._forget_tokens: Callable[[str], None] | None = getattr(token_for, "forget", None)
+
+    def _calibration(self, cost_model: CostModel, sched: SchedulerConfig, config: SimConfig) -> dict[str, object]:
+        """The router's time models fitted to the cost model, for placements that weigh seconds of this GPU (the
+        store's loads, the conductor's TTFT); other runs keep the router's defaults, as before the store."""
+        if self.store is None and config.policy != "conductor":
+            return {}
+        parallel = self.spec.workers[0].parallel
+        return {"prefill_model": router_prefill_model(cost_model, parallel, config.max_model_len),
+                "kv_read_s_per_token": kv_read_s_per_token(cost_model, parallel),
+                "step_tokens": sched.max_num_batched_tokens}
 
     # ---- the loop ------------------------------------------------------------------------------------
 
@@ -371,6 +389,11 @@ class ClusterSim(HandoffFlow, FlightEndings):
             events = worker.cache.take_events()
             if events and not placement.on_kv_events(worker.worker_id, events):
                 placement.apply_snapshot(worker.worker_id, worker.cache.snapshot())
+        store = self.store
+        if store is not None:  # the worker's host is a store node: its events travel with the heartbeat
+            events = store.take_events(worker.worker_id)
+            if events and not placement.on_store_events(worker.worker_id, events):
+                placement.apply_store_snapshot(worker.worker_id, store.snapshot(worker.worker_id))
 
     def prompt_of(self, request_id: str) -> list[int]:
         """The prompt token ids of a request in flight."""

@@ -293,7 +293,8 @@ class Worker:
         elif isinstance(message, rpc.AddRequest):
             try:
                 engine.add_request(list(message.prompt_token_ids), message.sampling, request_id=message.request_id,
-                                   tenant=message.tenant, slo_class=message.slo_class)
+                                   tenant=message.tenant, slo_class=message.slo_class,
+                                   output_token_ids=message.output_token_ids)
             except KvbatonError as exc:
                 self._send_failed(socket, message.request_id, len(message.prompt_token_ids), str(exc))
                 return

@@ -1,0 +1,198 @@
+"""Request migration: a worker process killed (by pid) mid-decode moves its call to another worker, and the stream
+goes on with no token lost or repeated; greedy and seeded output equal an uninterrupted run; the limit ends it.
+
+The workers a test kills are real `kvbaton worker` processes (tiny-random, a few seconds to start); the router
+is a ClusterManager in this process (tests/server/pd_helpers.py's `run_pd`), so the test reads its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from kvbaton.core.cluster_secret import SECRET_ENV
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.model.registry import LoadedModel, load_model
+from kvbaton.server.base import GenerateCall, TokenDelta
+from kvbaton.server.cluster import ClusterManager
+from kvbaton.transfer.transport_shm import SHM_DIRECTORY, SHM_PREFIX
+from tests.server.pd_helpers import BLOCK_SIZE, colocated, collect, greedy, run_pd, tokens_of, wait_clean
+from tests.server.test_worker_cluster import SECRET, WorkerThread
+
+PROMPT = [(7 * i + 3) % 50 + 3 for i in range(40)]
+MAX_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny-random")
+
+
+def spawn(cluster: ClusterManager, worker_id: str, role: str, log_dir: Path) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "kvbaton.cli", "worker", "--router", cluster.address, "--model", "tiny-random",
+               "--worker-id", worker_id, "--role", role, "--block-size", str(BLOCK_SIZE), "--num-blocks", "128",
+               "--threads", "1", "--router-timeout", "30"]
+    with open(log_dir / f"{worker_id}.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+                                   env={**os.environ, SECRET_ENV: SECRET.to_hex()})
+    cluster.watch_process(worker_id, process)
+    return process
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+Body = Callable[[ClusterManager, dict[str, subprocess.Popen[bytes]]], Awaitable[None]]
+
+
+def with_processes(tiny: LoadedModel, roles: dict[str, str], log_dir: Path, body: Body,
+                   threads: dict[str, str] | None = None, **config: object) -> None:
+    """`run_pd` with worker processes `roles` (id -> role) besides its thread workers `threads`; every process
+    is killed on the way out and the shared-memory regions of killed decode processes are removed."""
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    async def outer(cluster: ClusterManager, workers: dict[str, WorkerThread]) -> None:
+        for worker_id, role in roles.items():
+            processes[worker_id] = spawn(cluster, worker_id, role, log_dir)
+        await cluster.wait_for_workers(len(roles) + len(workers), timeout_s=90.0)
+        await body(cluster, processes)
+
+    try:
+        run_pd(tiny, threads or {}, outer, timeout_s=150.0, **config)
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait(10)
+            for name in os.listdir(SHM_DIRECTORY):
+                if name.startswith(f"{SHM_PREFIX}-{process.pid}-"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(SHM_DIRECTORY, name))
+
+
+async def kill_mid_decode(cluster: ClusterManager, processes: dict[str, subprocess.Popen[bytes]],
+                          call: GenerateCall, after_tokens: int = 8) -> tuple[list[TokenDelta], str]:
+    """Stream `call`, SIGKILL the process of the worker answering it once `after_tokens` tokens came; returns the
+    whole stream and the worker killed."""
+    consumer = asyncio.ensure_future(collect(cluster, call))
+    await until(lambda: call.request_id in cluster._calls, 10.0)
+    entry = cluster._calls[call.request_id]
+    await until(lambda: len(entry.output_token_ids) >= after_tokens or entry.finished, 30.0)
+    victim = entry.worker_id
+    assert not entry.finished and len(entry.output_token_ids) < call.sampling.max_tokens // 2, "not mid-decode"
+    os.kill(processes[victim].pid, signal.SIGKILL)
+    deltas = await consumer
+    assert victim in cluster.lost_workers
+    return deltas, victim
+
+
+def test_killed_mixed_worker_mid_decode_the_stream_completes_as_if_uninterrupted(tiny: LoadedModel,
+                                                                                  tmp_path: Path) -> None:
+    params = greedy(MAX_TOKENS)
+    expected = colocated(tiny, PROMPT, params)  # before the cluster starts: it would block the router's loop
+
+    async def body(cluster: ClusterManager, processes: dict[str, subprocess.Popen[bytes]]) -> None:
+        deltas, victim = await kill_mid_decode(cluster, processes, GenerateCall("m-0", tuple(PROMPT), params, 0.0))
+        assert deltas[-1].finish_reason == "length" and not any(d.error for d in deltas)
+        assert tokens_of(deltas) == expected  # none lost, none repeated
+        assert cluster.num_migrations == 1 and cluster.num_failed_by_worker_loss == 0
+        survivor = ({"w0", "w1"} - {victim}).pop()
+        assert deltas[-1].worker_id == survivor
+        await wait_clean(cluster, [survivor])  # no block leaked on the worker that took it over
+        assert cluster.num_in_flight == 0 and cluster.num_waiting == 0
+        cluster.placement.check_invariants()
+        assert 'kvbaton:num_migrations_total 1.0' in metrics_text(cluster)
+
+    with_processes(tiny, {"w0": "mixed", "w1": "mixed"}, tmp_path, body)
+
+
+def metrics_text(cluster: ClusterManager) -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvbaton.server.metrics import ClusterCollector
+
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(cluster.cluster_info))
+    return generate_latest(registry).decode()
+
+
+def test_seeded_sampled_call_migrates_with_the_same_random_stream(tiny: LoadedModel, tmp_path: Path) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True,
+                            repetition_penalty=1.1)
+    expected = colocated(tiny, PROMPT, params)
+    assert expected != colocated(tiny, PROMPT, greedy(MAX_TOKENS))  # it does sample
+
+    async def body(cluster: ClusterManager, processes: dict[str, subprocess.Popen[bytes]]) -> None:
+        deltas, _ = await kill_mid_decode(cluster, processes, GenerateCall("s-0", tuple(PROMPT), params, 0.0))
+        assert deltas[-1].finish_reason == "length" and cluster.num_migrations == 1
+        assert tokens_of(deltas) == expected
+
+    with_processes(tiny, {"w0": "mixed", "w1": "mixed"}, tmp_path, body)
+
+
+def test_killed_decode_worker_of_a_1p2d_pair_moves_to_the_other_decode_worker(tiny: LoadedModel,
+                                                                               tmp_path: Path) -> None:
+    params = greedy(MAX_TOKENS)
+    expected = colocated(tiny, PROMPT, params)
+
+    async def body(cluster: ClusterManager, processes: dict[str, subprocess.Popen[bytes]]) -> None:
+        call = GenerateCall("pd-0", tuple(PROMPT), params, 0.0)
+        consumer_started = asyncio.ensure_future(kill_mid_decode(cluster, processes, call))
+        await until(lambda: call.request_id in cluster._calls, 10.0)
+        assert cluster._calls[call.request_id].prefill_worker == "p0"  # a handed-off call
+        deltas, victim = await consumer_started
+        assert deltas[-1].finish_reason == "length" and not any(d.error for d in deltas)
+        assert tokens_of(deltas) == expected
+        survivor = ({"d0", "d1"} - {victim}).pop()
+        assert deltas[-1].worker_id == survivor and cluster.num_migrations == 1
+        await wait_clean(cluster, ["p0", survivor])
+        cluster.placement.check_invariants()
+
+    with_processes(tiny, {"d0": "decode", "d1": "decode"}, tmp_path, body, threads={"p0": "prefill"})
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_migration_limit_reached_ends_the_call_with_an_error_naming_it(tiny: LoadedModel, tmp_path: Path,
+                                                                       limit: int) -> None:
+    params = greedy(MAX_TOKENS)
+    reference = colocated(tiny, PROMPT, params)
+
+    async def body(cluster: ClusterManager, processes: dict[str, subprocess.Popen[bytes]]) -> None:
+        call = GenerateCall("l-0", tuple(PROMPT), params, 0.0)
+        consumer = asyncio.ensure_future(collect(cluster, call))
+        await until(lambda: call.request_id in cluster._calls, 10.0)
+        entry = cluster._calls[call.request_id]
+        for num_killed in range(limit + 1):
+            seen = len(entry.output_token_ids)
+            await until(lambda: len(entry.output_token_ids) >= seen + 5, 30.0)
+            os.kill(processes[entry.worker_id].pid, signal.SIGKILL)
+            if num_killed < limit:
+                await until(lambda: entry.num_migrations == num_killed + 1, 10.0)
+        deltas = await consumer
+        last = deltas[-1]
+        assert last.finished and last.finish_reason == "error"
+        assert "was lost while running this request" in last.error
+        expected = ("migration is off (--migration-limit 0)" if limit == 0 else
+                    "not migrated: it already moved 1 times (--migration-limit 1)")
+        assert expected in last.error, last.error
+        assert tokens_of(deltas) == reference[:len(tokens_of(deltas))]  # what came before the error is right
+        assert cluster.num_migrations == limit and cluster.num_failed_by_worker_loss == 1
+        survivors = sorted(set(processes) - set(cluster.lost_workers))
+        await wait_clean(cluster, survivors)
+        assert cluster.num_in_flight == 0
+
+    roles = {f"w{i}": "mixed" for i in range(limit + 2)}
+    with_processes(tiny, roles, tmp_path, body, migration_limit=limit)

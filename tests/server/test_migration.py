@@ -17,14 +17,19 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvbaton.core.cluster_secret import SECRET_ENV
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.model.registry import LoadedModel, load_model
+from kvbaton.server import rpc
 from kvbaton.server.base import GenerateCall, TokenDelta
 from kvbaton.server.cluster import ClusterManager
+from kvbaton.server.metrics import ClusterCollector
 from kvbaton.transfer.transport_shm import SHM_DIRECTORY, SHM_PREFIX
 from tests.server.pd_helpers import BLOCK_SIZE, colocated, collect, greedy, run_pd, tokens_of, wait_clean
+from tests.server.test_cluster_lifecycle import cluster_of
+from tests.server.test_cluster_manager import call
 from tests.server.test_worker_cluster import SECRET, WorkerThread
 
 PROMPT = [(7 * i + 3) % 50 + 3 for i in range(40)]
@@ -120,10 +125,6 @@ def test_killed_mixed_worker_mid_decode_the_stream_completes_as_if_uninterrupted
 
 
 def metrics_text(cluster: ClusterManager) -> str:
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from kvbaton.server.metrics import ClusterCollector
-
     registry = CollectorRegistry()
     registry.register(ClusterCollector(cluster.cluster_info))
     return generate_latest(registry).decode()
@@ -196,3 +197,35 @@ def test_migration_limit_reached_ends_the_call_with_an_error_naming_it(tiny: Loa
 
     roles = {f"w{i}": "mixed" for i in range(limit + 2)}
     with_processes(tiny, roles, tmp_path, body, migration_limit=limit)
+
+
+def test_router_bookkeeping_of_a_migration_over_scripted_workers() -> None:
+    """No process: the router's side alone. A call that lost w0 after 3 tokens is sent to w1 with them; the
+    placement forgets w0 first, tallies the call once, counts it waiting again until w1's first token; w1 being
+    unreachable too moves it on to w2; a consumer that aborts never moves."""
+    cluster, socket = cluster_of({f"w{i}": "mixed" for i in range(4)}, policy="round_robin")
+    deltas: list[TokenDelta] = []
+    cluster.submit(call("r0", tuple(range(1, 30))), deltas.append)
+    assert cluster._calls["r0"].worker_id == "w0"
+    cluster.pool.handle("w0", rpc.TokenDeltas("w0", (TokenDelta("r0", (5, 6), "ab", False, None, 29, worker_id="w0"),
+                                                     TokenDelta("r0", (7,), "c", False, None, 29, worker_id="w0"))))
+    assert cluster.num_waiting == 0
+    socket.sent.clear()
+    socket.gone.add("w2")
+    cluster.pool.handle("w0", rpc.Goodbye("w0", "draining"))  # w0 leaves; round robin offers w2, unreachable
+    adds = [(w, m) for w, m in socket.sent if isinstance(m, rpc.AddRequest)]
+    assert [(w, m.output_token_ids, m.prompt_token_ids) for w, m in adds] == [("w1", (5, 6, 7), tuple(range(1, 30)))]
+    assert sorted(cluster.lost_workers) == ["w0", "w2"] and cluster.num_migrations == 2
+    assert cluster.num_waiting == 1 and cluster.workers["w1"].in_flight == {"r0"}
+    cluster.placement.check_invariants()
+    cluster.pool.handle("w1", rpc.TokenDeltas("w1", (TokenDelta("r0", (8,), "d", True, "length", 29, worker_id="w1"),)))
+    assert [t for d in deltas for t in d.new_token_ids] == [5, 6, 7, 8] and deltas[-1].finish_reason == "length"
+    assert cluster.num_in_flight == 0 and cluster.num_waiting == 0 and cluster.num_failed_by_worker_loss == 0
+    cluster.placement.check_invariants()
+    # A call being aborted when its worker goes fails instead of moving (here to w3).
+    cluster.submit(call("r1", tuple(range(1, 30))), deltas.append)
+    assert cluster._calls["r1"].worker_id == "w3"
+    socket.gone.add("w3")
+    asyncio.run(cluster.abort("r1"))
+    assert deltas[-1].finish_reason == "error" and cluster.num_migrations == 2 and cluster.num_in_flight == 0
+    assert "w1" in cluster.workers and cluster.num_failed_by_worker_loss == 1

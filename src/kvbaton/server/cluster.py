@@ -378,6 +378,8 @@ class ClusterManager:
         entry = self._calls.get(delta.request_id)
         if entry is None or entry.finished:
             return  # the consumer already went away; the worker's late abort delta is dropped
+        if entry.num_migrations and delta.worker_id and delta.worker_id != entry.worker_id:
+            return  # a late delta from the prefill worker of the pair it left (its abort): the call runs whole now
         if delta.new_token_ids and entry.num_tokens_seen == 0 and entry.prefill_worker and self._refused_at_decode(
                 entry, delta):
             return

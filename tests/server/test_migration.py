@@ -89,8 +89,9 @@ def with_processes(tiny: LoadedModel, roles: dict[str, str], log_dir: Path, body
 
 
 async def kill_mid_decode(cluster: ClusterManager, processes: dict[str, subprocess.Popen[bytes]],
-                          call: GenerateCall, after_tokens: int = 8) -> tuple[list[TokenDelta], str]:
-    """Stream `call`, SIGKILL the process of the worker answering it once `after_tokens` tokens came; returns the
+                          call: GenerateCall, after_tokens: int = 8,
+                          sig: int = signal.SIGKILL) -> tuple[list[TokenDelta], str]:
+    """Stream `call`, signal (`sig`) the process of the worker answering it once `after_tokens` tokens came; returns the
     whole stream and the worker killed."""
     consumer = asyncio.ensure_future(collect(cluster, call))
     await until(lambda: call.request_id in cluster._calls, 10.0)
@@ -98,19 +99,23 @@ async def kill_mid_decode(cluster: ClusterManager, processes: dict[str, subproce
     await until(lambda: len(entry.output_token_ids) >= after_tokens or entry.finished, 30.0)
     victim = entry.worker_id
     assert not entry.finished and len(entry.output_token_ids) < call.sampling.max_tokens // 2, "not mid-decode"
-    os.kill(processes[victim].pid, signal.SIGKILL)
+    os.kill(processes[victim].pid, sig)
     deltas = await consumer
     assert victim in cluster.lost_workers
     return deltas, victim
 
 
-def test_killed_mixed_worker_mid_decode_the_stream_completes_as_if_uninterrupted(tiny: LoadedModel,
-                                                                                  tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])  # SIGTERM: the worker is drained, says goodbye
+def test_killed_mixed_worker_mid_decode_the_stream_completes_as_if_uninterrupted(tiny: LoadedModel, tmp_path: Path,
+                                                                                  sig: int) -> None:
     params = greedy(MAX_TOKENS)
     expected = colocated(tiny, PROMPT, params)  # before the cluster starts: it would block the router's loop
 
     async def body(cluster: ClusterManager, processes: dict[str, subprocess.Popen[bytes]]) -> None:
-        deltas, victim = await kill_mid_decode(cluster, processes, GenerateCall("m-0", tuple(PROMPT), params, 0.0))
+        deltas, victim = await kill_mid_decode(cluster, processes, GenerateCall("m-0", tuple(PROMPT), params, 0.0),
+                                               sig=sig)
+        reason = cluster.lost_workers[victim]
+        assert reason == "left: stopped by a signal" if sig == signal.SIGTERM else "exited with code -9" in reason
         assert deltas[-1].finish_reason == "length" and not any(d.error for d in deltas)
         assert tokens_of(deltas) == expected  # none lost, none repeated
         assert cluster.num_migrations == 1 and cluster.num_failed_by_worker_loss == 0

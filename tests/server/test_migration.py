@@ -234,3 +234,9 @@ def test_router_bookkeeping_of_a_migration_over_scripted_workers() -> None:
     asyncio.run(cluster.abort("r1"))
     assert deltas[-1].finish_reason == "error" and cluster.num_migrations == 2 and cluster.num_in_flight == 0
     assert "w1" in cluster.workers and cluster.num_failed_by_worker_loss == 1
+
+
+def test_the_resumed_output_travels_in_the_add_request_as_msgpack() -> None:
+    add = rpc.AddRequest("r0", (1, 2, 3), greedy(9), "t", "default", output_token_ids=(7, 8, 2 ** 32 - 1))
+    assert rpc.decode(rpc.encode(add)) == add
+    assert rpc.decode(rpc.encode(rpc.AddRequest("r1", (1,), greedy(2)))).output_token_ids == ()

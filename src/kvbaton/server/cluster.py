@@ -292,9 +292,9 @@ class ClusterManager:
             raise RejectedError(f"cluster not ready: {self.is_ready()[1]}", status_code=503,
                                 retry_after_s=self.config.retry_after_s)
         cache_key = CacheKey(self.identity.model_revision, self.identity.kv_layout)
+        max_tokens_left = max(call.sampling.max_tokens - len(output_token_ids), 1)
         request = RouteRequest.from_tokens(call.request_id, call.prompt_token_ids + output_token_ids, cache_key,
-                                           self.config.block_size, max(call.sampling.max_tokens - len(output_token_ids), 1),
-                                           call.tenant)
+                                           self.config.block_size, max_tokens_left, call.tenant)
         placement = self.placement.place(request, self.clock(), whole=whole)
         if isinstance(placement, Refusal):
             self.num_rejected += 1

@@ -3,9 +3,10 @@
 Order: refuse a non-loopback host without an API key (`server/auth.py`) -> load the tokenizer (not the
 weights) -> bind the RPC socket -> spawn workers, each handed the cluster secret in its environment (never
 its command line) -> wait until all have registered (each was checked against the router's tokenizer
-probe and the first one's layout) -> serve HTTP. On SIGINT/SIGTERM: drain (new generation requests get 503 with
-Retry-After, not a refused connection, while the in-flight ones finish up to the drain deadline), stop accepting, tell the workers to shut down, kill any straggler by pid, exit 0. Workers run in their own session so
-a terminal's Ctrl-C reaches only the router, which then stops them in order.
+probe and the first one's layout) -> serve HTTP. On SIGINT/SIGTERM: drain (new generation requests get 503
+with Retry-After, not a refused connection, while the in-flight ones finish up to the drain deadline), stop
+accepting, tell the workers to shut down, kill any straggler by pid, exit 0. Workers run in their own session
+so a terminal's Ctrl-C reaches only the router, which then stops them in order.
 """
 
 from __future__ import annotations

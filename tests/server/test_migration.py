@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvbaton.core.cluster_secret import SECRET_ENV
 from kvbaton.core.sampling import SamplingParams
+from kvbaton.engine.structured import grammar_for
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.server import rpc
 from kvbaton.server.base import GenerateCall, TokenDelta
@@ -240,3 +241,19 @@ def test_the_resumed_output_travels_in_the_add_request_as_msgpack() -> None:
     add = rpc.AddRequest("r0", (1, 2, 3), greedy(9), "t", "default", output_token_ids=(7, 8, 2 ** 32 - 1))
     assert rpc.decode(rpc.encode(add)) == add
     assert rpc.decode(rpc.encode(rpc.AddRequest("r1", (1,), greedy(2)))).output_token_ids == ()
+
+
+def test_a_structured_output_call_migrates_with_its_grammar_in_the_right_state(tiny: LoadedModel,
+                                                                             tmp_path: Path) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, grammar=grammar_for("regex", "(ab|ba){40,}c"))
+    expected = colocated(tiny, PROMPT, params)
+    assert 40 <= len(expected) < MAX_TOKENS  # the grammar ends it ("stop" at its "c")
+
+    async def body(cluster: ClusterManager, processes: dict[str, subprocess.Popen[bytes]]) -> None:
+        deltas, _ = await kill_mid_decode(cluster, processes, GenerateCall("g-0", tuple(PROMPT), params, 0.0))
+        assert deltas[-1].finish_reason == "stop" and cluster.num_migrations == 1, deltas[-1]
+        assert tokens_of(deltas) == expected
+        text = "".join(d.new_text for d in deltas)
+        assert text.endswith("c") and len(text) >= 81
+
+    with_processes(tiny, {"w0": "mixed", "w1": "mixed"}, tmp_path, body)

@@ -139,6 +139,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
     p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="times a request may move to another worker when its worker dies mid-request (0 = off)")
     p.add_argument("--admission", default="none", choices=ADMISSION_POLICIES,
                    help="SLO admission: answer 429 at arrival to what cannot meet --ttft-slo/--tpot-slo")
     p.add_argument("--ttft-slo", type=float, default=0.0, help="seconds, for --admission")
@@ -221,6 +223,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise KvbatonError(f"--port must be 0-65535, got {args.port}")
     if not args.drain_timeout >= 0:  # NaN too
         raise KvbatonError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    if args.migration_limit < 0:
+        raise KvbatonError(f"--migration-limit must be >= 0, got {args.migration_limit}")
     _check_kv_sizes(args)
     api_keys = _api_keys(args)
     check_exposure(args.host, api_keys, args.allow_unauthenticated)  # before anything loads
@@ -235,6 +239,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         num_speculative_tokens=args.speculative_tokens,
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
+        migration_limit=args.migration_limit,
         admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
         adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
         tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens,

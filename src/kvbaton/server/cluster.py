@@ -14,7 +14,12 @@ on the event loop as they arrive; `generate` is the queue-backed stream over tha
 Disaggregated pools (workers registered as `prefill` / `decode`): the placement picks (p, d) and the
 call goes to both — d answers for it (it streams every delta), p only reports a handoff leg that
 ended without the KV, which is relayed to d to recompute or fail. A call is in the in-flight set of
-both workers; losing p hands the call to d's fallback, losing d fails the call.
+both workers; losing p hands the call to d's fallback.
+
+Migration: a call whose worker (its decode worker, for a pair) is lost moves to another one, placed whole, with
+the tokens it already streamed (`rpc.AddRequest.output_token_ids`): that worker recomputes prompt + output and
+goes on, so the stream loses and repeats no token. A call moves at most `migration_limit` times; past that (or
+with the limit 0) it fails with an error naming the worker and the limit.
 
 This module holds the call side (sending each call where it is placed, its deltas and end, the calls of a
 worker that left) and the reads for /ready, /cluster and /metrics. The workers themselves (their messages,
@@ -37,7 +42,7 @@ from kvbaton.router.admission import AdmissionPolicy
 from kvbaton.router.base import RouteRequest
 from kvbaton.router.call_tally import CallTally
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
-from kvbaton.router.placement import ClusterPlacement, PlacementConfig, Refusal
+from kvbaton.router.placement import ClusterPlacement, Placement, PlacementConfig, Refusal
 from kvbaton.router.policies import local_queue_policy
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.state import RouterState
@@ -77,6 +82,7 @@ class ClusterConfig:
     scheduling_policy: str = ""
     # Only holders of this secret connect as workers (server/rpc_auth.py); None: a fresh one (`ClusterManager.secret`).
     cluster_secret: ClusterSecret | None = None
+    migration_limit: int = 3  # times one call may move to another worker after losing one; 0: it fails instead
 
 
 class ClusterManager:
@@ -104,6 +110,10 @@ class ClusterManager:
         self.router_decisions: dict[str, int] = {}  # decision reason -> count
         self.num_rejected = 0
         self.num_failed_by_worker_loss = 0
+        self.num_migrations = 0  # calls moved to another worker after losing theirs
+        # Set when the router is being stopped: new calls are refused (503, Retry-After) while those in flight end.
+        self.draining = False
+        self._shutting_down = False  # set by shutdown: the workers are being stopped
         self.num_handoff_fallbacks = 0  # prefill legs that ended without the KV (relayed to the decode worker)
         self.handoff_endings: dict[str, int] = {}  # outcome of those legs -> count
         self._tasks: list[asyncio.Task[None]] = []
@@ -206,6 +216,8 @@ class ClusterManager:
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Tell every worker to stop (they abort what is left), wait for their goodbyes, then close."""
+        self.draining = True
+        self._shutting_down = True  # a call lost with a worker now does not move to another one being stopped
         for worker_id in sorted(self.workers):
             self.pool.send(worker_id, rpc.Shutdown("router shutting down"))
         deadline = self.clock() + timeout_s
@@ -252,6 +264,7 @@ class ClusterManager:
 
     def _send_abort(self, entry: CallRecord) -> None:
         """Cancellation reaches both legs of a disaggregated call (each tells its transfer peer too)."""
+        entry.aborted = True
         request_ids = (entry.call.request_id,)
         if entry.prefill_worker and entry.prefill_worker in self.workers:
             self.pool.send(entry.prefill_worker, rpc.Abort(request_ids))
@@ -262,14 +275,27 @@ class ClusterManager:
     def _route(self, call: GenerateCall, sink: DeltaSink) -> CallRecord:
         if call.request_id in self._calls:
             raise RejectedError(f"request id {call.request_id!r} is already in flight", status_code=400)
+        if self.draining:
+            self.num_rejected += 1
+            raise RejectedError("this router is shutting down; retry on another router or later", status_code=503,
+                                retry_after_s=self.config.retry_after_s)
+        placement = self._place(call, (), whole=call.sampling.prompt_logprobs is not None)
+        entry = CallRecord(call, placement.worker_id, sink, prefill_worker=placement.prefill_worker)
+        self._calls[call.request_id] = entry
+        self._send_add(entry)
+        return entry
+
+    def _place(self, call: GenerateCall, output_token_ids: tuple[int, ...], whole: bool) -> Placement:
+        """Place the call, resuming after `output_token_ids` (a migration); RejectedError (counted) if refused."""
         if self.identity is None or not self.placement.num_serving:
             self.num_rejected += 1
             raise RejectedError(f"cluster not ready: {self.is_ready()[1]}", status_code=503,
                                 retry_after_s=self.config.retry_after_s)
         cache_key = CacheKey(self.identity.model_revision, self.identity.kv_layout)
-        request = RouteRequest.from_tokens(call.request_id, call.prompt_token_ids, cache_key, self.config.block_size,
-                                           call.sampling.max_tokens, call.tenant)
-        placement = self.placement.place(request, self.clock(), whole=call.sampling.prompt_logprobs is not None)
+        max_tokens_left = max(call.sampling.max_tokens - len(output_token_ids), 1)
+        request = RouteRequest.from_tokens(call.request_id, call.prompt_token_ids + output_token_ids, cache_key,
+                                           self.config.block_size, max_tokens_left, call.tenant)
+        placement = self.placement.place(request, self.clock(), whole=whole)
         if isinstance(placement, Refusal):
             self.num_rejected += 1
             reason = placement.reason
@@ -285,22 +311,27 @@ class ClusterManager:
             log.info("adaptive pools: %s %s (%s)", "lent" if switch.lent else "returned", switch.worker_id,
                      switch.reason)
         self.router_decisions[placement.reason] = self.router_decisions.get(placement.reason, 0) + 1
-        entry = CallRecord(call, placement.worker_id, sink, prefill_worker=placement.prefill_worker)
-        self._calls[call.request_id] = entry
-        self.workers[entry.worker_id].in_flight.add(call.request_id)
-        add = rpc.AddRequest(call.request_id, call.prompt_token_ids, call.sampling, call.tenant, call.slo_class)
+        return placement
+
+    def _send_add(self, entry: CallRecord) -> None:
+        """Send the placed call to its worker(s). A send may find its worker gone: the pool removes it, which ends
+        or migrates this call before the send returns."""
+        call = entry.call
+        worker_id = entry.worker_id
+        self.workers[worker_id].in_flight.add(call.request_id)
+        add = rpc.AddRequest(call.request_id, call.prompt_token_ids, call.sampling, call.tenant, call.slo_class,
+                             output_token_ids=tuple(entry.output_token_ids))
         if not entry.prefill_worker:
-            self.pool.send(entry.worker_id, add)
-            return entry
+            self.pool.send(worker_id, add)
+            return
         # The decode leg first, so it usually knows the request before the reservation arrives (either order works).
         self.workers[entry.prefill_worker].in_flight.add(call.request_id)
-        self.pool.send(entry.worker_id, replace(add, prefill_worker=entry.prefill_worker,
-                                            kv_load_failure_policy=self.config.kv_load_failure_policy))
-        if entry.finished:  # the decode worker was unreachable: it left the pool and failed this call with it
-            return entry
-        self.pool.send(entry.prefill_worker, replace(add, decode_worker=entry.worker_id,
-                                                 decode_address=self.workers[entry.worker_id].register.kv_address))
-        return entry
+        self.pool.send(worker_id, replace(add, prefill_worker=entry.prefill_worker,
+                                          kv_load_failure_policy=self.config.kv_load_failure_policy))
+        if entry.finished or entry.worker_id != worker_id:  # the decode worker was unreachable: it left the pool
+            return
+        self.pool.send(entry.prefill_worker, replace(add, decode_worker=worker_id,
+                                                 decode_address=self.workers[worker_id].register.kv_address))
 
     def _refused_at_decode(self, entry: CallRecord, delta: TokenDelta) -> bool:
         """Admission's decode-stage gate, as the simulator runs it when a handed-off call's KV reaches its decode
@@ -347,11 +378,14 @@ class ClusterManager:
         entry = self._calls.get(delta.request_id)
         if entry is None or entry.finished:
             return  # the consumer already went away; the worker's late abort delta is dropped
+        if entry.num_migrations and delta.worker_id and delta.worker_id != entry.worker_id:
+            return  # a late delta from the prefill worker of the pair it left (its abort): the call runs whole now
         if delta.new_token_ids and entry.num_tokens_seen == 0 and entry.prefill_worker and self._refused_at_decode(
                 entry, delta):
             return
         if delta.new_token_ids:
             self.placement.on_tokens(delta.request_id, len(delta.new_token_ids), self.clock())
+            entry.output_token_ids.extend(delta.new_token_ids)
         entry.num_tokens_seen += len(delta.new_token_ids)
         if delta.finished:
             if entry.prefill_worker and delta.worker_id == entry.prefill_worker and entry.worker_id in self.workers:
@@ -371,8 +405,8 @@ class ClusterManager:
                                                           refused=message.outcome == "refused"))
 
     def _on_worker_removed(self, worker_id: str, record: WorkerRecord, reason: str) -> None:
-        """The calls of a worker that left the pool: a lost prefill leg hands its call to the decode worker's
-        fallback; any other call fails with an error delta naming the worker."""
+        """The calls of a worker that left the pool (and the placement, so none is placed on it again): a lost
+        prefill leg hands its call to the decode worker's fallback; any other call migrates (`_migrate`)."""
         for request_id in sorted(record.in_flight):
             entry = self._calls.get(request_id)
             if entry is None or entry.finished:
@@ -386,11 +420,47 @@ class ClusterManager:
                 continue
             if entry.prefill_worker:
                 self.pool.send(entry.prefill_worker, rpc.Abort((request_id,)))
+                if entry.finished or entry.worker_id != worker_id:  # that send lost the prefill worker too
+                    continue
+            self._migrate(entry, f"worker {worker_id} was lost while running this request ({reason})")
+
+    def _migrate(self, entry: CallRecord, why: str) -> None:
+        """Move a call whose worker was lost to another worker, placed whole, resuming after the tokens already
+        streamed; the call fails with an error delta saying `why` when the migration limit forbids it or no
+        worker takes it. Its placement's bookkeeping (tally, waiting count) ends here and starts again with the
+        new placement, so each placement hears `on_finished` once."""
+        call, limit = entry.call, self.config.migration_limit
+        request_id = call.request_id
+        for worker_id in (entry.worker_id, entry.prefill_worker):
+            record = self.workers.get(worker_id)
+            if record is not None:
+                record.in_flight.discard(request_id)
+        self.placement.on_finished(request_id, self.clock())
+        error = ""
+        if entry.aborted:
+            error = why  # it was being cancelled anyway
+        elif self._shutting_down:
+            error = f"{why}; not migrated: this router is shutting down"
+        elif entry.num_migrations >= limit:
+            error = (f"{why}; migration is off (--migration-limit 0)" if limit == 0 else
+                     f"{why}; not migrated: it already moved {entry.num_migrations} times (--migration-limit {limit})")
+        else:
+            try:
+                placement = self._place(call, tuple(entry.output_token_ids), whole=True)
+            except RejectedError as exc:
+                error = f"{why}; no other worker took it over ({exc})"
+        if error:
             self.num_failed_by_worker_loss += 1
             self._end_call(entry)
-            entry.sink(TokenDelta(
-                request_id, (), "", True, "error", len(entry.call.prompt_token_ids),
-                error=f"worker {worker_id} was lost while running this request ({reason})", worker_id=worker_id))
+            entry.sink(TokenDelta(request_id, (), "", True, "error", len(call.prompt_token_ids), error=error,
+                                  worker_id=entry.worker_id))
+            return
+        self.num_migrations += 1
+        entry.num_migrations += 1
+        log.info("call %s migrates from %s to %s after %d tokens (%s)", request_id, entry.worker_id,
+                 placement.worker_id, len(entry.output_token_ids), why)
+        entry.worker_id, entry.prefill_worker, entry.num_tokens_seen = placement.worker_id, "", 0
+        self._send_add(entry)
 
     # -- readiness, /cluster and /metrics
     @property
@@ -399,6 +469,8 @@ class ClusterManager:
         return self.pool.num_serving
 
     def is_ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "this router is shutting down (finishing its in-flight calls)"
         serving = sorted(w for w, record in self.workers.items() if record.stats is not None)
         if serving:
             return True, f"{len(serving)} worker(s) serving: {', '.join(serving)}"
@@ -429,6 +501,7 @@ class ClusterManager:
             "router_decisions": dict(sorted(self.router_decisions.items())),
             "num_rejected": self.num_rejected,
             "num_failed_by_worker_loss": self.num_failed_by_worker_loss,
+            "num_migrations": self.num_migrations,
             "transfers": self.transfer_totals(),
             "spec_decode": self.spec_decode_totals(),
         }

@@ -221,8 +221,8 @@ class WorkerPool:
                 self.lost_workers[worker_id] += f"; its process exited with code {code}"
 
     def remove(self, worker_id: str, reason: str) -> None:
-        """Take a worker out of the pool (at most once): remember why, then let the call side end or hand over
-        its calls, then take it out of the placement."""
+        """Take a worker out of the pool (at most once): remember why, take it out of the placement, then let the
+        call side end or move its calls (a migration places them again, never on this worker)."""
         record = self.workers.pop(worker_id, None)
         if record is None:
             return
@@ -235,5 +235,5 @@ class WorkerPool:
         if record.stats is not None:
             self.retired_spec_decode_tokens[0] += record.stats.num_draft_tokens
             self.retired_spec_decode_tokens[1] += record.stats.num_accepted_tokens
-        self._on_removed(worker_id, record, reason)
         self.placement.remove_worker(worker_id)
+        self._on_removed(worker_id, record, reason)

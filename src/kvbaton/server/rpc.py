@@ -180,6 +180,9 @@ class AddRequest:
     decode_worker: str = ""
     decode_address: str = ""
     kv_load_failure_policy: str = "recompute"  # recompute | fail, when the KV does not arrive
+    # A migrated call (its worker was lost mid-request): the tokens it already streamed, which it resumes after as
+    # its output so far (prompt + these are recomputed here). Only for a whole request (no handoff fields).
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,7 +347,7 @@ def to_wire(message: Message) -> list[object]:
         return [message.TAG, message.request_id, token_ids_to_wire(message.prompt_token_ids),
                 sampling_to_wire(message.sampling),
                 message.tenant, message.slo_class, message.prefill_worker, message.decode_worker,
-                message.decode_address, message.kv_load_failure_policy]
+                message.decode_address, message.kv_load_failure_policy, token_ids_to_wire(message.output_token_ids)]
     if isinstance(message, Abort):
         return [message.TAG, list(message.request_ids)]
     return [message.TAG, *astuple(message)]
@@ -370,10 +373,11 @@ def from_wire(raw: object) -> Message:
             worker_id, seq, events = body
             return SnapshotResponse(worker_id, int(seq), _events_from_wire(events))
         if cls is AddRequest:
-            request_id, token_ids, sampling, *rest = body
+            request_id, token_ids, sampling, *rest, output_token_ids = body
             if not all(isinstance(value, str) for value in (request_id, *rest)):
                 raise ProtocolError("add: request id, tenant, slo class and handoff fields must be strings", add_id)
-            return AddRequest(request_id, token_ids_from_wire(token_ids), sampling_from_wire(sampling), *rest)
+            return AddRequest(request_id, token_ids_from_wire(token_ids), sampling_from_wire(sampling), *rest,
+                              output_token_ids=token_ids_from_wire(output_token_ids))
         if cls is Abort:
             (request_ids,) = body
             if not isinstance(request_ids, list) or not all(isinstance(r, str) for r in request_ids):

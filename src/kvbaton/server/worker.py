@@ -145,6 +145,11 @@ class Worker:
                 socket.send(rpc.encode(rpc.Goodbye(cfg.worker_id, f"failed to start: {exc}")))
                 raise
             return self._serve(socket, ack.heartbeat_interval_s)
+        except KeyboardInterrupt:
+            # SIGTERM or Ctrl-C (a worker being drained): leave without ending the requests here, so the router
+            # moves them to other workers at once (migration) instead of streaming an abort to their clients.
+            socket.send(rpc.encode(rpc.Goodbye(cfg.worker_id, "stopped by a signal")), zmq.NOBLOCK)
+            raise
         finally:
             socket.close()
             context.term()
@@ -293,7 +298,8 @@ class Worker:
         elif isinstance(message, rpc.AddRequest):
             try:
                 engine.add_request(list(message.prompt_token_ids), message.sampling, request_id=message.request_id,
-                                   tenant=message.tenant, slo_class=message.slo_class)
+                                   tenant=message.tenant, slo_class=message.slo_class,
+                                   output_token_ids=message.output_token_ids)
             except KvbatonError as exc:
                 self._send_failed(socket, message.request_id, len(message.prompt_token_ids), str(exc))
                 return

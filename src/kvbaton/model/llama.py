@@ -199,6 +199,25 @@ class LlamaModel(torch.nn.Module):
                 between_layers()
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
+    def warm_up_linears(self, max_rows: int, max_logit_rows: int) -> int:
+        """Run every distinct linear shape at every row bucket a step can use (`bucket_rows` of 1 ..= max_rows; the
+        LM head up to `max_logit_rows`), so that oneDNN builds all its primitives now: a server's memory and
+        step times then no longer change as new row counts arrive. Returns how many shapes ran (0 off oneDNN)."""
+        layer = self.layers[0]  # every layer has the same shapes, and oneDNN caches by shape
+        linears = [(linear, max_rows) for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                     layer.down_proj)]
+        linears.append((self.lm_head, max_logit_rows))
+        num_run = 0
+        with torch.inference_mode():
+            for linear, limit in linears:
+                if linear.packed is None:
+                    continue
+                in_features = linear.packed.shape[1]
+                for rows in sorted({bucket_rows(n) for n in range(1, limit + 1)}):
+                    linear(torch.zeros(rows, in_features, dtype=self.embed_tokens.dtype))
+                    num_run += 1
+        return num_run
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] (rows of `forward`'s output) -> [N, vocab] float32."""
         return self.lm_head(hidden).float()

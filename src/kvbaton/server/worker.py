@@ -67,6 +67,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = 512
     num_speculative_tokens: int = 0  # prompt-lookup speculative decoding (scheduler/spec_decode.py); 0 = off
     enable_prefix_cache: bool = True
+    # Build every linear shape a step of up to max_num_batched_tokens rows can use before registering: oneDNN
+    # keeps one primitive per row bucket (~0.5 MB each, `model.llama.Linear`), so RSS then stays flat.
+    warm_up: bool = False
     seed: int = 0
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default (all cores)
     queue_policy: str = ""  # local waiting-queue policy; "" = the one the router names at register_ack
@@ -135,6 +138,9 @@ class Worker:
         if config.num_threads > 0:  # before the model loads: co-located workers must not oversubscribe cores
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
+        if config.warm_up:
+            rows = config.max_num_batched_tokens
+            self.loaded.model.warm_up_linears(rows, rows)
         self._clock = clock
         self.engine: Engine | None = None
         self._wants_logprobs: set[str] = set()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvbaton.core.errors import UnsupportedModelError
-from kvbaton.model.attention import AttentionMetadata, paged_attention
+from kvbaton.model.attention import AttentionMetadata, bucket_rows, paged_attention
 from kvbaton.model.config import ModelConfig, RopeScaling
 
 
@@ -84,12 +84,6 @@ class Linear(torch.nn.Module):
                 x = F.pad(x, (0, 0, 0, padded - rows))
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
         return F.linear(x, self.weight, self.bias)
-
-
-def bucket_rows(rows: int) -> int:
-    """`rows` rounded up to keep its top 4 bits: exact to 16, then 18, 20, .., 32, 36, 40, .., 64, 72, .."""
-    step = 1 << max(rows.bit_length() - 4, 0)
-    return -(-rows // step) * step
 
 
 def _prepack_for_cpu(weight: Tensor, bias: Tensor | None) -> Tensor | None:

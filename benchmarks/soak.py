@@ -230,7 +230,8 @@ def start_server(args: argparse.Namespace, api_key: str) -> tuple[subprocess.Pop
     command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", args.model, "--prefill", "1", "--decode", "1",
                "--port", "0", "--num-blocks", str(args.num_blocks), "--max-num-waiting", str(args.max_num_waiting),
                "--threads-per-worker", str(args.threads_per_worker), "--drain-timeout", "5",
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens), *(["--warm-up"] if args.warm_up else [])]
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), *(["--warm-up"] if args.warm_up else []),
+               *(["--tokenizer-cache-chars", str(args.tokenizer_cache_chars)] if args.tokenizer_cache_chars >= 0 else [])]
     environment = {**os.environ, "KVBATON_API_KEY": api_key}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               start_new_session=True, env=environment)
@@ -266,6 +267,8 @@ def main() -> None:
                         help="tokens per worker step (SmolLM2 on one busy core: 128 keeps steps short)")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="start the workers without --warm-up (their RSS then grows while new step sizes come)")
+    parser.add_argument("--tokenizer-cache-chars", type=int, default=-1,
+                        help="the router's ingress tokenization cache bound (serve's flag; default: serve's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--idle-timeout-s", type=float, default=30.0)

@@ -10,7 +10,7 @@ tensor ops: one scatter, one padded SDPA call for all decodes, one SDPA call per
 Shapes are bucketed. torch's CPU flash attention JIT-compiles (oneDNN brgemm) and keeps a kernel for every
 query and key length tail it meets, and the linears' oneDNN primitives are kept per row count: a server whose
 steps take every length grew by hundreds of MB. A prefill chunk's queries are therefore zero-padded to
-`bucket_rows(q_len)` (at most 8 lengths per doubling, at most 12.5 % more rows) and its cached keys to a
+`bucket_rows(q_len)` (at most 16 lengths per doubling, at most 6.25 % more rows) and its cached keys to a
 multiple of `KEY_PAD`; padded keys are masked (or, causal, after every real query) and padded rows dropped.
 """
 
@@ -27,8 +27,10 @@ KEY_PAD = 64  # a prefill chunk over cached context attends over a multiple of t
 
 
 def bucket_rows(rows: int) -> int:
-    """`rows` rounded up to keep its top 4 bits: exact to 16, then 18, 20, .., 32, 36, 40, .., 64, 72, .."""
-    step = 1 << max(rows.bit_length() - 4, 0)
+    """`rows` rounded up to keep its top 5 bits: exact to 32, then 34, 36, .., 64, 68, 72, .., 128, 136, ..
+
+    16 lengths per doubling, at most 6.25 % more rows (padded rows cost their share of a prefill's linears)."""
+    step = 1 << max(rows.bit_length() - 5, 0)
     return -(-rows // step) * step
 
 

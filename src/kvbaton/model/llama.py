@@ -67,7 +67,7 @@ class Linear(torch.nn.Module):
     oneDNN builds (JIT-compiles) and caches one primitive per input row count, about 0.25 MB and 25 ms each,
     and eviction from its cache does not return all of it: a server whose steps take every row count from
     1 to max_num_batched_tokens grew by hundreds of MB. The rows are therefore zero-padded up to
-    `bucket_rows(n)`, which bounds the distinct row counts (at most 8 per doubling) for at most 12.5 % more rows.
+    `bucket_rows(n)`, which bounds the distinct row counts (16 per doubling) for at most 6.25 % more rows.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:

@@ -87,6 +87,11 @@ class WorkerPool:
         if isinstance(message, rpc.Register):
             self._on_register(sender, message)
             return
+        if isinstance(message, rpc.Alive):  # from the worker's liveness thread, on its second socket
+            record = self.workers.get(message.worker_id)
+            if record is not None and sender == rpc.alive_identity(message.worker_id):
+                record.last_heard_at = self.clock()
+            return
         record = self.workers.get(sender)
         if record is None:
             return  # a worker we already dropped (or never accepted): ignore until it registers again

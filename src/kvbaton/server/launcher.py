@@ -68,6 +68,7 @@ class ServeConfig:
     host_num_blocks: int = 0  # per worker: the prefix cache's host tier (kvbaton.cache.host_tier); 0 = off
     max_num_batched_tokens: int = 512
     num_speculative_tokens: int = 0  # prompt-lookup drafts per decode on every worker (0: off)
+    warm_up: bool = False  # workers build every linear shape before serving (Worker: WorkerConfig.warm_up)
     max_num_waiting: int = 256
     threads_per_worker: int = 0  # torch threads in each worker; 0 = this machine's cores shared evenly among workers
 
@@ -174,7 +175,7 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
             "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
             "--host-num-blocks", str(config.host_num_blocks),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
-            "--speculative-tokens", str(config.num_speculative_tokens),
+            "--speculative-tokens", str(config.num_speculative_tokens), *(["--warm-up"] if config.warm_up else []),
             "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport,
             *(["--step-log", str(Path(config.step_log_dir) / f"{worker_id}.steps.jsonl")] if config.step_log_dir else []),
             *(["--reserve-ahead-tokens", str(config.reserve_ahead_tokens)]

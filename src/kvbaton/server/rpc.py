@@ -140,6 +140,23 @@ class HandoffEnded:
 
 
 @dataclass(frozen=True, slots=True)
+class Alive:
+    """The worker process lives: sent every ALIVE_INTERVAL_S by a thread of its own, on a socket of its own (routing
+    id `alive_identity(worker_id)`), so that a step longer than the router's worker timeout does not read as death."""
+
+    TAG: ClassVar[str] = "alive"
+    worker_id: str
+
+
+ALIVE_INTERVAL_S = 1.0
+
+
+def alive_identity(worker_id: str) -> str:
+    """The routing id of a worker's liveness socket (its main socket's is the worker id)."""
+    return f"{worker_id}#alive"
+
+
+@dataclass(frozen=True, slots=True)
 class Goodbye:
     """The worker is exiting (after a shutdown or on its own); its requests have been answered."""
 
@@ -229,11 +246,11 @@ class Shutdown:
     reason: str
 
 
-Message = (Register | TokenDeltas | Stats | KVEvents | SnapshotResponse | HandoffEnded | Goodbye | RegisterAck
-           | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | ResetPrefixCache | Ping | Shutdown)
+Message = (Register | TokenDeltas | Stats | KVEvents | SnapshotResponse | HandoffEnded | Alive | Goodbye
+           | RegisterAck | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | ResetPrefixCache | Ping | Shutdown)
 
-_PLAIN = (Register, Stats, HandoffEnded, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed, SnapshotRequest,
-          ResetPrefixCache, Ping, Shutdown)
+_PLAIN = (Register, Stats, HandoffEnded, Alive, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed,
+          SnapshotRequest, ResetPrefixCache, Ping, Shutdown)
 _BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, SnapshotResponse, AddRequest,
                                                        Abort)}
 # What each field of a plain message must be on the wire (a float field takes an int too): a dataclass does not

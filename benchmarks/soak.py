@@ -14,10 +14,16 @@ to it in KVBATON_API_KEY, off its command line). The run shows:
   last quarter of the requests (median of each quarter's samples; quarters by requests finished);
 - p99 latency (whole request, completed ones) of the last quarter within 1.2x the second's (quarters by start).
 
+The workers start with `--warm-up` (every linear shape a step can use is built before serving: oneDNN keeps one
+primitive, ~0.5 MB, per row bucket, a bounded set, `kvbaton.model.llama.Linear`); `--no-warm-up` shows the same
+run without it, where the workers' RSS grows by up to that bound as new step sizes arrive. `rss_at_start_mb`
+is each process's first sample, before any request.
+
 Prints one JSON line (progress on stderr). The machine is shared: rerun before trusting one figure.
 
     .venv/bin/python benchmarks/soak.py [--model tiny-random --num-requests 2000 --concurrency 64]
     .venv/bin/python benchmarks/soak.py --model smollm2-135m --num-requests 300 --max-num-batched-tokens 128
+    .venv/bin/python benchmarks/soak.py --no-warm-up
 """
 
 from __future__ import annotations
@@ -224,7 +230,8 @@ def start_server(args: argparse.Namespace, api_key: str) -> tuple[subprocess.Pop
     command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", args.model, "--prefill", "1", "--decode", "1",
                "--port", "0", "--num-blocks", str(args.num_blocks), "--max-num-waiting", str(args.max_num_waiting),
                "--threads-per-worker", str(args.threads_per_worker), "--drain-timeout", "5",
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), *(["--warm-up"] if args.warm_up else []),
+               *(["--tokenizer-cache-chars", str(args.tokenizer_cache_chars)] if args.tokenizer_cache_chars >= 0 else [])]
     environment = {**os.environ, "KVBATON_API_KEY": api_key}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               start_new_session=True, env=environment)
@@ -257,8 +264,11 @@ def main() -> None:
     parser.add_argument("--max-num-waiting", type=int, default=256, help="the router's queue limit (then 429)")
     parser.add_argument("--threads-per-worker", type=int, default=1)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
-                        help="tokens per worker step; a step must stay well under the router's 30 s liveness timeout "
-                             "(SmolLM2 on one busy core: 128)")
+                        help="tokens per worker step (SmolLM2 on one busy core: 128 keeps steps short)")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="start the workers without --warm-up (their RSS then grows while new step sizes come)")
+    parser.add_argument("--tokenizer-cache-chars", type=int, default=-1,
+                        help="the router's ingress tokenization cache bound (serve's flag; default: serve's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--idle-timeout-s", type=float, default=30.0)
@@ -288,7 +298,9 @@ def main() -> None:
             o.reason for o in outcomes if o.kind == "failed"),
         "blocks_held_after": blocks_held, "in_flight_after": idle["num_in_flight"],
         "invariant_errors": idle["invariant_errors"], "lost_workers": idle["lost_workers"],
-        "serving_after": serving_after, "rss": rss,
+        "serving_after": serving_after, "warm_up": args.warm_up,
+        "rss_at_start_mb": {name: round(mb, 1) for name, mb in run["samples"][0][1].items()}  # type: ignore[index]
+        if run["samples"] else {}, "rss": rss,
         "rss_within_5pct": bool(rss) and all(abs(r["ratio"] - 1) <= 0.05 for r in rss.values()),
         "latency_p99_s_by_quarter": [round(v, 3) for v in p99], "p99_last_over_second": p99_ratio,
         "latency_p50_s_by_quarter": [round(v, 3) for v in p50],

@@ -125,6 +125,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
+    p.add_argument("--warm-up", action="store_true", help="build every linear shape a step can use (oneDNN primitives, ~0.5 MB each) before serving: RSS stays flat under any mix of step sizes, at a few seconds of start-up")
     p.add_argument("--scheduling-policy", default="", choices=("", "fcfs", "priority"),
                    help="the workers' waiting queue: priority = vLLM's (a request's `priority` field, lower first, "
                         "orders admission and preemption); fcfs; default: the one --policy pairs with")
@@ -139,6 +140,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
     p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="times a request may move to another worker when its worker dies mid-request (0 = off)")
     p.add_argument("--admission", default="none", choices=ADMISSION_POLICIES,
                    help="SLO admission: answer 429 at arrival to what cannot meet --ttft-slo/--tpot-slo")
     p.add_argument("--ttft-slo", type=float, default=0.0, help="seconds, for --admission")
@@ -221,6 +224,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise KvbatonError(f"--port must be 0-65535, got {args.port}")
     if not args.drain_timeout >= 0:  # NaN too
         raise KvbatonError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    if args.migration_limit < 0:
+        raise KvbatonError(f"--migration-limit must be >= 0, got {args.migration_limit}")
     _check_kv_sizes(args)
     api_keys = _api_keys(args)
     check_exposure(args.host, api_keys, args.allow_unauthenticated)  # before anything loads
@@ -233,8 +238,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         rpc_address=args.rpc_address, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         host_num_blocks=args.host_num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
-        num_speculative_tokens=args.speculative_tokens,
+        num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
+        migration_limit=args.migration_limit,
         admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
         adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
         tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens,
@@ -260,6 +266,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-up", action="store_true", help="build every linear shape a step can use (oneDNN primitives, ~0.5 MB each) before serving: RSS stays flat under any mix of step sizes, at a few seconds of start-up")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = all cores)")
     p.add_argument("--router-timeout", type=float, default=15.0, help="exit after this long without a word from the router")
     p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"),
@@ -303,7 +310,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         router_address=args.router, worker_id=worker_id, role=args.role, model=args.model, dtype=args.dtype,
         device=args.device, block_size=args.block_size, num_blocks=args.num_blocks, host_num_blocks=args.host_num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.threads,
-        num_speculative_tokens=args.speculative_tokens,
+        num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
         queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,
         kv_host=args.kv_host, kv_lease_s=args.kv_lease, step_log=args.step_log,
         reserve_ahead_tokens=args.reserve_ahead_tokens, cluster_secret=secret))

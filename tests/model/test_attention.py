@@ -42,7 +42,8 @@ def test_build_maps_slots_and_splits_decodes_from_prefills() -> None:
     assert (continued.token_start, continued.token_end, continued.context_len) == (5, 7, 6)
     assert continued.block_table is not None and continued.block_table.tolist() == [3, 6]
     assert continued.attend_mask is not None
-    assert continued.attend_mask.int().tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    assert continued.attend_mask.shape == (2, 64)  # keys padded to KEY_PAD, masked beyond the context
+    assert continued.attend_mask.int().tolist() == [[1, 1, 1, 1, 1, 0] + [0] * 58, [1, 1, 1, 1, 1, 1] + [0] * 58]
 
 
 def test_contiguous_decodes_are_sliced_not_gathered() -> None:

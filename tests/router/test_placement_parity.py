@@ -90,7 +90,7 @@ def _replay(events: list[_Event], setup: SimSetup, sim: ClusterSim,
                            reserve_ahead_tokens=setup.reserve_ahead_tokens)
     live = ClusterManager(config, clock=lambda: now[0], admission=_fresh(sim.placement.admission, sim),
                           pools=_fresh_pools(sim.placement.pools, sim))
-    live._socket = _Socket()  # type: ignore[assignment]
+    live.pool.socket = _Socket()  # type: ignore[assignment]
     roles = {w.worker_id: w.spec.role for w in sim.workers.values()}
     prompts = SimPrompts(sim.config.cache_key, setup.block_size)
     by_id = {r.request_id: r for r in requests}
@@ -106,16 +106,16 @@ def _replay(events: list[_Event], setup: SimSetup, sim: ClusterSim,
             if stats.worker_id not in registered:
                 registered.add(stats.worker_id)
                 role = roles[stats.worker_id]
-                live._handle(stats.worker_id, rpc.Register(
+                live.pool.handle(stats.worker_id, rpc.Register(
                     stats.worker_id, role, "sim", sim.config.cache_key.model_revision, sim.config.cache_key.kv_layout,
                     setup.block_size, 64, "", 1, kv_address=f"{sim.spec.link}://sim:1" if role == "decode" else ""))
-            live._handle(stats.worker_id, rpc.Stats(
+            live.pool.handle(stats.worker_id, rpc.Stats(
                 stats.worker_id, stats.num_waiting, stats.num_running, stats.num_queued_prefill_tokens,
                 stats.num_kv_blocks_used + stats.num_kv_blocks_cached, stats.num_kv_blocks_free,
                 stats.num_kv_blocks_cached, 0, 0, 0, 0, event.now))
         elif event.kind == "kv":
             worker_id, batch = event.args
-            live._handle(worker_id, rpc.KVEvents(worker_id, tuple(e.to_wire() for e in batch)))
+            live.pool.handle(worker_id, rpc.KVEvents(worker_id, tuple(e.to_wire() for e in batch)))
         elif event.kind == "place":
             route = event.args[0]
             wr = by_id[route.request_id]

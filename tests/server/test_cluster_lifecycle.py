@@ -56,11 +56,11 @@ def cluster_of(roles: dict[str, str], **config: object) -> tuple[ClusterManager,
     cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4, **config),  # type: ignore[arg-type]
                              clock=lambda: 0.0)
     socket = _Socket()
-    cluster._socket = socket  # type: ignore[assignment]
+    cluster.pool.socket = socket  # type: ignore[assignment]
     for worker_id, role in roles.items():
-        cluster._handle(worker_id, replace(register(worker_id, role=role),
+        cluster.pool.handle(worker_id, replace(register(worker_id, role=role),
                                            kv_address="shm://127.0.0.1:1" if role == "decode" else ""))
-        cluster._handle(worker_id, rpc.Stats(worker_id, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, 0.0))
+        cluster.pool.handle(worker_id, rpc.Stats(worker_id, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, 0.0))
     return cluster, socket
 
 
@@ -110,18 +110,18 @@ def test_losing_a_prefill_worker_after_the_first_token_is_no_handoff_fallback() 
     for request_id in deltas:
         cluster.submit(call(request_id, tuple(range(1, 40))), deltas[request_id].append)
     assert cluster._calls["r0"].prefill_worker == "p0" and cluster._calls["r1"].prefill_worker == "p0"
-    cluster._handle("d0", rpc.TokenDeltas("d0", (TokenDelta("r0", (5,), "x", False, None, 39, worker_id="d0"),)))
+    cluster.pool.handle("d0", rpc.TokenDeltas("d0", (TokenDelta("r0", (5,), "x", False, None, 39, worker_id="d0"),)))
     socket.sent.clear()
     # r0's leg expired awaiting an ack the decode worker sent late: its KV was adopted, nothing falls back.
-    cluster._handle("p0", rpc.HandoffEnded("p0", "r0", "d0", "expired", "no ack within the lease"))
+    cluster.pool.handle("p0", rpc.HandoffEnded("p0", "r0", "d0", "expired", "no ack within the lease"))
     assert socket.sent == [] and cluster.num_handoff_fallbacks == 0 and cluster.handoff_endings == {"expired": 1}
-    cluster._handle("p0", rpc.Goodbye("p0", "shutdown: test"))
+    cluster.pool.handle("p0", rpc.Goodbye("p0", "shutdown: test"))
     # r1 still waits for its KV: the decode worker falls back for it; r0 decodes on undisturbed.
     assert [(w, type(m).__name__, getattr(m, "request_id", "")) for w, m in socket.sent] == [
         ("d0", "HandoffFailed", "r1")]
     assert cluster.num_handoff_fallbacks == 1 and cluster.transfer_totals()["num_fallbacks"] == 1
     assert cluster.num_in_flight == 2 and cluster.num_waiting == 1
-    cluster._handle("d0", rpc.TokenDeltas("d0", (TokenDelta("r0", (6,), "y", True, "length", 39, worker_id="d0"),
+    cluster.pool.handle("d0", rpc.TokenDeltas("d0", (TokenDelta("r0", (6,), "y", True, "length", 39, worker_id="d0"),
                                                  TokenDelta("r1", (7,), "z", True, "length", 39, worker_id="d0"))))
     assert [d.finish_reason for d in deltas["r0"]] == [None, "length"] and deltas["r1"][-1].finish_reason == "length"
     assert cluster.num_in_flight == 0 and cluster.num_waiting == 0
@@ -134,7 +134,7 @@ def test_losing_a_prefill_worker_after_the_first_token_is_no_handoff_fallback() 
 # monitor logged "worker check failed" with a traceback. Fixed: the sweep skips a worker that already left.
 def test_one_worker_sweep_survives_a_removal_that_removes_another_worker() -> None:
     cluster, socket = cluster_of({"d0": "decode", "p0": "prefill", "w0": "mixed"}, local_prefill_threshold_tokens=0,
-                                 ping_interval_s=0.0)
+                                 ping_interval_s=0.0, migration_limit=0)  # the call fails rather than move to w0
     deltas: list[TokenDelta] = []
     cluster.submit(call("r0", tuple(range(1, 40))), deltas.append)
     assert (cluster._calls["r0"].worker_id, cluster._calls["r0"].prefill_worker) == ("d0", "p0")
@@ -213,7 +213,7 @@ def test_a_pd_call_ended_by_its_prefill_worker_is_aborted_on_its_decode_worker()
     cluster.submit(call("r0", tuple(range(1, 40))), deltas.append)
     assert (cluster._calls["r0"].worker_id, cluster._calls["r0"].prefill_worker) == ("d0", "p0")
     socket.sent.clear()
-    cluster._handle("p0", rpc.TokenDeltas("p0", (TokenDelta("r0", (), "", True, "error", 39, error="unreadable add",
+    cluster.pool.handle("p0", rpc.TokenDeltas("p0", (TokenDelta("r0", (), "", True, "error", 39, error="unreadable add",
                                                             worker_id="p0"),)))
     assert deltas[-1].finish_reason == "error" and cluster.num_in_flight == 0 and cluster.num_waiting == 0
     assert ("d0", rpc.Abort(("r0",))) in socket.sent

@@ -240,10 +240,10 @@ def test_an_exit_reported_after_the_worker_was_dropped_is_added_to_why_it_was_lo
     now = [0.0]
     cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4, worker_timeout_s=5.0),
                              clock=lambda: now[0])
-    cluster._handle("w0", register("w0"))
+    cluster.pool.handle("w0", register("w0"))
     process = _ExitedProcess()
     cluster.watch_process("w0", process)
-    cluster._remove_worker("w0", "unreachable (Host unreachable)")
+    cluster.pool.remove("w0", "unreachable (Host unreachable)")
     cluster.check_workers()
     assert cluster.lost_workers == {"w0": "unreachable (Host unreachable)"}
     process.code = -9
@@ -270,10 +270,10 @@ def test_a_lost_connection_waits_a_moment_for_its_processs_exit_code() -> None:
 
     for polls, reason in ((3, "process 4321 exited with code -9"), (10**9, "unreachable (Host unreachable)")):
         cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4), clock=lambda: 0.0)
-        cluster._handle("w0", register("w0"))
+        cluster.pool.handle("w0", register("w0"))
         cluster.watch_process("w0", _DyingProcess(polls))
-        cluster._socket = _GoneSocket()  # type: ignore[assignment]
-        cluster._send("w0", rpc.Ping(0.0))
+        cluster.pool.socket = _GoneSocket()  # type: ignore[assignment]
+        cluster.pool.send("w0", rpc.Ping(0.0))
         assert cluster.lost_workers["w0"].startswith(reason), cluster.lost_workers
 
 
@@ -348,7 +348,7 @@ def test_a_router_stall_is_not_blamed_on_the_workers() -> None:
     now = [0.0]
     cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4, worker_timeout_s=5.0),
                              clock=lambda: now[0])
-    cluster._handle("w0", register("w0"))  # not started: nothing is sent, the pool bookkeeping is the same
+    cluster.pool.handle("w0", register("w0"))  # not started: nothing is sent, the pool bookkeeping is the same
     assert sorted(cluster.workers) == ["w0"]
     now[0] = 20.0  # the router's loop was blocked for 20 s: unread heartbeats may be waiting in the socket
     cluster.check_workers()

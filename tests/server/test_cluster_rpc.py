@@ -48,6 +48,7 @@ MESSAGES: list[rpc.Message] = [
     rpc.SnapshotRequest("kv event seq gap"),
     rpc.ResetPrefixCache("reset requested through the API"),
     rpc.Ping(3.25),
+    rpc.Alive("w0"),
     rpc.Shutdown("router shutting down"),
 ]
 

@@ -57,3 +57,14 @@ def test_the_window_forgets_what_is_older_and_ranks_the_rest() -> None:
     assert summary.ttft_s == {"p50": 0.69, "p90": 0.93, "p99": 0.99}
     assert summary.itl_s["p50"] == 0.05 and summary.refusals == {"rejected": 1}
     assert percentile([], 0.5) is None and percentile([1.0, 2.0], 0.5) == 1.0
+
+
+def test_the_window_keeps_the_newest_observations_beyond_its_bound_and_drops_old_ones() -> None:
+    window = RecentWindow(window_s=10.0, max_num_observations=3)
+    for at, gap in ((1.0, 0.1), (2.0, 0.2), (3.0, 0.3), (4.0, 0.4), (5.0, 0.5)):
+        window.on_tokens(at, 1, gap)
+    assert window.summary(now=5.0).itl_s["p50"] == 0.4  # 0.3, 0.4, 0.5 are left: the bound drops the oldest
+    assert window.summary(now=14.5).itl_s == {"p50": 0.5, "p90": 0.5, "p99": 0.5}  # 3.0 and 4.0 left the window
+    assert window.summary(now=30.0).itl_s["p50"] is None
+    window.on_tokens(31.0, 2, 0.8)
+    assert window.summary(now=31.0).itl_s["p50"] == 0.4

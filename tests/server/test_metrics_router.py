@@ -36,17 +36,17 @@ def _families(metrics: ApiMetrics) -> dict[str, tuple[str, float]]:
 # the counts of workers that left.
 def test_spec_decode_totals_are_counters_that_keep_what_departed_workers_counted() -> None:
     cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4), clock=lambda: 0.0)
-    cluster._socket = _Socket()  # type: ignore[assignment]
+    cluster.pool.socket = _Socket()  # type: ignore[assignment]
     metrics = ApiMetrics()
     metrics.attach_cluster(cluster.cluster_info)
     for worker_id, drafts, accepted in (("w0", 40, 30), ("w1", 10, 4)):
-        cluster._handle(worker_id, register(worker_id))
-        cluster._handle(worker_id, _stats(worker_id, drafts, accepted))
+        cluster.pool.handle(worker_id, register(worker_id))
+        cluster.pool.handle(worker_id, _stats(worker_id, drafts, accepted))
     assert _families(metrics)["kvbaton:spec_decode_num_draft_tokens"] == ("counter", 50.0)
     assert _families(metrics)["kvbaton:spec_decode_num_accepted_tokens"] == ("counter", 34.0)
-    cluster._handle("w1", rpc.Goodbye("w1", "bye"))
-    cluster._handle("w0", register("w0"))  # restarted: its engine counts from 0 again
-    cluster._handle("w0", _stats("w0", 2, 1))
+    cluster.pool.handle("w1", rpc.Goodbye("w1", "bye"))
+    cluster.pool.handle("w0", register("w0"))  # restarted: its engine counts from 0 again
+    cluster.pool.handle("w0", _stats("w0", 2, 1))
     assert _families(metrics)["kvbaton:spec_decode_num_draft_tokens"] == ("counter", 52.0)
     assert _families(metrics)["kvbaton:spec_decode_num_accepted_tokens"] == ("counter", 35.0)
     assert b"kvbaton:spec_decode_num_draft_tokens_total 52.0" in metrics.render()
@@ -58,14 +58,14 @@ def test_spec_decode_totals_are_counters_that_keep_what_departed_workers_counted
 # evictable blocks and the gauge leaves them out.
 def test_kv_cache_usage_leaves_out_what_only_the_prefix_cache_holds() -> None:
     cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4), clock=lambda: 0.0)
-    cluster._socket = _Socket()  # type: ignore[assignment]
+    cluster.pool.socket = _Socket()  # type: ignore[assignment]
     metrics = ApiMetrics()
     metrics.attach_cluster(cluster.cluster_info)
-    cluster._handle("w0", register("w0"))
+    cluster.pool.handle("w0", register("w0"))
     idle_warm = rpc.Stats("w0", 0, 0, 0, 48, 16, 48, 0, 0, 0, 5, 0.0, num_evictable_blocks=48)
-    cluster._handle("w0", idle_warm)
+    cluster.pool.handle("w0", idle_warm)
     assert _families(metrics)["kvbaton:kv_cache_usage_perc"] == ("gauge", 0.0)
-    cluster._handle("w0", replace(idle_warm, num_running=2, num_used_blocks=56, num_free_blocks=8,
+    cluster.pool.handle("w0", replace(idle_warm, num_running=2, num_used_blocks=56, num_free_blocks=8,
                                   num_evictable_blocks=40))  # 16 blocks held by requests, 40 cached unused
     assert _families(metrics)["kvbaton:kv_cache_usage_perc"] == ("gauge", 0.25)
     assert cluster.cluster_info()["workers"][0]["num_evictable_blocks"] == 40  # type: ignore[index]

@@ -108,13 +108,14 @@ def test_an_unreachable_decode_worker_gets_no_prefill_leg_started_after_the_call
             sent.append((worker_id, message))
             return None
 
-    cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4, local_prefill_threshold_tokens=0),
+    cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4, local_prefill_threshold_tokens=0,
+                                           migration_limit=0),  # the call fails rather than run whole on p0
                              clock=lambda: 0.0)
     for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
-        cluster._handle(worker_id, replace(register(worker_id, role=role),
+        cluster.pool.handle(worker_id, replace(register(worker_id, role=role),
                                            kv_address="shm://127.0.0.1:1" if role == "decode" else ""))
-        cluster._handle(worker_id, rpc.Stats(worker_id, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, 0.0))
-    cluster._socket = _DecodeGone()  # type: ignore[assignment]
+        cluster.pool.handle(worker_id, rpc.Stats(worker_id, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, 0.0))
+    cluster.pool.socket = _DecodeGone()  # type: ignore[assignment]
     deltas: list[TokenDelta] = []
     cluster.submit(call("r0", tuple(range(1, 40))), deltas.append)
     assert "d0" in cluster.lost_workers and [d.finish_reason for d in deltas] == ["error"]

@@ -219,6 +219,39 @@ def test_worker_exits_when_the_router_is_gone(tiny: LoadedModel) -> None:
     assert isinstance(worker.error, KvbatonError) and "router silent" in str(worker.error)
 
 
+class SlowStepWorker(Worker):
+    """Its first step takes `step_s` (a long prefill of a real model on a loaded host), its heartbeat loop with it."""
+
+    step_s = 0.0
+
+    def _step(self, socket: object) -> None:
+        step_s, SlowStepWorker.step_s = SlowStepWorker.step_s, 0.0
+        time.sleep(step_s)
+        super()._step(socket)  # type: ignore[arg-type]
+
+
+def test_a_step_longer_than_the_worker_timeout_does_not_remove_the_worker(tiny: LoadedModel) -> None:
+    async def main() -> None:
+        cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=BLOCK_SIZE, cluster_secret=SECRET,
+                                               worker_timeout_s=1.0))
+        address = await cluster.start()
+        SlowStepWorker.step_s = 3.0
+        worker = WorkerThread(SlowStepWorker(WorkerConfig(
+            router_address=address, worker_id="w0", model="tiny-random", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+            router_timeout_s=5.0, cluster_secret=SECRET), tiny))
+        try:
+            await cluster.wait_for_workers(1, timeout_s=20.0)
+            deltas = await asyncio.wait_for(collect(cluster, GenerateCall("slow-0", (3, 4, 5), greedy(3), arrival_at=0.0)), 30.0)
+            assert deltas[-1].finished and deltas[-1].finish_reason == "length" and deltas[-1].error == ""
+            assert "w0" in cluster.workers and cluster.lost_workers == {}
+        finally:
+            await cluster.shutdown(timeout_s=5.0)
+            await asyncio.to_thread(worker.thread.join, 10.0)
+        assert worker.error is None and not worker.thread.is_alive()
+
+    asyncio.run(main())
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_threads() -> Iterator[None]:
     before = set(threading.enumerate())

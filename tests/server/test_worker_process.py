@@ -72,8 +72,8 @@ def test_killed_worker_fails_its_in_flight_call_and_cluster_is_not_ready() -> No
         rest = [delta async for delta in stream]
         last = rest[-1]
         assert last.finished and last.finish_reason == "error"
-        assert (f"worker w0 was lost while running this request (process {process.pid} on {socket.gethostname()} "
-                f"exited with code -9)") == last.error
+        assert last.error.startswith(f"worker w0 was lost while running this request (process {process.pid} on "
+                                     f"{socket.gethostname()} exited with code -9); no other worker took it over")
         ready, reason = cluster.is_ready()
         assert not ready and "w0: process" in reason and "exited with code -9" in reason
         assert cluster.num_in_flight == 0 and cluster.state.index.num_worker_blocks("w0") == 0

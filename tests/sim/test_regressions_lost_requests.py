@@ -24,7 +24,7 @@ def _run(requests: list[WorkloadRequest], **config: object) -> tuple[ClusterSim,
 
 
 def test_late_reservation_queue_moves_on_when_its_head_handoff_fails() -> None:
-    # Bug: with reserve_ahead_tokens, HandoffFlow._reserve_in_turn runs only on an arrival, a grant or the prefill
+    # Bug: with reserve_ahead_tokens, ClusterSim._reserve_in_turn runs only on an arrival, a grant or the prefill
     # worker's step end. When the FIFO's head is refused max_handoff_attempts times and fails (_on_handoff_events
     # -> _fail), nothing asks again: the handoffs queued behind it on an idle prefill worker never reserve, and
     # their requests get no record at all (kvbaton sim prints e.g. "96/97 done" for 150 requests).

@@ -159,6 +159,11 @@ class HostTier:
         for block_hash in reversed(block_hashes):
             self._entries[block_hash] = self._taken.pop(block_hash)
 
+    def on_cached(self, block_hashes: Sequence[int], parent_hash: int, namespace: object,
+                  device_block_ids: Sequence[int] = ()) -> None:
+        """The device cache just cached these blocks (the chain after `parent_hash`): they leave this tier."""
+        self.discard(block_hashes)
+
     def discard(self, block_hashes: Sequence[int]) -> None:
         """Blocks now cached on the device (computed again): their host copies go, silently (the worker still
         holds them, so no event)."""

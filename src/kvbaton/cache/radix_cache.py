@@ -25,9 +25,12 @@ the whole sequence from the root.
 A `PrefixMatch` (and its node handle) is valid until the next `evict`/`clear` unless its node is
 locked; locking a node that has left the tree raises ValueError.
 
-Where the code lives: the node and `PrefixMatch` in `kvbaton.cache.radix_node`; LRU eviction (the
-logical tick, the heap of evictable leaves, `evict`, `clear`) in `kvbaton.cache.radix_eviction`, a
-mixin base class of `RadixCache`; matching, locking, inserting, events and the invariant check here.
+Where the code lives: the node and `PrefixMatch` in `kvbaton.cache.radix_node`; the LRU order (the
+logical tick, the heap of evictable leaves) in `kvbaton.cache.radix_lru`, an object the cache owns;
+matching, locking, inserting, eviction, events and the invariant check here.
+
+Eviction only ever trims blocks from the tail of the least recently used unlocked leaf; a leaf
+that becomes empty leaves the tree (its parent may become evictable).
 
 Events: `insert` emits one STORED event for the blocks it adopted; `evict` emits one EVICTED event
 per call listing the hashes in eviction order; `clear` emits CLEARED when the cache ends up empty
@@ -35,7 +38,9 @@ and EVICTED (with the hashes) when locked blocks survive. Sequence numbers are 1
 
 Host tier: with a `HostTier` (`kvbaton.cache.host_tier`), evicted blocks are demoted there and
 EVICTED lists only what left both tiers; a block adopted by an insert leaves the tier (exclusive);
-a snapshot lists the tier's blocks after the tree's. `BlockManager.attach_prefix` promotes them.
+a snapshot lists the tier's blocks after the tree's. `BlockManager.attach_prefix` promotes them. The tier may
+instead be a worker's view of the cluster KV store (`kvbaton.cache.store_tier`, the same calls): it is
+written through as blocks are cached and is not exclusive.
 """
 
 from __future__ import annotations
@@ -46,12 +51,12 @@ from collections.abc import Iterator, Sequence
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.events import KVEvent, KVEventKind, make_kv_event
 from kvbaton.cache.hashing import CacheKey, chain_hashes, hash_block
-from kvbaton.cache.host_tier import HostTier
-from kvbaton.cache.radix_eviction import RadixEviction
+from kvbaton.cache.host_tier import EvictedBlock, HostTier
+from kvbaton.cache.radix_lru import LruLeaves
 from kvbaton.cache.radix_node import BlockTokens, PrefixMatch, RadixNode, make_prefix_match
 
 
-class RadixCache(RadixEviction):
+class RadixCache:
     """Prefix cache over full blocks; see the module docstring for the ownership and lock rules."""
 
     def __init__(self, pool: BlockPool, block_size: int, tier: HostTier | None = None) -> None:
@@ -61,10 +66,8 @@ class RadixCache(RadixEviction):
         self.block_size = block_size
         self.tier = tier
         self._roots: dict[CacheKey, RadixNode] = {}
-        self._tick = 0
         self._serials = itertools.count()
-        self._heap_pushes = itertools.count()  # unique third heap field: entries never compare nodes
-        self._evictable_heap: list[tuple[int, int, int, RadixNode]] = []
+        self._lru = LruLeaves(self._roots)
         self._num_nodes = 0  # non-root nodes in all trees
         self._num_cached_blocks = 0
         self._num_locked_blocks = 0  # blocks in nodes with lock_ref > 0
@@ -114,7 +117,7 @@ class RadixCache(RadixEviction):
         if touch:
             if num_in_node < len(node.block_ids):
                 node = self._split(node, num_in_node)
-            self._touch(node)
+            self._lru.touch(node, self._num_nodes)
         return make_prefix_match(tuple(block_ids), tuple(block_hashes), node)
 
     def lock(self, node: object) -> None:
@@ -140,7 +143,7 @@ class RadixCache(RadixEviction):
             if current.lock_ref == 0:
                 self._num_locked_blocks -= len(current.block_ids)
             current = current.parent
-        self._push_if_evictable(radix_node)
+        self._lru.offer(radix_node, self._num_nodes)
 
     def insert(self, key: CacheKey, token_ids: Sequence[int], block_ids: Sequence[int]) -> PrefixMatch:
         """Cache the blocks of `token_ids` (exactly len(block_ids) full blocks) and return the whole path.
@@ -226,10 +229,76 @@ class RadixCache(RadixEviction):
             path_ids.extend(new_ids)
             path_hashes.extend(node.block_hashes)
             if self.tier is not None:
-                self.tier.discard(node.block_hashes)  # computed again on the device: one tier holds a block
+                # the host tier drops its copies (one tier holds a block); the KV store writes them through
+                self.tier.on_cached(tuple(node.block_hashes), parent_hash, node.namespace, tuple(node.block_ids))
             self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
-        self._touch(node)
+        self._lru.touch(node, self._num_nodes)
         return make_prefix_match(tuple(path_ids), tuple(path_hashes), node)
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` blocks from unlocked leaves, least recently used first; returns how many.
+
+        With a host tier the trimmed blocks are demoted there, and the EVICTED event lists only the hashes
+        that left both tiers."""
+        num_freed, evicted_hashes = self._evict(num_blocks)
+        if evicted_hashes:
+            self._emit(KVEventKind.EVICTED, tuple(evicted_hashes), None)
+        return num_freed
+
+    def clear(self) -> int:
+        """Drop every unlocked block (LRU order), and the host tier's; returns how many device blocks went back
+        to the free queue. Emits CLEARED when the cache ends up empty, else EVICTED with the hashes."""
+        tier, self.tier = self.tier, None  # nothing is demoted by a clear
+        try:
+            num_freed, evicted_hashes = self._evict(None)
+        finally:
+            self.tier = tier
+        if tier is not None:
+            evicted_hashes.extend(tier.clear())
+        if evicted_hashes:
+            if self._num_cached_blocks == 0:
+                self._emit(KVEventKind.CLEARED, (), None)
+            else:
+                self._emit(KVEventKind.EVICTED, tuple(evicted_hashes), None)
+        return num_freed
+
+    def _evict(self, num_blocks: int | None) -> tuple[int, list[int]]:
+        """Trim LRU leaves block by block until `num_blocks` are free (None: all unlocked)."""
+        num_freed = 0
+        evicted_hashes: list[int] = []
+        tier = self.tier
+        demoted: list[EvictedBlock] = []
+        lru = self._lru
+        while num_blocks is None or num_freed < num_blocks:
+            node = lru.least_recent()
+            if node is None:
+                break
+            block_id = node.block_ids.pop()
+            token_block = node.token_blocks.pop()
+            block_hash = node.block_hashes.pop()
+            self._cached_block_ids.discard(block_id)
+            self._num_cached_blocks -= 1
+            self.pool.release([block_id])
+            num_freed += self.pool.ref_count(block_id) == 0
+            if tier is None:
+                evicted_hashes.append(block_hash)
+            else:  # its KV stays in the freed block until the next allocation: `demote` copies it out first
+                parent_hash = node.block_hashes[-1] if node.block_hashes else node.parent_hash
+                demoted.append(EvictedBlock(block_hash, token_block, parent_hash, block_id, node.namespace))
+            if not node.block_ids:
+                self._detach(node)
+        if demoted:
+            evicted_hashes = tier.demote(demoted)  # type: ignore[union-attr]
+        return num_freed, evicted_hashes
+
+    def _detach(self, node: RadixNode) -> None:
+        parent = node.parent
+        assert parent is not None and node.key is not None
+        del parent.children[node.key]
+        node.attached = False
+        node.parent = None
+        self._num_nodes -= 1
+        self._lru.offer(parent, self._num_nodes)
 
     def close(self) -> None:
         """The cache is being dropped: unlink every node from its parent (the trees' only reference cycles), so
@@ -263,7 +332,7 @@ class RadixCache(RadixEviction):
         self.pool.check_invariants()
         seen_ids: set[int] = set()
         num_nodes = num_locked_blocks = 0
-        heap_entries = {(tick, node.serial) for tick, _, _, node in self._evictable_heap}
+        heap_entries = self._lru.entries()
         for key, root in self._roots.items():
             assert root.parent is None and not root.block_ids and root.attached, "malformed root"
             assert root.parent_hash == key.root_hash, "root hash does not match its cache key"
@@ -311,7 +380,7 @@ class RadixCache(RadixEviction):
     def _root(self, key: CacheKey) -> RadixNode:
         root = self._roots.get(key)
         if root is None:
-            root = RadixNode(None, key.root_hash, next(self._serials), self._tick)
+            root = RadixNode(None, key.root_hash, next(self._serials), self._lru.tick)
             root.namespace = key
             self._roots[key] = root
         return root
@@ -370,7 +439,7 @@ class RadixCache(RadixEviction):
 
     def _add_child(self, parent: RadixNode, token_blocks: list[BlockTokens], block_ids: list[int],
                    known_hashes: Sequence[int] = ()) -> RadixNode:
-        child = RadixNode(parent, parent.tail_hash, next(self._serials), self._tick)
+        child = RadixNode(parent, parent.tail_hash, next(self._serials), self._lru.tick)
         child.key = token_blocks[0]
         child.token_blocks = token_blocks
         child.block_ids = block_ids

@@ -2,7 +2,7 @@
 
 Callers of `kvbaton.cache.radix_cache.RadixCache` only ever hold a node as an opaque handle (the
 `node` of a `PrefixMatch`) to pass back to `lock`/`unlock`/`insert_from`; the cache and its LRU
-mixin (`kvbaton.cache.radix_eviction`) read and write its fields directly. The tree rules (how
+LRU order (`kvbaton.cache.radix_lru`) read and write its fields directly. The tree rules (how
 nodes split, when they leave the tree, why a locked handle stays valid) are in `radix_cache`'s
 docstring.
 """

@@ -107,8 +107,10 @@ class Engine:
     # -- ingress --------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    tenant: str = "", slo_class: str = "default", arrival_at: float | None = None) -> str:
-        """Validates and queues one request (one sample: callers expand `n`). Returns its id."""
+                    tenant: str = "", slo_class: str = "default", arrival_at: float | None = None,
+                    output_token_ids: Sequence[int] = ()) -> str:
+        """Validates and queues one request (one sample: callers expand `n`). Returns its id. `output_token_ids`:
+        a request migrated from another worker resumes after the tokens it already produced there (`_resume`)."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)
         vocab = self.loaded.config.vocab_size
@@ -121,10 +123,37 @@ class Engine:
         request = Request(request_id, token_ids, params, self._clock() if arrival_at is None else arrival_at,
                           tenant=tenant, slo_class=slo_class, eos_token_id=self.tokenizer.eos_token_id,
                           max_model_len=self.max_model_len)
+        tracked = _Tracked(request, self._detokenizer(params), grammar=grammar,
+                           prompt_logprobs=[] if params.prompt_logprobs is not None and not output_token_ids else None)
+        if output_token_ids:
+            self._resume(tracked, output_token_ids)
         self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(request, self._detokenizer(params), grammar=grammar,
-                                             prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+        self._tracked[request_id] = tracked
         return request_id
+
+    def _resume(self, tracked: _Tracked, output_token_ids: Sequence[int]) -> None:
+        """A migrated request's output so far (streamed by the worker it left) becomes its output here, as a
+        preempted request's does: the scheduler recomputes prompt + output and samples the next token. The text,
+        the stop-string window and the grammar take those tokens exactly as they did there (nothing is emitted:
+        the client has them), so they count toward max_tokens, stop rules and penalties. A seeded request's
+        generator moves past one draw per token (the sampler draws once per sampled token; speculative decoding
+        draws more, so a seeded stream resumes exactly only without it)."""
+        request = tracked.request
+        vocab = self.loaded.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in output_token_ids):
+            raise InvalidRequestError(f"resumed output token ids must be integers in [0, {vocab})")
+        if (len(output_token_ids) >= request.sampling.max_tokens
+                or request.num_prompt_tokens + len(output_token_ids) >= self.max_model_len):
+            raise InvalidRequestError(f"resumed output of {len(output_token_ids)} tokens leaves no token to generate")
+        for token_id in output_token_ids:
+            request.output_token_ids.append(token_id)
+            # Not in the scheduler yet: a stop this replay found (it cannot, for an output its worker streamed
+            # unfinished) only ends it below.
+            output = self._on_token(tracked, SampledToken(token_id), None)
+            if output.finished:
+                raise InvalidRequestError(f"resumed output already ends the request ({output.finish_reason})")
+        for _ in output_token_ids:
+            self.sampler.skip_draw(request.request_id, request.sampling, vocab)
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)

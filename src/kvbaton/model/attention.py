@@ -6,6 +6,12 @@ written into their slots, then every sequence attends over its whole context rea
 
 All index tensors are built once per step by `AttentionMetadata.build`, so the per-layer work is a few
 tensor ops: one scatter, one padded SDPA call for all decodes, one SDPA call per prefill chunk.
+
+Shapes are bucketed. torch's CPU flash attention JIT-compiles (oneDNN brgemm) and keeps a kernel for every
+query and key length tail it meets, and the linears' oneDNN primitives are kept per row count: a server whose
+steps take every length grew by hundreds of MB. A prefill chunk's queries are therefore zero-padded to
+`bucket_rows(q_len)` (at most 16 lengths per doubling, at most 6.25 % more rows) and its cached keys to a
+multiple of `KEY_PAD`; padded keys are masked (or, causal, after every real query) and padded rows dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +22,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+KEY_PAD = 64  # a prefill chunk over cached context attends over a multiple of this many keys (masked beyond)
+
+
+def bucket_rows(rows: int) -> int:
+    """`rows` rounded up to keep its top 5 bits: exact to 32, then 34, 36, .., 64, 68, 72, .., 128, 136, ..
+
+    16 lengths per doubling, at most 6.25 % more rows (padded rows cost their share of a prefill's linears)."""
+    step = 1 << max(rows.bit_length() - 5, 0)
+    return -(-rows // step) * step
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +65,9 @@ class PrefillChunk:
     token_end: int  # one past its last row
     context_len: int  # start_pos + num_new_tokens: keys it attends over
     block_table: Tensor | None  # [num_blocks] int64 — None when start_pos == 0 (attend fresh K/V, no gather)
-    attend_mask: Tensor | None  # [q_len, context_len] bool causal-with-offset mask, None when start_pos == 0
+    # [bucket_rows(q_len), context_len rounded up to KEY_PAD] bool causal-with-offset mask (padding: False for
+    # real queries), None when start_pos == 0
+    attend_mask: Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +124,10 @@ def _prefill_chunk(seq: SequenceSlice, row: int, block_size: int, device: str | 
     if seq.start_pos == 0:
         return PrefillChunk(row, row + seq.num_new_tokens, context_len, None, None)
     num_blocks = -(-context_len // block_size)
-    # Query i sits at position start_pos + i and sees keys 0 ..= start_pos + i.
-    query_pos = torch.arange(seq.start_pos, context_len, device=device)
-    key_pos = torch.arange(context_len, device=device)
+    # Query i sits at position start_pos + i and sees keys 0 ..= start_pos + i: never a padded key (>= context_len),
+    # and a padded query (dropped) sees key 0 at least, so no row is all masked.
+    query_pos = torch.arange(seq.start_pos, seq.start_pos + bucket_rows(seq.num_new_tokens), device=device)
+    key_pos = torch.arange(-(-context_len // KEY_PAD) * KEY_PAD, device=device)
     return PrefillChunk(
         token_start=row,
         token_end=row + seq.num_new_tokens,
@@ -189,23 +208,34 @@ def _prefill_attention(
 ) -> Tensor:
     """One chunk's [q_len, H, Dh] output: causal over fresh K/V, or over its cached context when start_pos > 0."""
     rows = slice(chunk.token_start, chunk.token_end)
-    queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]
+    q_len = chunk.token_end - chunk.token_start
+    num_rows = bucket_rows(q_len)
+    queries = _pad_rows(q[rows], num_rows).transpose(0, 1).unsqueeze(0)  # [1, H, num_rows, Dh]
     if chunk.block_table is None:
-        keys = k[rows].transpose(0, 1).unsqueeze(0)
-        values = v[rows].transpose(0, 1).unsqueeze(0)
+        # Causal: the padded keys come after every real query, which therefore never sees them.
+        keys = _pad_rows(k[rows], num_rows).transpose(0, 1).unsqueeze(0)
+        values = _pad_rows(v[rows], num_rows).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
     else:
+        assert chunk.attend_mask is not None
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        keys = _gather_blocks(cache_k, chunk.block_table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
-        values = _gather_blocks(cache_v, chunk.block_table).view(-1, num_kv_heads, head_dim)[: chunk.context_len]
+        num_keys = chunk.attend_mask.shape[1]
+        keys = _pad_rows(_gather_blocks(cache_k, chunk.block_table).view(-1, num_kv_heads, head_dim), num_keys)
+        values = _pad_rows(_gather_blocks(cache_v, chunk.block_table).view(-1, num_kv_heads, head_dim), num_keys)
         out = F.scaled_dot_product_attention(
             queries,
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
+            keys[:num_keys].transpose(0, 1).unsqueeze(0),
+            values[:num_keys].transpose(0, 1).unsqueeze(0),
             attn_mask=chunk.attend_mask,
             enable_gqa=True,
         )
-    return out.squeeze(0).transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1)[:q_len]
+
+
+def _pad_rows(x: Tensor, num_rows: int) -> Tensor:
+    """x [n, ...] with zero rows appended up to num_rows (x itself when n >= num_rows)."""
+    missing = num_rows - x.shape[0]
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, missing)) if missing > 0 else x
 
 
 def _gather_blocks(cache: Tensor, block_table: Tensor) -> Tensor:

@@ -77,10 +77,11 @@ class CostTerms:
     load_s: float  # L_i: prefill+decode work assigned to the worker within the sliding window
     eviction_s: float  # M_i: expected recompute cost of the cached blocks admitting this request evicts
     prefill_s: float  # P_i: prefill time of this request's tokens not cached on the worker
+    store_load_s: float = 0.0  # loading blocks from the cluster KV store (the conductor policy), when it does
 
     @property
     def total_s(self) -> float:
-        return self.load_s + self.eviction_s + self.prefill_s
+        return self.load_s + self.eviction_s + self.prefill_s + self.store_load_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,20 +93,21 @@ class RouteDecision:
     costs: CostTerms | None = None  # set by cost-based policies (preble)
 
 
-_set_terms_load, _set_terms_eviction, _set_terms_prefill = slot_setters(
-    CostTerms, ("load_s", "eviction_s", "prefill_s"))
+_set_terms_load, _set_terms_eviction, _set_terms_prefill, _set_terms_store = slot_setters(
+    CostTerms, ("load_s", "eviction_s", "prefill_s", "store_load_s"))
 (_set_decision_worker, _set_decision_tokens, _set_decision_reason, _set_decision_load,
  _set_decision_costs) = slot_setters(
     RouteDecision, ("worker_id", "num_matched_tokens", "reason", "load_tokens", "costs"))
 
 
-def make_cost_terms(load_s: float, eviction_s: float, prefill_s: float) -> CostTerms:
+def make_cost_terms(load_s: float, eviction_s: float, prefill_s: float, store_load_s: float = 0.0) -> CostTerms:
     """`CostTerms(load_s, eviction_s, prefill_s)` without the frozen `__init__` (kvbaton.cache.fast_init): once
     per cost-based decision."""
     terms = object.__new__(CostTerms)
     _set_terms_load(terms, load_s)
     _set_terms_eviction(terms, eviction_s)
     _set_terms_prefill(terms, prefill_s)
+    _set_terms_store(terms, store_load_s)
     return terms
 
 

@@ -167,6 +167,13 @@ class LoadTracker:
         stats = load.stats
         return (0 if stats is None else stats.num_queued_prefill_tokens) + load.pending_prefill_tokens
 
+    def kv_tokens_in_use(self, worker: WorkerId) -> int:
+        """KV tokens the worker's running requests hold: its heartbeat's blocks in use plus those routed since."""
+        load = self._workers.get(worker)
+        if load is None or load.stats is None:
+            return 0
+        return (load.stats.num_kv_blocks_used + max(load.pending_blocks, 0)) * load.stats.block_size
+
     def num_pending(self, worker: WorkerId) -> int:
         """Requests routed or handed off to the worker that its latest heartbeat may not reflect yet."""
         load = self._workers.get(worker)

@@ -8,6 +8,7 @@ choice, the tally of routed calls with SLO admission over it, and adaptive pools
 
 1. `add_worker` when a worker starts serving (live: at its first heartbeat), `remove_worker` when it leaves;
 2. heartbeats (`on_stats`) and the workers' KV events (`on_kv_events`; on False a snapshot, `apply_snapshot`);
+   with a KV store, its nodes' events too (`on_store_events`; on False `apply_store_snapshot`);
 3. `place(request, now)` once per request, which returns a `Placement` (and commits it: index, load,
    tally) or a `Refusal` (committing nothing);
 4. `on_tokens` as the router hears a call's tokens (the first one reaches the policy as its TTFT), and
@@ -32,6 +33,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvbaton.cache.events import KVEvent
+from kvbaton.cache.kv_store import StoreEvent
+from kvbaton.cache.store_directory import StoreDirectory
+from kvbaton.cache.store_prices import StorePrices
 from kvbaton.router.admission import AdmissionDecision, AdmissionPolicy, AdmissionRequest, CalibratedTimeModel
 from kvbaton.router.base import RouteRequest, WorkerId
 from kvbaton.router.call_tally import CallTally
@@ -39,6 +43,7 @@ from kvbaton.router.load import LoadTracker, WorkerStats
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS, PairChoiceConfig, PairChooser
 from kvbaton.router.policies import create_policy
 from kvbaton.router.pools import PoolBalancer, PoolSwitch
+from kvbaton.router.prefill_model import PrefillTimeModel
 from kvbaton.router.state import RouterState
 
 ROLES = ("mixed", "prefill", "decode")
@@ -55,6 +60,12 @@ class PlacementConfig:
     kv_bytes_per_token: int = 0  # prices transfers in the decode choice (all layers, K and V)
     # None: a handoff reserves decode KV as it is routed; a number: late (--reserve-ahead-tokens, the workers' rule)
     reserve_ahead_tokens: int | None = None
+    # The cluster KV store (`kvbaton.cache.kv_store`): with its link prices the router keeps a directory of it
+    # from the store nodes' events (`on_store_events`) and the `conductor` policy prices loads from it.
+    store_prices: StorePrices | None = None
+    prefill_model: PrefillTimeModel | None = None  # None: the router's default (kvbaton.router.prefill_model)
+    kv_read_s_per_token: float = 0.0  # RouterState's: the running batch's KV read per step (0: unpriced)
+    step_tokens: int = 2048  # the workers' token budget per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +113,11 @@ class ClusterPlacement:
                  pools: PoolBalancer | None = None, policy_config: object | None = None) -> None:
         self.config = config
         self.state = RouterState(block_size=config.block_size)
+        if config.prefill_model is not None:
+            self.state.prefill_model = config.prefill_model
+        self.state.kv_read_s_per_token, self.state.step_tokens = config.kv_read_s_per_token, config.step_tokens
+        if config.store_prices is not None:
+            self.state.store, self.state.store_prices = StoreDirectory(), config.store_prices
         self.policy = create_policy(config.policy, self.state, random.Random(config.seed), policy_config)
         self.pairs = PairChooser(self.state, PairChoiceConfig(config.local_prefill_threshold_tokens,
                                                               config.kv_bytes_per_token))
@@ -166,6 +182,16 @@ class ClusterPlacement:
 
     def apply_snapshot(self, worker_id: WorkerId, events: Iterable[KVEvent]) -> None:
         self.state.index.apply_snapshot(worker_id, events)
+
+    def on_store_events(self, node_id: str, events: Iterable[StoreEvent]) -> bool:
+        """A store node's events; False on a gap: the caller fetches its snapshot (`apply_store_snapshot`).
+        Ignored (True) without a store."""
+        store = self.state.store
+        return True if store is None else store.on_events(node_id, events)
+
+    def apply_store_snapshot(self, node_id: str, events: Iterable[StoreEvent]) -> None:
+        if self.state.store is not None:
+            self.state.store.apply_snapshot(node_id, events)
 
     # -- the decision ------------------------------------------------------------------------------
 

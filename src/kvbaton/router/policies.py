@@ -1,4 +1,5 @@
-"""Placement policies and their factory: round_robin, least_load, longest_prefix here; preble in `preble.py`.
+"""Placement policies and their factory: round_robin, least_load, longest_prefix here; preble in `preble.py`,
+conductor (transfer-aware, with the KV store) in `conductor.py`.
 
 All policies share `RouterState`, commit every decision to it, and break ties with the seeded
 `random.Random` they were given (over the sorted tied ids, so the input order does not matter).
@@ -13,7 +14,7 @@ from kvbaton.core.errors import CapacityError, InvalidRequestError
 from kvbaton.router.base import PlacementPolicy, RouteDecision, RouteRequest, WorkerId, make_route_decision
 from kvbaton.router.state import RouterState
 
-POLICY_NAMES = ("round_robin", "least_load", "longest_prefix", "preble")
+POLICY_NAMES = ("round_robin", "least_load", "longest_prefix", "preble", "conductor")
 
 
 class BasePolicy:
@@ -121,6 +122,10 @@ def create_policy(
         if config is not None and not isinstance(config, PrebleConfig):
             raise InvalidRequestError(f"preble expects a PrebleConfig, got {type(config).__name__}")
         return PrebleE2Policy(state, rng, config or PrebleConfig())
+    if name == "conductor":
+        from kvbaton.router.conductor import ConductorPolicy
+
+        return ConductorPolicy(state, rng)
     raise InvalidRequestError(f"unknown placement policy {name!r}; choose one of {POLICY_NAMES}")
 
 

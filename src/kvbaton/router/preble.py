@@ -11,6 +11,9 @@
   to lightest while that narrows the gap, re-attributing their window work; when no group can move
   without overshooting and the heaviest group's TTFT keeps rising there, replicate it onto the
   lightest worker instead (half its window work follows).
+- With the cluster KV store (`RouterState.store`), P_i prices loading the store's blocks past the worker's
+  device match where that beats computing them (`kvbaton.router.conductor.with_store_load`), and the blocks
+  loaded count as cached when the choice is committed.
 Ties within a relative 1e-9 go to a seeded random pick so identical workers do not herd.
 """
 
@@ -34,6 +37,7 @@ from kvbaton.router.base import (
     make_cost_terms,
     make_route_decision,
 )
+from kvbaton.router.conductor import with_store_load
 from kvbaton.router.policies import BasePolicy
 from kvbaton.router.state import RouterState
 
@@ -168,7 +172,9 @@ class PrebleE2Policy(BasePolicy):
 
         worker, costs = self._least_cost(request, candidates, matched)
         num_blocks = matched.get(worker, 0)
-        state.commit(request, worker, num_blocks, now, group, costs.prefill_s)
+        if costs.store_load_s:  # with the KV store: the blocks it loads count as cached
+            num_blocks += with_store_load(state, request, worker, num_blocks, math.inf)[2]
+        state.commit(request, worker, num_blocks, now, group, costs.prefill_s + costs.store_load_s)
         return make_route_decision(worker, state.matched_tokens(request, num_blocks), reason,
                                    state.load.load_tokens(worker), costs)
 
@@ -203,6 +209,7 @@ class PrebleE2Policy(BasePolicy):
         # A cached eviction price computed after this mutation count is still fresh.
         stale_at = state.index.num_mutations - self.config.eviction_refresh_mutations
         prefill_by_blocks: dict[int, float] = {}  # many holders share a match length: predict once each
+        store = state.store
         low = high = math.inf  # the band of totals that tie with the best so far
         tied: list[WorkerId] = []
         # Hot loop (all live workers when exploring): one pass, dict reads only, no per-worker calls
@@ -218,6 +225,9 @@ class PrebleE2Policy(BasePolicy):
                 total = load_s + prefill_s
             else:
                 total = load_s + cold_prefill_s
+            if store is not None:  # P_i: the store's blocks loaded where that beats computing them
+                prefill_s, store_s, _ = with_store_load(state, request, worker, num_blocks, total - load_s)
+                total = load_s + prefill_s + store_s
             if free is not None and total_blocks - num_blocks > free:
                 at, price_s = priced(worker, _NEVER_PRICED)
                 if at <= stale_at:
@@ -235,6 +245,9 @@ class PrebleE2Policy(BasePolicy):
         deficit = 0 if free is None else total_blocks - num_blocks - free
         eviction_s = deficit * self._eviction_s_per_block(worker) if deficit > 0 else 0.0
         prefill_s = prefill_by_blocks[num_blocks] if num_blocks else cold_prefill_s
+        if store is not None:
+            prefill_s, store_s, _ = with_store_load(state, request, worker, num_blocks, prefill_s)
+            return worker, make_cost_terms(load_s, eviction_s, prefill_s, store_s)
         return worker, make_cost_terms(load_s, eviction_s, prefill_s)
 
     def _eviction_s_per_block(self, worker: WorkerId) -> float:

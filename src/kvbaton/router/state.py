@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvbaton.cache.store_directory import StoreDirectory
+from kvbaton.cache.store_prices import StorePrices
 from kvbaton.router.base import RouteRequest, WorkerId
 from kvbaton.router.load import LoadTracker
 from kvbaton.router.prefill_model import PrefillTimeModel
@@ -21,6 +23,15 @@ class RouterState:
     load: LoadTracker = field(default_factory=LoadTracker)
     prefill_model: PrefillTimeModel = field(default_factory=PrefillTimeModel)
     decode_s_per_token: float = 0.02  # prices decode work in the load window (one token of one request)
+    # The cluster KV store, when there is one: which node holds which block (fed by the store's events) and what
+    # loading a block costs; store nodes are named by the worker ids on them.
+    store: StoreDirectory | None = None
+    store_prices: StorePrices | None = None
+    # What a mixed worker's running requests add to each step a prefill takes (the conductor's TTFT): every step
+    # reads their KV, this many seconds per KV token in use (KV bytes per token / memory bandwidth; 0: unpriced),
+    # and a prefill takes one step per `step_tokens` (the workers' token budget) of what is queued and its own.
+    kv_read_s_per_token: float = 0.0
+    step_tokens: int = 2048
 
     def matched_tokens(self, request: RouteRequest, num_matched_blocks: int) -> int:
         return min(num_matched_blocks * self.block_size, request.num_prompt_tokens)

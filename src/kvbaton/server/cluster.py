@@ -14,12 +14,17 @@ on the event loop as they arrive; `generate` is the queue-backed stream over tha
 Disaggregated pools (workers registered as `prefill` / `decode`): the placement picks (p, d) and the
 call goes to both — d answers for it (it streams every delta), p only reports a handoff leg that
 ended without the KV, which is relayed to d to recompute or fail. A call is in the in-flight set of
-both workers; losing p hands the call to d's fallback, losing d fails the call.
+both workers; losing p hands the call to d's fallback.
 
-This module holds the manager's state and its call side (sending each call where it is placed, its deltas
-and end). Its base classes hold the rest: `WorkerMembership` (cluster_workers.py) the workers'
-messages, registration and failure detection; `ClusterReports` (cluster_reports.py) the reads for
-/ready, /cluster and /metrics.
+Migration: a call whose worker (its decode worker, for a pair) is lost moves to another one, placed whole, with
+the tokens it already streamed (`rpc.AddRequest.output_token_ids`): that worker recomputes prompt + output and
+goes on, so the stream loses and repeats no token. A call moves at most `migration_limit` times; past that (or
+with the limit 0) it fails with an error naming the worker and the limit.
+
+This module holds the call side (sending each call where it is placed, its deltas and end, the calls of a
+worker that left) and the reads for /ready, /cluster and /metrics. The workers themselves (their messages,
+registration, failure detection) are a `WorkerPool` (cluster_workers.py) the manager owns and hears from
+through three callbacks.
 """
 
 from __future__ import annotations
@@ -37,15 +42,14 @@ from kvbaton.router.admission import AdmissionPolicy
 from kvbaton.router.base import RouteRequest
 from kvbaton.router.call_tally import CallTally
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
-from kvbaton.router.placement import ClusterPlacement, PlacementConfig, Refusal
+from kvbaton.router.placement import ClusterPlacement, Placement, PlacementConfig, Refusal
 from kvbaton.router.policies import local_queue_policy
 from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.state import RouterState
 from kvbaton.server import rpc
 from kvbaton.server.base import DeltaSink, GenerateCall, RejectedError, TokenDelta
-from kvbaton.server.cluster_registry import CallRecord, ProcessHandle, WorkerRecord
-from kvbaton.server.cluster_reports import ClusterReports
-from kvbaton.server.cluster_workers import WorkerMembership
+from kvbaton.server.cluster_registry import CallRecord, ProcessHandle, WorkerRecord, transfer_info, worker_info
+from kvbaton.server.cluster_workers import WorkerPool
 from kvbaton.server.identity import ClusterIdentity
 from kvbaton.server.router_socket import RouterSocket
 
@@ -78,9 +82,10 @@ class ClusterConfig:
     scheduling_policy: str = ""
     # Only holders of this secret connect as workers (server/rpc_auth.py); None: a fresh one (`ClusterManager.secret`).
     cluster_secret: ClusterSecret | None = None
+    migration_limit: int = 3  # times one call may move to another worker after losing one; 0: it fails instead
 
 
-class ClusterManager(WorkerMembership, ClusterReports):
+class ClusterManager:
     """Routes and streams calls over the worker pool; see the module docstring for its invariants."""
 
     def __init__(self, config: ClusterConfig, clock: Callable[[], float] = time.monotonic,
@@ -98,24 +103,49 @@ class ClusterManager(WorkerMembership, ClusterReports):
                             reserve_ahead_tokens=config.reserve_ahead_tokens),
             admission, pools)
         self.queue_policy = config.scheduling_policy or local_queue_policy(config.policy)
-        self.identity: ClusterIdentity | None = None  # fixed by the first accepted worker
-        self.workers: dict[str, WorkerRecord] = {}  # live workers
-        self.lost_workers: dict[str, str] = {}  # worker id -> why it left
+        self.pool = WorkerPool(config, clock, self.placement, self.queue_policy, self._on_delta,
+                               self._on_handoff_ended, self._on_worker_removed)
         self._calls: dict[str, CallRecord] = {}
-        self._processes: dict[str, ProcessHandle] = {}
-        self._exits_pending: set[str] = set()  # dropped while their process still ran: its exit code comes later
         # Counters for /metrics (the HTTP layer renders them).
         self.router_decisions: dict[str, int] = {}  # decision reason -> count
         self.num_rejected = 0
         self.num_failed_by_worker_loss = 0
-        self.num_snapshots_requested = 0
+        self.num_migrations = 0  # calls moved to another worker after losing theirs
+        # Set when the router is being stopped: new calls are refused (503, Retry-After) while those in flight end.
+        self.draining = False
+        self._shutting_down = False  # set by shutdown: the workers are being stopped
         self.num_handoff_fallbacks = 0  # prefill legs that ended without the KV (relayed to the decode worker)
         self.handoff_endings: dict[str, int] = {}  # outcome of those legs -> count
-        self.retired_spec_decode_tokens = [0, 0]  # (draft, accepted) of workers that left: keeps totals monotone
-        self._socket: RouterSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._last_check_at = clock()
         self.address = ""
+
+    # -- the pool's, as the HTTP layer, the launcher and tests read them ---------------------------
+
+    @property
+    def workers(self) -> dict[str, WorkerRecord]:
+        """Live workers by id."""
+        return self.pool.workers
+
+    @property
+    def lost_workers(self) -> dict[str, str]:
+        """Why each worker that left did."""
+        return self.pool.lost_workers
+
+    @property
+    def identity(self) -> ClusterIdentity | None:
+        return self.pool.identity
+
+    @property
+    def num_snapshots_requested(self) -> int:
+        return self.pool.num_snapshots_requested
+
+    def watch_process(self, worker_id: str, process: ProcessHandle) -> None:
+        """Let the monitor notice at once when this worker's process exits."""
+        self.pool.watch_process(worker_id, process)
+
+    def check_workers(self) -> None:
+        """Drop workers whose process exited or that went silent; ping the rest."""
+        self.pool.check_workers()
 
     @property
     def state(self) -> RouterState:
@@ -137,11 +167,19 @@ class ClusterManager(WorkerMembership, ClusterReports):
 
     async def start(self) -> str:
         """Bind the socket, start reading it and start the monitor loop; returns the bound address."""
-        self._socket = RouterSocket(self.config.bind_address, self.secret)
-        self.address = self._socket.address
-        self._socket.start(self._handle)
+        socket = self.pool.socket = RouterSocket(self.config.bind_address, self.secret)
+        self.address = socket.address
+        socket.start(self.pool.handle)
         self._tasks = [asyncio.create_task(self._monitor_loop())]
         return self.address
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.config.ping_interval_s, 0.1))
+            try:
+                self.pool.check_workers()
+            except Exception:  # keep detecting dead workers whatever went wrong once
+                log.exception("worker check failed")
 
     async def wait_for_workers(self, num_workers: int, timeout_s: float) -> None:
         deadline = self.clock() + timeout_s
@@ -173,27 +211,29 @@ class ClusterManager(WorkerMembership, ClusterReports):
         blocks out of the router's index. Returns the workers asked."""
         worker_ids = sorted(self.workers)
         for worker_id in worker_ids:
-            self._send(worker_id, rpc.ResetPrefixCache("reset requested through the API"))
+            self.pool.send(worker_id, rpc.ResetPrefixCache("reset requested through the API"))
         return worker_ids
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Tell every worker to stop (they abort what is left), wait for their goodbyes, then close."""
+        self.draining = True
+        self._shutting_down = True  # a call lost with a worker now does not move to another one being stopped
         for worker_id in sorted(self.workers):
-            self._send(worker_id, rpc.Shutdown("router shutting down"))
+            self.pool.send(worker_id, rpc.Shutdown("router shutting down"))
         deadline = self.clock() + timeout_s
         while self.workers and self.clock() < deadline:
             await asyncio.sleep(0.05)
         for worker_id in sorted(self.workers):
-            self._remove_worker(worker_id, "did not acknowledge shutdown")
+            self.pool.remove(worker_id, "did not acknowledge shutdown")
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
-        if self._socket is not None:
-            self._socket.close()
-        self._socket = None
+        if self.pool.socket is not None:
+            self.pool.socket.close()
+        self.pool.socket = None
 
     # -- ClusterClient --------------------------------------------------------------------------
 
@@ -224,24 +264,38 @@ class ClusterManager(WorkerMembership, ClusterReports):
 
     def _send_abort(self, entry: CallRecord) -> None:
         """Cancellation reaches both legs of a disaggregated call (each tells its transfer peer too)."""
+        entry.aborted = True
         request_ids = (entry.call.request_id,)
         if entry.prefill_worker and entry.prefill_worker in self.workers:
-            self._send(entry.prefill_worker, rpc.Abort(request_ids))
-        self._send(entry.worker_id, rpc.Abort(request_ids))
+            self.pool.send(entry.prefill_worker, rpc.Abort(request_ids))
+        self.pool.send(entry.worker_id, rpc.Abort(request_ids))
 
     # -- routing --------------------------------------------------------------------------------
 
     def _route(self, call: GenerateCall, sink: DeltaSink) -> CallRecord:
         if call.request_id in self._calls:
             raise RejectedError(f"request id {call.request_id!r} is already in flight", status_code=400)
+        if self.draining:
+            self.num_rejected += 1
+            raise RejectedError("this router is shutting down; retry on another router or later", status_code=503,
+                                retry_after_s=self.config.retry_after_s)
+        placement = self._place(call, (), whole=call.sampling.prompt_logprobs is not None)
+        entry = CallRecord(call, placement.worker_id, sink, prefill_worker=placement.prefill_worker)
+        self._calls[call.request_id] = entry
+        self._send_add(entry)
+        return entry
+
+    def _place(self, call: GenerateCall, output_token_ids: tuple[int, ...], whole: bool) -> Placement:
+        """Place the call, resuming after `output_token_ids` (a migration); RejectedError (counted) if refused."""
         if self.identity is None or not self.placement.num_serving:
             self.num_rejected += 1
             raise RejectedError(f"cluster not ready: {self.is_ready()[1]}", status_code=503,
                                 retry_after_s=self.config.retry_after_s)
         cache_key = CacheKey(self.identity.model_revision, self.identity.kv_layout)
-        request = RouteRequest.from_tokens(call.request_id, call.prompt_token_ids, cache_key, self.config.block_size,
-                                           call.sampling.max_tokens, call.tenant)
-        placement = self.placement.place(request, self.clock(), whole=call.sampling.prompt_logprobs is not None)
+        max_tokens_left = max(call.sampling.max_tokens - len(output_token_ids), 1)
+        request = RouteRequest.from_tokens(call.request_id, call.prompt_token_ids + output_token_ids, cache_key,
+                                           self.config.block_size, max_tokens_left, call.tenant)
+        placement = self.placement.place(request, self.clock(), whole=whole)
         if isinstance(placement, Refusal):
             self.num_rejected += 1
             reason = placement.reason
@@ -257,22 +311,27 @@ class ClusterManager(WorkerMembership, ClusterReports):
             log.info("adaptive pools: %s %s (%s)", "lent" if switch.lent else "returned", switch.worker_id,
                      switch.reason)
         self.router_decisions[placement.reason] = self.router_decisions.get(placement.reason, 0) + 1
-        entry = CallRecord(call, placement.worker_id, sink, prefill_worker=placement.prefill_worker)
-        self._calls[call.request_id] = entry
-        self.workers[entry.worker_id].in_flight.add(call.request_id)
-        add = rpc.AddRequest(call.request_id, call.prompt_token_ids, call.sampling, call.tenant, call.slo_class)
+        return placement
+
+    def _send_add(self, entry: CallRecord) -> None:
+        """Send the placed call to its worker(s). A send may find its worker gone: the pool removes it, which ends
+        or migrates this call before the send returns."""
+        call = entry.call
+        worker_id = entry.worker_id
+        self.workers[worker_id].in_flight.add(call.request_id)
+        add = rpc.AddRequest(call.request_id, call.prompt_token_ids, call.sampling, call.tenant, call.slo_class,
+                             output_token_ids=tuple(entry.output_token_ids))
         if not entry.prefill_worker:
-            self._send(entry.worker_id, add)
-            return entry
+            self.pool.send(worker_id, add)
+            return
         # The decode leg first, so it usually knows the request before the reservation arrives (either order works).
         self.workers[entry.prefill_worker].in_flight.add(call.request_id)
-        self._send(entry.worker_id, replace(add, prefill_worker=entry.prefill_worker,
-                                            kv_load_failure_policy=self.config.kv_load_failure_policy))
-        if entry.finished:  # the decode worker was unreachable: it left the pool and failed this call with it
-            return entry
-        self._send(entry.prefill_worker, replace(add, decode_worker=entry.worker_id,
-                                                 decode_address=self.workers[entry.worker_id].register.kv_address))
-        return entry
+        self.pool.send(worker_id, replace(add, prefill_worker=entry.prefill_worker,
+                                          kv_load_failure_policy=self.config.kv_load_failure_policy))
+        if entry.finished or entry.worker_id != worker_id:  # the decode worker was unreachable: it left the pool
+            return
+        self.pool.send(entry.prefill_worker, replace(add, decode_worker=worker_id,
+                                                 decode_address=self.workers[worker_id].register.kv_address))
 
     def _refused_at_decode(self, entry: CallRecord, delta: TokenDelta) -> bool:
         """Admission's decode-stage gate, as the simulator runs it when a handed-off call's KV reaches its decode
@@ -319,15 +378,162 @@ class ClusterManager(WorkerMembership, ClusterReports):
         entry = self._calls.get(delta.request_id)
         if entry is None or entry.finished:
             return  # the consumer already went away; the worker's late abort delta is dropped
+        if entry.num_migrations and delta.worker_id and delta.worker_id != entry.worker_id:
+            return  # a late delta from the prefill worker of the pair it left (its abort): the call runs whole now
         if delta.new_token_ids and entry.num_tokens_seen == 0 and entry.prefill_worker and self._refused_at_decode(
                 entry, delta):
             return
         if delta.new_token_ids:
             self.placement.on_tokens(delta.request_id, len(delta.new_token_ids), self.clock())
+            entry.output_token_ids.extend(delta.new_token_ids)
         entry.num_tokens_seen += len(delta.new_token_ids)
         if delta.finished:
             if entry.prefill_worker and delta.worker_id == entry.prefill_worker and entry.worker_id in self.workers:
                 # Ended by its prefill leg (an add it could not take): the decode leg waits for KV that never comes.
-                self._send(entry.worker_id, rpc.Abort((delta.request_id,)))
+                self.pool.send(entry.worker_id, rpc.Abort((delta.request_id,)))
             self._end_call(entry)
         entry.sink(delta)
+
+    def _on_handoff_ended(self, message: rpc.HandoffEnded) -> None:
+        """A prefill leg ended without the KV: the decode worker falls back (it may already know, harmlessly)."""
+        self.handoff_endings[message.outcome] = self.handoff_endings.get(message.outcome, 0) + 1
+        entry = self._calls.get(message.request_id)
+        if entry is None or entry.finished or entry.prefill_worker != message.worker_id or entry.num_tokens_seen:
+            return  # a first token came: the decode worker adopted the KV (its ack was late) or recomputed
+        self.num_handoff_fallbacks += 1
+        self.pool.send(entry.worker_id, rpc.HandoffFailed(message.request_id, message.reason,
+                                                          refused=message.outcome == "refused"))
+
+    def _on_worker_removed(self, worker_id: str, record: WorkerRecord, reason: str) -> None:
+        """The calls of a worker that left the pool (and the placement, so none is placed on it again): a lost
+        prefill leg hands its call to the decode worker's fallback; any other call migrates (`_migrate`)."""
+        for request_id in sorted(record.in_flight):
+            entry = self._calls.get(request_id)
+            if entry is None or entry.finished:
+                continue
+            if entry.prefill_worker == worker_id:  # the decode worker answers: it recomputes or fails cleanly
+                if entry.num_tokens_seen:
+                    continue  # a first token came: the decode worker adopted the KV or recomputed, it needs nothing
+                self.num_handoff_fallbacks += 1
+                self.pool.send(entry.worker_id,
+                               rpc.HandoffFailed(request_id, f"prefill worker lost ({reason})", False))
+                continue
+            if entry.prefill_worker:
+                self.pool.send(entry.prefill_worker, rpc.Abort((request_id,)))
+                if entry.finished or entry.worker_id != worker_id:  # that send lost the prefill worker too
+                    continue
+            self._migrate(entry, f"worker {worker_id} was lost while running this request ({reason})")
+
+    def _migrate(self, entry: CallRecord, why: str) -> None:
+        """Move a call whose worker was lost to another worker, placed whole, resuming after the tokens already
+        streamed; the call fails with an error delta saying `why` when the migration limit forbids it or no
+        worker takes it. Its placement's bookkeeping (tally, waiting count) ends here and starts again with the
+        new placement, so each placement hears `on_finished` once."""
+        call, limit = entry.call, self.config.migration_limit
+        request_id = call.request_id
+        for worker_id in (entry.worker_id, entry.prefill_worker):
+            record = self.workers.get(worker_id)
+            if record is not None:
+                record.in_flight.discard(request_id)
+        self.placement.on_finished(request_id, self.clock())
+        error = ""
+        if entry.aborted:
+            error = why  # it was being cancelled anyway
+        elif self._shutting_down:
+            error = f"{why}; not migrated: this router is shutting down"
+        elif entry.num_migrations >= limit:
+            error = (f"{why}; migration is off (--migration-limit 0)" if limit == 0 else
+                     f"{why}; not migrated: it already moved {entry.num_migrations} times (--migration-limit {limit})")
+        else:
+            try:
+                placement = self._place(call, tuple(entry.output_token_ids), whole=True)
+            except RejectedError as exc:
+                error = f"{why}; no other worker took it over ({exc})"
+        if error:
+            self.num_failed_by_worker_loss += 1
+            self._end_call(entry)
+            entry.sink(TokenDelta(request_id, (), "", True, "error", len(call.prompt_token_ids), error=error,
+                                  worker_id=entry.worker_id))
+            return
+        self.num_migrations += 1
+        entry.num_migrations += 1
+        log.info("call %s migrates from %s to %s after %d tokens (%s)", request_id, entry.worker_id,
+                 placement.worker_id, len(entry.output_token_ids), why)
+        entry.worker_id, entry.prefill_worker, entry.num_tokens_seen = placement.worker_id, "", 0
+        self._send_add(entry)
+
+    # -- readiness, /cluster and /metrics
+    @property
+    def num_serving_workers(self) -> int:
+        """Registered workers whose engine loop runs (they have sent a heartbeat)."""
+        return self.pool.num_serving
+
+    def is_ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "this router is shutting down (finishing its in-flight calls)"
+        serving = sorted(w for w, record in self.workers.items() if record.stats is not None)
+        if serving:
+            return True, f"{len(serving)} worker(s) serving: {', '.join(serving)}"
+        if self.workers:
+            return False, f"{len(self.workers)} worker(s) registered, none has started its engine loop yet"
+        if self.lost_workers:
+            lost = "; ".join(f"{w}: {why}" for w, why in sorted(self.lost_workers.items()))
+            return False, f"no live worker (lost: {lost})"
+        return False, "no worker registered yet"
+
+    def cluster_info(self) -> dict[str, object]:
+        now = self.clock()
+        return {
+            "policy": self.config.policy,
+            "worker_queue_policy": self.queue_policy,
+            "model": self.config.model_name,
+            "identity": None if self.identity is None else {
+                "model_revision": self.identity.model_revision, "kv_layout": self.identity.kv_layout,
+                "block_size": self.identity.block_size},
+            "router_address": self.address,
+            "workers": [worker_info(self.workers[w], self.state, now) for w in sorted(self.workers)],
+            "lost_workers": dict(sorted(self.lost_workers.items())),
+            "num_in_flight": len(self._calls),
+            "num_waiting": self.num_waiting,
+            "index_blocks": self.state.index.num_blocks,
+            "lent_workers": {} if self.pools is None else dict(sorted(self.pools.lent.items())),
+            "pool_switches": 0 if self.pools is None else len(self.pools.switches),
+            "router_decisions": dict(sorted(self.router_decisions.items())),
+            "num_rejected": self.num_rejected,
+            "num_failed_by_worker_loss": self.num_failed_by_worker_loss,
+            "num_migrations": self.num_migrations,
+            "transfers": self.transfer_totals(),
+            "spec_decode": self.spec_decode_totals(),
+        }
+
+    def transfer_totals(self) -> dict[str, float]:
+        """KV handoff counters summed over live workers (prefill side: bytes, time, queue; decode side:
+        adoptions, recomputes), plus the router's fallbacks and reservation refusals."""
+        totals: dict[str, float] = {}
+        for stats in self.live_worker_stats().values():
+            for name, value in transfer_info(stats).items():
+                totals[name] = totals.get(name, 0) + value
+        totals["num_fallbacks"] = self.num_handoff_fallbacks
+        totals["num_refusals_reported"] = self.handoff_endings.get("refused", 0)
+        return totals
+
+    @property
+    def num_waiting(self) -> int:
+        """Routed calls that have not produced a token yet (queued somewhere in the cluster)."""
+        return self.placement.num_waiting
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._calls)
+
+    def live_worker_stats(self) -> dict[str, rpc.Stats]:
+        return self.pool.live_stats()
+
+    def spec_decode_totals(self) -> dict[str, int]:
+        """Speculative decoding's draft tokens proposed and accepted over all workers ever registered; never
+        decreases."""
+        num_draft_tokens, num_accepted_tokens = self.pool.retired_spec_decode_tokens
+        for stats in self.live_worker_stats().values():
+            num_draft_tokens += stats.num_draft_tokens
+            num_accepted_tokens += stats.num_accepted_tokens
+        return {"num_draft_tokens": num_draft_tokens, "num_accepted_tokens": num_accepted_tokens}

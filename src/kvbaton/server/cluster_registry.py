@@ -39,6 +39,11 @@ class CallRecord:
     num_tokens_seen: int = 0
     finished: bool = False
     prefill_worker: str = ""  # a disaggregated call: the worker that prefills and hands the KV to worker_id
+    # Every token streamed so far, over all the workers it ran on (num_tokens_seen counts the current placement's):
+    # what a migration resumes after.
+    output_token_ids: list[int] = field(default_factory=list)
+    num_migrations: int = 0  # times it moved to another worker after losing one
+    aborted: bool = False  # an abort was sent for it (the client left or cancelled): it never migrates
 
 
 def identity_of(message: rpc.Register) -> ClusterIdentity:

@@ -1,16 +1,15 @@
-"""The cluster manager's side of worker membership: messages from workers, registration, failure detection, removal.
+"""The router's worker pool: who is in it, the messages its workers send, registration, failure detection, removal.
 
-`WorkerMembership` is a base class of `ClusterManager` (kvbaton.server.cluster), not a separate object:
-`_handle` runs once per message from a worker (token deltas, heartbeats, KV events, snapshots,
-handoff endings, goodbyes), so it reads the manager's state directly with no extra hop. It keeps the
-pool honest: a worker joins only with the cluster's identity, its KV events keep the router's index
-current (a seq gap asks for a snapshot), and a worker that exits, goes silent or says goodbye leaves
-the pool (and the policy's index and load state) at most once, failing or handing over its calls.
+`WorkerPool` is an object `ClusterManager` (kvbaton.server.cluster) owns: `handle` runs once per message from a
+worker (token deltas, heartbeats, KV events, snapshots, handoff endings, goodbyes). It keeps the pool honest: a
+worker joins only with the cluster's identity, its KV events keep the router's index current (a seq gap asks for a
+snapshot), and a worker that exits, goes silent or says goodbye leaves the pool at most once. What concerns calls
+(their deltas, a handoff that ended without the KV, the calls of a worker that left) it hands to the manager's
+call side through the three callbacks it is built with.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from kvbaton.router.load import WorkerStats
 from kvbaton.router.placement import ClusterPlacement
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
-from kvbaton.server.cluster_registry import CallRecord, ProcessHandle, WorkerRecord, identity_of, registration_refusal
+from kvbaton.server.cluster_registry import ProcessHandle, WorkerRecord, identity_of, registration_refusal
 from kvbaton.server.identity import ClusterIdentity
 from kvbaton.server.router_socket import RouterSocket
 
@@ -38,44 +37,60 @@ INDEX_RESYNC_S = 5.0
 _STALL_GRACE_S = 1.0  # a gap between worker checks longer than this (plus the check interval) is a router stall
 
 
-class WorkerMembership:
-    """Worker messages and liveness for `ClusterManager`, which sets every attribute below in its `__init__`."""
+class WorkerPool:
+    """The live workers, why the others left and the processes watched; registration, liveness and removal."""
 
-    config: ClusterConfig
-    clock: Callable[[], float]
-    placement: ClusterPlacement
-    queue_policy: str
-    identity: ClusterIdentity | None
-    workers: dict[str, WorkerRecord]
-    lost_workers: dict[str, str]
-    _calls: dict[str, CallRecord]
-    _processes: dict[str, ProcessHandle]
-    _exits_pending: set[str]
-    num_failed_by_worker_loss: int
-    num_snapshots_requested: int
-    num_handoff_fallbacks: int
-    handoff_endings: dict[str, int]
-    retired_spec_decode_tokens: list[int]
-    _socket: RouterSocket | None
-    _last_check_at: float
-    # The call side, defined by ClusterManager: a token delta's accounting, and a call's end.
-    _on_delta: Callable[[TokenDelta], None]
-    _end_call: Callable[[CallRecord], None]
+    def __init__(self, config: ClusterConfig, clock: Callable[[], float], placement: ClusterPlacement,
+                 queue_policy: str, on_delta: Callable[[TokenDelta], None],
+                 on_handoff_ended: Callable[[rpc.HandoffEnded], None],
+                 on_removed: Callable[[str, WorkerRecord, str], None]) -> None:
+        self.config = config
+        self.clock = clock
+        self.placement = placement
+        self.queue_policy = queue_policy
+        self._on_delta = on_delta  # a token delta from a worker: the call side's accounting
+        self._on_handoff_ended = on_handoff_ended  # a prefill leg ended without the KV
+        self._on_removed = on_removed  # (worker id, its record, why): the call side fails or hands over its calls
+        self.identity: ClusterIdentity | None = None  # fixed by the first accepted worker
+        self.workers: dict[str, WorkerRecord] = {}  # live workers
+        self.lost_workers: dict[str, str] = {}  # worker id -> why it left
+        self._processes: dict[str, ProcessHandle] = {}
+        self._exits_pending: set[str] = set()  # dropped while their process still ran: its exit code comes later
+        self.num_snapshots_requested = 0
+        self.retired_spec_decode_tokens = [0, 0]  # (draft, accepted) of workers that left: keeps totals monotone
+        self.socket: RouterSocket | None = None  # set by the manager's start, cleared by its shutdown
+        self._last_check_at = clock()
+
+    @property
+    def num_serving(self) -> int:
+        """Registered workers whose engine loop runs (they have sent a heartbeat)."""
+        return sum(1 for record in self.workers.values() if record.stats is not None)
+
+    def live_stats(self) -> dict[str, rpc.Stats]:
+        """The latest heartbeat of every serving worker, by worker id."""
+        return {w: r.stats for w, r in sorted(self.workers.items()) if r.stats is not None}
 
     # -- messages -------------------------------------------------------------------------------
 
-    def _send(self, worker_id: str, message: rpc.Message) -> None:
-        error = self._socket.send(worker_id, message) if self._socket is not None else None
+    def send(self, worker_id: str, message: rpc.Message) -> None:
+        """Send to a pool member; an unreachable one is removed (with the exit code when its process just died)."""
+        error = self.socket.send(worker_id, message) if self.socket is not None else None
         if error is not None:  # EHOSTUNREACH: the worker's connection is gone
             if worker_id in self.workers:
                 # A dying process closes its sockets a moment before it can be reaped: give a watched one that
                 # moment, so the reason (and its calls' errors) name the exit, not just the lost connection.
                 reason = self._exit_reason(worker_id, grace_s=EXIT_GRACE_S)
-                self._remove_worker(worker_id, reason or f"unreachable ({error.strerror})")
+                self.remove(worker_id, reason or f"unreachable ({error.strerror})")
 
-    def _handle(self, sender: str, message: rpc.Message) -> None:
+    def handle(self, sender: str, message: rpc.Message) -> None:
+        """One message from a worker (the socket's reader callback)."""
         if isinstance(message, rpc.Register):
             self._on_register(sender, message)
+            return
+        if isinstance(message, rpc.Alive):  # from the worker's liveness thread, on its second socket
+            record = self.workers.get(message.worker_id)
+            if record is not None and sender == rpc.alive_identity(message.worker_id):
+                record.last_heard_at = self.clock()
             return
         record = self.workers.get(sender)
         if record is None:
@@ -113,17 +128,7 @@ class WorkerMembership:
         elif isinstance(message, rpc.HandoffEnded):
             self._on_handoff_ended(message)
         elif isinstance(message, rpc.Goodbye):
-            self._remove_worker(sender, f"left: {message.reason}")
-
-    def _on_handoff_ended(self, message: rpc.HandoffEnded) -> None:
-        """A prefill leg ended without the KV: the decode worker falls back (it may already know, harmlessly)."""
-        self.handoff_endings[message.outcome] = self.handoff_endings.get(message.outcome, 0) + 1
-        entry = self._calls.get(message.request_id)
-        if entry is None or entry.finished or entry.prefill_worker != message.worker_id or entry.num_tokens_seen:
-            return  # a first token came: the decode worker adopted the KV (its ack was late) or recomputed
-        self.num_handoff_fallbacks += 1
-        self._send(entry.worker_id, rpc.HandoffFailed(message.request_id, message.reason,
-                                                      refused=message.outcome == "refused"))
+            self.remove(sender, f"left: {message.reason}")
 
     def _on_register(self, sender: str, message: rpc.Register) -> None:
         if sender != message.worker_id:
@@ -139,7 +144,7 @@ class WorkerMembership:
             self._send_raw(sender, rpc.RegisterRefuse(sender, reason))
             return
         if sender in self.workers:
-            self._remove_worker(sender, "re-registered (restarted)")
+            self.remove(sender, "re-registered (restarted)")
         process = self._processes.get(sender)
         if process is not None and process.poll() is not None:
             del self._processes[sender]  # it exited: the worker registering now is another process with its id
@@ -147,32 +152,24 @@ class WorkerMembership:
         if self.identity is None:
             self.identity = offered
         self.workers[sender] = WorkerRecord(message, self.clock())
-        self._send(sender, rpc.RegisterAck(sender, self.queue_policy, self.config.heartbeat_interval_s))
+        self.send(sender, rpc.RegisterAck(sender, self.queue_policy, self.config.heartbeat_interval_s))
         log.info("worker %s registered (pid %d, %s)", sender, message.pid, message.kv_layout)
 
     def _send_raw(self, identity: str, message: rpc.Message) -> None:
         """Send to a peer that is not (or no longer) a pool member; errors are ignored."""
-        if self._socket is not None:
-            self._socket.send(identity, message)
+        if self.socket is not None:
+            self.socket.send(identity, message)
 
     def _request_snapshot(self, record: WorkerRecord, reason: str) -> None:
         record.snapshot_pending = True
         self.num_snapshots_requested += 1
-        self._send(record.register.worker_id, rpc.SnapshotRequest(reason))
+        self.send(record.register.worker_id, rpc.SnapshotRequest(reason))
 
     # -- failure detection ----------------------------------------------------------------------
 
     def watch_process(self, worker_id: str, process: ProcessHandle) -> None:
         """Let the monitor notice at once when this worker's process exits."""
         self._processes[worker_id] = process
-
-    async def _monitor_loop(self) -> None:
-        while True:
-            await asyncio.sleep(min(self.config.ping_interval_s, 0.1))
-            try:
-                self.check_workers()
-            except Exception:  # keep detecting dead workers whatever went wrong once
-                log.exception("worker check failed")
 
     def check_workers(self) -> None:
         """Drop workers whose process exited or that went silent; ping the rest."""
@@ -191,12 +188,12 @@ class WorkerMembership:
                 continue  # removed with another worker this sweep (its call's other leg was unreachable too)
             exit_reason = self._exit_reason(worker_id)
             if exit_reason:
-                self._remove_worker(worker_id, exit_reason)
+                self.remove(worker_id, exit_reason)
             elif now - record.last_heard_at > self.config.worker_timeout_s:
-                self._remove_worker(worker_id, f"no heartbeat for {now - record.last_heard_at:.1f} s")
+                self.remove(worker_id, f"no heartbeat for {now - record.last_heard_at:.1f} s")
             elif now - record.last_pinged_at >= self.config.ping_interval_s:
                 record.last_pinged_at = now
-                self._send(worker_id, rpc.Ping(now))
+                self.send(worker_id, rpc.Ping(now))
 
     def _exit_reason(self, worker_id: str, grace_s: float = 0.0) -> str:
         """Why a watched worker process is gone ("" while it runs, for up to `grace_s`, or when it is not
@@ -228,7 +225,9 @@ class WorkerMembership:
                 self._exits_pending.discard(worker_id)
                 self.lost_workers[worker_id] += f"; its process exited with code {code}"
 
-    def _remove_worker(self, worker_id: str, reason: str) -> None:
+    def remove(self, worker_id: str, reason: str) -> None:
+        """Take a worker out of the pool (at most once): remember why, take it out of the placement, then let the
+        call side end or move its calls (a migration places them again, never on this worker)."""
         record = self.workers.pop(worker_id, None)
         if record is None:
             return
@@ -241,21 +240,5 @@ class WorkerMembership:
         if record.stats is not None:
             self.retired_spec_decode_tokens[0] += record.stats.num_draft_tokens
             self.retired_spec_decode_tokens[1] += record.stats.num_accepted_tokens
-        for request_id in sorted(record.in_flight):
-            entry = self._calls.get(request_id)
-            if entry is None or entry.finished:
-                continue
-            if entry.prefill_worker == worker_id:  # the decode worker answers: it recomputes or fails cleanly
-                if entry.num_tokens_seen:
-                    continue  # a first token came: the decode worker adopted the KV or recomputed, it needs nothing
-                self.num_handoff_fallbacks += 1
-                self._send(entry.worker_id, rpc.HandoffFailed(request_id, f"prefill worker lost ({reason})", False))
-                continue
-            if entry.prefill_worker:
-                self._send(entry.prefill_worker, rpc.Abort((request_id,)))
-            self.num_failed_by_worker_loss += 1
-            self._end_call(entry)
-            entry.sink(TokenDelta(
-                request_id, (), "", True, "error", len(entry.call.prompt_token_ids),
-                error=f"worker {worker_id} was lost while running this request ({reason})", worker_id=worker_id))
         self.placement.remove_worker(worker_id)
+        self._on_removed(worker_id, record, reason)

@@ -3,9 +3,10 @@
 Order: refuse a non-loopback host without an API key (`server/auth.py`) -> load the tokenizer (not the
 weights) -> bind the RPC socket -> spawn workers, each handed the cluster secret in its environment (never
 its command line) -> wait until all have registered (each was checked against the router's tokenizer
-probe and the first one's layout) -> serve HTTP. On SIGINT/SIGTERM: stop accepting, let in-flight
-requests finish up to the drain deadline, tell the workers to shut down, kill any straggler by pid, exit 0. Workers run in their own session so
-a terminal's Ctrl-C reaches only the router, which then stops them in order.
+probe and the first one's layout) -> serve HTTP. On SIGINT/SIGTERM: drain (new generation requests get 503
+with Retry-After, not a refused connection, while the in-flight ones finish up to the drain deadline), stop
+accepting, tell the workers to shut down, kill any straggler by pid, exit 0. Workers run in their own session
+so a terminal's Ctrl-C reaches only the router, which then stops them in order.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class ServeConfig:
     host_num_blocks: int = 0  # per worker: the prefix cache's host tier (kvbaton.cache.host_tier); 0 = off
     max_num_batched_tokens: int = 512
     num_speculative_tokens: int = 0  # prompt-lookup drafts per decode on every worker (0: off)
+    warm_up: bool = False  # workers build every linear shape before serving (Worker: WorkerConfig.warm_up)
     max_num_waiting: int = 256
     threads_per_worker: int = 0  # torch threads in each worker; 0 = this machine's cores shared evenly among workers
 
@@ -80,6 +82,7 @@ class ServeConfig:
     seed: int = 0
     startup_timeout_s: float = 300.0  # every worker registered within this
     drain_timeout_s: float = 30.0  # in-flight requests may finish within this after a stop signal
+    migration_limit: int = 3  # times a call may move to another worker after losing one (0: it fails)
     worker_exit_timeout_s: float = 10.0  # then stragglers are killed
     # SLO admission (kvbaton.router.admission): none | baseline | early | predicted. The others price each
     # arrival with the step times of `cost_profile` (a `kvbaton profile` file) against the SLOs.
@@ -172,7 +175,7 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
             "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
             "--host-num-blocks", str(config.host_num_blocks),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
-            "--speculative-tokens", str(config.num_speculative_tokens),
+            "--speculative-tokens", str(config.num_speculative_tokens), *(["--warm-up"] if config.warm_up else []),
             "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport,
             *(["--step-log", str(Path(config.step_log_dir) / f"{worker_id}.steps.jsonl")] if config.step_log_dir else []),
             *(["--reserve-ahead-tokens", str(config.reserve_ahead_tokens)]
@@ -190,20 +193,32 @@ class Launcher:
         self._server: _Server | None = None
         self._cluster: ClusterManager | None = None
         self._drain_timer: asyncio.TimerHandle | None = None
+        self._drain_task: asyncio.Task[None] | None = None
 
     def request_stop(self) -> None:
-        """Signal handler: first call drains and stops; a second one stops waiting for the drain."""
-        if self._server is not None:
+        """Signal handler: the first call drains, then stops the HTTP server; a second one stops at once. While
+        draining the server still accepts: new calls are answered 503 with Retry-After (a load balancer moves them
+        to another router) and /ready fails, while those in flight finish."""
+        server, cluster = self._server, self._cluster
+        if server is not None:
             if self._stop.is_set():
-                self._server.force_exit = True
-            elif self._cluster is not None:
+                server.force_exit = True
+                server.should_exit = True
+            elif cluster is not None:
                 # What still runs at the drain deadline is aborted just before it (a second to spare): its stream
                 # ends with finish reason "abort" instead of being cut off when uvicorn cancels its handler.
                 drain_s = self.config.drain_timeout_s
-                self._drain_timer = asyncio.get_running_loop().call_later(
-                    max(0.0, min(drain_s - 1.0, 0.9 * drain_s)), self._cluster.abort_all)
-            self._server.should_exit = True
+                loop = asyncio.get_running_loop()
+                self._drain_timer = loop.call_later(max(0.0, min(drain_s - 1.0, 0.9 * drain_s)), cluster.abort_all)
+                cluster.draining = True
+                self._drain_task = loop.create_task(self._exit_when_drained(server, cluster))
+            else:
+                server.should_exit = True
         self._stop.set()
+
+    async def _exit_when_drained(self, server: _Server, cluster: ClusterManager) -> None:
+        await cluster.drain(self.config.drain_timeout_s, until=lambda: server.force_exit)
+        server.should_exit = True
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -232,7 +247,7 @@ class Launcher:
                 reserve_ahead_tokens=config.reserve_ahead_tokens,
                 scheduling_policy=config.scheduling_policy,
                 kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4),
-                cluster_secret=self.secret), admission=admission, pools=pools)
+                cluster_secret=self.secret, migration_limit=config.migration_limit), admission=admission, pools=pools)
             self._cluster = cluster
             address = await cluster.start()
         except BaseException:
@@ -289,6 +304,8 @@ class Launcher:
         finally:
             if self._drain_timer is not None:
                 self._drain_timer.cancel()
+            if self._drain_task is not None:
+                self._drain_task.cancel()
             http_socket.close()
             self._stop_unregistered(cluster)
             await cluster.shutdown(timeout_s=config.worker_exit_timeout_s)

@@ -23,6 +23,7 @@ Expected `cluster_info()` keys (all optional; missing ones read as 0):
   "router_decisions": {reason: count}  # router placement decisions by reason, cumulative
   "transfers": {name: value}  # KV handoff totals (bytes, time_s, queue_s, num_fallbacks, ...): kv_transfer_<name>
   "spec_decode": {"num_draft_tokens", "num_accepted_tokens"}  # cumulative over all workers ever registered
+  "num_migrations", "num_failed_by_worker_loss"  # calls moved to another worker / failed after losing theirs
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ class ClusterCollector(Collector):
         for reason, count in sorted(raw_decisions.items()):  # type: ignore[union-attr]
             decisions.add_metric([str(reason)], _number(count))
         yield decisions
+        yield CounterMetricFamily(f"{PREFIX}num_migrations", "Calls moved to another worker after losing theirs.",
+                                  value=_number(info.get("num_migrations")))
+        yield CounterMetricFamily(f"{PREFIX}num_failed_by_worker_loss",
+                                  "Calls that failed when their worker was lost (not migrated).",
+                                  value=_number(info.get("num_failed_by_worker_loss")))
         spec_decode = info.get("spec_decode", {}) or {}
         for name in ("num_draft_tokens", "num_accepted_tokens"):  # counters, as vLLM's (a worker leaving keeps its)
             yield CounterMetricFamily(f"{PREFIX}spec_decode_{name}", f"Speculative decoding: {name.replace('_', ' ')}.",

@@ -140,6 +140,23 @@ class HandoffEnded:
 
 
 @dataclass(frozen=True, slots=True)
+class Alive:
+    """The worker process lives: sent every ALIVE_INTERVAL_S by a thread of its own, on a socket of its own (routing
+    id `alive_identity(worker_id)`), so that a step longer than the router's worker timeout does not read as death."""
+
+    TAG: ClassVar[str] = "alive"
+    worker_id: str
+
+
+ALIVE_INTERVAL_S = 1.0
+
+
+def alive_identity(worker_id: str) -> str:
+    """The routing id of a worker's liveness socket (its main socket's is the worker id)."""
+    return f"{worker_id}#alive"
+
+
+@dataclass(frozen=True, slots=True)
 class Goodbye:
     """The worker is exiting (after a shutdown or on its own); its requests have been answered."""
 
@@ -180,6 +197,9 @@ class AddRequest:
     decode_worker: str = ""
     decode_address: str = ""
     kv_load_failure_policy: str = "recompute"  # recompute | fail, when the KV does not arrive
+    # A migrated call (its worker was lost mid-request): the tokens it already streamed, which it resumes after as
+    # its output so far (prompt + these are recomputed here). Only for a whole request (no handoff fields).
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,11 +246,11 @@ class Shutdown:
     reason: str
 
 
-Message = (Register | TokenDeltas | Stats | KVEvents | SnapshotResponse | HandoffEnded | Goodbye | RegisterAck
-           | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | ResetPrefixCache | Ping | Shutdown)
+Message = (Register | TokenDeltas | Stats | KVEvents | SnapshotResponse | HandoffEnded | Alive | Goodbye
+           | RegisterAck | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | ResetPrefixCache | Ping | Shutdown)
 
-_PLAIN = (Register, Stats, HandoffEnded, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed, SnapshotRequest,
-          ResetPrefixCache, Ping, Shutdown)
+_PLAIN = (Register, Stats, HandoffEnded, Alive, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed,
+          SnapshotRequest, ResetPrefixCache, Ping, Shutdown)
 _BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, SnapshotResponse, AddRequest,
                                                        Abort)}
 # What each field of a plain message must be on the wire (a float field takes an int too): a dataclass does not
@@ -344,7 +364,7 @@ def to_wire(message: Message) -> list[object]:
         return [message.TAG, message.request_id, token_ids_to_wire(message.prompt_token_ids),
                 sampling_to_wire(message.sampling),
                 message.tenant, message.slo_class, message.prefill_worker, message.decode_worker,
-                message.decode_address, message.kv_load_failure_policy]
+                message.decode_address, message.kv_load_failure_policy, token_ids_to_wire(message.output_token_ids)]
     if isinstance(message, Abort):
         return [message.TAG, list(message.request_ids)]
     return [message.TAG, *astuple(message)]
@@ -370,10 +390,11 @@ def from_wire(raw: object) -> Message:
             worker_id, seq, events = body
             return SnapshotResponse(worker_id, int(seq), _events_from_wire(events))
         if cls is AddRequest:
-            request_id, token_ids, sampling, *rest = body
+            request_id, token_ids, sampling, *rest, output_token_ids = body
             if not all(isinstance(value, str) for value in (request_id, *rest)):
                 raise ProtocolError("add: request id, tenant, slo class and handoff fields must be strings", add_id)
-            return AddRequest(request_id, token_ids_from_wire(token_ids), sampling_from_wire(sampling), *rest)
+            return AddRequest(request_id, token_ids_from_wire(token_ids), sampling_from_wire(sampling), *rest,
+                              output_token_ids=token_ids_from_wire(output_token_ids))
         if cls is Abort:
             (request_ids,) = body
             if not isinstance(request_ids, list) or not all(isinstance(r, str) for r in request_ids):

@@ -4,7 +4,10 @@ Loop invariant: while the engine has work, messages are drained without blocking
 (a prefill worker also looks between the layers of a step, and sends a new handoff's KV reservation
 at once; other messages wait for the step's end) and every step's outputs go out as one
 `TokenDeltas` frame; while idle the worker blocks on the socket for at most `idle_poll_s`. A
-heartbeat (`Stats`, plus new `KVEvents`) goes out every `heartbeat_interval_s` either way. The
+heartbeat (`Stats`, plus new `KVEvents`) goes out every `heartbeat_interval_s` either way, between steps;
+the router's liveness check does not wait for those: a thread with a socket of its own sends `Alive` every
+`rpc.ALIVE_INTERVAL_S` from registration on, so a step longer than the router's worker timeout (a long
+prefill of a real model on a loaded host) does not get the worker removed. The
 worker exits on `Shutdown` (aborting what is left, so every request still gets its final delta) or
 when the router has been silent for `router_timeout_s`.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +67,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = 512
     num_speculative_tokens: int = 0  # prompt-lookup speculative decoding (scheduler/spec_decode.py); 0 = off
     enable_prefix_cache: bool = True
+    # Build every linear shape a step of up to max_num_batched_tokens rows can use before registering: oneDNN
+    # keeps one primitive per row bucket (~0.5 MB each, `model.llama.Linear`), so RSS then stays flat.
+    warm_up: bool = False
     seed: int = 0
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default (all cores)
     queue_policy: str = ""  # local waiting-queue policy; "" = the one the router names at register_ack
@@ -87,6 +94,41 @@ def kv_layout_of(loaded: LoadedModel, block_size: int) -> str:
     return loaded.config.kv_layout_id(dtype_name, block_size)
 
 
+class _AliveThread:
+    """Sends `rpc.Alive` every `interval_s` on its own DEALER socket (a zmq socket belongs to one thread) until
+    stopped. It needs the GIL only for a moment per beat, which a step's torch ops release."""
+
+    def __init__(self, context: zmq.Context, router_address: str, worker_id: str, secret: ClusterSecret,
+                 interval_s: float = rpc.ALIVE_INTERVAL_S) -> None:
+        self._socket = context.socket(zmq.DEALER)
+        secure_dealer(self._socket, secret)
+        self._socket.setsockopt(zmq.IDENTITY, rpc.alive_identity(worker_id).encode())
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDHWM, 4)  # an unreachable router queues a few beats, not a backlog
+        self._socket.connect(router_address)
+        self._frame = rpc.encode(rpc.Alive(worker_id))
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{worker_id}-alive", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    self._socket.send(self._frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the router is not reachable right now: the next beat tries again
+                if self._stopped.wait(self._interval_s):
+                    return
+        finally:
+            self._socket.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+
 class Worker:
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -96,6 +138,9 @@ class Worker:
         if config.num_threads > 0:  # before the model loads: co-located workers must not oversubscribe cores
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
+        if config.warm_up:
+            rows = config.max_num_batched_tokens
+            self.loaded.model.warm_up_linears(rows, rows)
         self._clock = clock
         self.engine: Engine | None = None
         self._wants_logprobs: set[str] = set()
@@ -134,18 +179,27 @@ class Worker:
         socket.connect(self.config.router_address)
         cfg = self.config
         layout = kv_layout_for(self.loaded, cfg.block_size)
+        alive: _AliveThread | None = None
         try:
             if cfg.role == "decode":  # storage first: its address goes into the registration
                 self._decode_kv = DecodeKV(cfg.worker_id, layout, cfg.num_blocks, cfg.kv_transport, cfg.kv_host,
                                            secret=secret)
             ack = self._register(socket)
+            alive = _AliveThread(context, cfg.router_address, cfg.worker_id, secret)
             try:
                 self._start(socket, layout, ack, secret)
             except Exception as exc:  # the router counts this worker in: tell it why it will not serve
                 socket.send(rpc.encode(rpc.Goodbye(cfg.worker_id, f"failed to start: {exc}")))
                 raise
             return self._serve(socket, ack.heartbeat_interval_s)
+        except KeyboardInterrupt:
+            # SIGTERM or Ctrl-C (a worker being drained): leave without ending the requests here, so the router
+            # moves them to other workers at once (migration) instead of streaming an abort to their clients.
+            socket.send(rpc.encode(rpc.Goodbye(cfg.worker_id, "stopped by a signal")), zmq.NOBLOCK)
+            raise
         finally:
+            if alive is not None:
+                alive.stop()
             socket.close()
             context.term()
             if self._step_log is not None:
@@ -293,7 +347,8 @@ class Worker:
         elif isinstance(message, rpc.AddRequest):
             try:
                 engine.add_request(list(message.prompt_token_ids), message.sampling, request_id=message.request_id,
-                                   tenant=message.tenant, slo_class=message.slo_class)
+                                   tenant=message.tenant, slo_class=message.slo_class,
+                                   output_token_ids=message.output_token_ids)
             except KvbatonError as exc:
                 self._send_failed(socket, message.request_id, len(message.prompt_token_ids), str(exc))
                 return

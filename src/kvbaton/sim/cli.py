@@ -56,6 +56,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host memory per worker (GB) for a host KV tier: the prefix cache keeps what the GPU "
                              "evicts there and copies it back over the GPU's PCIe link when the prefix returns, the "
                              "copies adding to the step's time (0: no tier)")
+    parser.add_argument("--kv-store-gb", type=float, default=0.0, metavar="G",
+                        help="cluster KV store: host DRAM per worker's node (GB), pooled across the cluster; new "
+                             "blocks are written through and prefix hits past the GPU are loaded from wherever they "
+                             "are, priced over the host link, the NIC and the disk (0: no store; use --policy "
+                             "conductor to place by predicted TTFT with the loads)")
+    parser.add_argument("--kv-store-disk-gb", type=float, default=0.0, metavar="D",
+                        help="cluster KV store: local disk per node (GB), below its DRAM")
     parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                         help="speculative decoding by prompt lookup, K drafts per decode (the live scheduler's); "
                              "drafts find something only with --output-copy-fraction > 0")
@@ -112,6 +119,7 @@ def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
                     max_model_len=args.max_model_len, admission=args.admission, adaptive_pools=args.adaptive_pools,
                     admission_slo=(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None,
                     reserve_ahead_tokens=args.reserve_ahead_tokens, host_kv_gb=args.host_kv_gb,
+                    kv_store_gb=args.kv_store_gb, kv_store_disk_gb=args.kv_store_disk_gb,
                     num_speculative_tokens=args.speculative_tokens, spec_max_running=args.spec_max_running,
                     output_copy_fraction=args.output_copy_fraction, output_copy_span=args.output_copy_span)
 
@@ -162,7 +170,8 @@ def run_sim(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {
         "simulator": {"model": args.model, "gpu": args.gpu, "cluster": args.cluster, "cost_model": args.cost_model,
                       "num_blocks_per_worker": next(iter(results.values())).num_blocks_per_worker,
-                      "host_kv_gb": args.host_kv_gb, "speculative_tokens": args.speculative_tokens,
+                      "host_kv_gb": args.host_kv_gb, "kv_store_gb": args.kv_store_gb,
+                      "kv_store_disk_gb": args.kv_store_disk_gb, "speculative_tokens": args.speculative_tokens,
                       "spec_max_running": args.spec_max_running, "output_copy_fraction": args.output_copy_fraction,
                       "output_copy_span": args.output_copy_span,
                       **_fleet_figures(args.cluster, args.gpu, args.cost_model)},

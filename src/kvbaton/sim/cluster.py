@@ -7,8 +7,8 @@ Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
   steps    -> the worker's LocalScheduler plans, the cost model prices the plan, time advances
   mixed    -> tokens stream until the exact output length; the policy hears on_first_token
               and on_finished
-  prefill  -> the real handoff protocol (`sim/handoff.py`, driven by the event handlers of
-              `sim/cluster_handoffs.py`): reserve on the decode worker (or be
+  prefill  -> the real handoff protocol (`sim/handoff.py`, driven by this class's handoff event
+              handlers): reserve on the decode worker (or be
               refused and retry: backpressure), then the prefill runs with max_tokens=1 and
               streams its KV over the prefill worker's egress link (FIFO: transfers contend);
               on the ack (sent as the last message arrives, even mid-step) the decode worker
@@ -17,7 +17,8 @@ Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
 With an admission policy (`kvbaton.router.admission`), arrivals it refuses, and prefilled requests
 the decode stage refuses when their KV arrives (its blocks released), end as `rejected` records.
 Every worker reports a heartbeat at time 0, when it starts serving, then (stats + its radix cache's real KV
-events) at most every `heartbeat_s` of simulated time while busy, and whenever it goes idle. Everything is
+events, and with a cluster KV store its store node's events) at most every `heartbeat_s` of simulated time while
+busy, and whenever it goes idle. Everything is
 a pure function of the inputs and the seed: no clock, and ties on the heap break by `seq`.
 """
 
@@ -32,10 +33,12 @@ from dataclasses import replace
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.cache.kv_store import KVStore, StoreConfig
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import KvbatonError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
+from kvbaton.core.step import StepPlan
 from kvbaton.router.admission import AdmissionPolicy
 from kvbaton.router.base import make_route_request
 from kvbaton.router.placement import ClusterPlacement, PlacementConfig, Refusal
@@ -44,19 +47,20 @@ from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.state import RouterState
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.flight import Flight
-from kvbaton.sim.cluster_handoffs import DELIVERY, HandoffFlow
-from kvbaton.sim.cluster_records import FlightEndings
 from kvbaton.sim.config import SimConfig, WorkerHardware, WorkerReport
 from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs, check_same_layout
 from kvbaton.sim.links import LinkSpec, get_link
 from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import ClusterSpec, WorkerSpec
+from kvbaton.sim.store_io import kv_read_s_per_token, router_prefill_model
 from kvbaton.sim.worker import SimWorker, TokenFn
+from kvbaton.transfer import AdoptedKV
+from kvbaton.transfer.source import num_due_to_reserve
 
-_ARRIVAL, _STEP_DONE = 0, 1  # and the handoff part's DELIVERY, RETRY
+_ARRIVAL, _STEP_DONE, DELIVERY, RETRY = 0, 1, 2, 3  # the kinds of heap events (a protocol message; a retry)
 
 
-class ClusterSim(HandoffFlow, FlightEndings):
+class ClusterSim:
     def __init__(self, spec: ClusterSpec, cost_model: CostModel, config: SimConfig = SimConfig(),
                  token_for: TokenFn | None = None, admission: AdmissionPolicy | None = None,
                  pools: PoolBalancer | None = None, hardware: Mapping[str, WorkerHardware] | None = None) -> None:
@@ -86,10 +90,14 @@ class ClusterSim(HandoffFlow, FlightEndings):
             own = hardware.get(worker.worker_id)
             return get_link(own.host_link) if own is not None and own.host_link else host_link
 
-        self.workers = {w.worker_id: SimWorker(w, sched, cache_of(w), config.cache_key, costs[w.worker_id], token_for,
-                                               random.Random(f"{config.seed}:{w.worker_id}"), host_link_of(w))
-                        for w in spec.workers}
         self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
+        # The cluster KV store: one node per front worker's host, named by the worker's id.
+        self.store = (KVStore(StoreConfig(config.store_dram_blocks, config.store_disk_blocks), self.front_ids)
+                      if config.store_prices is not None else None)
+        self.workers = {w.worker_id: SimWorker(w, sched, cache_of(w), config.cache_key, costs[w.worker_id], token_for,
+                                               random.Random(f"{config.seed}:{w.worker_id}"), host_link_of(w),
+                                               self.store if w.role != "decode" else None, config.store_prices)
+                        for w in spec.workers}
         self.decode_ids = [w.worker_id for w in spec.workers if w.role == "decode"]
         # The live router's placement object: it hears what a live router hears (heartbeats, KV events, routed calls
         # and their tokens) and decides as it does.
@@ -98,7 +106,8 @@ class ClusterSim(HandoffFlow, FlightEndings):
                             max_num_waiting=config.max_num_waiting,
                             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
                             kv_bytes_per_token=cost_model.kv_bytes_per_token,
-                            reserve_ahead_tokens=config.reserve_ahead_tokens),
+                            reserve_ahead_tokens=config.reserve_ahead_tokens, store_prices=config.store_prices,
+                            **self._calibration(cost_model, sched, config)),
             admission, pools)
         self._tracks_tokens = self.placement.tracks_tokens
         prefill = {w.worker_id: self.workers[w.worker_id] for w in spec.workers if w.role == "prefill"}
@@ -129,6 +138,16 @@ class ClusterSim(HandoffFlow, FlightEndings):
         if token_for is not None and hasattr(token_for, "prompt_of"):
             token_for.prompt_of = self.prompt_of  # type: ignore[attr-defined]
         self._forget_tokens: Callable[[str], None] | None = getattr(token_for, "forget", None)
+
+    def _calibration(self, cost_model: CostModel, sched: SchedulerConfig, config: SimConfig) -> dict[str, object]:
+        """The router's time models fitted to the cost model, for placements that weigh seconds of this GPU (the
+        store's loads, the conductor's TTFT); other runs keep the router's defaults, as before the store."""
+        if self.store is None and config.policy != "conductor":
+            return {}
+        parallel = self.spec.workers[0].parallel
+        return {"prefill_model": router_prefill_model(cost_model, parallel, config.max_model_len),
+                "kv_read_s_per_token": kv_read_s_per_token(cost_model, parallel),
+                "step_tokens": sched.max_num_batched_tokens}
 
     # ---- the loop ------------------------------------------------------------------------------------
 
@@ -331,6 +350,11 @@ class ClusterSim(HandoffFlow, FlightEndings):
             events = worker.cache.take_events()
             if events and not placement.on_kv_events(worker.worker_id, events):
                 placement.apply_snapshot(worker.worker_id, worker.cache.snapshot())
+        store = self.store
+        if store is not None:  # the worker's host is a store node: its events travel with the heartbeat
+            events = store.take_events(worker.worker_id)
+            if events and not placement.on_store_events(worker.worker_id, events):
+                placement.apply_store_snapshot(worker.worker_id, store.snapshot(worker.worker_id))
 
     def prompt_of(self, request_id: str) -> list[int]:
         """The prompt token ids of a request in flight."""
@@ -359,3 +383,163 @@ class ClusterSim(HandoffFlow, FlightEndings):
                                         tier.num_saved_blocks if tier is not None else 0,
                                         w.scheduler.num_draft_tokens, w.scheduler.num_accepted_tokens))
         return reports
+
+    # -- the disaggregated part: reservations, KV streaming, deliveries and adoption ----------------
+
+    def _reserve_in_turn(self, worker_id: str, now: float) -> None:
+        """Late reservation: the FIFO's head reserves while its prefill worker has at most `reserve_ahead_tokens`
+        prompt tokens to compute ahead of it (queued in its scheduler, or of handoffs asking for blocks now); a
+        handoff that waited a whole lease for its turn fails, as live (`PrefillHandoffs._reserve_in_turn`).
+
+        Runs whenever that can change: an arrival, a grant, the prefill worker's step end, and any request of that
+        worker ending (`ClusterSim._emit`), so that the FIFO moves on when its head fails."""
+        unreserved = self._unreserved.get(worker_id)
+        if not unreserved:
+            return
+        limit = self.config.reserve_ahead_tokens
+        assert limit is not None
+        lease_s = self.config.handoff_lease_s
+        expired = []  # the FIFO is in arrival order: its head waited longest
+        while unreserved and now - unreserved[0].workload.arrival_s > lease_s:
+            expired.append(unreserved.popleft())
+        for flight in expired:  # each _fail asks again for the FIFO as it now stands (no expired head left)
+            if self._flights.get(flight.workload.request_id) is flight:
+                self._fail(flight, f"no turn to reserve KV on {flight.decode} within the {lease_s:g} s lease", now)
+        if not unreserved:
+            return
+        ahead_tokens = self.workers[worker_id].scheduler.num_queued_prefill_tokens() + sum(
+            f.workload.num_prompt_tokens for f in self._flights.values()
+            if f.front == worker_id and f.reserving and f.prefill_request is not None)
+        flights = self._flights
+        live = [f for f in unreserved if flights.get(f.workload.request_id) is f]  # some ended while waiting
+        num_due = num_due_to_reserve(ahead_tokens, (f.workload.num_prompt_tokens for f in live), limit)
+        unreserved.clear()
+        unreserved.extend(live[num_due:])
+        for flight in live[:num_due]:
+            self._start_handoff(flight, now)
+
+    def _start_handoff(self, flight: Flight | None, now: float) -> None:
+        if flight is None or flight.prefill_request is None:
+            return  # ended while waiting to retry
+        flight.reserving = True
+        request = flight.prefill_request
+        handoffs = self.handoffs
+        assert handoffs is not None
+        handoffs.start(request.request_id, flight.attempts, flight.front, flight.decode, request.num_prompt_tokens, now)
+
+    def _stream_from(self, worker: SimWorker) -> Callable[[StepPlan, float], None]:
+        return lambda plan, now: self.handoffs.on_executed(worker, plan, now)  # type: ignore[union-attr]
+
+    def _on_handoff_events(self, events: list[HandoffEvent], now: float) -> None:
+        for event in events:
+            flight = self._flights.get(event.request_id)
+            if flight is None:
+                continue
+            if event.kind == "granted" and flight.prefill_request is not None:
+                request, flight.prefill_request = flight.prefill_request, None
+                self._admit(self.workers[flight.front], flight, request, now)
+                if self._unreserved:
+                    self._reserve_in_turn(flight.front, now)
+            elif event.kind == "refused":
+                flight.attempts += 1
+                if flight.attempts >= self.config.max_handoff_attempts:
+                    self._fail(flight, f"decode worker {flight.decode} refused {flight.attempts} times: "
+                                       f"{event.reason}", now)
+                else:
+                    self._push(now + self.config.handoff_retry_s, RETRY, event.request_id)
+            elif event.kind == "complete" and event.transfer_id is not None:
+                adopted = self.handoffs.adopt(flight.decode, event.transfer_id, now)  # type: ignore[union-attr]
+                if adopted is None:
+                    self._fail(flight, "handoff ended: the KV's lease ran out before the decode worker adopted it",
+                               now)
+                else:
+                    self._adopt(flight, adopted, now)
+            elif event.kind == "ended":
+                front = self.workers[flight.front]
+                front.scheduler.abort_request(event.request_id, now)
+                front.take_finished()
+                self._fail(flight, f"handoff ended: {event.reason}", now)
+
+    def _adopt(self, flight: Flight, adopted: AdoptedKV, now: float) -> None:
+        wr = flight.workload
+        request = Request(wr.request_id, list(flight.prompt), self._sampling(wr.output_tokens), wr.arrival_s,
+                          tenant=wr.tenant, slo_class=wr.slo_class, max_model_len=self.config.max_model_len,
+                          output_token_ids=[adopted.first_token.token_id])
+        flight.transfer_bytes = self.handoffs.bytes_of.pop(wr.request_id, 0)  # type: ignore[union-attr]
+        self.handoffs.forget(wr.request_id)  # type: ignore[union-attr]
+        decode = self.workers[flight.decode]
+        # The decode stage's own gate (with admission): the prefill is already paid for.
+        decision = self.placement.check_decode(wr.request_id, wr.num_prompt_tokens, wr.output_tokens, flight.decode,
+                                               now)
+        if decision is not None and not decision.admitted:
+            decode.pool.release(adopted.block_ids)
+            self._reject(flight, decision.reason, now)
+            return
+        flight.at_decode = True
+        self.placement.on_tokens(wr.request_id, 1, now)  # the router hears the first token from the decode worker
+        # The client sees the first token when the decode worker adopts the KV and streams it, as live: between
+        # its steps, so after the one in flight (the prefill worker sampled it earlier; the router hears it here).
+        if flight.token_times_s and self.config.first_token_at == "decode":
+            flight.token_times_s[0] = decode.step_end_at if decode.busy else now
+        decode.offer_handoff(request, adopted.num_tokens, adopted.block_ids, now)
+        self._kick(decode, now)
+
+    def _on_delivery(self, delivery: Delivery, now: float) -> None:
+        worker = self.workers[delivery.to_worker]
+        if not worker.busy:
+            self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
+        elif worker.spec.role == "decode":  # grants and KV now; a completed leg is adopted after the step
+            events = self.handoffs.deliver(delivery, now)  # type: ignore[union-attr]
+            if events:
+                self._inbox.setdefault(delivery.to_worker, []).extend(events)
+        else:
+            self._inbox.setdefault(delivery.to_worker, []).append(delivery)
+
+    # -- how a request ends: its one record, and the policies that hear of it ----------------------
+
+    def _finish_policies(self, flight: Flight, now: float) -> None:
+        if self.handoffs is not None:
+            self.handoffs.cancel(flight.workload.request_id, now)
+            self.handoffs.bytes_of.pop(flight.workload.request_id, None)
+        self.placement.on_finished(flight.workload.request_id, now)
+
+    def _complete(self, flight: Flight, now: float) -> None:
+        self._finish_policies(flight, now)
+        wr = flight.workload
+        times = tuple(flight.token_times_s)
+        handed_off = flight.decode and flight.decode != flight.front and len(times) > 1
+        workers = (flight.front, flight.decode) if handed_off else (flight.front,)
+        self._emit(RequestRecord(
+            request_id=wr.request_id, arrival_s=wr.arrival_s, status="completed", slo_class=wr.slo_class,
+            tenant=wr.tenant, prompt_tokens=wr.num_prompt_tokens, cached_tokens=flight.cached_tokens,
+            output_tokens=len(times), first_token_s=times[0], token_times_s=times, finish_s=now,
+            queue_s=flight.queue_s, worker_ids=workers, transfer_bytes=flight.transfer_bytes))
+
+    def _fail(self, flight: Flight, reason: str, now: float) -> None:
+        self._finish_policies(flight, now)
+        wr = flight.workload
+        self._emit(RequestRecord(
+            request_id=wr.request_id, arrival_s=wr.arrival_s, status="failed", reason=reason,
+            slo_class=wr.slo_class, tenant=wr.tenant, prompt_tokens=wr.num_prompt_tokens,
+            output_tokens=len(flight.token_times_s), finish_s=now, worker_ids=(flight.front,),
+            transfer_bytes=flight.transfer_bytes))
+
+    def _reject(self, flight: Flight, reason: str, now: float) -> None:
+        self._finish_policies(flight, now)
+        wr = flight.workload
+        times = tuple(flight.token_times_s)
+        self._emit(RequestRecord(
+            request_id=wr.request_id, arrival_s=wr.arrival_s, status="rejected", reason=reason,
+            slo_class=wr.slo_class, tenant=wr.tenant, prompt_tokens=wr.num_prompt_tokens,
+            output_tokens=len(times), first_token_s=times[0] if times else None, token_times_s=times,
+            finish_s=now, worker_ids=(flight.front,)))
+
+    def _emit(self, record: RequestRecord) -> None:
+        flight = self._flights.pop(record.request_id)
+        if self._forget_tokens is not None:
+            self._forget_tokens(record.request_id)
+        self._records.append(record)
+        if self._on_record is not None:
+            self._on_record(record)
+        if self._unreserved:  # late reservation: its front's FIFO may move on now (its head, or tokens ahead, ended)
+            self._reserve_in_turn(flight.front, record.finish_s)

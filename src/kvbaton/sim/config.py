@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.store_prices import StorePrices
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
@@ -40,6 +41,11 @@ class SimConfig:
     # One GPU's link to host memory (a kvbaton.sim.links preset), which the host KV tier's copies take when
     # `cache.host_num_blocks` > 0; `build_sim` takes it from the GPU catalog.
     host_link: str = "host-pcie5"
+    # The cluster KV store (kvbaton.cache.kv_store): with prices, every mixed or prefill worker's host is a store
+    # node of this many DRAM and disk blocks, written through and read for prefix hits past the device.
+    store_prices: StorePrices | None = None
+    store_dram_blocks: int = 0
+    store_disk_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.first_token_at not in ("decode", "prefill"):

@@ -7,6 +7,8 @@ cost model, sizes each worker's KV pool from the GPU's memory (catalog models) u
 take the GPU's host link (`GpuSpec.host_link`, `kvbaton.sim.host_link`). A cluster spec naming pools' own GPUs
 or power caps (`2P3D:gpu_p=h100,gpu_d=a100,cap_d=0.7`) prices and sizes each such pool from its own GPU
 (`worker_hardware`); the others run on `gpu`.
+`kv_store_gb` / `kv_store_disk_gb` instead give the cluster one KV store over every front worker's node
+(`kvbaton.cache.kv_store`), its loads priced over the host link, the NIC and the disk (`store_settings`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import gc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
+from kvbaton.cache.kv_store import capacity_blocks
+from kvbaton.cache.store_prices import StorePrices
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.router.admission import AdmissionSLO, create_admission
@@ -30,6 +35,7 @@ from kvbaton.sim.config import SimConfig, WorkerHardware, WorkerReport
 from kvbaton.sim.outputs import CopyingOutputs
 from kvbaton.sim.stage_loads import stage_time_models
 from kvbaton.sim.costs import CostModel, create_cost_model
+from kvbaton.sim.links import get_link
 from kvbaton.sim.spec import ClusterSpec, parse_cluster_spec
 
 DEFAULT_NUM_BLOCKS = CacheConfig().num_blocks
@@ -68,6 +74,12 @@ class SimSetup:
     output_copy_fraction: float = 0.0
     output_copy_span: float = 16.0
     host_kv_gb: float = 0.0  # host memory per worker for the prefix cache's host tier (1e9 bytes); 0: no tier
+    # The cluster KV store (kvbaton.cache.kv_store): DRAM and disk per front worker's node (1e9 bytes); 0 and 0: none.
+    # Its loads cross the GPU's host link, `store_nic` between nodes and a disk of `store_disk_gb_per_s`.
+    kv_store_gb: float = 0.0
+    kv_store_disk_gb: float = 0.0
+    store_nic: str = "infiniband"
+    store_disk_gb_per_s: float = 5.0
     # The live router's placement settings (SimConfig): conditional disaggregation's threshold, and the limit on
     # calls waiting for a first token (0: none; the live router's default is 256).
     local_prefill_threshold_tokens: int = DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
@@ -99,6 +111,15 @@ def check_setup(setup: SimSetup) -> None:
             raise InvalidRequestError(f"{name} must be >= 0, got {value}")
     if not (math.isfinite(setup.host_kv_gb) and setup.host_kv_gb >= 0):
         raise InvalidRequestError(f"host_kv_gb must be a finite number >= 0, got {setup.host_kv_gb}")
+    for name, gb in (("kv_store_gb", setup.kv_store_gb), ("kv_store_disk_gb", setup.kv_store_disk_gb),
+                     ("store_disk_gb_per_s", setup.store_disk_gb_per_s)):
+        if not (math.isfinite(gb) and gb >= 0):
+            raise InvalidRequestError(f"{name} must be a finite number >= 0, got {gb}")
+    if (setup.kv_store_gb or setup.kv_store_disk_gb) and (setup.host_kv_gb or not setup.enable_prefix_cache):
+        raise InvalidRequestError("the KV store needs the prefix cache and takes the host tier's place: "
+                                  "give kv_store_gb or host_kv_gb, not both")
+    if setup.kv_store_disk_gb and not setup.store_disk_gb_per_s > 0:
+        raise InvalidRequestError("a store disk needs store_disk_gb_per_s > 0")
     if setup.host_kv_gb and not setup.enable_prefix_cache:
         raise InvalidRequestError(f"host_kv_gb {setup.host_kv_gb:g} needs the prefix cache (it holds what the prefix "
                                   "cache evicts)")
@@ -163,6 +184,19 @@ def host_kv_blocks_for(setup: SimSetup, cost_model: CostModel) -> int:
     return num_blocks
 
 
+def store_settings(setup: SimSetup, cost_model: CostModel) -> dict[str, Any]:
+    """SimConfig's store fields: blocks per node in DRAM and on disk, and the prices of the links loads take."""
+    if cost_model.kv_bytes_per_token <= 0:
+        raise InvalidRequestError(f"a KV store needs the KV bytes per token, which {cost_model.name} lacks")
+    block_bytes = cost_model.kv_bytes_per_token * setup.block_size
+    host = get_link(get_gpu(setup.gpu).host_link)
+    nic = get_link(setup.store_nic)
+    prices = StorePrices(block_bytes, host.bytes_per_s, nic.bytes_per_s, setup.store_disk_gb_per_s * 1e9,
+                         max(host.latency_s, nic.latency_s))
+    return {"store_prices": prices, "store_dram_blocks": capacity_blocks(setup.kv_store_gb, block_bytes),
+            "store_disk_blocks": capacity_blocks(setup.kv_store_disk_gb, block_bytes)}
+
+
 def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
     check_setup(setup)
     spec = parse_cluster_spec(setup.cluster, setup.gpu)
@@ -197,6 +231,9 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
         local_prefill_threshold_tokens=setup.local_prefill_threshold_tokens, max_num_waiting=setup.max_num_waiting)
     if host_num_blocks:
         config = replace(config, host_link=get_gpu(base_gpu).host_link)
+        config = replace(config, host_link=get_gpu(setup.gpu).host_link)
+    if setup.kv_store_gb or setup.kv_store_disk_gb:
+        config = replace(config, **store_settings(setup, cost_model))
     admission = pools = None
     if (setup.admission != "none" or setup.adaptive_pools) and setup.admission_slo is None:
         raise InvalidRequestError("admission and adaptive pools need admission_slo (TTFT s, TPOT s)")

@@ -10,7 +10,9 @@ end-of-sequence id in the workloads, which run with ignore_eos and an exact outp
 
 With a host KV tier (`CacheConfig.host_num_blocks`), the radix cache demotes what it evicts into a
 `HostTier` whose copies a `HostLink` prices (`kvbaton.sim.host_link`); they are charged to the next
-step, serial with its compute (the step-time noise scales the whole step). Only
+step, serial with its compute (the step-time noise scales the whole step). With the cluster KV store
+(`store`), a `StoreTier` takes the host tier's place: new blocks are written through, prefix hits past the
+device are loaded from the store, priced by `SimStoreIO` and charged the same way. Only
 `scheduler.schedule` copies: its admissions promote blocks and its evictions demote them; a handoff
 is adopted into blocks its reservation holds, with no eviction; any copy made elsewhere waits for
 the next step.
@@ -27,6 +29,9 @@ from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.fast_init import slot_setters
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.cache.host_tier import HostTier
+from kvbaton.cache.kv_store import KVStore
+from kvbaton.cache.store_prices import StorePrices
+from kvbaton.cache.store_tier import StoreTier
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.request import Request
@@ -39,6 +44,7 @@ from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.host_link import HostLink
 from kvbaton.sim.links import LinkSpec
 from kvbaton.sim.spec import WorkerSpec
+from kvbaton.sim.store_io import SimStoreIO
 
 # WorkerStats is built per heartbeat of every worker: its slots are written through their member descriptors
 # (the instance its frozen dataclass __init__ builds, without one object.__setattr__ per field).
@@ -51,6 +57,19 @@ FIRST_SIM_TOKEN = 100
 _TOKENS = [SampledToken(FIRST_SIM_TOKEN + i) for i in range(1000)]
 
 
+def _recompute_pricer(cost_model: CostModel, spec: WorkerSpec, block_size: int) -> Callable[[int], float]:
+    """Seconds to prefill one block at a depth (in blocks) on this worker, priced once per depth."""
+    prices: dict[int, float] = {}
+
+    def recompute_s(depth: int) -> float:
+        price = prices.get(depth)
+        if price is None:
+            price = prices[depth] = cost_model.prefill_s(block_size, depth * block_size, spec.parallel)
+        return price
+
+    return recompute_s
+
+
 def default_token(request_id: str, output_index: int) -> int:
     return FIRST_SIM_TOKEN + output_index % 1000
 
@@ -58,12 +77,13 @@ def default_token(request_id: str, output_index: int) -> int:
 class SimWorker:
     def __init__(self, spec: WorkerSpec, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  cache_key: CacheKey, cost_model: CostModel, token_for: TokenFn | None = None,
-                 rng: random.Random | None = None, host_link: LinkSpec | None = None) -> None:
+                 rng: random.Random | None = None, host_link: LinkSpec | None = None,
+                 store: KVStore | None = None, store_prices: StorePrices | None = None) -> None:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.pool = BlockPool(cache_config.num_blocks)
         # The host tier's copies, counted and priced (None: no host tier); `host_link` is one GPU's link to host.
-        self.host_link: HostLink | None = None
+        self.host_link: HostLink | SimStoreIO | None = None
         tier = None
         if cache_config.enable_prefix_cache and cache_config.host_num_blocks > 0:
             if host_link is None:
@@ -71,6 +91,12 @@ class SimWorker:
             self.host_link = HostLink(host_link, cost_model.kv_bytes_per_token * cache_config.block_size,
                                       spec.parallel.num_gpus)
             tier = HostTier(cache_config.host_num_blocks, self.host_link)
+        elif cache_config.enable_prefix_cache and store is not None:
+            # The cluster KV store in the host tier's place; this worker's host is the store node of its id.
+            assert store_prices is not None, "a store needs the prices of its links"
+            self.host_link = SimStoreIO(store_prices, spec.worker_id, spec.parallel.num_gpus)
+            tier = StoreTier(store, spec.worker_id, self.host_link, _recompute_pricer(cost_model, spec,
+                                                                                       cache_config.block_size))
         self.cache = (RadixCache(self.pool, cache_config.block_size, tier=tier) if cache_config.enable_prefix_cache
                       else None)
         self.scheduler = LocalScheduler(scheduler_config, cache_config.block_size, self.pool, self.cache, cache_key)

@@ -108,6 +108,7 @@ class HandoffDestination(LegTable[_DestinationLeg]):
     def __init__(self, layout: KVLayout, pool: BlockPool, lease_s: float, tombstone_s: float = 600.0,
                  make_room: Callable[[int], object] | None = None, peer_lost_fence_s: float = 0.0) -> None:
         super().__init__(layout, pool, lease_s, tombstone_s)
+        self._fenced: dict[TransferId, None] = {}  # ids of the ended legs whose blocks are fenced
         self.num_grants = 0
         self.num_refusals = 0
         self.peer_lost_fence_s = peer_lost_fence_s  # KVTransport.peer_lost_write_grace_s of our end
@@ -144,17 +145,16 @@ class HandoffDestination(LegTable[_DestinationLeg]):
 
     def complete_transfer_ids(self) -> list[TransferId]:
         """Transfers whose KV is complete and waiting for `adopt`, in id order."""
-        return sorted(tid for tid, leg in self._legs.items() if leg.state is DestinationState.COMPLETE)
+        return sorted(tid for tid in self._live if self._legs[tid].state is DestinationState.COMPLETE)
 
     @property
     def num_reserved_blocks(self) -> int:
         """Blocks held outside the engine: reserved by live legs, or fenced after a leg we ended."""
-        return sum(len(leg.block_ids) for leg in self._legs.values()
-                   if leg.state in DESTINATION_LIVE or leg.fenced_until is not None)
+        return sum(len(self._legs[tid].block_ids) for tid in self._live) + self.num_fenced_blocks
 
     @property
     def num_fenced_blocks(self) -> int:
-        return sum(len(leg.block_ids) for leg in self._legs.values() if leg.fenced_until is not None)
+        return sum(len(self._legs[tid].block_ids) for tid in self._fenced)
 
     # -- caller-driven steps ---------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ class HandoffDestination(LegTable[_DestinationLeg]):
             raise ProtocolError(f"transfer {transfer_id} is {leg.state.value}, not complete")
         assert leg.first_token is not None
         self._move(leg, DestinationState.ADOPTED)
-        leg.ended_at = now
+        self._mark_ended(leg, now)
         return _make_adopted(transfer_id, leg.block_ids, leg.num_tokens, leg.first_token)
 
     # -- messages from the source ----------------------------------------------------------------
@@ -178,9 +178,9 @@ class HandoffDestination(LegTable[_DestinationLeg]):
         if leg is None and isinstance(message, Abort):
             # The abort overtook its own reservation (links may reorder): remember the transfer as ended, so the
             # reservation, when it comes, is stale and reserves nothing (else its blocks sat idle a whole lease).
-            self._legs[message.transfer_id] = _DestinationLeg(
+            self._add(_DestinationLeg(
                 message.transfer_id, peer, 0, (), _END_STATE[message.cause], now, [], [], ended_at=now,
-                reason=f"peer: {message.reason} (before its reservation)")
+                reason=f"peer: {message.reason} (before its reservation)"))
             return []
         if leg is not None and leg.fenced_until is not None and leg.peer == peer and isinstance(
                 message, (Abort, SourceDone)):
@@ -226,9 +226,9 @@ class HandoffDestination(LegTable[_DestinationLeg]):
         block_ids = tuple(self.pool.allocate(num_blocks))
         self.num_grants += 1
         num_layers = self.layout.num_layers
-        self._legs[transfer_id] = _DestinationLeg(
+        self._add(_DestinationLeg(
             transfer_id, peer, message.num_tokens, block_ids, DestinationState.RESERVED, now + self.lease_s,
-            [{} for _ in range(num_layers)], [0] * num_layers)
+            [{} for _ in range(num_layers)], [0] * num_layers))
         return [make_outgoing(peer, make_reserve_granted(transfer_id, block_ids))]
 
     def _on_chunk(self, leg: _DestinationLeg, chunk: LayerChunk, now: float) -> list[Outgoing]:
@@ -282,7 +282,7 @@ class HandoffDestination(LegTable[_DestinationLeg]):
         """This side ends the leg: fenced when its source may still be writing (before its SourceDone)."""
         leg = self._legs.get(transfer_id)
         if leg is not None and leg.state in self.peer_lost_states and leg.first_token is None:
-            leg.fenced_until = now + self.lease_s  # set first: `_end` then keeps the blocks
+            self._fence(leg, now + self.lease_s)  # set first: `_end` then keeps the blocks
         return super()._abort(transfer_id, cause, reason, now)
 
     def on_peer_lost(self, peer: str, now: float) -> list[TransferId]:
@@ -294,7 +294,7 @@ class HandoffDestination(LegTable[_DestinationLeg]):
             if leg.peer != peer:
                 continue
             if leg.state in self.peer_lost_states and leg.first_token is None and self.peer_lost_fence_s > 0:
-                leg.fenced_until = grace_until
+                self._fence(leg, grace_until)
             elif leg.fenced_until is not None:
                 if self.peer_lost_fence_s > 0:
                     leg.fenced_until = min(leg.fenced_until, grace_until)
@@ -305,14 +305,19 @@ class HandoffDestination(LegTable[_DestinationLeg]):
     def expire(self, now: float) -> list[Outgoing]:
         """Lift the fences whose time is up (before a leg could be forgotten with them), then as `LegTable`."""
         tombstone_s = self.tombstone_s
-        due = [transfer_id for transfer_id, leg in self._legs.items() if leg.fenced_until is not None
-               and (now >= leg.fenced_until or now >= leg.ended_at + tombstone_s)]
+        due = [transfer_id for transfer_id in self._fenced if now >= self._legs[transfer_id].fenced_until
+               or now >= self._legs[transfer_id].ended_at + tombstone_s]
         for transfer_id in sorted(due):  # in id order, as the pool releases of `LegTable.expire`
             self._lift_fence(self._legs[transfer_id])
         return super().expire(now)
 
+    def _fence(self, leg: _DestinationLeg, until: float) -> None:
+        leg.fenced_until = until
+        self._fenced[leg.transfer_id] = None
+
     def _lift_fence(self, leg: _DestinationLeg) -> None:
         leg.fenced_until = None
+        del self._fenced[leg.transfer_id]
         self.pool.release(leg.block_ids)
 
     def _release_blocks(self, leg: _DestinationLeg) -> None:
@@ -321,6 +326,9 @@ class HandoffDestination(LegTable[_DestinationLeg]):
 
     def check_invariants(self) -> None:
         """Raise AssertionError if reservations overlap, disagree with the pool, or counts drift."""
+        self._check_live_ids()
+        fenced = {tid for tid, leg in self._legs.items() if leg.fenced_until is not None}
+        assert set(self._fenced) == fenced, f"fenced ids {sorted(self._fenced)} differ from {sorted(fenced)}"
         owners: dict[int, TransferId] = {}
         for leg in self._legs.values():
             live = leg.state in DESTINATION_LIVE

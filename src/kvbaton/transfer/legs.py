@@ -4,10 +4,14 @@
 ends: an ending (ack, adoption, cancel, failure, lease expiry, a lost peer) moves the leg to a
 terminal state, releases the blocks it holds exactly once, and keeps it as a tombstone for
 `tombstone_s` so that late messages for it stay ignored.
+
+The table keeps the ids of its live legs and a heap of its tombstones by end time next to the legs,
+so that `expire` costs what is live plus what it forgets, not every tombstone of the last `tombstone_s`.
 """
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from enum import Enum
 from typing import ClassVar, Generic, Protocol, TypeVar
@@ -46,6 +50,8 @@ class LegTable(ABC, Generic[LegT]):
         self.lease_s = lease_s
         self.tombstone_s = tombstone_s  # ended legs are remembered this long so late messages stay ignored
         self._legs: dict[TransferId, LegT] = {}
+        self._live: dict[TransferId, None] = {}  # ids of the legs in live_states, as an ordered set
+        self._tombstones: list[tuple[float, TransferId]] = []  # heap of (ended_at, id), one per ending
         self.num_ignored_messages = 0
 
     def state(self, transfer_id: TransferId) -> Enum:
@@ -61,7 +67,7 @@ class LegTable(ABC, Generic[LegT]):
 
     @property
     def num_live_transfers(self) -> int:
-        return sum(leg.state in self.live_states for leg in self._legs.values())
+        return len(self._live)
 
     def cancel(self, transfer_id: TransferId, now: float, reason: str = "cancelled") -> list[Outgoing]:
         """End the leg in any live state (releasing its blocks) and tell the peer; a no-op on an ended one."""
@@ -82,20 +88,39 @@ class LegTable(ABC, Generic[LegT]):
 
     def expire(self, now: float) -> list[Outgoing]:
         """End every live leg whose lease ran out (telling its peer), and forget old ended legs."""
-        outgoing: list[Outgoing] = []
-        live_states = self.live_states
-        tombstone_s = self.tombstone_s
-        # Only the legs that end or are forgotten now are sorted (ids in order: the aborts, and the pool
-        # releases they make, keep the order of a sorted pass over every leg); the rest are only tested.
-        due = [transfer_id for transfer_id, leg in self._legs.items()
-               if (now >= leg.lease_expires_at if leg.state in live_states else now >= leg.ended_at + tombstone_s)]
-        for transfer_id in sorted(due):
-            leg = self._legs[transfer_id]
-            if leg.state in live_states:
-                outgoing += self._abort(transfer_id, AbortCause.EXPIRED, f"lease expired in {leg.state.value}", now)
-            else:
+        # Forgetting has no effect but on the table, so it is done first: exactly the legs ended before
+        # this call and past their tombstone time go (a leg this call ends is kept, even with tombstone_s 0).
+        tombstones = self._tombstones
+        while tombstones and now >= tombstones[0][0] + self.tombstone_s:
+            ended_at, transfer_id = heapq.heappop(tombstones)
+            leg = self._legs.get(transfer_id)
+            if leg is not None and leg.state not in self.live_states and leg.ended_at == ended_at:
                 del self._legs[transfer_id]
+        # Leases end in id order: the aborts, and the pool releases they make, keep a sorted pass's order.
+        outgoing: list[Outgoing] = []
+        legs = self._legs
+        for transfer_id in sorted(tid for tid in self._live if now >= legs[tid].lease_expires_at):
+            leg = legs[transfer_id]
+            outgoing += self._abort(transfer_id, AbortCause.EXPIRED, f"lease expired in {leg.state.value}", now)
         return outgoing
+
+    def _add(self, leg: LegT) -> None:
+        """A new leg: live, or already ended (then a tombstone from its `ended_at`)."""
+        self._legs[leg.transfer_id] = leg
+        if leg.state in self.live_states:
+            self._live[leg.transfer_id] = None
+        else:
+            heapq.heappush(self._tombstones, (leg.ended_at, leg.transfer_id))
+
+    def _mark_ended(self, leg: LegT, now: float) -> None:
+        """The leg just moved out of live_states: it is a tombstone from `now`."""
+        leg.ended_at = now
+        del self._live[leg.transfer_id]
+        heapq.heappush(self._tombstones, (now, leg.transfer_id))
+
+    def _check_live_ids(self) -> None:
+        live = {tid for tid, leg in self._legs.items() if leg.state in self.live_states}
+        assert set(self._live) == live, f"live ids {sorted(self._live)} differ from live legs {sorted(live)}"
 
     def _leg(self, transfer_id: TransferId) -> LegT:
         leg = self._legs.get(transfer_id)
@@ -113,7 +138,7 @@ class LegTable(ABC, Generic[LegT]):
     def _end(self, leg: LegT, state: Enum, reason: str, now: float) -> None:
         self._move(leg, state)
         self._release_blocks(leg)
-        leg.ended_at = now
+        self._mark_ended(leg, now)
         leg.reason = reason
 
     def _move(self, leg: LegT, state: Enum) -> None:

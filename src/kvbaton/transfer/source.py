@@ -79,7 +79,7 @@ class HandoffSource(LegTable[_SourceLeg]):
 
     @property
     def num_held_blocks(self) -> int:
-        return sum(len(leg.held_block_ids) for leg in self._legs.values())
+        return sum(len(self._legs[tid].held_block_ids) for tid in self._live)  # only live legs hold blocks
 
     # -- caller-driven steps ---------------------------------------------------------------------
 
@@ -89,7 +89,7 @@ class HandoffSource(LegTable[_SourceLeg]):
             raise ProtocolError(f"transfer {transfer_id} was already started")
         if num_tokens <= 0:
             raise ProtocolError(f"transfer {transfer_id}: num_tokens must be positive, got {num_tokens}")
-        self._legs[transfer_id] = _SourceLeg(transfer_id, peer, num_tokens, SourceState.RESERVING, now + self.lease_s)
+        self._add(_SourceLeg(transfer_id, peer, num_tokens, SourceState.RESERVING, now + self.lease_s))
         return make_outgoing(peer, make_reserve_request(transfer_id, self.layout, num_tokens))
 
     def stream(self, transfer_id: TransferId, layer_index: int, first_position: int, num_valid_tokens: int,
@@ -178,6 +178,7 @@ class HandoffSource(LegTable[_SourceLeg]):
 
     def check_invariants(self) -> None:
         """Raise AssertionError if a leg's blocks or state disagree with the pool or each other."""
+        self._check_live_ids()
         for leg in self._legs.values():
             assert len(set(leg.held_block_ids)) == len(leg.held_block_ids), f"{leg.transfer_id} holds a block twice"
             assert leg.held_set == set(leg.held_block_ids), f"{leg.transfer_id}: held set and list differ"

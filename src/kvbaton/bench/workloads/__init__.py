@@ -24,6 +24,7 @@ from kvbaton.bench.tokens import DEFAULT_VOCAB_SIZE, check_vocab_size
 from kvbaton.bench.workloads.agent import generate_agent
 from kvbaton.bench.workloads.base import Draft, WorkloadFamily, WorkloadRequest
 from kvbaton.bench.workloads.context_qa import generate_long_doc_qa, generate_video_qa
+from kvbaton.bench.workloads.conversation import generate_conversation
 from kvbaton.bench.workloads.distserve import generate_distserve_sharegpt
 from kvbaton.bench.workloads.hot_prefix import generate_hot_prefix_burst
 from kvbaton.bench.workloads.mooncake import generate_mooncake
@@ -51,6 +52,8 @@ WORKLOADS: dict[str, WorkloadFamily] = {f.name: f for f in (
                    "seed 000 s4: 8k system prompt, classes A/B/C at 100/5/20 req/s, burst of A"),
     WorkloadFamily("mooncake", generate_mooncake, None, None,
                    "Mooncake JSONL trace replay: 512-token hash blocks, timestamp arrivals"),
+    WorkloadFamily("conversation", generate_conversation, None, None,
+                   "multi-turn chat: shared system prompts, whole history resent, heavy-tailed think times"),
     WorkloadFamily("sharegpt-like", generate_sharegpt_like, 8.0, 1000,
                    "ShareGPT-shaped chat lengths (or a ShareGPT JSON file), no deliberate sharing"),
     WorkloadFamily("distserve-sharegpt", generate_distserve_sharegpt, 4.0, 300,

@@ -16,7 +16,7 @@ from kvbaton.core.config import CacheConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.sim.cli import add_sim_arguments, run_sim
 from kvbaton.sim.cluster import ClusterSim
-from kvbaton.sim.config import SimConfig, WorkerReport
+from kvbaton.sim.config import SimConfig
 from kvbaton.sim.costs import ConstantCostModel
 from kvbaton.sim.host_link import HostLink
 from kvbaton.sim.links import get_link
@@ -92,21 +92,6 @@ def test_copies_are_charged_to_the_next_general_step_at_the_host_link_rate() -> 
     num_blocks = link.num_loaded_blocks + link.num_saved_blocks
     assert link.copy_s == pytest.approx(link.num_copies * 10e-6 + num_blocks * 16_000 / 25e9, rel=1e-12)
     assert worker.busy_s == pytest.approx(worker.num_steps * 0.01 + link.copy_s, rel=1e-12)
-
-
-def test_steady_decode_shortcuts_give_the_same_runs_with_a_host_tier() -> None:
-    requests = shared_prefix_requests(120)
-
-    def records_and_reports(steady: bool) -> tuple[list[RequestRecord], list[WorkerReport]]:
-        config = SimConfig(policy="preble", cache=CacheConfig(16, 600, host_num_blocks=2000))
-        sim = ClusterSim(parse_cluster_spec("2xmixed"), ConstantCostModel(0.01, kv_bytes_per_token=1000), config)
-        for worker in sim.workers.values():
-            worker.scheduler.steady_fast_path = steady
-        return sim.run(requests), sim.worker_reports()
-
-    fast, general = records_and_reports(True), records_and_reports(False)
-    assert fast == general
-    assert sum(w.host_loaded_blocks for w in fast[1]) > 0
 
 
 def test_decode_workers_keep_no_host_tier() -> None:

@@ -4,9 +4,7 @@ The real Engine runs tiny-random (torch) with a spy on its scheduler; the simula
 request stream on one mixed worker with a constant step cost, fed the tokens the engine sampled.
 The engine is driven by the simulator's event semantics: a step that starts at t ends at t + step_s,
 requests arriving up to then join the next step, and an idle worker starts a step at an arrival.
-Every StepPlan (chunks, token ids, block ids, preemptions) must match, in order; the simulator's steps
-through `schedule_decodes` (or `schedule_decodes_after_quiet`) are compared as the StepPlan the general path
-builds for them.
+Every StepPlan (chunks, token ids, block ids, preemptions) must match, in order.
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ from kvbaton.bench.tokens import as_token_array
 from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.core.request import Request
-from kvbaton.core.step import ScheduledChunk, StepPlan
+from kvbaton.core.step import StepPlan
 from kvbaton.engine.engine import Engine
-from kvbaton.sim import worker as sim_worker
 from kvbaton.sim.cluster import ClusterSim
 from kvbaton.sim.config import SimConfig
 from kvbaton.sim.costs import ConstantCostModel
@@ -65,48 +61,20 @@ def _params(r: WorkloadRequest) -> SamplingParams:
     return SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
 
 
-def spy(scheduler: object, plans: list[StepPlan], monkeypatch: pytest.MonkeyPatch | None = None) -> None:
-    """Record every step the scheduler plans: its StepPlans, and the steps the simulator takes through
-    `schedule_decodes` (every running request decoding) as the StepPlan the general path builds for them.
-    With `monkeypatch`, also the steps the simulator schedules after a quiet one (`schedule_decodes_after_quiet`,
-    as `kvbaton.sim.worker` calls it), the same way."""
+def spy(scheduler: object, plans: list[StepPlan]) -> None:
+    """Record every StepPlan the scheduler plans."""
     original: Callable[[float], StepPlan] = scheduler.schedule
-    original_decodes: Callable[[], list[Request] | None] = scheduler.schedule_decodes
-
-    def record(decodes: list[Request]) -> None:
-        chunks = tuple(ScheduledChunk(r.request_id, r.num_computed_tokens, (r.all_token_ids[-1],),
-                                      tuple(r.block_ids), True) for r in decodes)
-        plans.append(StepPlan(scheduler._step_id, chunks, len(chunks)))
 
     def schedule(now: float) -> StepPlan:
         plan = original(now)
         plans.append(plan)
         return plan
 
-    def schedule_decodes() -> list[Request] | None:
-        decodes = original_decodes()
-        if decodes is not None:
-            record(decodes)
-        return decodes
-
     scheduler.schedule = schedule
-    scheduler.schedule_decodes = schedule_decodes
-    if monkeypatch is None:
-        return
-    original_after_quiet = sim_worker.schedule_decodes_after_quiet
-
-    def schedule_decodes_after_quiet(sched: object, requests: list[Request], num_growing: int) -> list[Request] | None:
-        num_recorded = len(plans)  # it falls back to schedule_decodes (recorded there) when the state changed
-        decodes = original_after_quiet(sched, requests, num_growing)
-        if sched is scheduler and decodes is not None and len(plans) == num_recorded:
-            record(decodes)
-        return decodes
-
-    monkeypatch.setattr(sim_worker, "schedule_decodes_after_quiet", schedule_decodes_after_quiet)
 
 
 @pytest.mark.parametrize("step_s", [0.0, 1.0], ids=["zero-cost", "constant-cost"])
-def test_engine_and_simulator_make_identical_step_plans(step_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_and_simulator_make_identical_step_plans(step_s: float) -> None:
     stream = make_stream(3, step_s)
     engine = Engine(EngineConfig(model="tiny-random", dtype="float32", cache=CACHE, scheduler=SCHEDULER))
     engine_plans: list[StepPlan] = []
@@ -129,7 +97,7 @@ def test_engine_and_simulator_make_identical_step_plans(step_s: float, monkeypat
     sim = ClusterSim(parse_cluster_spec("1xmixed"), ConstantCostModel(step_s), config,
                      token_for=lambda rid, index: tokens[rid][index])
     sim_plans: list[StepPlan] = []
-    spy(sim.workers["w0"].scheduler, sim_plans, monkeypatch)
+    spy(sim.workers["w0"].scheduler, sim_plans)
     records = sim.run(stream)
 
     engine_nonempty = [p for p in engine_plans if not p.is_empty]

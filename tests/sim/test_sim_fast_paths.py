@@ -1,5 +1,5 @@
-"""The simulator's shortcuts give the runs their general paths give: steady decode steps without a StepPlan,
-shared prompt parts converted and hashed once, arrivals merged into the event heap from their own list."""
+"""The simulator's shortcuts give the runs their general paths give: shared prompt parts converted and hashed
+once, arrivals merged into the event heap from their own list."""
 
 from __future__ import annotations
 
@@ -9,41 +9,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.tokens import as_token_array
 from kvbaton.bench.workloads import create_workload
 from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.cache.hashing import hash_prompt
 from kvbaton.core.config import CacheConfig
 from kvbaton.sim.cluster import ClusterSim
-from kvbaton.sim.config import SimConfig, WorkerReport
+from kvbaton.sim.config import SimConfig
 from kvbaton.sim.costs import ConstantCostModel
-from kvbaton.sim.costs.linear import LinearCoefficients, LinearCostModel
 from kvbaton.sim.spec import parse_cluster_spec
-
-
-def _noisy_cost() -> LinearCostModel:
-    cost = LinearCostModel({1: LinearCoefficients((0.01, 1e-4, 0.0, 0.0), (0.005, 1e-6, 1e-4),
-                                                  (0.005, 1e-6, 1e-4))}, 1000)
-    cost.step_noise_sigma, cost.step_noise_rho = 0.2, 0.8
-    return cost
-
-
-def _run(cluster: str, steady: bool, num_blocks: int) -> tuple[list[RequestRecord], list[WorkerReport]]:
-    requests = create_workload("tool-use", num_requests=60, seed=1, rate=30.0, num_tools=4)
-    sim = ClusterSim(parse_cluster_spec(cluster), _noisy_cost(),
-                     SimConfig(policy="preble", cache=CacheConfig(16, num_blocks), max_model_len=32768))
-    for worker in sim.workers.values():
-        worker.scheduler.steady_fast_path = steady
-    records = sim.run(requests)
-    return records, sim.worker_reports()
-
-
-def test_steady_decode_steps_give_the_runs_of_general_steps() -> None:
-    for cluster, num_blocks in (("2xmixed", 4096), ("2xmixed", 600), ("2P2D", 4096), ("1P1D", 500)):
-        fast, general = _run(cluster, True, num_blocks), _run(cluster, False, num_blocks)
-        assert fast == general, cluster
-        assert any(r.status == "completed" for r in fast[0])
 
 
 def _workload(parts_of: list[list[int]], tenants: list[str], rng: np.random.Generator) -> list[WorkloadRequest]:

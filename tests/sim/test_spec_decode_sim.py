@@ -89,13 +89,15 @@ def test_speculating_workers_output_the_same_tokens_and_free_every_block() -> No
         sim, _, _ = build_sim(setup(k, cluster="1P1D"))
         outputs: dict[str, list[int]] = {}
         for worker in sim.workers.values():
-            finish = worker.scheduler._finish
+            take_finished = worker.scheduler.take_finished
 
-            def record(request, reason, now, message="", finish=finish):  # noqa: ANN001, ANN202
-                outputs.setdefault(request.request_id, []).append(list(request.output_token_ids))
-                return finish(request, reason, now, message)
+            def record(take_finished=take_finished):  # noqa: ANN001, ANN202
+                finished = take_finished()
+                for request in finished:
+                    outputs.setdefault(request.request_id, []).append(list(request.output_token_ids))
+                return finished
 
-            worker.scheduler._finish = record
+            worker.scheduler.take_finished = record
         records = sim.run(workload)
         assert all(r.status == "completed" for r in records)
         for worker in sim.workers.values():

@@ -11,6 +11,7 @@ A waiting (or preempted) request holds no blocks, no refs and no lock.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvbaton.cache.block_pool import BlockPool
@@ -52,6 +53,11 @@ class BlockManager:
         # Per request seeded by its caller (`seed`): the chained hashes of its prompt's full blocks, passed
         # to the cache's inserts so the blocks it adopts are not hashed again. Goes with `free` too.
         self._prompt_hashes: dict[str, tuple[int, ...]] = {}
+        # Per running request: (its block_ids list, that list as a tuple). Tables only grow in place by
+        # `extend` or are replaced by a new list (here, `admit_prefilled`), never edited in place, so the tuple
+        # is current while the list is the same object of the same length; a decode then reuses it instead of
+        # copying a ~100-block table every step. Goes with `free`.
+        self._tables: dict[str, tuple[list[int], tuple[int, ...]]] = {}
 
     def seed(self, request: Request, blocks: HashedBlocks) -> None:
         """Take the request's prompt already split and hashed (by the router's caller) instead of doing it again.
@@ -67,6 +73,21 @@ class BlockManager:
         if request_id not in self._token_blocks:
             self._token_blocks[request_id] = list(blocks.token_blocks)
         self._prompt_hashes[request_id] = blocks.block_hashes
+
+    @property
+    def holds(self) -> Mapping[str, _CacheHold]:
+        """Read-only: per request holding cached blocks, its lock's node and how many of its blocks it covers."""
+        return self._holds
+
+    def table(self, request: Request) -> tuple[int, ...]:
+        """tuple(request.block_ids), reused from the previous step while the table is unchanged."""
+        block_ids = request.block_ids
+        entry = self._tables.get(request.request_id)
+        if entry is not None and entry[0] is block_ids and len(entry[1]) == len(block_ids):
+            return entry[1]
+        table = tuple(block_ids)
+        self._tables[request.request_id] = (block_ids, table)
+        return table
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -243,6 +264,7 @@ class BlockManager:
             self.cache.unlock(hold.node)
         self._token_blocks.pop(request.request_id, None)
         self._prompt_hashes.pop(request.request_id, None)
+        self._tables.pop(request.request_id, None)
         request.block_ids = []
         request.num_computed_tokens = 0
 

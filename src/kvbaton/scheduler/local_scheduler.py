@@ -12,15 +12,16 @@ by running/arrival order, so the same inputs give the same plans and block ids.
 Preemption is by recompute: the most recently admitted running request gives all its blocks back
 and goes to the front of the waiting queue (`step_planning`).
 
-This module holds the scheduler's state, requests in and out, `schedule`/`update` and introspection;
-the general step path (running chunks, preemption, admission) is the mixin in `step_planning`, the
-steady-decode fast path the one in `decode_fast_path`.
+`LocalScheduler` is composed of parts that own their state: `BlockManager` (block tables, prefix-cache
+locks), `RequestQueues` (waiting, running and finished requests and the moves between them),
+`StepPlanner` (the general step: running chunks, preemption, admission) and, when configured,
+`SpeculativeDecodes` (drafts and their verdicts). This module holds requests in and out,
+`schedule`/`update` and introspection. There is one step path: the simulator drives it as the engine does.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.hashing import CacheKey, HashedBlocks
@@ -28,17 +29,16 @@ from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.config import SchedulerConfig
 from kvbaton.core.errors import CapacityError, InvalidRequestError
 from kvbaton.core.request import FinishReason, Request, RequestStatus
-from kvbaton.core.step import SampledToken, StepPlan, StepResult
+from kvbaton.core.step import StepPlan, StepResult
 from kvbaton.scheduler.block_manager import BlockManager
-from kvbaton.scheduler.decode_fast_path import DecodeFastPath
-from kvbaton.scheduler.fast_values import make_plan
 from kvbaton.scheduler.outputs import SchedulerStats, TokenOutput, new_output
 from kvbaton.scheduler.queue_policies import create_queue_policy
+from kvbaton.scheduler.request_queues import RequestQueues, stop_reason
 from kvbaton.scheduler.spec_decode import NgramProposer, SpeculativeDecodes
-from kvbaton.scheduler.step_planning import StepBuilder, StepPlanning
+from kvbaton.scheduler.step_planning import StepPlanner
 
 
-class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
+class LocalScheduler:
     """Iteration-level scheduler of one worker (see the module docstring for the step rules)."""
 
     def __init__(
@@ -53,40 +53,44 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
         self.block_size = block_size
         self.blocks = BlockManager(pool, cache, cache_key, block_size)
         self.policy = create_queue_policy(config.queue_policy, lpm_fallback_waiting=config.lpm_fallback_waiting)
-        self._requests: dict[str, Request] = {}  # every unfinished request
-        self._waiting: deque[Request] = deque()  # FCFS: preempted at the front, then arrival order
-        self._running: list[Request] = []  # admission order; the tail is the preemption victim
-        self._finished: list[Request] = []  # finished since the last take_finished()
-        # Per running request: (its block_ids list, that list as a tuple). Tables only grow in place by
-        # `extend` or are replaced by a new list (BlockManager, admit_prefilled), never edited in place, so
-        # the tuple is current while the list is the same object of the same length; a decode then reuses
-        # it instead of copying a ~100-block table every step.
-        self._tables: dict[str, tuple[list[int], tuple[int, ...]]] = {}
-        self._step_id = 0
-        self._num_steps = 0
         # Speculative decoding (scheduler/spec_decode.py) when configured: drafts go through the general path.
         self.proposer = (NgramProposer(config.num_speculative_tokens, config.spec_ngram_min, config.spec_ngram_max)
                          if config.num_speculative_tokens > 0 else None)
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.steady_fast_path = self.proposer is None  # False forces the general path (tests compare the two)
-        # Σ (start_pos + 1) over the last plan's chunks when it came from the steady-decode path (every
-        # chunk a one-token decode past position 0, i.e. a decode by `BatchShape.of_plan`'s rule), else -1:
-        # lets an executor price the batch (`CostModel.decode_s`) without reading the plan again.
-        self.steady_plan_context_tokens = -1
-        self._num_preemptions = 0
-        self._queries_tokens = 0
-        self._hits_tokens = 0
-        # Called with each request the scheduler preempts, after its blocks are freed: a prefill worker's handoff
-        # leg then lets go of the blocks it streamed from, which its recompute may need (engine/handoff_prefill.py).
-        self.on_preempted: Callable[[Request], None] | None = None
+        self.queues = RequestQueues(self.blocks, self.proposer.forget if self.proposer is not None else None)
+        self.speculation = (SpeculativeDecodes(config, self.blocks, self.queues, self.proposer)
+                            if self.proposer is not None else None)
+        self.planner = StepPlanner(config, self.blocks, self.policy, self.queues, self.speculation)
+        self._step_id = 0
+        self._num_steps = 0
+        # Σ (start_pos + 1) over the last plan's chunks when every one is a decode (one sampled token past
+        # position 0, `BatchShape.of_plan`'s rule), else -1: lets an executor price the batch
+        # (`CostModel.decode_s`) without reading the plan again.
+        self.decode_context_tokens = -1
+
+    @property
+    def on_preempted(self) -> Callable[[Request], None] | None:
+        """Called with each request the scheduler preempts, after its blocks are freed: a prefill worker's handoff
+        leg then lets go of the blocks it streamed from, which its recompute may need (engine/handoff_prefill.py)."""
+        return self.planner.on_preempted
+
+    @on_preempted.setter
+    def on_preempted(self, hook: Callable[[Request], None] | None) -> None:
+        self.planner.on_preempted = hook
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.speculation.num_draft_tokens if self.speculation is not None else 0
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.speculation.num_accepted_tokens if self.speculation is not None else 0
 
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request, prompt_blocks: HashedBlocks | None = None) -> None:
         """Queue a new request. `prompt_blocks`: its prompt already split and hashed under this worker's
         cache key (`hash_prompt`, e.g. by the simulator, which hashed it to route it); saves doing it again."""
-        if request.request_id in self._requests:
+        if request.request_id in self.queues:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if request.num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt is empty")
@@ -100,9 +104,7 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
             raise CapacityError(
                 f"prompt needs {num_blocks} KV blocks; this worker has {self.blocks.pool.num_blocks}"
             )
-        request.status = RequestStatus.WAITING
-        self._requests[request.request_id] = request
-        self._waiting.append(request)
+        self.queues.add_waiting(request)
         if prompt_blocks is not None:
             self.blocks.seed(request, prompt_blocks)
 
@@ -120,7 +122,7 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
         reservation, KV written in place): one pool reference each passes to the request on success;
         on False the caller still owns them.
         """
-        if request.request_id in self._requests:
+        if request.request_id in self.queues:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if not 0 < num_computed_tokens < request.num_tokens:
             raise InvalidRequestError(
@@ -128,7 +130,7 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
             )
         if request.block_ids or request.num_computed_tokens:
             raise InvalidRequestError(f"{request.request_id}: a handed-off request must arrive holding no blocks")
-        if len(self._running) >= self.config.max_num_seqs:
+        if len(self.queues.running) >= self.config.max_num_seqs:
             return False
         if block_ids is not None:
             if len(block_ids) != self.blocks.num_blocks_for(num_computed_tokens):
@@ -142,9 +144,7 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
             request.num_cached_tokens = 0
         if request.first_scheduled_at is None:
             request.first_scheduled_at = now
-        request.status = RequestStatus.RUNNING
-        self._requests[request.request_id] = request
-        self._running.append(request)
+        self.queues.add_running(request)
         return True
 
     def abort_request(self, request_id: str, now: float) -> Request | None:
@@ -153,106 +153,84 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
 
     def finish_request(self, request_id: str, reason: FinishReason, now: float, message: str = "") -> Request | None:
         """End a request for a reason found outside the scheduler (stop string, abort); None if not live."""
-        request = self._requests.get(request_id)
+        request = self.queues.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
-            self._running.remove(request)
-        else:
-            self._waiting.remove(request)
-        self._finish(request, reason, now, message)
+        self.queues.finish(request, reason, now, message)
         return request
 
-    def _finish(self, request: Request, reason: FinishReason, now: float, message: str = "") -> None:
-        """Terminal transition; the caller has already taken `request` out of waiting/running."""
-        self.blocks.free(request)
-        self._tables.pop(request.request_id, None)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.finish_message = message
-        request.finished_at = now
-        del self._requests[request.request_id]
-        self._finished.append(request)
-        if self.proposer is not None:
-            self.proposer.forget(request.request_id)
-
     def take_finished(self) -> list[Request]:
-        finished, self._finished = self._finished, []
-        return finished
+        return self.queues.take_finished()
 
     def get_request(self, request_id: str) -> Request | None:
         """A waiting or running request; None once it has finished."""
-        return self._requests.get(request_id)
+        return self.queues.get(request_id)
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Read-only: every waiting or running request by id."""
+        return self.queues.requests
 
     def waiting_request_ids(self) -> list[str]:
         """The waiting queue in FCFS order (preempted first), before any policy reordering."""
-        return [r.request_id for r in self._waiting]
+        return [r.request_id for r in self.queues.waiting]
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.queues.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.queues.running)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self.queues)
 
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self, now: float) -> StepPlan:
         self._step_id += 1
-        self.steady_plan_context_tokens = -1
-        if self.steady_fast_path and not self._waiting and self._running:
-            plan = self._plan_steady_decodes()
-            if plan is not None:
-                self._num_steps += 1
-                return plan
-        step = StepBuilder(self.config.max_num_batched_tokens)
-        if self._running:
-            self._schedule_running_requests(step, now)
-        if self._waiting and not step.preempted_ids:  # memory is tight: admitting now would only preempt again
-            self._admit_waiting(step, now)
-        chunks = tuple(step.chunks.values())
+        plan = self.planner.plan(self._step_id, now)
+        chunks = plan.chunks
+        context_tokens = -1
         if chunks:
             self._num_steps += 1
-        return make_plan(self._step_id, chunks, step.num_tokens, tuple(step.preempted_ids), tuple(step.finished_ids))
-
-    def _block_table(self, request: Request) -> tuple[int, ...]:
-        """tuple(request.block_ids), reused from the previous step while the table is unchanged."""
-        block_ids = request.block_ids
-        entry = self._tables.get(request.request_id)
-        if entry is not None and entry[0] is block_ids and len(entry[1]) == len(block_ids):
-            return entry[1]
-        table = tuple(block_ids)
-        self._tables[request.request_id] = (block_ids, table)
-        return table
+            # Σ (start_pos + 1) when every chunk is a decode by `BatchShape.of_plan`'s rule (one sampled token past
+            # position 0): most steps of a loaded worker, which the simulator then prices without a BatchShape.
+            context_tokens = 0
+            for chunk in chunks:
+                start_pos = chunk.start_pos
+                if len(chunk.token_ids) != 1 or not start_pos or not chunk.samples:
+                    context_tokens = -1
+                    break
+                context_tokens += start_pos + 1
+        self.decode_context_tokens = context_tokens
+        return plan
 
     # ---- results -------------------------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[TokenOutput]:
         """Apply an executed plan; chunks of requests no longer running (aborted, preempted) are ignored."""
         outputs: list[TokenOutput] = []
-        requests = self._requests
+        get_request = self.queues.requests.get
         sampled = result.sampled
         running = RequestStatus.RUNNING
         # With no prefix cache, cache_computed_blocks does nothing: skip the call per chunk. With one, it
         # does nothing either unless the request's full blocks outnumber those its cache hold covers
         # (its own early-return test, read here from the manager's table to save the call per decode).
         cache_computed_blocks = self.blocks.cache_computed_blocks if self.blocks.cache is not None else None
-        holds = self.blocks._holds
+        holds = self.blocks.holds
         block_size = self.block_size
-        append_token = self._append_token
-        speculating = self.proposer is not None
+        append_token = self.queues.append_token
+        speculation = self.speculation
         for chunk in plan.chunks:
             request_id = chunk.request_id
-            request = requests.get(request_id)
+            request = get_request(request_id)
             start_pos = chunk.start_pos
             if request is None or request.status is not running or request.num_computed_tokens != start_pos:
                 continue
-            if speculating and start_pos + len(chunk.token_ids) > request.num_tokens:  # it carries drafts
-                self._apply_speculative(request, chunk, result, now, outputs)
+            if speculation is not None and start_pos + len(chunk.token_ids) > request.num_tokens:  # it carries drafts
+                speculation.apply(request, chunk, result, now, outputs)
                 continue
             num_computed = request.num_computed_tokens = start_pos + len(chunk.token_ids)
             if cache_computed_blocks is not None:
@@ -263,40 +241,14 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
                 continue
             token = sampled.get(request_id)
             if token is None:
-                self._running.remove(request)
-                self._finish(request, FinishReason.ERROR, now, f"executor returned no token in step {plan.step_id}")
+                self.queues.finish(request, FinishReason.ERROR, now, f"executor returned no token in step {plan.step_id}")
                 continue
             outputs.append(new_output(TokenOutput, (request_id, token, append_token(request, token, now))))
         return outputs
 
-    def _append_token(self, request: Request, token: SampledToken, now: float) -> FinishReason | None:
-        """A running request's sampled token: appended, and the request finished if it stops there."""
-        token_id = token.token_id
-        request.output_token_ids.append(token_id)
-        if request.first_token_at is None:
-            request.first_token_at = now
-        reason = self._stop_reason(request, token_id)
-        if reason is not None:
-            self._running.remove(request)
-            self._finish(request, reason, now)
-        return reason
-
     def stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         """Whether appending `token_id` (already in output_token_ids) ends `request`, and why."""
-        return self._stop_reason(request, token_id)
-
-    @staticmethod
-    def _stop_reason(request: Request, token_id: int) -> FinishReason | None:
-        sampling = request.sampling
-        if token_id == request.eos_token_id and not sampling.ignore_eos:
-            return FinishReason.STOP
-        if sampling.stop_token_ids and token_id in sampling.stop_token_ids:
-            return FinishReason.STOP
-        num_output_tokens = len(request.output_token_ids)
-        if (num_output_tokens >= sampling.max_tokens
-                or len(request.prompt_token_ids) + num_output_tokens >= request.max_model_len):
-            return FinishReason.LENGTH
-        return None
+        return stop_reason(request, token_id)
 
     # ---- introspection ----------------------------------------------------------------------
 
@@ -304,15 +256,15 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
         cache = self.blocks.cache
         tier = cache.tier if cache is not None else None
         return SchedulerStats(
-            num_waiting=len(self._waiting),
-            num_running=len(self._running),
+            num_waiting=len(self.queues.waiting),
+            num_running=len(self.queues.running),
             num_queued_prefill_tokens=self.num_queued_prefill_tokens(),
             num_used_blocks=self.blocks.pool.num_used_blocks,
             num_free_blocks=self.blocks.pool.num_free_blocks,
             num_cached_blocks=cache.num_cached_blocks if cache is not None else 0,
-            prefix_cache_queries_tokens=self._queries_tokens,
-            prefix_cache_hits_tokens=self._hits_tokens,
-            num_preemptions=self._num_preemptions,
+            prefix_cache_queries_tokens=self.planner.queries_tokens,
+            prefix_cache_hits_tokens=self.planner.hits_tokens,
+            num_preemptions=self.planner.num_preemptions,
             num_steps=self._num_steps,
             num_host_cached_blocks=tier.num_cached_blocks if tier is not None else 0,
             num_host_loaded_blocks=tier.num_loaded_blocks if tier is not None else 0,
@@ -324,9 +276,9 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
         """Uncomputed tokens of waiting requests and of running ones still prefilling (`stats()`'s figure)."""
         # num_uncomputed_tokens inlined: the simulator asks at every heartbeat of every worker
         queued = 0
-        for r in self._waiting:
+        for r in self.queues.waiting:
             queued += len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
-        for r in self._running:
+        for r in self.queues.running:
             num_uncomputed = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
             if num_uncomputed > 1:
                 queued += num_uncomputed
@@ -336,29 +288,16 @@ class LocalScheduler(StepPlanning, DecodeFastPath, SpeculativeDecodes):
         """The same queue prompt by prompt: (uncomputed tokens, tokens already computed) of each, running ones
         still prefilling first, then waiting ones in queue order (what admission prices a prefill queue by)."""
         queue = []
-        for r in self._running:
+        for r in self.queues.running:
             num_uncomputed = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
             if num_uncomputed > 1:
                 queue.append((num_uncomputed, r.num_computed_tokens))
-        for r in self._waiting:
+        for r in self.queues.waiting:
             queue.append((len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens,
                           r.num_computed_tokens))
         return tuple(queue)
 
     def check_invariants(self) -> None:
-        waiting_ids = [r.request_id for r in self._waiting]
-        running_ids = [r.request_id for r in self._running]
-        assert len(set(waiting_ids)) == len(waiting_ids) and len(set(running_ids)) == len(running_ids)
-        assert set(waiting_ids) | set(running_ids) == set(self._requests), "request tables disagree"
-        assert not set(waiting_ids) & set(running_ids), "a request is both waiting and running"
-        assert len(self._running) <= self.config.max_num_seqs
-        for r in self._waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r.request_id}: {r.status}"
-            assert not r.block_ids and r.num_computed_tokens == 0, f"{r.request_id}: waiting but holds blocks"
-        for r in self._running:
-            assert r.status is RequestStatus.RUNNING, f"{r.request_id}: {r.status}"
-            assert 0 < r.num_uncomputed_tokens <= r.num_tokens, f"{r.request_id}: nothing left to compute"
-        for r in self._finished:
-            assert r.status is RequestStatus.FINISHED and not r.block_ids
+        self.queues.check_invariants(self.config.max_num_seqs)
         # Between schedule and update a speculating decode's table also covers its drafts (update trims it).
-        self.blocks.check_invariants(self._running, self.config.num_speculative_tokens)
+        self.blocks.check_invariants(list(self.queues.running), self.config.num_speculative_tokens)

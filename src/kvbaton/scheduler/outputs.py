@@ -19,7 +19,7 @@ class TokenOutput(NamedTuple):
 
 
 # TokenOutput(a, b, c) runs the NamedTuple's Python-level __new__; tuple.__new__(TokenOutput, (a, b, c)) builds the
-# same instance in C (the hot loops of `update` and `update_decodes` build one per sampled token).
+# same instance in C (the hot loop of `update` builds one per sampled token).
 new_output = tuple.__new__
 
 

@@ -4,7 +4,7 @@ When the last n tokens of a running request (n from `max_n` down to `min_n`) occ
 prompt or output, the tokens that followed that occurrence (the latest one) are proposed as the next
 ones. The scheduler sends them with the request's decode as one chunk (`1 + k` positions); the
 executor checks them against the model in that single forward and keeps the longest agreeing prefix
-plus one token of its own (`LocalScheduler.update`), so a greedy request outputs exactly the tokens it
+plus one token of its own (`LocalScheduler.update`, through `SpeculativeDecodes.apply`), so a greedy request outputs exactly the tokens it
 would have without drafts, several per step where its output copies its context (RAG answers, code
 edits, multi-turn agents re-quoting tool output). A decode step on a memory-bound CPU or GPU costs about
 the same for 1 or 5 positions, so accepted drafts are nearly free tokens.
@@ -21,6 +21,7 @@ from kvbaton.core.step import ScheduledChunk, StepResult
 from kvbaton.scheduler.block_manager import BlockManager
 from kvbaton.scheduler.fast_values import make_chunk
 from kvbaton.scheduler.outputs import TokenOutput, new_output
+from kvbaton.scheduler.request_queues import RequestQueues
 
 
 class NgramProposer:
@@ -60,23 +61,24 @@ class NgramProposer:
 
 
 class SpeculativeDecodes:
-    """The speculative part of `LocalScheduler` (a mixin: its state, declared here, is set by
-    `LocalScheduler.__init__`, and it calls the scheduler's `_block_table`, `_append_token` and `_finish`): a
-    decode's drafts in its step's chunk, and what the executor's verdict makes of them."""
+    """The speculative part of a `LocalScheduler`: a decode's drafts in its step's chunk (for its `StepPlanner`),
+    and what the executor's verdict makes of them (for its `update`); counts drafts proposed and accepted."""
 
-    config: SchedulerConfig
-    blocks: BlockManager
-    proposer: NgramProposer | None
-    _running: list[Request]
-    num_draft_tokens: int
-    num_accepted_tokens: int
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, queues: RequestQueues,
+                 proposer: NgramProposer) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.queues = queues
+        self.proposer = proposer
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
-    def _drafts(self, request: Request, budget_left_tokens: int) -> tuple[int, ...]:
+    def drafts(self, request: Request, budget_left_tokens: int) -> tuple[int, ...]:
         """Drafts for `request`'s next decode, within its limits and the step's token budget (after its own
         token); () when it may not speculate: its logits are adjusted or masked (penalties, bias, min_tokens,
         a grammar), it wants its prompt's logprobs, or the batch is too large."""
         sampling = request.sampling
-        if (self.proposer is None or len(self._running) > self.config.spec_max_running or sampling.adjusts_logits
+        if (len(self.queues.running) > self.config.spec_max_running or sampling.adjusts_logits
                 or sampling.grammar or sampling.prompt_logprobs is not None):
             return ()
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
@@ -84,7 +86,7 @@ class SpeculativeDecodes:
                    request.max_model_len - num_tokens - 1, budget_left_tokens)
         return self.proposer.propose(request, room)
 
-    def _speculative_chunk(self, request: Request, drafts: tuple[int, ...]) -> ScheduledChunk | None:
+    def chunk(self, request: Request, drafts: tuple[int, ...]) -> ScheduledChunk | None:
         """The decode of `request`'s last token followed by `drafts`, its table grown to hold them; None when they
         would need blocks others need (the caller schedules a plain decode). Drafts take a new block only from the
         free ones left after what every running request's next tokens need (this decode's own included): never
@@ -101,16 +103,16 @@ class SpeculativeDecodes:
         output = request.output_token_ids
         last = output[-1] if output else request.prompt_token_ids[-1]
         self.num_draft_tokens += len(drafts)
-        return make_chunk(request.request_id, start, (last, *drafts), self._block_table(request), True)
+        return make_chunk(request.request_id, start, (last, *drafts), self.blocks.table(request), True)
 
     def _blocks_running_need(self) -> int:
         """Blocks the running requests still need to cover their tokens: a prefill's rest of the prompt, a decode's
         next position (none for one already scheduled this step: its table covers it). A few run: speculation
         stops above spec_max_running."""
         num_blocks_for = self.blocks.num_blocks_for
-        return sum(max(0, num_blocks_for(r.num_tokens) - len(r.block_ids)) for r in self._running)
+        return sum(max(0, num_blocks_for(r.num_tokens) - len(r.block_ids)) for r in self.queues.running)
 
-    def _apply_speculative(self, request: Request, chunk: ScheduledChunk, result: StepResult, now: float,
+    def apply(self, request: Request, chunk: ScheduledChunk, result: StepResult, now: float,
                            outputs: list[TokenOutput]) -> None:
         """The verdict on a speculative chunk: KV is kept for the last token and the accepted drafts, which are
         output in order with the model's own next token, as plain decodes would have output them (each may end
@@ -119,8 +121,7 @@ class SpeculativeDecodes:
         self.num_accepted_tokens += len(accepted)
         token = result.sampled.get(chunk.request_id)
         if token is None:
-            self._running.remove(request)
-            self._finish(request, FinishReason.ERROR, now, "executor returned no token for a speculative chunk")
+            self.queues.finish(request, FinishReason.ERROR, now, "executor returned no token for a speculative chunk")
             return
         cache_computed_blocks = self.blocks.cache_computed_blocks if self.blocks.cache is not None else None
         num_computed = chunk.start_pos + 1  # the last token's KV, then one more per accepted draft
@@ -130,7 +131,7 @@ class SpeculativeDecodes:
             request.num_computed_tokens = num_computed
             if cache_computed_blocks is not None:
                 cache_computed_blocks(request)
-            reason = self._append_token(request, out, now)
+            reason = self.queues.append_token(request, out, now)
             outputs.append(new_output(TokenOutput, (request.request_id, out, reason)))
             if reason is not None:
                 return

@@ -1,8 +1,8 @@
 """The general path of a local scheduler step: running requests' chunks, preemption, admission of waiting ones.
 
-`LocalScheduler.schedule` builds a step here when the steady-decode fast path does not apply: running
-decodes, then running prefills continuing their chunks (`_schedule_running_requests`), then waiting
-requests in the queue policy's order (`_admit_waiting`), all under the token budget. Preemption is by
+`LocalScheduler.schedule` has its `StepPlanner` build every step: running decodes, then running
+prefills continuing their chunks (`_schedule_running_requests`), then waiting requests in the queue
+policy's order (`_admit_waiting`), all under the token budget. Preemption is by
 recompute: when a running request cannot get a block (after evicting from the prefix cache), the most
 recently admitted running request gives all its blocks back and goes to the front of the waiting queue,
 keeping its output tokens to recompute them. Admission never preempts.
@@ -10,16 +10,16 @@ keeping its output tokens to recompute them. Admission never preempts.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 
 from kvbaton.core.config import SchedulerConfig
 from kvbaton.core.request import FinishReason, Request, RequestStatus
-from kvbaton.core.step import ScheduledChunk
+from kvbaton.core.step import ScheduledChunk, StepPlan
 from kvbaton.scheduler.block_manager import BlockManager
-from kvbaton.scheduler.fast_values import make_chunk
+from kvbaton.scheduler.fast_values import make_chunk, make_plan
 from kvbaton.scheduler.queue_policies import QueuePolicy
-from kvbaton.scheduler.spec_decode import NgramProposer
+from kvbaton.scheduler.request_queues import RequestQueues
+from kvbaton.scheduler.spec_decode import SpeculativeDecodes
 
 
 class StepBuilder:
@@ -51,25 +51,33 @@ class StepBuilder:
             self.num_tokens -= chunk.num_tokens
 
 
-class StepPlanning:
-    """The general step path of `LocalScheduler` (a mixin: no state of its own, no `__init__`).
+class StepPlanner:
+    """The general step path of a `LocalScheduler`: plans a step over its requests (`RequestQueues`) and blocks,
+    preempting and admitting; counts preemptions and prefix-cache lookups at admission."""
 
-    It works on the scheduler's state, declared here and set by `LocalScheduler.__init__`, and calls the
-    scheduler's `_block_table` and `_finish`, and `SpeculativeDecodes`' drafts when speculation is on.
-    """
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, policy: QueuePolicy, queues: RequestQueues,
+                 speculation: SpeculativeDecodes | None) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.policy = policy
+        self.queues = queues
+        self.speculation = speculation  # drafts for decodes, when speculative decoding is configured
+        self.num_preemptions = 0
+        self.queries_tokens = 0  # tokens looked up in the prefix cache at admissions
+        self.hits_tokens = 0  # of which it supplied
+        # Told of each preemption, after the request's blocks are freed (a handoff's leg lets go of its blocks).
+        self.on_preempted: Callable[[Request], None] | None = None
 
-    config: SchedulerConfig
-    blocks: BlockManager
-    block_size: int
-    policy: QueuePolicy
-    _waiting: deque[Request]
-    _running: list[Request]
-    _tables: dict[str, tuple[list[int], tuple[int, ...]]]
-    _num_preemptions: int
-    _queries_tokens: int
-    _hits_tokens: int
-    proposer: NgramProposer | None  # speculative decoding's drafts (SpeculativeDecodes), when configured
-    on_preempted: Callable[[Request], None] | None  # told of each preemption (a handoff's leg lets go of its blocks)
+    def plan(self, step_id: int, now: float) -> StepPlan:
+        step = StepBuilder(self.config.max_num_batched_tokens)
+        queues = self.queues
+        if queues.running:
+            self._schedule_running_requests(step, now)
+        if queues.waiting and not step.preempted_ids:  # memory is tight: admitting now would only preempt again
+            self._admit_waiting(step, now)
+        preempted_ids, finished_ids = step.preempted_ids, step.finished_ids
+        return make_plan(step_id, tuple(step.chunks.values()), step.num_tokens,
+                         tuple(preempted_ids) if preempted_ids else (), tuple(finished_ids) if finished_ids else ())
 
     def _chunk_tokens(self, request: Request, budget_left_tokens: int) -> int:
         n = min(request.num_uncomputed_tokens, budget_left_tokens)
@@ -80,7 +88,7 @@ class StepPlanning:
     def _make_chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_tokens
-        return make_chunk(request.request_id, start, request.token_slice(start, end), self._block_table(request),
+        return make_chunk(request.request_id, start, request.token_slice(start, end), self.blocks.table(request),
                           end == request.num_tokens)
 
     def _schedule_running_requests(self, step: StepBuilder, now: float) -> None:
@@ -95,14 +103,16 @@ class StepPlanning:
         # PREEMPTED, which the status test skips; no request's token counts change during the pass.
         prefilling: list[Request] = []
         budget_tokens = step.budget_tokens
-        block_size = self.block_size
+        block_size = self.blocks.block_size
         chunks = step.chunks
         running = RequestStatus.RUNNING
-        speculating = self.proposer is not None
+        speculation = self.speculation
+        running_requests = self.queues.running
         # Decodes not met yet in the pass: a decode's drafts leave each of them a token of the budget.
-        num_decodes_left = (sum(1 for r in self._running if r.num_tokens - r.num_computed_tokens == 1)
-                            if speculating else 0)
-        for request in list(self._running):
+        num_decodes_left = (sum(1 for r in running_requests if r.num_tokens - r.num_computed_tokens == 1)
+                            if speculation is not None else 0)
+        block_table = self.blocks.table
+        for request in list(running_requests):
             # num_uncomputed_tokens, without two property calls per request per step
             output = request.output_token_ids
             start = request.num_computed_tokens
@@ -116,9 +126,9 @@ class StepPlanning:
             num_decodes_left -= 1
             if request.status is not running:  # preempted earlier in this step
                 continue
-            if speculating:
-                drafts = self._drafts(request, budget_tokens - step.num_tokens - 1 - num_decodes_left)
-                chunk = self._speculative_chunk(request, drafts) if drafts else None
+            if speculation is not None:
+                drafts = speculation.drafts(request, budget_tokens - step.num_tokens - 1 - num_decodes_left)
+                chunk = speculation.chunk(request, drafts) if drafts else None
                 if chunk is not None:
                     chunks[request.request_id] = chunk
                     step.num_tokens += chunk.num_tokens
@@ -129,7 +139,7 @@ class StepPlanning:
                 continue
             last_token = output[-1] if output else request.prompt_token_ids[-1]
             request_id = request.request_id
-            chunks[request_id] = make_chunk(request_id, start, (last_token,), self._block_table(request), True)
+            chunks[request_id] = make_chunk(request_id, start, (last_token,), block_table(request), True)
             step.num_tokens += 1
         for request in prefilling:
             if step.num_tokens == budget_tokens:
@@ -144,8 +154,7 @@ class StepPlanning:
             victim = self._preemption_victim()
             # Alone and still short: fail only what the whole pool cannot hold. Otherwise blocks are held outside
             # the scheduler (KV handoff reservations, released within their lease): wait for them, preempted.
-            if victim is request and len(self._running) == 1 and not self._fits_pool(end_pos):
-                self._running.remove(request)
+            if victim is request and len(self.queues.running) == 1 and not self._fits_pool(end_pos):
                 self._fail_unfittable(request, end_pos, step, now)
                 return
             # The victim may already have a chunk in this step (a decode scheduled before this
@@ -158,48 +167,49 @@ class StepPlanning:
         step.add(self._make_chunk(request, num_tokens))
 
     def _admit_waiting(self, step: StepBuilder, now: float) -> None:
-        if not self._waiting or step.budget_left_tokens == 0 or len(self._running) >= self.config.max_num_seqs:
+        queues = self.queues
+        running = queues.running
+        max_num_seqs = self.config.max_num_seqs
+        if not queues.waiting or step.budget_left_tokens == 0 or len(running) >= max_num_seqs:
             return  # skip the policy's cache probes when nobody could be admitted anyway
         admitted: set[str] = set()
         # Every queue policy orders a single request as itself; skipping it saves a cache probe
         # (peek_cached_tokens has no effect on the cache) per admission in a lightly loaded worker.
-        waiting = list(self._waiting)
+        waiting = list(queues.waiting)
         ordered = waiting if len(waiting) == 1 else self.policy.order(waiting, self.blocks.peek_cached_tokens)
         for request in ordered:
-            if step.budget_left_tokens == 0 or len(self._running) >= self.config.max_num_seqs:
+            if step.budget_left_tokens == 0 or len(running) >= max_num_seqs:
                 break
             hit_tokens = self.blocks.attach_prefix(request)
             num_tokens = self._chunk_tokens(request, step.budget_left_tokens)
             end_pos = request.num_computed_tokens + num_tokens
             if not self.blocks.try_grow(request, end_pos):
                 self.blocks.free(request)
-                if self._running or self._fits_pool(end_pos):
+                if running or self._fits_pool(end_pos):
                     break  # admission never preempts; later requests wait behind this one (or for held blocks)
                 # Nothing runs, the cache is drained and the whole pool is too small: this request (e.g. a
                 # preempted one whose recompute outgrew the pool) can never fit, and would block the queue forever.
-                self._waiting.remove(request)
                 self._fail_unfittable(request, end_pos, step, now)
                 continue
             if self.blocks.cache is not None:
-                self._queries_tokens += request.num_tokens
-                self._hits_tokens += hit_tokens
+                self.queries_tokens += request.num_tokens
+                self.hits_tokens += hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit_tokens
             if request.first_scheduled_at is None:
                 request.first_scheduled_at = now
             if request.status is not RequestStatus.PREEMPTED:
                 self.policy.on_admitted(request, hit_tokens)
-            request.status = RequestStatus.RUNNING
-            self._running.append(request)
+            queues.admit(request)
             admitted.add(request.request_id)
             step.add(self._make_chunk(request, num_tokens))
         if admitted:
-            self._waiting = deque(r for r in self._waiting if r.request_id not in admitted)
+            queues.drop_admitted(admitted)
 
     def _preemption_victim(self) -> Request:
         """The running request to preempt: the last admitted, or under the priority policy the one of the highest
         priority value (the latest arrival among equals), as vLLM picks."""
-        running = self._running
+        running = self.queues.running
         if self.config.queue_policy != "priority":
             return running[-1]
         return max(reversed(running), key=lambda r: (r.sampling.priority, r.arrival_at))
@@ -212,16 +222,11 @@ class StepPlanning:
             f"needs {self.blocks.num_blocks_for(end_pos)} KV blocks for {end_pos} tokens; "
             f"the pool has {self.blocks.pool.num_blocks} and nothing else can be freed"
         )
-        self._finish(request, FinishReason.ERROR, now, message)
+        self.queues.finish(request, FinishReason.ERROR, now, message)
         step.finished_ids.append(request.request_id)
 
     def _preempt(self, request: Request) -> None:
-        self._running.remove(request)
-        self.blocks.free(request)
-        self._tables.pop(request.request_id, None)
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self._num_preemptions += 1
-        self._waiting.appendleft(request)
+        self.queues.preempt(request)
+        self.num_preemptions += 1
         if self.on_preempted is not None:
             self.on_preempted(request)

@@ -129,7 +129,6 @@ class ClusterSim:
         # protocol messages between steps; a decode worker applies them as they arrive (between two layers of
         # its step) and adopts the KV of a completed leg between steps.
         self._inbox: dict[str, list[Delivery | HandoffEvent]] = {}
-        self._heartbeat_s = config.heartbeat_s  # read at every step's end
         self._records: list[RequestRecord] = []
         self._params: dict[int, SamplingParams] = {}
         self.prompts = SimPrompts(config.cache_key, config.cache.block_size)
@@ -222,11 +221,8 @@ class ClusterSim:
         if worker.busy:
             return
         end = worker.start_step(now)
-        # A steady decode step is planned without ending any request, and whatever ended before (in a step's
-        # update, in an abort) was taken right after: only a general plan can have failed requests to hand over.
-        if worker.decodes is None:
-            for request in worker.take_finished():
-                self._on_request_finished(worker, request, now)
+        for request in worker.take_finished():  # failed at scheduling time
+            self._on_request_finished(worker, request, now)
         if end is None:
             self._heartbeat(worker, now, force=True)
         else:  # _push, inline: once per step
@@ -286,43 +282,7 @@ class ClusterSim:
         self._kick(worker, now)
 
     def _on_step_done(self, worker: SimWorker, now: float) -> None:
-        flights = self._flights
-        worker_id = worker.worker_id
-        # No heartbeat due, no message waiting and no reservation to ask for: nothing happens between a quiet
-        # decode step's end and the next step's start, so the worker does both in one call (`quiet_cycle`); the
-        # tokens' times and first-token news, which touch neither, follow, then what `_kick` does after a start.
-        if (worker.decodes is not None and now - worker.last_heartbeat_at < self._heartbeat_s
-                and not (self._inbox and worker_id in self._inbox)
-                and not (self._unreserved and self._unreserved.get(worker_id))):
-            advanced = worker.quiet_cycle(now)
-            if advanced is not None:
-                for request in advanced:
-                    token_times_s = flights[request.request_id].token_times_s
-                    if not token_times_s:
-                        self._on_first_token(worker, request.request_id, request.output_token_ids[-1], now)
-                    elif self._tracks_tokens:
-                        self.placement.on_tokens(request.request_id, 1, now)
-                    token_times_s.append(now)
-                if worker.decodes is None:
-                    for request in worker.take_finished():
-                        self._on_request_finished(worker, request, now)
-                if not worker.busy:
-                    self._heartbeat(worker, now, force=True)
-                else:
-                    self._seq += 1
-                    heapq.heappush(self._heap, (worker.step_end_at, self._seq, _STEP_DONE, worker))
-                return
-        advanced = worker.finish_quiet_step(now) if worker.decodes is not None else None
-        if advanced is not None:  # a quiet steady decode: what the loop below does for its outputs
-            for request in advanced:
-                token_times_s = flights[request.request_id].token_times_s
-                if not token_times_s:
-                    self._on_first_token(worker, request.request_id, request.output_token_ids[-1], now)
-                elif self._tracks_tokens:
-                    self.placement.on_tokens(request.request_id, 1, now)
-                token_times_s.append(now)
-        else:
-            self._on_general_step_done(worker, now)
+        self._on_general_step_done(worker, now)
         if now - worker.last_heartbeat_at >= self.config.heartbeat_s:  # _heartbeat's own test, without the call
             self._heartbeat(worker, now, force=False)
         if self._inbox:

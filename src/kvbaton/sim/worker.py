@@ -1,25 +1,21 @@
 """One simulated worker: the real LocalScheduler, BlockPool and RadixCache, with a cost model as executor.
 
 A step is scheduled at its start time (`start_step`, which prices it) and applied at its end
-(`finish_step`), exactly as the live engine schedules, runs, then updates; requests that arrive
-meanwhile wait for the next step. A step in which every running request decodes is scheduled as
-the requests it advances (`LocalScheduler.schedule_decodes`, applied by `update_decodes`), the
-same step without building its StepPlan; the others as a StepPlan. A steady step that ends nothing
-(`kvbaton.scheduler.steady_decodes`) is applied without building its outputs, and the next one is
-scheduled knowing the running list did not change (`quiet_cycle`); while the same requests keep decoding,
-the steps their limits leave quiet are counted once and applied untested. Sampled tokens are
+(`finish_step`), exactly as the live engine schedules, runs, then updates, through the scheduler's own
+`schedule` and `update`; requests that arrive meanwhile wait for the next step. A step in which every
+running request decodes comes with its context size (`decode_context_tokens`) and is priced from
+that (`CostModel.decode_pricer`) without reading its chunks. Sampled tokens are
 deterministic: `token_for(request_id, output_index)` (by default 100 + index mod 1000, never an
 end-of-sequence id in the workloads, which run with ignore_eos and an exact output length).
 
 With a host KV tier (`CacheConfig.host_num_blocks`), the radix cache demotes what it evicts into a
 `HostTier` whose copies a `HostLink` prices (`kvbaton.sim.host_link`); they are charged to the next
-general step, serial with its compute (the step-time noise scales the whole step). With the cluster KV store
+step, serial with its compute (the step-time noise scales the whole step). With the cluster KV store
 (`store`), a `StoreTier` takes the host tier's place: new blocks are written through, prefix hits past the
 device are loaded from the store, priced by `SimStoreIO` and charged the same way. Only
-`scheduler.schedule` copies: its admissions promote blocks and its evictions demote them. The
-steady decode paths admit nothing and grow tables from free blocks only (they give way to
-`schedule` when the pool is short), so they copy nothing, and a handoff is adopted into blocks its
-reservation holds, with no eviction; any copy made elsewhere waits for the next general step.
+`scheduler.schedule` copies: its admissions promote blocks and its evictions demote them; a handoff
+is adopted into blocks its reservation holds, with no eviction; any copy made elsewhere waits for
+the next step.
 """
 
 from __future__ import annotations
@@ -38,14 +34,12 @@ from kvbaton.cache.store_prices import StorePrices
 from kvbaton.cache.store_tier import StoreTier
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.config import CacheConfig, SchedulerConfig
-from kvbaton.core.request import Request, RequestStatus
+from kvbaton.core.request import Request
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.router.load import WorkerStats
 from kvbaton.scheduler.fast_values import make_result
 from kvbaton.scheduler.local_scheduler import LocalScheduler
 from kvbaton.scheduler.outputs import TokenOutput
-from kvbaton.scheduler.steady_decodes import (advance_quiet_decodes, apply_quiet_decodes, batch_unchanged,
-                                              num_quiet_steps_ahead, schedule_decodes_after_quiet)
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.host_link import HostLink
 from kvbaton.sim.links import LinkSpec
@@ -117,17 +111,7 @@ class SimWorker:
         self._noise_innovation = math.sqrt(1.0 - self._noise_rho * self._noise_rho)
         self._noise_z: float | None = None  # the standard-normal state; drawn from its stationary law at first
         self._rng = rng if self._noise_sigma > 0 else None
-        self.plan: StepPlan | None = None  # the step in flight when planned as a StepPlan
-        # The step in flight when it is the steady decode of these running requests (`schedule_decodes`):
-        # no StepPlan is built for it. At most one of `plan` and `decodes` is set; `busy` when either is.
-        self.decodes: list[Request] | None = None
-        # The last step's decodes when `finish_quiet_step` applied it, and how many of their tables must grow:
-        # the next `start_step` schedules with `schedule_decodes_after_quiet`.
-        self._quiet: list[Request] | None = None
-        self._quiet_num_growing = 0
-        # How many next steps of `decodes`, while its requests stay the scheduler's running list and no finished
-        # request waits, are quiet (`num_quiet_steps_ahead`, counted down): `quiet_cycle` applies those untested.
-        self._num_quiet_ahead = 0
+        self.plan: StepPlan | None = None  # the step in flight; `busy` while there is one
         self.busy = False
         self.step_s = 0.0
         self.step_end_at = 0.0  # when the step in flight ends
@@ -155,127 +139,40 @@ class SimWorker:
         """Schedule the next step at `now`; returns when it ends, or None if there is nothing to run."""
         assert not self.busy, "a step is already in flight"
         scheduler = self.scheduler
-        # A steady decode needs no StepPlan unless a hook reads it (a prefill worker streams its plans' KV).
-        quiet, self._quiet = self._quiet, None
-        if quiet is not None:
-            decodes = schedule_decodes_after_quiet(scheduler, quiet, self._quiet_num_growing)
-            self._count_quiet_ahead(decodes, quiet)
+        plan = scheduler.schedule(now)
+        if not plan.chunks and (plan.preempted_ids or plan.finished_ids) and scheduler.has_unfinished_requests():
+            plan = scheduler.schedule(now)  # the previous plan only freed memory; try again once
+        if not plan.chunks:
+            return None
+        self.plan = plan
+        context_tokens = scheduler.decode_context_tokens
+        if context_tokens >= 0:  # all decodes: the same price as plan_s, without reading the chunks again
+            step_s = self._decode_price(len(plan.chunks), context_tokens)
         else:
-            self._num_quiet_ahead = 0
-            decodes = scheduler.schedule_decodes() if self.on_executed is None else None
-        if decodes is not None:
-            self.decodes = decodes
-            # All decodes: the price plan_s would give the same step's plan.
-            self.step_s = self._decode_price(len(decodes), scheduler.steady_plan_context_tokens)
-        else:
-            plan = scheduler.schedule(now)
-            if not plan.chunks and (plan.preempted_ids or plan.finished_ids) and scheduler.has_unfinished_requests():
-                plan = scheduler.schedule(now)  # the previous plan only freed memory; try again once
-            if not plan.chunks:
-                return None
-            self.plan = plan
-            context_tokens = scheduler.steady_plan_context_tokens
-            if context_tokens >= 0:  # all decodes: the same price as plan_s, without reading the chunks again
-                self.step_s = self._decode_price(len(plan.chunks), context_tokens)
-            else:
-                self.step_s = self.cost_model.plan_s(plan, self.spec.parallel)
-            if self.host_link is not None:  # the host tier's copies since the last step, before this one's compute
-                self.step_s += self.host_link.take_copy_s()
+            step_s = self.cost_model.plan_s(plan, self.spec.parallel)
+        if self.host_link is not None:  # the host tier's copies since the last step, before this one's compute
+            step_s += self.host_link.take_copy_s()
         self.busy = True
         if self._rng is not None:
-            self.step_s *= self._noise()
-        self.step_end_at = now + self.step_s
+            step_s *= self._noise()
+        self.step_s = step_s
+        self.step_end_at = now + step_s
         return self.step_end_at
 
     def finish_step(self, now: float) -> tuple[list[TokenOutput], list[Request]]:
         """Apply the step in flight at its end time; returns its tokens and the requests that ended."""
         assert self.busy, "no step in flight"
         self.busy = False
-        decodes = self.decodes
-        if decodes is not None:
-            self.decodes = None
-            outputs = self.scheduler.update_decodes(decodes, self._decode_tokens(decodes), now)
-        else:
-            plan, self.plan = self.plan, None
-            assert plan is not None
-            if self.on_executed is not None:
-                self.on_executed(plan, now)
-            outputs = self.scheduler.update(plan, self._execute(plan), now)
+        plan, self.plan = self.plan, None
+        assert plan is not None
+        if self.on_executed is not None:
+            self.on_executed(plan, now)
+        outputs = self.scheduler.update(plan, self._execute(plan), now)
         self.busy_s += self.step_s
         self.num_steps += 1
         if self.pending_handoffs:
             self.admit_handoffs(now)
         return outputs, self.scheduler.take_finished()
-
-    def finish_quiet_step(self, now: float) -> list[Request] | None:
-        """`finish_step` for a steady decode step that ends nothing and admits nothing (`advance_quiet_decodes`,
-        no handoff waiting for a slot): applies it and returns the requests it advanced, each by one token, in
-        the order `finish_step`'s outputs would list them (its finished list would be empty). Else None,
-        changing nothing: the caller takes `finish_step`."""
-        decodes = self.decodes
-        if decodes is None or self.pending_handoffs:
-            return None
-        num_growing = self._advance_quiet(decodes, now)
-        if num_growing < 0:
-            return None
-        self.decodes = None
-        self.busy = False
-        self.busy_s += self.step_s
-        self.num_steps += 1
-        self._quiet = decodes
-        self._quiet_num_growing = num_growing
-        return decodes
-
-    def quiet_cycle(self, now: float) -> list[Request] | None:
-        """`finish_quiet_step` then `start_step` at once, for a caller with nothing to do between the two: applies
-        a quiet steady decode step and starts the next step (a steady decode, priced as `start_step` prices it;
-        else whatever `start_step` plans, perhaps nothing). Returns the requests the finished step advanced, or
-        None, changing nothing, when the step was not quiet."""
-        decodes = self.decodes
-        if decodes is None or self.pending_handoffs:
-            return None
-        num_growing = self._advance_quiet(decodes, now)
-        if num_growing < 0:
-            return None
-        self.busy_s += self.step_s
-        self.num_steps += 1
-        scheduler = self.scheduler
-        following = schedule_decodes_after_quiet(scheduler, decodes, num_growing)
-        if following is None:  # it changed nothing: start_step plans the general step
-            self.decodes = None
-            self.busy = False
-            self.start_step(now)
-            return decodes
-        self.decodes = following
-        self._count_quiet_ahead(following, decodes)
-        step_s = self._decode_price(len(following), scheduler.steady_plan_context_tokens)
-        if self._rng is not None:
-            step_s *= self._noise()
-        self.step_s = step_s
-        self.step_end_at = now + step_s
-        return decodes
-
-    def _advance_quiet(self, decodes: list[Request], now: float) -> int:
-        """`advance_quiet_decodes` of the steady decode in flight, `decodes`, untested while it is known quiet
-        (`_num_quiet_ahead`, which this counts down; else -1 after it: to be counted if the batch stays)."""
-        scheduler = self.scheduler
-        # `_decode_tokens`, inlined for the default tokens
-        tokens = ([_TOKENS[len(request.output_token_ids) % 1000] for request in decodes] if self.token_for is None
-                  else self._decode_tokens(decodes))
-        num_ahead = self._num_quiet_ahead
-        if num_ahead > 0 and batch_unchanged(scheduler, decodes):
-            self._num_quiet_ahead = num_ahead - 1
-            return apply_quiet_decodes(scheduler, decodes, tokens)
-        self._num_quiet_ahead = -1
-        return advance_quiet_decodes(scheduler, decodes, tokens, now)
-
-    def _count_quiet_ahead(self, following: list[Request] | None, decodes: list[Request]) -> None:
-        """`following` is scheduled right after the quiet step of `decodes` (`_advance_quiet`): the same requests
-        keep the count of their quiet steps ahead (counted once), other requests start from none known."""
-        if following is None or following != decodes:
-            self._num_quiet_ahead = 0
-        elif self._num_quiet_ahead < 0:
-            self._num_quiet_ahead = num_quiet_steps_ahead(following)
 
     def take_finished(self) -> list[Request]:
         """Requests that ended outside a step (failed at scheduling time)."""
@@ -284,7 +181,7 @@ class SimWorker:
     def _execute(self, plan: StepPlan) -> StepResult:
         sampled: dict[str, SampledToken] = {}
         accepted: dict[str, tuple[SampledToken, ...]] | None = None  # speculative chunks' accepted drafts, if any
-        get = self.scheduler.get_request
+        get = self.scheduler.requests.get
         token_for = self.token_for
         for chunk in plan.chunks:
             if not chunk.samples:
@@ -293,13 +190,15 @@ class SimWorker:
             request = get(request_id)
             if request is None:
                 continue  # aborted while the step ran; update() ignores its chunk
-            num_drafts = chunk.start_pos + len(chunk.token_ids) - request.num_tokens
+            prompt_len = len(request.prompt_token_ids)
+            end_pos = chunk.start_pos + len(chunk.token_ids)
+            num_drafts = end_pos - prompt_len - len(request.output_token_ids)  # past the request's tokens
             if num_drafts > 0:  # speculative decoding: the request's decode carries draft tokens
                 if accepted is None:
                     accepted = {}
                 sampled[request_id] = self._verify(request, chunk.token_ids[-num_drafts:], accepted)
                 continue
-            index = chunk.start_pos + len(chunk.token_ids) - len(request.prompt_token_ids)  # output index
+            index = end_pos - prompt_len  # output index
             if token_for is None:
                 sampled[request_id] = _TOKENS[index % 1000]
             else:
@@ -325,17 +224,6 @@ class SimWorker:
             accepted[request.request_id] = tuple(kept)
         index += len(kept)
         return _TOKENS[index % 1000] if token_for is None else SampledToken(token_for(request.request_id, index))
-
-    def _decode_tokens(self, decodes: list[Request]) -> list[SampledToken]:
-        """What `_execute` samples for the one-token decode of each of `decodes` (its output index is the
-        number of tokens it has output). Requests aborted during the step get a placeholder that
-        `update_decodes` skips, and `token_for` is not asked for them, as `_execute` does not ask."""
-        token_for = self.token_for
-        if token_for is None:
-            return [_TOKENS[len(request.output_token_ids) % 1000] for request in decodes]
-        running = RequestStatus.RUNNING
-        return [SampledToken(token_for(r.request_id, len(r.output_token_ids))) if r.status is running else _TOKENS[0]
-                for r in decodes]
 
     # ---- disaggregation: the decode side of a handoff ----------------------------------------------
 

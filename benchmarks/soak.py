@@ -146,9 +146,11 @@ async def sample_rss(pids: dict[str, int], finished: list[int], samples: list[tu
     while not stop.is_set():
         samples.append((finished[0], {name: rss_mb(pid) for name, pid in pids.items()}))
         try:
-            await asyncio.wait_for(stop.wait(), 0.5)
+            await asyncio.wait_for(stop.wait(), 0.2)
         except TimeoutError:
             pass
+    # One sample as the run ends, so that the last quarter has one however quickly it went by.
+    samples.append((finished[0], {name: rss_mb(pid) for name, pid in pids.items()}))
 
 
 async def drive(url: str, api_key: str, args: argparse.Namespace, pids: dict[str, int]) -> dict[str, object]:

@@ -179,14 +179,14 @@ def test_a_worker_registering_again_after_its_watched_process_exited_stays_in_th
 def test_alive_refreshes_a_worker_only_from_its_own_liveness_socket() -> None:
     now = [0.0]
     cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4), clock=lambda: now[0])
-    cluster._socket = _Socket()  # type: ignore[assignment]
-    cluster._handle("w0", register("w0"))
-    cluster._handle("w1", register("w1"))
+    cluster.pool.socket = _Socket()  # type: ignore[assignment]
+    cluster.pool.handle("w0", register("w0"))
+    cluster.pool.handle("w1", register("w1"))
     now[0] = 10.0
-    cluster._handle("w1#alive", rpc.Alive("w0"))  # another worker's liveness socket naming w0
-    cluster._handle("w0", rpc.Alive("w0"))  # w0's main socket: Alive belongs on the other one
+    cluster.pool.handle("w1#alive", rpc.Alive("w0"))  # another worker's liveness socket naming w0
+    cluster.pool.handle("w0", rpc.Alive("w0"))  # w0's main socket: Alive belongs on the other one
     assert cluster.workers["w0"].last_heard_at == 0.0
-    cluster._handle(rpc.alive_identity("w0"), rpc.Alive("w0"))
+    cluster.pool.handle(rpc.alive_identity("w0"), rpc.Alive("w0"))
     assert cluster.workers["w0"].last_heard_at == 10.0
-    cluster._handle(rpc.alive_identity("w9"), rpc.Alive("w9"))  # no such worker: nothing to refresh, none added
+    cluster.pool.handle(rpc.alive_identity("w9"), rpc.Alive("w9"))  # no such worker: nothing to refresh, none added
     assert sorted(cluster.workers) == ["w0", "w1"]

@@ -53,10 +53,13 @@ def run(model: str, num_workers: int, num_conversations: int, num_turns: int, ma
                 histories[c].append({"role": "assistant", "content": chat.choices[0].message.content or ""})
                 ratios["chat"][turn].append(chat.usage.prompt_tokens_details.cached_tokens / chat.usage.prompt_tokens)
             print(f"turn {turn + 1} done", file=sys.stderr)
+    shares = {api: [round(sum(r) / len(r), 3) for r in per_turn] for api, per_turn in ratios.items()}
     return {"model": model, "num_workers": num_workers, "num_conversations": num_conversations,
             "max_tokens": max_tokens,
-            "cached_share_per_turn": {api: [round(sum(r) / len(r), 3) for r in per_turn]
-                                      for api, per_turn in ratios.items()}}
+            "cached_share_per_turn": shares,
+            # Responses (previous_response_id) against chat completions resending the history, same run and prompts
+            "responses_over_chat_per_turn": [round(r / c, 3) if c else None
+                                             for r, c in zip(shares["responses"], shares["chat"])]}
 
 
 def main() -> None:

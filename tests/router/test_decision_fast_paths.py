@@ -4,7 +4,6 @@
 - `LoadTracker.on_stats`/`on_assigned` keep the flat cost mirror and the per-group sums equal to the
   tracker's own reads.
 - `RouterState.commit` records what `matched_tokens`/`num_blocks_needed`/`predicted_work_s` say.
-- `make_route_decision`/`make_cost_terms` build values equal to the constructors'.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbaton.router.base import CostTerms, RouteDecision, RouteRequest, make_cost_terms, make_route_decision
+from kvbaton.router.base import RouteRequest
 from kvbaton.router.load import LoadTracker, WorkerStats
 from kvbaton.router.preble import TtftTrend
 from kvbaton.router.state import RouterState
@@ -99,12 +98,3 @@ def test_commit_records_the_formulas(num_prompt: int, num_output: int, num_match
     if hashes:
         assert state.index.match(hashes) == {"w": len(hashes)}
     state.load.check_invariants()
-
-
-def test_fast_builders_equal_the_constructors() -> None:
-    terms = make_cost_terms(1.5, 0.25, 0.125)
-    assert terms == CostTerms(1.5, 0.25, 0.125) and terms.total_s == 1.875
-    decision = make_route_decision("w1", 32, "exploit", 7, terms)
-    assert decision == RouteDecision("w1", 32, "exploit", 7, CostTerms(1.5, 0.25, 0.125))
-    assert make_route_decision("w2", 0, "least_load", 3, None) == RouteDecision("w2", 0, "least_load", load_tokens=3)
-    assert type(decision) is RouteDecision and hash(decision) == hash(RouteDecision("w1", 32, "exploit", 7, terms))

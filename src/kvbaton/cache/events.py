@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvbaton.cache.fast_init import slot_setters
 
 
 class KVEventKind(enum.Enum):
@@ -31,19 +30,3 @@ class KVEvent:
         seq, kind, hashes, parent, block_size = raw
         return KVEvent(int(seq), KVEventKind(kind), tuple(int(h) for h in hashes), parent, int(block_size))  # type: ignore[arg-type]
 
-
-_set_seq, _set_kind, _set_block_hashes, _set_parent_hash, _set_block_size = slot_setters(
-    KVEvent, ("seq", "kind", "block_hashes", "parent_hash", "block_size"))
-
-
-def make_kv_event(seq: int, kind: KVEventKind, block_hashes: tuple[int, ...], parent_hash: int | None,
-                  block_size: int) -> KVEvent:
-    """`KVEvent(seq, kind, block_hashes, parent_hash, block_size)` without the frozen `__init__`
-    (kvbaton.cache.fast_init), for a cache emitting its own events; wire input goes through `from_wire`."""
-    event = object.__new__(KVEvent)
-    _set_seq(event, seq)
-    _set_kind(event, kind)
-    _set_block_hashes(event, block_hashes)
-    _set_parent_hash(event, parent_hash)
-    _set_block_size(event, block_size)
-    return event

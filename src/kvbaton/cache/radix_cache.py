@@ -49,11 +49,11 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 from kvbaton.cache.block_pool import BlockPool
-from kvbaton.cache.events import KVEvent, KVEventKind, make_kv_event
+from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.cache.hashing import CacheKey, chain_hashes, hash_block
 from kvbaton.cache.host_tier import EvictedBlock, HostTier
 from kvbaton.cache.radix_lru import LruLeaves
-from kvbaton.cache.radix_node import BlockTokens, PrefixMatch, RadixNode, make_prefix_match
+from kvbaton.cache.radix_node import BlockTokens, PrefixMatch, RadixNode
 
 
 class RadixCache:
@@ -118,7 +118,7 @@ class RadixCache:
             if num_in_node < len(node.block_ids):
                 node = self._split(node, num_in_node)
             self._lru.touch(node, self._num_nodes)
-        return make_prefix_match(tuple(block_ids), tuple(block_hashes), node)
+        return PrefixMatch(tuple(block_ids), tuple(block_hashes), node)
 
     def lock(self, node: object) -> None:
         """Pin root..node against eviction; locks nest and each needs one `unlock`."""
@@ -233,7 +233,7 @@ class RadixCache:
                 self.tier.on_cached(tuple(node.block_hashes), parent_hash, node.namespace, tuple(node.block_ids))
             self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
         self._lru.touch(node, self._num_nodes)
-        return make_prefix_match(tuple(path_ids), tuple(path_hashes), node)
+        return PrefixMatch(tuple(path_ids), tuple(path_hashes), node)
 
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` blocks from unlocked leaves, least recently used first; returns how many.
@@ -463,7 +463,7 @@ class RadixCache:
 
     def _emit(self, kind: KVEventKind, block_hashes: tuple[int, ...], parent_hash: int | None) -> None:
         self._seq += 1
-        self._events.append(make_kv_event(self._seq, kind, block_hashes, parent_hash, self.block_size))
+        self._events.append(KVEvent(self._seq, kind, block_hashes, parent_hash, self.block_size))
 
     def _iter_nodes(self, *, ordered: bool) -> Iterator[RadixNode]:
         """Every non-root node, parents before children; `ordered` sorts namespaces and siblings."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbaton.cache.fast_init import slot_setters
 
 BlockTokens = tuple[int, ...]
 
@@ -27,18 +26,6 @@ class PrefixMatch:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
-
-
-_set_match_ids, _set_match_hashes, _set_match_node = slot_setters(PrefixMatch, ("block_ids", "block_hashes", "node"))
-
-
-def make_prefix_match(block_ids: tuple[int, ...], block_hashes: tuple[int, ...], node: object) -> PrefixMatch:
-    """`PrefixMatch(block_ids, block_hashes, node)` without the frozen `__init__` (one or two per request)."""
-    match = object.__new__(PrefixMatch)
-    _set_match_ids(match, block_ids)
-    _set_match_hashes(match, block_hashes)
-    _set_match_node(match, node)
-    return match
 
 
 class RadixNode:

@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvbaton.cache.fast_init import slot_setters
 from kvbaton.cache.hashing import CacheKey, hash_block_tokens
 
 WorkerId = str
@@ -54,22 +53,6 @@ class RouteRequest:
         return RouteRequest(request_id, tuple(hashes), len(prompt_token_ids), num_output_tokens)
 
 
-_set_route_id, _set_route_hashes, _set_route_prompt, _set_route_output = slot_setters(
-    RouteRequest, ("request_id", "block_hashes", "num_prompt_tokens", "num_output_tokens"))
-
-
-def make_route_request(request_id: str, block_hashes: tuple[int, ...], num_prompt_tokens: int,
-                       num_output_tokens: int) -> RouteRequest:
-    """`RouteRequest(request_id, block_hashes, num_prompt_tokens, num_output_tokens)` without the frozen
-    `__init__` (kvbaton.cache.fast_init): the simulator builds two per request from its validated workload."""
-    request = object.__new__(RouteRequest)
-    _set_route_id(request, request_id)
-    _set_route_hashes(request, block_hashes)
-    _set_route_prompt(request, num_prompt_tokens)
-    _set_route_output(request, num_output_tokens)
-    return request
-
-
 @dataclass(frozen=True, slots=True)
 class CostTerms:
     """Preble's C_i = L_i + M_i + P_i for the chosen worker, all in predicted seconds."""
@@ -91,37 +74,6 @@ class RouteDecision:
     reason: str  # round_robin | least_load | longest_prefix | exploit | explore | rebalanced | replicated
     load_tokens: int = 0  # worker_id's queued prefill + KV tokens in use, this request included
     costs: CostTerms | None = None  # set by cost-based policies (preble)
-
-
-_set_terms_load, _set_terms_eviction, _set_terms_prefill, _set_terms_store = slot_setters(
-    CostTerms, ("load_s", "eviction_s", "prefill_s", "store_load_s"))
-(_set_decision_worker, _set_decision_tokens, _set_decision_reason, _set_decision_load,
- _set_decision_costs) = slot_setters(
-    RouteDecision, ("worker_id", "num_matched_tokens", "reason", "load_tokens", "costs"))
-
-
-def make_cost_terms(load_s: float, eviction_s: float, prefill_s: float, store_load_s: float = 0.0) -> CostTerms:
-    """`CostTerms(load_s, eviction_s, prefill_s)` without the frozen `__init__` (kvbaton.cache.fast_init): once
-    per cost-based decision."""
-    terms = object.__new__(CostTerms)
-    _set_terms_load(terms, load_s)
-    _set_terms_eviction(terms, eviction_s)
-    _set_terms_prefill(terms, prefill_s)
-    _set_terms_store(terms, store_load_s)
-    return terms
-
-
-def make_route_decision(worker_id: WorkerId, num_matched_tokens: int, reason: str, load_tokens: int,
-                        costs: CostTerms | None) -> RouteDecision:
-    """`RouteDecision(worker_id, num_matched_tokens, reason, load_tokens, costs)` without the frozen `__init__`
-    (kvbaton.cache.fast_init): once per decision, from values the policy computed."""
-    decision = object.__new__(RouteDecision)
-    _set_decision_worker(decision, worker_id)
-    _set_decision_tokens(decision, num_matched_tokens)
-    _set_decision_reason(decision, reason)
-    _set_decision_load(decision, load_tokens)
-    _set_decision_costs(decision, costs)
-    return decision
 
 
 class PlacementPolicy(Protocol):

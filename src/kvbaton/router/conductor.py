@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvbaton.router.base import RouteDecision, RouteRequest, WorkerId, make_cost_terms, make_route_decision
+from kvbaton.router.base import RouteDecision, RouteRequest, CostTerms, WorkerId
 from kvbaton.router.policies import BasePolicy, _require_workers
 from kvbaton.router.state import RouterState
 
@@ -89,5 +89,5 @@ class ConductorPolicy(BasePolicy):
         chosen = self._break_tie([option[0] for option in tied])
         worker, num_blocks, queue_s, load_s, prefill_s = next(option for option in tied if option[0] == chosen)
         state.commit(request, worker, num_blocks, now, prefill_s=load_s + prefill_s)
-        return make_route_decision(worker, state.matched_tokens(request, num_blocks), self.name,
-                                   state.load.load_tokens(worker), make_cost_terms(queue_s, 0.0, prefill_s, load_s))
+        return RouteDecision(worker, state.matched_tokens(request, num_blocks), self.name,
+                                   state.load.load_tokens(worker), CostTerms(queue_s, 0.0, prefill_s, load_s))

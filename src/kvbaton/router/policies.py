@@ -11,7 +11,7 @@ import random
 from collections.abc import Mapping, Sequence
 
 from kvbaton.core.errors import CapacityError, InvalidRequestError
-from kvbaton.router.base import PlacementPolicy, RouteDecision, RouteRequest, WorkerId, make_route_decision
+from kvbaton.router.base import PlacementPolicy, RouteDecision, RouteRequest, WorkerId
 from kvbaton.router.state import RouterState
 
 POLICY_NAMES = ("round_robin", "least_load", "longest_prefix", "preble", "conductor")
@@ -54,7 +54,7 @@ class BasePolicy:
         num_blocks = matched.get(worker, 0)
         state = self.state
         state.commit(request, worker, num_blocks, now)
-        return make_route_decision(
+        return RouteDecision(
             worker, state.matched_tokens(request, num_blocks), reason, state.load.load_tokens(worker), None
         )
 

@@ -34,8 +34,6 @@ from kvbaton.router.base import (
     RouteDecision,
     RouteRequest,
     WorkerId,
-    make_cost_terms,
-    make_route_decision,
 )
 from kvbaton.router.conductor import with_store_load
 from kvbaton.router.policies import BasePolicy
@@ -175,7 +173,7 @@ class PrebleE2Policy(BasePolicy):
         if costs.store_load_s:  # with the KV store: the blocks it loads count as cached
             num_blocks += with_store_load(state, request, worker, num_blocks, math.inf)[2]
         state.commit(request, worker, num_blocks, now, group, costs.prefill_s + costs.store_load_s)
-        return make_route_decision(worker, state.matched_tokens(request, num_blocks), reason,
+        return RouteDecision(worker, state.matched_tokens(request, num_blocks), reason,
                                    state.load.load_tokens(worker), costs)
 
     def _live_set(self, workers: Sequence[WorkerId]) -> frozenset[WorkerId]:
@@ -247,8 +245,8 @@ class PrebleE2Policy(BasePolicy):
         prefill_s = prefill_by_blocks[num_blocks] if num_blocks else cold_prefill_s
         if store is not None:
             prefill_s, store_s, _ = with_store_load(state, request, worker, num_blocks, prefill_s)
-            return worker, make_cost_terms(load_s, eviction_s, prefill_s, store_s)
-        return worker, make_cost_terms(load_s, eviction_s, prefill_s)
+            return worker, CostTerms(load_s, eviction_s, prefill_s, store_s)
+        return worker, CostTerms(load_s, eviction_s, prefill_s)
 
     def _eviction_s_per_block(self, worker: WorkerId) -> float:
         """M_i per evicted block: expected recompute of the worker's coldest cached blocks.

@@ -19,7 +19,6 @@ from kvbaton.core.config import SchedulerConfig
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.step import ScheduledChunk, StepResult
 from kvbaton.scheduler.block_manager import BlockManager
-from kvbaton.scheduler.fast_values import make_chunk
 from kvbaton.scheduler.outputs import TokenOutput, new_output
 from kvbaton.scheduler.request_queues import RequestQueues
 
@@ -103,7 +102,7 @@ class SpeculativeDecodes:
         output = request.output_token_ids
         last = output[-1] if output else request.prompt_token_ids[-1]
         self.num_draft_tokens += len(drafts)
-        return make_chunk(request.request_id, start, (last, *drafts), self.blocks.table(request), True)
+        return ScheduledChunk(request.request_id, start, (last, *drafts), self.blocks.table(request), True)
 
     def _blocks_running_need(self) -> int:
         """Blocks the running requests still need to cover their tokens: a prefill's rest of the prompt, a decode's

@@ -16,7 +16,6 @@ from kvbaton.core.config import SchedulerConfig
 from kvbaton.core.request import FinishReason, Request, RequestStatus
 from kvbaton.core.step import ScheduledChunk, StepPlan
 from kvbaton.scheduler.block_manager import BlockManager
-from kvbaton.scheduler.fast_values import make_chunk, make_plan
 from kvbaton.scheduler.queue_policies import QueuePolicy
 from kvbaton.scheduler.request_queues import RequestQueues
 from kvbaton.scheduler.spec_decode import SpeculativeDecodes
@@ -76,7 +75,7 @@ class StepPlanner:
         if queues.waiting and not step.preempted_ids:  # memory is tight: admitting now would only preempt again
             self._admit_waiting(step, now)
         preempted_ids, finished_ids = step.preempted_ids, step.finished_ids
-        return make_plan(step_id, tuple(step.chunks.values()), step.num_tokens,
+        return StepPlan(step_id, tuple(step.chunks.values()), step.num_tokens,
                          tuple(preempted_ids) if preempted_ids else (), tuple(finished_ids) if finished_ids else ())
 
     def _chunk_tokens(self, request: Request, budget_left_tokens: int) -> int:
@@ -88,7 +87,7 @@ class StepPlanner:
     def _make_chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_tokens
-        return make_chunk(request.request_id, start, request.token_slice(start, end), self.blocks.table(request),
+        return ScheduledChunk(request.request_id, start, request.token_slice(start, end), self.blocks.table(request),
                           end == request.num_tokens)
 
     def _schedule_running_requests(self, step: StepBuilder, now: float) -> None:
@@ -139,7 +138,7 @@ class StepPlanner:
                 continue
             last_token = output[-1] if output else request.prompt_token_ids[-1]
             request_id = request.request_id
-            chunks[request_id] = make_chunk(request_id, start, (last_token,), block_table(request), True)
+            chunks[request_id] = ScheduledChunk(request_id, start, (last_token,), block_table(request), True)
             step.num_tokens += 1
         for request in prefilling:
             if step.num_tokens == budget_tokens:

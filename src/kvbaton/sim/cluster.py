@@ -40,7 +40,7 @@ from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import StepPlan
 from kvbaton.router.admission import AdmissionPolicy
-from kvbaton.router.base import make_route_request
+from kvbaton.router.base import RouteRequest
 from kvbaton.router.placement import ClusterPlacement, PlacementConfig, Refusal
 from kvbaton.router.policies import local_queue_policy
 from kvbaton.router.pools import PoolBalancer
@@ -243,7 +243,7 @@ class ClusterSim:
                        else f"prompt + output ({wr.num_prompt_tokens + wr.output_tokens} tokens) exceed "
                             f"max_model_len {self.config.max_model_len}", now)
             return
-        placement = self.placement.place(make_route_request(rid, prompt_blocks.block_hashes, len(prompt),
+        placement = self.placement.place(RouteRequest(rid, prompt_blocks.block_hashes, len(prompt),
                                                             wr.output_tokens), now)
         if type(placement) is Refusal:
             flight = self._flights[rid] = Flight(wr, "", prompt, prompt_blocks)

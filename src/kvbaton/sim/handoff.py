@@ -24,9 +24,8 @@ from kvbaton.core.step import StepPlan
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.links import Link, LinkSpec
 from kvbaton.sim.worker import SimWorker
-from kvbaton.transfer import (Ack, AdoptedKV, DestinationState, HandoffDestination, HandoffSource, KVLayout, Message,
-                              Outgoing, ReserveGranted, ReserveRefused, SourceState, TransferId)
-from kvbaton.transfer.fast_messages import make_first_token, make_transfer_id
+from kvbaton.transfer import (Ack, AdoptedKV, DestinationState, FirstToken, HandoffDestination, HandoffSource, KVLayout,
+                              Message, Outgoing, ReserveGranted, ReserveRefused, SourceState, TransferId)
 
 
 class Delivery(NamedTuple):
@@ -85,7 +84,7 @@ class SimHandoffs:
         self.bytes_of: dict[str, int] = {}  # request id -> KV bytes sent
 
     def start(self, request_id: str, attempt: int, prefill: str, decode: str, num_tokens: int, now: float) -> None:
-        transfer_id = make_transfer_id(request_id if attempt == 0 else f"{request_id}/retry{attempt}")
+        transfer_id = TransferId(request_id if attempt == 0 else f"{request_id}/retry{attempt}")
         self._legs[request_id] = (transfer_id, prefill, decode)
         self._streamed[request_id] = 0
         self._send(prefill, self.sources[prefill].start(transfer_id, decode, num_tokens, now), now, 0)
@@ -119,7 +118,7 @@ class SimHandoffs:
         source = self.sources[prefill]
         if source.state(transfer_id) is not SourceState.STREAMING:
             return False
-        self._send(prefill, source.finish(transfer_id, make_first_token(token_id, 0.0), now), now, 0)
+        self._send(prefill, source.finish(transfer_id, FirstToken(token_id, 0.0), now), now, 0)
         return True
 
     def cancel(self, request_id: str, now: float) -> None:

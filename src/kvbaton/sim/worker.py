@@ -26,7 +26,6 @@ from collections import deque
 from collections.abc import Callable
 
 from kvbaton.cache.block_pool import BlockPool
-from kvbaton.cache.fast_init import slot_setters
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.cache.host_tier import HostTier
 from kvbaton.cache.kv_store import KVStore
@@ -37,7 +36,6 @@ from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.request import Request
 from kvbaton.core.step import SampledToken, StepPlan, StepResult
 from kvbaton.router.load import WorkerStats
-from kvbaton.scheduler.fast_values import make_result
 from kvbaton.scheduler.local_scheduler import LocalScheduler
 from kvbaton.scheduler.outputs import TokenOutput
 from kvbaton.sim.costs.base import CostModel
@@ -45,12 +43,6 @@ from kvbaton.sim.host_link import HostLink
 from kvbaton.sim.links import LinkSpec
 from kvbaton.sim.spec import WorkerSpec
 from kvbaton.sim.store_io import SimStoreIO
-
-# WorkerStats is built per heartbeat of every worker: its slots are written through their member descriptors
-# (the instance its frozen dataclass __init__ builds, without one object.__setattr__ per field).
-_STATS_FIELDS = ("worker_id", "num_queued_prefill_tokens", "num_kv_blocks_used", "num_kv_blocks_free", "num_running",
-                 "num_waiting", "num_kv_blocks_cached", "block_size")
-_STATS_SETTERS = slot_setters(WorkerStats, _STATS_FIELDS)
 
 TokenFn = Callable[[str, int], int]  # (request id, output index) -> token id
 FIRST_SIM_TOKEN = 100
@@ -204,7 +196,7 @@ class SimWorker:
             else:
                 sampled[request_id] = SampledToken(token_for(request_id, index))
         if accepted is None:
-            return make_result(plan.step_id, sampled, self.step_s)
+            return StepResult(plan.step_id, sampled, self.step_s)
         return StepResult(plan.step_id, sampled, self.step_s, accepted)
 
     def _verify(self, request: Request, drafts: tuple[int, ...], accepted: dict[str, tuple[SampledToken, ...]]
@@ -250,16 +242,7 @@ class SimWorker:
         scheduler, pool = self.scheduler, self.pool
         num_cached_blocks = self.cache.num_cached_blocks if self.cache is not None else 0
         num_free_blocks = pool.num_free_blocks
-        stats = object.__new__(WorkerStats)
-        (set_worker_id, set_queued_tokens, set_used_blocks, set_free_blocks, set_running, set_waiting,
-         set_cached_blocks, set_block_size) = _STATS_SETTERS
-        set_worker_id(stats, self.worker_id)
-        set_queued_tokens(stats, scheduler.num_queued_prefill_tokens())
         num_used_blocks = pool.num_blocks - num_free_blocks - num_cached_blocks
-        set_used_blocks(stats, num_used_blocks if num_used_blocks > 0 else 0)
-        set_free_blocks(stats, num_free_blocks)
-        set_running(stats, scheduler.num_running)
-        set_waiting(stats, scheduler.num_waiting + len(self.pending_handoffs))
-        set_cached_blocks(stats, num_cached_blocks)
-        set_block_size(stats, self.block_size)
-        return stats
+        return WorkerStats(self.worker_id, scheduler.num_queued_prefill_tokens(), max(num_used_blocks, 0),
+                           num_free_blocks, scheduler.num_running, scheduler.num_waiting + len(self.pending_handoffs),
+                           num_cached_blocks, self.block_size)

@@ -23,13 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbaton.cache.block_pool import BlockPool
-from kvbaton.cache.fast_init import slot_setters
-from kvbaton.transfer.fast_messages import make_ack, make_outgoing, make_reserve_granted
 from kvbaton.transfer.layout import KVLayout
 from kvbaton.transfer.legs import LegTable
 from kvbaton.transfer.messages import (
     Abort,
     AbortCause,
+    Ack,
     FirstToken,
     LayerChunk,
     Message,
@@ -61,21 +60,6 @@ class AdoptedKV:
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: FirstToken
-
-
-_set_adopted_id, _set_adopted_blocks, _set_adopted_tokens, _set_adopted_first = slot_setters(
-    AdoptedKV, ("transfer_id", "block_ids", "num_tokens", "first_token"))
-
-
-def _make_adopted(transfer_id: TransferId, block_ids: tuple[int, ...], num_tokens: int,
-                  first_token: FirstToken) -> AdoptedKV:
-    """`AdoptedKV(...)` without the frozen `__init__` (kvbaton.cache.fast_init): once per handoff."""
-    value = object.__new__(AdoptedKV)
-    _set_adopted_id(value, transfer_id)
-    _set_adopted_blocks(value, block_ids)
-    _set_adopted_tokens(value, num_tokens)
-    _set_adopted_first(value, first_token)
-    return value
 
 
 @dataclass(slots=True)
@@ -166,7 +150,7 @@ class HandoffDestination(LegTable[_DestinationLeg]):
         assert leg.first_token is not None
         self._move(leg, DestinationState.ADOPTED)
         self._mark_ended(leg, now)
-        return _make_adopted(transfer_id, leg.block_ids, leg.num_tokens, leg.first_token)
+        return AdoptedKV(transfer_id, leg.block_ids, leg.num_tokens, leg.first_token)
 
     # -- messages from the source ----------------------------------------------------------------
 
@@ -229,7 +213,7 @@ class HandoffDestination(LegTable[_DestinationLeg]):
         self._add(_DestinationLeg(
             transfer_id, peer, message.num_tokens, block_ids, DestinationState.RESERVED, now + self.lease_s,
             [{} for _ in range(num_layers)], [0] * num_layers))
-        return [make_outgoing(peer, make_reserve_granted(transfer_id, block_ids))]
+        return [Outgoing(peer, ReserveGranted(transfer_id, block_ids))]
 
     def _on_chunk(self, leg: _DestinationLeg, chunk: LayerChunk, now: float) -> list[Outgoing]:
         problem = self._chunk_problem(leg, chunk)
@@ -274,7 +258,7 @@ class HandoffDestination(LegTable[_DestinationLeg]):
         self._move(leg, DestinationState.COMPLETE)
         leg.was_completed = True
         leg.lease_expires_at = now + self.lease_s  # the engine must adopt within a lease, or the blocks go back
-        return [make_outgoing(leg.peer, make_ack(leg.transfer_id))]
+        return [Outgoing(leg.peer, Ack(leg.transfer_id))]
 
     # -- endings and fences ----------------------------------------------------------------------
 

@@ -14,17 +14,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvbaton.transfer.fast_messages import make_layer_chunk, make_outgoing, make_reserve_request, make_source_done
 from kvbaton.transfer.legs import LegTable
 from kvbaton.transfer.messages import (
     Abort,
     AbortCause,
     Ack,
     FirstToken,
+    LayerChunk,
     Message,
     Outgoing,
     ReserveGranted,
     ReserveRefused,
+    ReserveRequest,
+    SourceDone,
     TransferId,
 )
 
@@ -90,7 +92,7 @@ class HandoffSource(LegTable[_SourceLeg]):
         if num_tokens <= 0:
             raise ProtocolError(f"transfer {transfer_id}: num_tokens must be positive, got {num_tokens}")
         self._add(_SourceLeg(transfer_id, peer, num_tokens, SourceState.RESERVING, now + self.lease_s))
-        return make_outgoing(peer, make_reserve_request(transfer_id, self.layout, num_tokens))
+        return Outgoing(peer, ReserveRequest(transfer_id, self.layout, num_tokens))
 
     def stream(self, transfer_id: TransferId, layer_index: int, first_position: int, num_valid_tokens: int,
                src_block_ids: tuple[int, ...], now: float) -> Outgoing:
@@ -118,7 +120,7 @@ class HandoffSource(LegTable[_SourceLeg]):
             held_set.update(new_block_ids)
         leg.lease_expires_at = now + self.lease_s
         dst_block_ids = leg.dst_block_ids[blocks.start:blocks.stop]
-        return make_outgoing(leg.peer, make_layer_chunk(transfer_id, self.layout, layer_index, first_position,
+        return Outgoing(leg.peer, LayerChunk(transfer_id, self.layout, layer_index, first_position,
                                                         num_valid_tokens, tuple(src_block_ids), dst_block_ids))
 
     def release_held(self, transfer_id: TransferId) -> None:
@@ -134,7 +136,7 @@ class HandoffSource(LegTable[_SourceLeg]):
         leg = self._live_leg(transfer_id, SourceState.STREAMING)
         self._move(leg, SourceState.AWAITING_ACK)
         leg.lease_expires_at = now + self.lease_s
-        return make_outgoing(leg.peer, make_source_done(transfer_id, leg.num_tokens, first_token))
+        return Outgoing(leg.peer, SourceDone(transfer_id, leg.num_tokens, first_token))
 
     # -- messages from the destination -----------------------------------------------------------
 

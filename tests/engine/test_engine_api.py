@@ -22,7 +22,7 @@ def llm() -> LLM:
 def test_max_tokens_and_length_finish(llm: LLM) -> None:
     out = llm.generate("abc", SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 7
-    assert out.finish_reason is FinishReason.LENGTH
+    assert out.finish_reason == FinishReason.LENGTH
     llm.engine.check_invariants()
 
 
@@ -74,7 +74,7 @@ def test_stop_token_ids_end_the_request(llm: LLM) -> None:
     stopped = llm.generate("stop me", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                                      stop_token_ids=(target,)))[0].outputs[0]
     assert stopped.token_ids == free.token_ids[: first + 1]
-    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.finish_reason == FinishReason.STOP
 
 
 def test_stop_string_is_cut_and_never_returned(llm: LLM) -> None:
@@ -84,7 +84,7 @@ def test_stop_string_is_cut_and_never_returned(llm: LLM) -> None:
     stop = text[3:5]
     stopped = llm.generate("stop me", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                                      stop=(stop,)))[0].outputs[0]
-    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.finish_reason == FinishReason.STOP
     assert stopped.text == text[: text.index(stop)]
     llm.engine.check_invariants()
 
@@ -129,7 +129,7 @@ def test_reset_prefix_cache_forgets_every_prefix_no_request_holds(host_num_block
     assert again.num_cached_tokens > 0
     if host_num_blocks:
         assert llm.engine.prefix_cache.tier.num_cached_blocks > 0  # the first prompt's blocks went to the tier
-    held = llm.engine.add_request(prompts[1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    llm.engine.add_request(prompts[1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     llm.engine.step()  # `held` runs on (a prefix hit) and keeps its blocks through the reset
     num_used = llm.engine.pool.num_used_blocks
     freed = llm.reset_prefix_cache()
@@ -154,7 +154,7 @@ def test_abort_midway_frees_blocks(llm: LLM) -> None:
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())
     final = [o for o in outputs if o.request_id == rid and o.finished]
-    assert len(final) == 1 and final[0].finish_reason is FinishReason.ABORT
+    assert len(final) == 1 and final[0].finish_reason == FinishReason.ABORT
     engine.check_invariants()
 
 

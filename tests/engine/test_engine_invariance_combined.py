@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.request import FinishReason
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.core.step import SampledToken
-from kvbaton.engine.engine import Engine, RequestOutput
+from kvbaton.core.step import SampledToken, TokenDelta
+from kvbaton.engine.engine import Engine
 from kvbaton.engine.structured import grammar_for
 from kvbaton.model.registry import LoadedModel, load_model
 
@@ -93,11 +93,11 @@ class Outcome:
     num_cached_tokens: int = 0
     num_finals: int = 0
 
-    def take(self, out: RequestOutput) -> None:
+    def take(self, out: TokenDelta) -> None:
         assert self.num_finals == 0, f"{out.request_id}: output after its final one"
         self.token_ids.extend(out.new_token_ids)
         self.text += out.new_text
-        self.logprobs.extend(out.new_logprobs)
+        self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs:
             assert not self.prompt_logprobs, f"{out.request_id}: prompt logprobs twice"
             self.prompt_logprobs = out.prompt_logprobs
@@ -125,7 +125,7 @@ def _alone(prompt: tuple[int, ...], params: SamplingParams) -> Outcome:
             outcome.take(out)
     assert outcome.num_finals == 1
     # It may fail, but only for a reason of its own: a grammar that forces the stop token min_tokens bans.
-    failed = outcome.finish_reason is FinishReason.ERROR
+    failed = outcome.finish_reason == FinishReason.ERROR
     assert not failed or outcome.error.startswith("structured output"), outcome.error
     return outcome
 
@@ -287,11 +287,11 @@ def test_every_request_outputs_what_it_outputs_alone(engine_spec: dict, specs: l
         got = outcomes[request_id]
         want = _alone(prompt, params)
         assert got.num_finals == 1, f"{request_id}: {got.num_finals} final outputs"
-        assert got.finish_reason is not FinishReason.ERROR or want.finish_reason is FinishReason.ERROR, (
+        assert got.finish_reason != FinishReason.ERROR or want.finish_reason == FinishReason.ERROR, (
             f"{request_id}: {got.error}")
         assert got.num_cached_tokens % block_size == 0 and got.num_cached_tokens < len(prompt)
         if request_id in aborted:
-            assert got.finish_reason is FinishReason.ABORT, f"{request_id}: aborted but ended {got.finish_reason}"
+            assert got.finish_reason == FinishReason.ABORT, f"{request_id}: aborted but ended {got.finish_reason}"
             assert got.token_ids == want.token_ids[: len(got.token_ids)], f"{request_id}: aborted off course"
             continue
         what = f"{request_id} ({len(prompt)} prompt tokens, {params})"

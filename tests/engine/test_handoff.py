@@ -15,7 +15,8 @@ import pytest
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.errors import KvbatonError
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.engine.engine import Engine, RequestOutput
+from kvbaton.core.step import TokenDelta
+from kvbaton.engine.engine import Engine
 from kvbaton.engine.handoff import kv_layout_for, numpy_kv
 from kvbaton.engine.handoff_decode import DecodeHandoffs
 from kvbaton.engine.handoff_prefill import PrefillHandoffs
@@ -64,7 +65,7 @@ class Pair:
         self.p = PrefillHandoffs(self.prefill, layout, transport, lambda peer, address: None, lease_s, self.clock,
                                  reserve_ahead_tokens)
         self.d = DecodeHandoffs(self.decode, layout, dst_end, lease_s, self.clock)
-        self.outputs: dict[str, list[RequestOutput]] = {}
+        self.outputs: dict[str, list[TokenDelta]] = {}
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, policy: str = "recompute") -> None:
         self.d.expect(request_id, prompt, params, "p0", policy)
@@ -93,7 +94,7 @@ class Pair:
     def tokens(self, request_id: str) -> list[int]:
         return [t for out in self.outputs[request_id] for t in out.new_token_ids]
 
-    def final(self, request_id: str) -> RequestOutput:
+    def final(self, request_id: str) -> TokenDelta:
         return self.outputs[request_id][-1]
 
     def assert_nothing_held(self) -> None:
@@ -127,7 +128,7 @@ def test_handoff_outputs_equal_colocated_and_blocks_are_adopted(tiny: LoadedMode
     pair.run()
     for i, prompt in enumerate(PROMPTS):
         assert pair.tokens(f"r{i}") == colocated_tokens(tiny, prompt, greedy()), i
-        assert pair.final(f"r{i}").finish_reason.value == "length"
+        assert pair.final(f"r{i}").finish_reason == "length"
     assert pair.p.counters.num_completed == 3 and pair.d.counters.num_completed == 3
     assert pair.d.counters.num_recomputed == 0 and pair.p.counters.num_bytes > 0
     # The decode worker never prefilled: its scheduler saw no admissions, only adoptions.
@@ -162,7 +163,7 @@ def test_a_grammar_carries_across_the_handoff(tiny: LoadedModel) -> None:
         tokens = pair.tokens(f"r{i}")
         assert tokens == colocated_tokens(tiny, prompt, params), i
         text = tiny.tokenizer.decode(tokens)
-        assert re.fullmatch("(ab|ba){2,}c", text) and pair.final(f"r{i}").finish_reason.value == "stop", text
+        assert re.fullmatch("(ab|ba){2,}c", text) and pair.final(f"r{i}").finish_reason == "stop", text
     pair.assert_nothing_held()
 
 
@@ -188,7 +189,7 @@ def test_dropped_layer_expires_and_follows_the_failure_policy(tiny: LoadedModel,
         assert pair.tokens("r") == colocated_tokens(tiny, prompt, greedy())
         assert pair.d.counters.num_recomputed == 1
     else:
-        assert pair.final("r").finish_reason.value == "error" and "KV transfer failed" in pair.final("r").error
+        assert pair.final("r").finish_reason == "error" and "KV transfer failed" in pair.final("r").error
     assert pair.p.counters.num_failed == 1
     pair.assert_nothing_held()
 
@@ -204,7 +205,7 @@ def test_refused_reservation_is_reported_and_recomputed(tiny: LoadedModel) -> No
     # Refusal is backpressure, not a KV load failure: the decode worker tries to run it itself even under
     # "fail", and here the prompt can never fit its 4 blocks: a clean error naming why.
     [final] = pair.d.on_prefill_failed("r", report.reason, refused=True)
-    assert final.finish_reason.value == "error" and "10 KV blocks" in final.error
+    assert final.finish_reason == "error" and "10 KV blocks" in final.error
     pair.run()
     pair.assert_nothing_held()
 
@@ -214,7 +215,7 @@ def test_cancel_while_waiting_for_the_grant(tiny: LoadedModel) -> None:
     pair.submit("r", PROMPTS[0], greedy())
     pair.round()
     pair.p.abort("r")
-    assert pair.d.abort("r").finish_reason.value == "abort"
+    assert pair.d.abort("r").finish_reason == "abort"
     pair.clock.now_s = 200.0  # the delayed reservation arrives after the cancel: it is cancelled at once
     pair.run()
     pair.assert_nothing_held()
@@ -258,7 +259,7 @@ def test_late_reservation_cancel_and_lease_while_waiting_for_a_turn(tiny: Loaded
     pair.round()
     assert pair.p.num_live == 3 and pair.d.destination.num_reserved_blocks == 10  # only a reserved
     pair.p.abort("b")  # cancelled before it ever reserved: nothing to tell the decode worker's transport
-    assert pair.d.abort("b").finish_reason.value == "abort"
+    assert pair.d.abort("b").finish_reason == "abort"
     pair.p.check_invariants()
     pair.run()
     assert pair.p.counters.num_cancelled == 1 and not pair.p.take_reports()

@@ -20,8 +20,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.core.step import SampledToken
-from kvbaton.engine.engine import RequestOutput
+from kvbaton.core.step import SampledToken, TokenDelta
 from kvbaton.engine.structured import grammar_for
 from kvbaton.model.registry import LoadedModel, load_model
 from tests.engine.test_handoff import Clock, Pair, make_engine
@@ -54,19 +53,19 @@ class Answer:
     error: str
 
 
-def answer_of(outputs: list[RequestOutput]) -> Answer:
+def answer_of(outputs: list[TokenDelta]) -> Answer:
     *deltas, final = outputs
     assert final.finished and not any(out.finished for out in deltas), outputs
     assert final.finish_reason is not None
     return Answer(tuple(t for out in outputs for t in out.new_token_ids), "".join(out.new_text for out in outputs),
-                  final.finish_reason.value, final.num_prompt_tokens, final.num_cached_tokens,
-                  tuple(lp for out in outputs for lp in out.new_logprobs), final.error)
+                  final.finish_reason, final.num_prompt_tokens, final.num_cached_tokens,
+                  tuple(lp for out in outputs for lp in out.logprobs), final.error)
 
 
 def colocated_answer(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams) -> Answer:
     """The last of `prompts` answered by one engine that ran them one after another (earlier ones warm its cache)."""
     engine = make_engine(loaded, Clock())
-    outputs: list[RequestOutput] = []
+    outputs: list[TokenDelta] = []
     for i, prompt in enumerate(prompts):
         outputs = []
         engine.add_request(prompt, params, request_id=f"ref{i}")

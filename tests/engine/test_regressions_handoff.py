@@ -10,7 +10,8 @@ import pytest
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.request import FinishReason
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.engine.engine import Engine, RequestOutput
+from kvbaton.core.step import TokenDelta
+from kvbaton.engine.engine import Engine
 from kvbaton.engine.handoff import kv_layout_for, numpy_kv
 from kvbaton.engine.handoff_decode import DecodeHandoffs
 from kvbaton.engine.handoff_prefill import PrefillHandoffs
@@ -46,7 +47,7 @@ def test_decode_worker_prefix_cache_does_not_refuse_reservations(tiny: LoadedMod
     pair.assert_nothing_held()
 
 
-def _run_prefill_pressure(loaded: LoadedModel, prefix_cache: bool) -> tuple[dict[str, RequestOutput], float, int]:
+def _run_prefill_pressure(loaded: LoadedModel, prefix_cache: bool) -> tuple[dict[str, TokenDelta], float, int]:
     """Two handoffs through a 4-block prefill pool (budget 5 tokens a step): `a` has 5 prompt tokens, `c` 15 (the
     whole pool). The decode worker polls every third round, so `a`'s leg keeps its blocks a little while after its
     prefill, and `c` (admitted behind it) is preempted once. Returns the final outputs, the time they ended at and
@@ -65,12 +66,12 @@ def _run_prefill_pressure(loaded: LoadedModel, prefix_cache: bool) -> tuple[dict
     for request_id, prompt in (("a", list(range(100, 105))), ("c", list(range(200, 215)))):
         d.expect(request_id, prompt, params, "p0", "fail")
         p.submit(request_id, prompt, params, "d0", "inproc")
-    finals: dict[str, RequestOutput] = {}
+    finals: dict[str, TokenDelta] = {}
     for round_index in range(1000):
         p.poll()
         assert not p.on_outputs(prefill.step() if prefill.has_unfinished_requests() else [])
         p.poll()
-        outputs: list[RequestOutput] = []
+        outputs: list[TokenDelta] = []
         for report in p.take_reports():  # the router relays a failed prefill leg to the decode worker
             outputs += d.on_prefill_failed(report.request_id, report.reason, report.outcome == "refused")
         if round_index % 3 == 0:  # a decode worker busy with its own steps answers a little later

@@ -8,7 +8,7 @@ import pytest
 
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.engine.engine import RequestOutput
+from kvbaton.core.step import TokenDelta
 from kvbaton.engine.structured import grammar_for
 from kvbaton.model.registry import LoadedModel, load_model
 from tests.engine.test_handoff import Clock, make_engine
@@ -34,10 +34,10 @@ def tiny() -> LoadedModel:
     return load_model("tiny-random", "float32")
 
 
-def run(tiny: LoadedModel, params: SamplingParams, output_token_ids: tuple[int, ...] = ()) -> list[RequestOutput]:
+def run(tiny: LoadedModel, params: SamplingParams, output_token_ids: tuple[int, ...] = ()) -> list[TokenDelta]:
     engine = make_engine(tiny, Clock())
     engine.add_request(PROMPT, params, request_id="r", output_token_ids=output_token_ids)
-    outputs: list[RequestOutput] = []
+    outputs: list[TokenDelta] = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
     engine.check_invariants()

@@ -102,10 +102,10 @@ def test_min_tokens_holds_off_the_end_of_sequence_then_lets_it_end() -> None:
     eos = llm.engine.tokenizer.eos_token_id
     biased = {"max_tokens": 20, "temperature": 0.0, "logit_bias": ((eos, 100.0),)}
     (at_once,) = llm.generate([5, 6, 7], SamplingParams(**biased))[0].outputs  # type: ignore[arg-type]
-    assert list(at_once.token_ids) == [eos] and at_once.finish_reason.value == "stop"
+    assert list(at_once.token_ids) == [eos] and at_once.finish_reason == "stop"
     (held,) = llm.generate([5, 6, 7], SamplingParams(**biased, min_tokens=5))[0].outputs  # type: ignore[arg-type]
     assert len(held.token_ids) == 6 and eos not in held.token_ids[:5] and held.token_ids[5] == eos
-    assert held.finish_reason.value == "stop"
+    assert held.finish_reason == "stop"
 
 
 def test_min_tokens_keeps_stop_strings_from_ending_the_first_tokens() -> None:
@@ -114,9 +114,9 @@ def test_min_tokens_keeps_stop_strings_from_ending_the_first_tokens() -> None:
     text = llm.generate([5, 6, 7], SamplingParams(**greedy))[0].outputs[0].text  # type: ignore[arg-type]
     stop = text[1]  # a character of the first tokens' text
     (early,) = llm.generate([5, 6, 7], SamplingParams(**greedy, stop=(stop,)))[0].outputs  # type: ignore[arg-type]
-    assert early.finish_reason.value == "stop" and stop not in early.text and len(early.token_ids) < 12
+    assert early.finish_reason == "stop" and stop not in early.text and len(early.token_ids) < 12
     (late,) = llm.generate([5, 6, 7], SamplingParams(**greedy, stop=(stop,), min_tokens=12))[0].outputs  # type: ignore[arg-type]
-    assert late.text == text and late.finish_reason.value == "length"
+    assert late.text == text and late.finish_reason == "length"
 
 
 def test_min_tokens_masks_stop_tokens_and_skips_ids_past_the_vocabulary() -> None:

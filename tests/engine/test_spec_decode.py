@@ -34,7 +34,7 @@ def test_greedy_outputs_are_exactly_those_without_drafts(plain: LLM, speculative
     for want, have in zip(expected, got):
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
         assert have.outputs[0].text == want.outputs[0].text
-        assert have.outputs[0].finish_reason is want.outputs[0].finish_reason is FinishReason.LENGTH
+        assert have.outputs[0].finish_reason is want.outputs[0].finish_reason == FinishReason.LENGTH
         for a, b in zip(want.outputs[0].logprobs, have.outputs[0].logprobs):
             assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]

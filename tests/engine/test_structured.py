@@ -51,13 +51,13 @@ def test_json_schema_output_parses_and_fits(llm: LLM, temperature: float) -> Non
     params = SamplingParams(max_tokens=64, temperature=temperature, seed=3, n=3, grammar=grammar_for("json_schema", SCHEMA))
     for out in generate(llm, params):
         _check_schema(json.loads(out.text))
-        assert out.finish_reason is FinishReason.STOP
+        assert out.finish_reason == FinishReason.STOP
 
 
 def test_regex_choice_and_lark_outputs_fit(llm: LLM) -> None:
     regex = generate(llm, SamplingParams(max_tokens=32, temperature=1.0, seed=1,
                                          grammar=grammar_for("regex", r"(yes|no), [0-9]{3}")))[0]
-    assert re.fullmatch(r"(yes|no), [0-9]{3}", regex.text) and regex.finish_reason is FinishReason.STOP
+    assert re.fullmatch(r"(yes|no), [0-9]{3}", regex.text) and regex.finish_reason == FinishReason.STOP
     choices = ["alpha", "beta", "gamma delta"]
     for out in generate(llm, SamplingParams(max_tokens=32, temperature=1.0, n=4, grammar=grammar_for("choice", choices))):
         assert out.text in choices
@@ -71,10 +71,10 @@ def test_regex_choice_and_lark_outputs_fit(llm: LLM) -> None:
 
 def test_any_json_object(llm: LLM) -> None:
     out = generate(llm, SamplingParams(max_tokens=48, temperature=0.0, grammar=grammar_for("json_object", None)))[0]
-    if out.finish_reason is FinishReason.STOP:
+    if out.finish_reason == FinishReason.STOP:
         assert isinstance(json.loads(out.text), dict)
     else:  # cut by max_tokens: a prefix of an object
-        assert out.finish_reason is FinishReason.LENGTH and out.text.startswith("{")
+        assert out.finish_reason == FinishReason.LENGTH and out.text.startswith("{")
 
 
 def test_without_grammar_the_model_says_something_else(llm: LLM) -> None:
@@ -86,7 +86,7 @@ def test_without_grammar_the_model_says_something_else(llm: LLM) -> None:
 
 def test_length_cut_leaves_a_valid_prefix_and_the_grammar_is_freed(llm: LLM) -> None:
     out = generate(llm, SamplingParams(max_tokens=3, temperature=0.0, grammar=grammar_for("json_schema", SCHEMA)))[0]
-    assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 3 and out.text.startswith('{"')
+    assert out.finish_reason == FinishReason.LENGTH and len(out.token_ids) == 3 and out.text.startswith('{"')
 
 
 @pytest.mark.parametrize(("kind", "spec", "message"), [
@@ -148,7 +148,7 @@ def test_an_adopted_first_token_that_does_not_fit_fails_the_request_and_frees_it
     (bad,) = engine.tokenizer.encode("z")
     output = engine.adopt_request(prompt, SamplingParams(max_tokens=8, grammar=grammar_for("choice", ["yes", "no"])),
                                   "adopted", SampledToken(bad), blocks)
-    assert output is not None and output.finished and output.finish_reason is FinishReason.ERROR
+    assert output is not None and output.finished and output.finish_reason == FinishReason.ERROR
     assert "structured output" in output.error
     while engine.has_unfinished_requests():
         engine.step()
@@ -163,5 +163,5 @@ def test_outputs_still_fit_when_requests_are_preempted_and_recomputed() -> None:
     results = small.generate(["one", "two", "three", "four"], params)
     assert small.engine.stats().num_preemptions > 0
     for result in results:
-        assert re.fullmatch("[a-z]{30}!", result.outputs[0].text) and result.outputs[0].finish_reason is FinishReason.STOP
+        assert re.fullmatch("[a-z]{30}!", result.outputs[0].text) and result.outputs[0].finish_reason == FinishReason.STOP
     small.engine.check_invariants()

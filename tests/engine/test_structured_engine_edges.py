@@ -28,5 +28,5 @@ def test_a_grammar_completed_by_the_last_allowed_token_ends_with_stop(llm: LLM, 
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, grammar=grammar_for(kind, spec))
     out = llm.generate("Answer:", params)[0].outputs[0]
     assert out.text == text and len(out.token_ids) == num_tokens
-    assert out.finish_reason is FinishReason.STOP
+    assert out.finish_reason == FinishReason.STOP
     llm.engine.check_invariants()

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI
 
-from kvbaton.server.base import GenerateCall, TokenDelta, TokenLogprob
+from kvbaton.core.step import SampledToken
+from kvbaton.server.base import GenerateCall, TokenDelta
 
 REPLY = "Hello from kvbaton, the friendly fake cluster. "
 
@@ -101,12 +102,12 @@ class FakeCluster:
                 logprob = -0.25 * (i % 4 + 1)
                 others = [(t, logprob - 1.0 - k) for k, t in enumerate(self.reply_ids[:8]) if t != token_id]
                 top = ((token_id, logprob), *others)[: params.logprobs]
-                logprobs = (TokenLogprob(token_id, logprob, top),)
+                logprobs = (SampledToken(token_id, logprob, top),)
             reason = ("stop" if stopped is not None else "length") if finished else None
             if finished:
                 self.finished[call.request_id] = reason  # type: ignore[assignment]
             # Prompt logprobs, as a worker sends them with the first token: prompt token p gets -p / 10, rank 1.
-            prompt_logprobs = tuple(TokenLogprob(t, -p / 10, ((t, -p / 10),) if params.prompt_logprobs else (), 1)
+            prompt_logprobs = tuple(SampledToken(t, -p / 10, ((t, -p / 10),) if params.prompt_logprobs else (), 1)
                                     for p, t in enumerate(call.prompt_token_ids[1:], start=1)) \
                 if i == 0 and params.prompt_logprobs is not None else ()
             yield TokenDelta(call.request_id, (token_id,), new_text, finished, reason,

@@ -12,7 +12,6 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from kvbaton.engine.engine import RequestOutput
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.server import rpc
 from kvbaton.server.base import GenerateCall, RejectedError, TokenDelta
@@ -166,7 +165,7 @@ def test_a_step_longer_than_the_router_timeout_does_not_stop_the_worker(tiny: Lo
         step = engine.step
         num_slow = [1]
 
-        def slow_step() -> list[RequestOutput]:
+        def slow_step() -> list[TokenDelta]:
             if num_slow[0]:
                 num_slow[0] -= 1
                 time.sleep(1.0)  # twice the worker's router timeout, while the router pings every 0.1 s

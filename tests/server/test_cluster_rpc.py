@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbaton.core.step import SampledToken
 from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.engine.structured import grammar_for
 from kvbaton.server import rpc
-from kvbaton.server.base import TokenDelta, TokenLogprob
+from kvbaton.server.base import TokenDelta
 from kvbaton.server.identity import ClusterIdentity, incompatibility, tokenizer_probe_hash
 
 STORED = KVEvent(3, KVEventKind.STORED, (11, -22), parent_hash=-5, block_size=16).to_wire()
@@ -20,8 +21,8 @@ EVICTED = KVEvent(4, KVEventKind.EVICTED, (-22,), block_size=16).to_wire()
 MESSAGES: list[rpc.Message] = [
     rpc.Register("w0", "mixed", "tiny-random", "rev1", "llama-L2-bs16", 16, 512, "abcd", 1234),
     rpc.TokenDeltas("w0", (
-        TokenDelta("r1", (5, 6), "hi", False, None, 7, 3, (TokenLogprob(5, -0.5, ((5, -0.5), (9, -1.25))),
-                                                           TokenLogprob(6, -0.1)), "", "w0"),
+        TokenDelta("r1", (5, 6), "hi", False, None, 7, 3, (SampledToken(5, -0.5, ((5, -0.5), (9, -1.25))),
+                                                           SampledToken(6, -0.1)), "", "w0"),
         TokenDelta("r2", (), "", True, "error", 4, 0, (), "no room", "w0", {"transfer_bytes": 10.0}),
     )),
     rpc.Stats("w0", 1, 2, 30, 40, 50, 6, 700, 300, 0, 99, 12.5, ""),

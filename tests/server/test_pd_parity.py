@@ -10,18 +10,16 @@ the same order, so prefix-cache hits (usage.cached_tokens) must agree too.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvbaton.core.request import FinishReason
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken
-from kvbaton.engine.engine import Engine, RequestOutput
+from kvbaton.engine.engine import Engine
 from kvbaton.engine.structured import grammar_for
 from kvbaton.model.registry import LoadedModel, load_model
-from kvbaton.server.base import GenerateCall, TokenDelta, TokenLogprob
+from kvbaton.server.base import GenerateCall, TokenDelta
 from kvbaton.server.cluster import ClusterManager
 from tests.engine.test_handoff_parity import EOS, Answer, answer_of, assert_same
 from tests.server.pd_helpers import BLOCK_SIZE, NUM_BLOCKS, collect, run_pd, wait_clean
@@ -68,13 +66,9 @@ CASES: list[tuple[str, int, SamplingParams]] = [
 ]
 
 
-def cluster_answer(deltas: list[TokenDelta]) -> tuple[Answer, tuple[TokenLogprob, ...]]:
+def cluster_answer(deltas: list[TokenDelta]) -> tuple[Answer, tuple[SampledToken, ...]]:
     """The deltas read as the engine's outputs, and the prompt logprobs (on the first delta that has any)."""
-    outputs = [RequestOutput(d.request_id, d.new_token_ids, d.new_text,
-                             tuple(SampledToken(lp.token_id, lp.logprob, lp.top_logprobs) for lp in d.logprobs),
-                             d.finished, FinishReason(d.finish_reason) if d.finished else None, d.num_prompt_tokens,
-                             d.num_cached_tokens, d.error) for d in deltas]
-    return answer_of(outputs), next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), ())
+    return answer_of(deltas), next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), ())
 
 
 def colocated_answers(loaded: LoadedModel, prompts: list[list[int]]) -> list[tuple[Answer, tuple[SampledToken, ...]]]:
@@ -84,12 +78,10 @@ def colocated_answers(loaded: LoadedModel, prompts: list[list[int]]) -> list[tup
     answers = []
     for name, prompt_index, params in CASES:
         engine.add_request(prompts[prompt_index], params, request_id=name)
-        outputs: list[RequestOutput] = []
+        outputs: list[TokenDelta] = []
         while engine.has_unfinished_requests():
             outputs += engine.step()
         prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), ())
-        if params.logprobs is None:  # a worker sends no logprobs unless asked
-            outputs = [replace(o, new_logprobs=()) for o in outputs]
         answers.append((answer_of(outputs), prompt_logprobs))
     engine.check_invariants()
     return answers

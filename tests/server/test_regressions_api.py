@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from fastapi.testclient import TestClient
 
+from kvbaton.core.step import SampledToken
 from kvbaton.model.registry import load_model
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.server.api import create_app
-from kvbaton.server.base import GenerateCall, TokenDelta, TokenLogprob
+from kvbaton.server.base import GenerateCall, TokenDelta
 from tests.server.api_fakes import FakeCluster
 
 MODEL = "tiny-random"
@@ -45,7 +46,7 @@ class MaskedLogprobsCluster(FakeCluster):
         text = self.tokenizer.decode([token_id])  # type: ignore[attr-defined]
         yield TokenDelta(call.request_id, (token_id,), text, True, "stop",
                          num_prompt_tokens=len(call.prompt_token_ids),
-                         logprobs=(TokenLogprob(token_id, 0.0, top),), worker_id="fake-0")
+                         logprobs=(SampledToken(token_id, 0.0, top),), worker_id="fake-0")
 
 
 @pytest.fixture()

@@ -21,7 +21,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"  # terminal; see FinishReason
 
 
-class FinishReason(enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached or context full
     ABORT = "abort"  # cancelled by the caller (disconnect, explicit abort)

@@ -1,8 +1,10 @@
-"""What one engine step runs (`StepPlan`) and what it produced (`StepResult`).
+"""What one engine step runs (`StepPlan`), what it produced (`StepResult`), and what a request gets out of it
+(`TokenDelta`).
 
 The scheduler emits a plan over metadata only; an executor (the torch model runner, or the
 simulator's cost model) runs it and answers with a result. Both are plain values so the
-same scheduler code drives the live engine and the simulator.
+same scheduler code drives the live engine and the simulator. A token has one type from the sampler to the
+socket: the sampler's `SampledToken`, carried inside the engine's `TokenDelta`, which the worker sends as it is.
 """
 
 from __future__ import annotations
@@ -56,3 +58,27 @@ class StepResult:
     # Speculative chunks (draft tokens after the request's known ones): the drafts the model agreed with, in
     # order; `sampled` holds the token after them (the model's own). A chunk absent here accepted none.
     accepted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """What one step produced for one request: the engine's output, the worker's message to the router and the
+    cluster's answer to the API layer (a delta; the final one has finished=True)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    # "stop" | "length" | "abort" | "error" (kvbaton.core.request.FinishReason's values) on the finished delta;
+    # "rejected" (before any token) when admission's decode-stage gate refused a call the cluster had taken: the
+    # API answers 429 as for a refusal at arrival.
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit (usage.prompt_tokens_details.cached_tokens)
+    logprobs: tuple[SampledToken, ...] = ()  # one per new token, only when the request asks for logprobs
+    error: str = ""  # reason when finish_reason == "error"
+    worker_id: str = ""
+    # e.g. "queue_s" (arrival to first scheduled, on the first token's delta), transfer bytes/time when disaggregated
+    extra: dict[str, float] = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs, on the delta of the first token: prompt tokens 1.. given those before.
+    prompt_logprobs: tuple[SampledToken, ...] = ()

@@ -22,7 +22,7 @@ from kvbaton.core.config import EngineConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.core.step import SampledToken, StepPlan, StepResult
+from kvbaton.core.step import SampledToken, StepPlan, StepResult, TokenDelta
 from kvbaton.engine.kv_storage import HostKVStorage, KVStorage
 from kvbaton.engine.model_runner import ModelRunner, PromptLogprobsWanted
 from kvbaton.engine.sampler import Sampler
@@ -31,25 +31,6 @@ from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.model.tokenizer import IncrementalDetokenizer
 from kvbaton.scheduler.local_scheduler import LocalScheduler
 from kvbaton.scheduler.outputs import SchedulerStats
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one step produced for one request (a delta; the final one has finished=True)."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    new_logprobs: tuple[SampledToken, ...]  # one per new token; logprob fields set only if requested
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prefix-cache hit at admission (0 on a miss)
-    error: str = ""  # set when finish_reason is ERROR
-    # With SamplingParams.prompt_logprobs, on the output of the first token: prompt tokens 1.. given those before.
-    prompt_logprobs: tuple[SampledToken, ...] = ()
-    # On the output of the first token: arrival to first scheduled, on the engine's clock (vLLM's queue time).
-    queue_time_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -97,6 +78,7 @@ class Engine:
         self.on_executed: Callable[[StepPlan], None] | None = None
         # Called after each layer of a step's forward (the serving loop's look at its messages mid-step).
         self.between_layers: Callable[[], None] | None = None
+        self.worker_id = ""  # named in every delta; a serving worker sets its id
         self.last_plan: StepPlan | None = None  # the plan of the latest step (serving workers log its shape)
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer, built for the first structured request
 
@@ -181,7 +163,7 @@ class Engine:
     def adopt_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
                       first_token: SampledToken, block_ids: Sequence[int], tenant: str = "",
                       slo_class: str = "default", arrival_at: float | None = None,
-                      num_cached_tokens: int = 0) -> RequestOutput | None:
+                      num_cached_tokens: int = 0) -> TokenDelta | None:
         """Admit a request whose prompt KV is already in `block_ids` (a completed handoff) and decode from
         `first_token`, which the prefill worker sampled (its prefix cache supplied `num_cached_tokens`). Returns the first token's output, or None when the
         scheduler cannot take it now (the caller keeps the blocks and retries). On success the request owns
@@ -222,7 +204,7 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenDelta]:
         now = self._clock()
         plan = self.scheduler.schedule(now)
         self.last_plan = plan
@@ -249,7 +231,7 @@ class Engine:
         self._step_id += 1
         result = StepResult(plan.step_id, sampled, time.perf_counter() - started, accepted)
         token_outputs = self.scheduler.update(plan, result, self._clock())
-        outputs: list[RequestOutput] = []
+        outputs: list[TokenDelta] = []
         ended: set[str] = set()
         for out in token_outputs:
             tracked = self._tracked.get(out.request_id)
@@ -313,7 +295,7 @@ class Engine:
                                                                 request.prompt_token_ids, first)
         return wanted
 
-    def _on_token(self, tracked: _Tracked, token: SampledToken, finish_reason: FinishReason | None) -> RequestOutput:
+    def _on_token(self, tracked: _Tracked, token: SampledToken, finish_reason: FinishReason | None) -> TokenDelta:
         request = tracked.request
         stops = request.sampling.stop
         tracked.text += tracked.detokenizer.push(token.token_id)
@@ -340,16 +322,17 @@ class Engine:
         new_text = tracked.text[tracked.num_emitted_chars:emit_to]
         tracked.num_emitted_chars = emit_to
         prompt_logprobs: tuple[SampledToken, ...] = ()
-        queue_time_s = None
+        extra: dict[str, float] = {}
         if len(request.output_token_ids) == 1:
             if tracked.prompt_logprobs is not None:
                 prompt_logprobs = tuple(tracked.prompt_logprobs)
-            if request.first_scheduled_at is not None:
-                queue_time_s = max(request.first_scheduled_at - request.arrival_at, 0.0)
-        return RequestOutput(request.request_id, (token.token_id,), new_text, (token,), finished, finish_reason,
-                             request.num_prompt_tokens, max(request.num_cached_tokens, 0),
-                             request.finish_message if finish_reason is FinishReason.ERROR else "", prompt_logprobs,
-                             queue_time_s)
+            if request.first_scheduled_at is not None:  # vLLM's queue time, on the engine's clock
+                extra = {"queue_s": max(request.first_scheduled_at - request.arrival_at, 0.0)}
+        return TokenDelta(request.request_id, (token.token_id,), new_text, finished,
+                          None if finish_reason is None else finish_reason.value, request.num_prompt_tokens,
+                          max(request.num_cached_tokens, 0), (token,) if request.sampling.logprobs is not None else (),
+                          request.finish_message if finish_reason is FinishReason.ERROR else "", self.worker_id,
+                          extra, prompt_logprobs)
 
     def _advance_grammar(self, grammar: RequestGrammar, request: Request, token_id: int) -> FinishReason | None:
         """The grammar takes the request's new token: the request ends (stop) once the grammar is complete, or
@@ -364,12 +347,14 @@ class Engine:
             return FinishReason.STOP
         return None
 
-    def _final_output(self, tracked: _Tracked) -> RequestOutput:
+    def _final_output(self, tracked: _Tracked) -> TokenDelta:
         request = tracked.request
         new_text = tracked.text[tracked.num_emitted_chars:]
         tracked.num_emitted_chars = len(tracked.text)
-        return RequestOutput(request.request_id, (), new_text, (), True, request.finish_reason,
-                             request.num_prompt_tokens, max(request.num_cached_tokens, 0), request.finish_message)
+        reason = request.finish_reason
+        return TokenDelta(request.request_id, (), new_text, True, None if reason is None else reason.value,
+                          request.num_prompt_tokens, max(request.num_cached_tokens, 0), (), request.finish_message,
+                          self.worker_id)
 
     def reset_prefix_cache(self) -> int:
         """vLLM's reset_prefix_cache: every cached block no request holds goes back to the pool, and the host

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from kvbaton.core.errors import KvbatonError
 from kvbaton.core.request import FinishReason
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.core.step import SampledToken
-from kvbaton.engine.engine import Engine, RequestOutput
+from kvbaton.core.step import SampledToken, TokenDelta
+from kvbaton.engine.engine import Engine
 from kvbaton.engine.handoff import TransferCounters, transfer_id_of
 from kvbaton.transfer.base import KVTransport
 from kvbaton.transfer.destination import HandoffDestination
@@ -72,7 +72,7 @@ class DecodeHandoffs:
         self._expected[request_id] = _Expected(request_id, prefill_worker, list(prompt_token_ids), params, tenant,
                                                slo_class, kv_load_failure_policy, self._clock())
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> TokenDelta | None:
         """Cancel a handoff not yet adopted (releasing its reservation); its final output, or None if unknown."""
         entry = self._expected.pop(request_id, None)
         self._peer_cancelled_at.pop(request_id, None)
@@ -82,9 +82,9 @@ class DecodeHandoffs:
         send_all(self.transport, self.destination.cancel(transfer_id_of(request_id), now, "cancelled by the router"))
         self._cancelled_at[request_id] = now
         self.counters.num_cancelled += 1
-        return _final(entry, FinishReason.ABORT, "")
+        return _final(entry, self.engine.worker_id, FinishReason.ABORT, "")
 
-    def on_prefill_failed(self, request_id: str, reason: str, refused: bool) -> list[RequestOutput]:
+    def on_prefill_failed(self, request_id: str, reason: str, refused: bool) -> list[TokenDelta]:
         """The router relays that the prefill leg ended without the KV (refused: backpressure, so recompute)."""
         entry = self._expected.get(request_id)
         if entry is None or self._state(request_id) is DestinationState.COMPLETE:
@@ -102,7 +102,7 @@ class DecodeHandoffs:
         self.counters.num_started = self.destination.num_grants
         self.counters.num_refused = self.destination.num_refusals
 
-    def poll(self, timeout_s: float = 0.0) -> list[RequestOutput]:
+    def poll(self, timeout_s: float = 0.0) -> list[TokenDelta]:
         """`pump`, then settle cancelled legs and adopt completed transfers; returns outputs to stream."""
         self.pump(timeout_s)
         now = self._clock()
@@ -111,7 +111,7 @@ class DecodeHandoffs:
                 send_all(self.transport, self.destination.cancel(transfer_id_of(request_id), now))
             if now - at > self.lease_s:
                 del self._cancelled_at[request_id]
-        outputs: list[RequestOutput] = []
+        outputs: list[TokenDelta] = []
         for request_id in sorted(self._expected):
             outputs += self._advance(self._expected[request_id], now)
         return outputs
@@ -122,7 +122,7 @@ class DecodeHandoffs:
         """The live state of the request's leg; None when there is none (or it ended and was forgotten)."""
         return self.destination.state_or_none(transfer_id_of(request_id))  # type: ignore[return-value]
 
-    def _advance(self, entry: _Expected, now: float) -> list[RequestOutput]:
+    def _advance(self, entry: _Expected, now: float) -> list[TokenDelta]:
         state = self._state(entry.request_id)
         if state is None:
             if now - entry.expected_at > self.lease_s:
@@ -145,7 +145,7 @@ class DecodeHandoffs:
             return self._fall_back(entry, self.destination.reason(transfer_id_of(entry.request_id)))
         return []  # RESERVED / RECEIVING
 
-    def _adopt(self, entry: _Expected, now: float) -> list[RequestOutput]:
+    def _adopt(self, entry: _Expected, now: float) -> list[TokenDelta]:
         adopted = self.destination.adopt(transfer_id_of(entry.request_id), now)
         first = adopted.first_token
         try:
@@ -164,16 +164,16 @@ class DecodeHandoffs:
         self.counters.num_completed += 1
         return [output]
 
-    def _fall_back(self, entry: _Expected, reason: str, force_recompute: bool = False) -> list[RequestOutput]:
+    def _fall_back(self, entry: _Expected, reason: str, force_recompute: bool = False) -> list[TokenDelta]:
         del self._expected[entry.request_id]
         self._peer_cancelled_at.pop(entry.request_id, None)
         if entry.kv_load_failure_policy == "fail" and not force_recompute:
-            return [_final(entry, FinishReason.ERROR, f"KV transfer failed: {reason}")]
+            return [_final(entry, self.engine.worker_id, FinishReason.ERROR, f"KV transfer failed: {reason}")]
         try:
             self.engine.add_request(entry.prompt_token_ids, entry.params, request_id=entry.request_id,
                                     tenant=entry.tenant, slo_class=entry.slo_class)
         except KvbatonError as exc:
-            return [_final(entry, FinishReason.ERROR, str(exc))]
+            return [_final(entry, self.engine.worker_id, FinishReason.ERROR, str(exc))]
         self.counters.num_recomputed += 1
         return []
 
@@ -181,5 +181,6 @@ class DecodeHandoffs:
         self.destination.check_invariants()
 
 
-def _final(entry: _Expected, reason: FinishReason, error: str) -> RequestOutput:
-    return RequestOutput(entry.request_id, (), "", (), True, reason, len(entry.prompt_token_ids), 0, error)
+def _final(entry: _Expected, worker_id: str, reason: FinishReason, error: str) -> TokenDelta:
+    return TokenDelta(entry.request_id, (), "", True, reason.value, len(entry.prompt_token_ids), error=error,
+                      worker_id=worker_id)

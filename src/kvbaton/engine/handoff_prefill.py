@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 from kvbaton.core.errors import KvbatonError
 from kvbaton.core.request import Request
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.core.step import StepPlan
-from kvbaton.engine.engine import Engine, RequestOutput
+from kvbaton.core.step import SampledToken, StepPlan, TokenDelta
+from kvbaton.engine.engine import Engine
 from kvbaton.engine.handoff import TransferCounters, numpy_kv, transfer_id_of
 from kvbaton.transfer.base import KVTransport, TransportError
 from kvbaton.transfer.driver import pump_source, send_all
@@ -162,10 +162,10 @@ class PrefillHandoffs:
         reports, self._reports = self._reports, []
         return reports
 
-    def on_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def on_outputs(self, outputs: list[TokenDelta]) -> list[TokenDelta]:
         """Consume the engine outputs of handoff requests (their first token goes to the decode worker);
         returns the others untouched."""
-        passed: list[RequestOutput] = []
+        passed: list[TokenDelta] = []
         for out in outputs:
             leg = self._legs.get(out.request_id)
             if out.request_id in self._swallow:
@@ -173,8 +173,8 @@ class PrefillHandoffs:
                     self._swallow.discard(out.request_id)
             elif leg is None:
                 passed.append(out)
-            elif out.new_token_ids and out.new_logprobs:
-                token = out.new_logprobs[0]
+            elif out.new_token_ids:
+                token = out.logprobs[0] if out.logprobs else SampledToken(out.new_token_ids[0])
                 first = FirstToken(token.token_id, token.logprob, token.top_logprobs, out.num_cached_tokens)
                 leg.in_engine = not out.finished
                 transfer_id = transfer_id_of(leg.request_id)

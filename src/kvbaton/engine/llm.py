@@ -104,10 +104,11 @@ class LLM:
                             if params.prompt_logprobs is not None:
                                 result.prompt_logprobs = [None, *delta.prompt_logprobs]
                     out.token_ids.extend(delta.new_token_ids)
-                    out.logprobs.extend(delta.new_logprobs)
+                    out.logprobs.extend(delta.logprobs)
                     out.text += delta.new_text
                     if delta.finished:
-                        out.finish_reason, out.error, out.finished_at = delta.finish_reason, delta.error, now
+                        reason = None if delta.finish_reason is None else FinishReason(delta.finish_reason)
+                        out.finish_reason, out.error, out.finished_at = reason, delta.error, now
         except (KvbatonError, KeyboardInterrupt):
             for rid in owner:
                 self.engine.abort_request(rid)

@@ -32,13 +32,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from kvbaton.core.step import SampledToken
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.model.tokenizer import Tokenizer
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api_run import DisconnectWatch, SampleRun
 from kvbaton.server.auth import ApiAuth
-from kvbaton.server.base import ClusterClient, GenerateCall, SubmittingClusterClient, TokenLogprob
+from kvbaton.server.base import ClusterClient, GenerateCall, SubmittingClusterClient
 from kvbaton.server.metrics import ApiMetrics
 from kvbaton.server.api_chat import ChatEndpoint
 from kvbaton.server.api_responses import ResponsesEndpoint
@@ -333,8 +334,8 @@ class OpenAIServer(ChatEndpoint, ResponsesEndpoint):
                 "usage": run.usage(num_prompt_tokens, with_output=not req.echo_only)}
         return FastJSONResponse(body, headers=self._headers(request))
 
-    def _completion_logprobs(self, req: CompletionRequest, logprobs: Sequence[TokenLogprob], offset: int,
-                             prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob]) -> dict[str, object]:
+    def _completion_logprobs(self, req: CompletionRequest, logprobs: Sequence[SampledToken], offset: int,
+                             prompt_ids: Sequence[int], prompt_logprobs: Sequence[SampledToken]) -> dict[str, object]:
         """A whole choice's logprobs (its completion's start `offset` chars in); with echo, the prompt's first."""
         completion = completion_logprobs_json(self.token_text, logprobs, offset)
         if not req.echo:

@@ -23,8 +23,9 @@ from functools import partial
 import anyio
 from fastapi import Request
 
+from kvbaton.core.step import SampledToken
 from kvbaton.core.errors import InvalidRequestError
-from kvbaton.server.base import ClusterClient, DeltaSink, GenerateCall, RejectedError, TokenDelta, TokenLogprob
+from kvbaton.server.base import ClusterClient, DeltaSink, GenerateCall, RejectedError, TokenDelta
 from kvbaton.server.metrics import ApiMetrics
 from kvbaton.server.protocol import ApiError
 from kvbaton.server.protocol_responses import usage_json
@@ -41,8 +42,8 @@ class SampleState:
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # the output's, as generated (a stored response keeps them)
     num_output_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with prompt_logprobs (or echo and logprobs): from its first delta
+    logprobs: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: tuple[SampledToken, ...] = ()  # with prompt_logprobs (or echo and logprobs): from its first delta
     num_cached_tokens: int = 0
     finish_reason: str | None = None  # set by the finished delta; None while running
     error: str = ""

@@ -10,10 +10,13 @@ callback (`SubmittingClusterClient.submit`): no stream, no task per call; the AP
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvbaton.core.sampling import SamplingParams
+from kvbaton.core.step import TokenDelta
+
+__all__ = ["ClusterClient", "DeltaSink", "GenerateCall", "RejectedError", "SubmittingClusterClient", "TokenDelta"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,33 +27,6 @@ class GenerateCall:
     arrival_at: float  # router clock (time.monotonic) when the HTTP request arrived
     tenant: str = ""  # prefix-cache namespace; from the `user` field or an x-tenant header
     slo_class: str = "default"
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    rank: int = 0  # token_id's 1-based rank in its distribution, for prompt logprobs; 0 when not computed
-
-
-@dataclass(frozen=True, slots=True)
-class TokenDelta:
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    finished: bool
-    # "stop" | "length" | "abort" | "error" on the finished delta; "rejected" (before any token) when admission's
-    # decode-stage gate refused a call the cluster had taken: the API answers 429 as for a refusal at arrival.
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hit (usage.prompt_tokens_details.cached_tokens)
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when requested
-    error: str = ""  # reason when finish_reason == "error"
-    worker_id: str = ""
-    extra: dict[str, float] = field(default_factory=dict)  # e.g. transfer bytes/time in disaggregated mode
-    # With SamplingParams.prompt_logprobs, on the delta of the first token: prompt tokens 1.. given those before.
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class RejectedError(Exception):

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import orjson
 from fastapi.responses import JSONResponse
 
+from kvbaton.core.step import SampledToken
 from kvbaton.model.tokenizer import Tokenizer, bytes_to_unicode
-from kvbaton.server.base import TokenLogprob
 
 
 class FastJSONResponse(JSONResponse):
@@ -63,7 +63,7 @@ def _logprob(value: float) -> float:
     return value if value > MIN_LOGPROB else MIN_LOGPROB
 
 
-def completion_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob],
+def completion_logprobs_json(text: TokenText, logprobs: Sequence[SampledToken],
                              text_offset_chars: int) -> dict[str, object]:
     """The legacy completions shape: parallel lists, text_offset counting chars from the choice's start."""
     tokens: list[str] = []
@@ -82,7 +82,7 @@ def completion_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob],
     }
 
 
-def echo_logprobs_json(text: TokenText, prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob],
+def echo_logprobs_json(text: TokenText, prompt_ids: Sequence[int], prompt_logprobs: Sequence[SampledToken],
                        completion: dict[str, object]) -> dict[str, object]:
     """Echo with logprobs (lm-eval's loglikelihood request): the prompt's tokens first, each with its logprob
     given those before it (the first has none: null, as OpenAI's), then `completion`'s (completion_logprobs_json
@@ -103,7 +103,7 @@ def echo_logprobs_json(text: TokenText, prompt_ids: Sequence[int], prompt_logpro
     }
 
 
-def prompt_logprobs_json(text: TokenText, prompt_logprobs: Sequence[TokenLogprob],
+def prompt_logprobs_json(text: TokenText, prompt_logprobs: Sequence[SampledToken],
                          num_prompt_tokens: int) -> list[dict[str, dict[str, object]] | None]:
     """vLLM's `prompt_logprobs`: null for the first prompt token (nothing comes before it), then for each one a
     map from token id to logprob, rank and text: the prompt token's own first, then its top alternatives (ranks
@@ -121,7 +121,7 @@ def prompt_logprobs_json(text: TokenText, prompt_logprobs: Sequence[TokenLogprob
     return scored + [None] * max(num_prompt_tokens - len(scored), 0)
 
 
-def chat_logprobs_json(text: TokenText, logprobs: Sequence[TokenLogprob], num_top: int) -> dict[str, object]:
+def chat_logprobs_json(text: TokenText, logprobs: Sequence[SampledToken], num_top: int) -> dict[str, object]:
     def one(token_id: int, logprob: float) -> dict[str, object]:
         return {"token": text.token_str(token_id), "logprob": _logprob(logprob),
                 "bytes": list(text.token_bytes(token_id))}

@@ -25,8 +25,9 @@ from typing import ClassVar
 
 import msgpack
 
+from kvbaton.core.step import SampledToken
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.server.base import TokenDelta, TokenLogprob
+from kvbaton.server.base import TokenDelta
 
 
 class ProtocolError(ValueError):
@@ -322,12 +323,12 @@ def sampling_from_wire(raw: list[object]) -> SamplingParams:
                           logit_bias=tuple((token_id, bias) for token_id, bias in logit_bias))  # type: ignore[union-attr]
 
 
-def _logprobs_to_wire(logprobs: Sequence[TokenLogprob]) -> list[object]:
+def _logprobs_to_wire(logprobs: Sequence[SampledToken]) -> list[object]:
     return [[lp.token_id, lp.logprob, [list(pair) for pair in lp.top_logprobs], lp.rank] for lp in logprobs]
 
 
-def _logprobs_from_wire(raw: object) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top), int(rank))
+def _logprobs_from_wire(raw: object) -> tuple[SampledToken, ...]:
+    return tuple(SampledToken(int(t), float(lp), tuple((int(a), float(b)) for a, b in top), int(rank))
                  for t, lp, top, rank in raw)  # type: ignore[union-attr]
 
 

@@ -33,14 +33,13 @@ import zmq
 from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.errors import KvbatonError
-from kvbaton.core.request import FinishReason
-from kvbaton.engine.engine import Engine, RequestOutput
+from kvbaton.engine.engine import Engine
 from kvbaton.engine.handoff import DEFAULT_LEASE_S, TransferCounters, kv_layout_for
 from kvbaton.engine.handoff_decode import DecodeHandoffs
 from kvbaton.engine.handoff_prefill import PrefillHandoffs
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.server import rpc
-from kvbaton.server.base import TokenDelta, TokenLogprob
+from kvbaton.server.base import TokenDelta
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.rpc_auth import secure_dealer
 from kvbaton.server.step_log import StepLog
@@ -143,7 +142,6 @@ class Worker:
             self.loaded.model.warm_up_linears(rows, rows)
         self._clock = clock
         self.engine: Engine | None = None
-        self._wants_logprobs: set[str] = set()
         self._in_flight: set[str] = set()  # added to the engine, final delta not yet sent
         self._last_event_seq = 0
         self._num_step_calls = 0
@@ -253,6 +251,7 @@ class Worker:
         )
         kv_cache = self._decode_kv.kv_cache if self._decode_kv is not None else None
         engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache)
+        engine.worker_id = cfg.worker_id
         if engine.kv_layout != kv_layout_of(self.loaded, cfg.block_size):
             raise KvbatonError(f"engine KV layout {engine.kv_layout} differs from the registered one")
         return engine
@@ -353,8 +352,6 @@ class Worker:
                 self._send_failed(socket, message.request_id, len(message.prompt_token_ids), str(exc))
                 return
             self._in_flight.add(message.request_id)
-            if message.sampling.logprobs is not None:
-                self._wants_logprobs.add(message.request_id)
         elif isinstance(message, rpc.Abort):
             for request_id in message.request_ids:
                 if self.prefill is not None and self.prefill.owns(request_id):
@@ -386,12 +383,9 @@ class Worker:
                                    message.prefill_worker, message.kv_load_failure_policy, message.tenant,
                                    message.slo_class)
             except KvbatonError as exc:
-                self._emit(socket, [RequestOutput(message.request_id, (), "", (), True, FinishReason.ERROR,
-                                                  len(message.prompt_token_ids), 0, str(exc))])
+                self._send_failed(socket, message.request_id, len(message.prompt_token_ids), str(exc))
                 return
             self._in_flight.add(message.request_id)
-            if message.sampling.logprobs is not None:
-                self._wants_logprobs.add(message.request_id)
             return
         error = f"worker {self.config.worker_id} has role {self.config.role!r} and cannot take this handoff leg"
         self._send_failed(socket, message.request_id, len(message.prompt_token_ids), error)
@@ -417,27 +411,12 @@ class Worker:
             self._step_log.on_step(self.engine.last_plan, started_s, time.perf_counter(),
                                    self.engine.has_unfinished_requests())
 
-    def _emit(self, socket: zmq.Socket, outputs: list[RequestOutput]) -> None:
+    def _emit(self, socket: zmq.Socket, outputs: list[TokenDelta]) -> None:
         for out in outputs:
             if out.finished:
                 self._in_flight.discard(out.request_id)
         if outputs:
-            deltas = tuple(self._to_delta(out) for out in outputs)
-            socket.send(rpc.encode(rpc.TokenDeltas(self.config.worker_id, deltas)))
-
-    def _to_delta(self, out: RequestOutput) -> TokenDelta:
-        logprobs: tuple[TokenLogprob, ...] = ()
-        if out.request_id in self._wants_logprobs:
-            logprobs = tuple(TokenLogprob(t.token_id, t.logprob, t.top_logprobs) for t in out.new_logprobs)
-            if out.finished:
-                self._wants_logprobs.discard(out.request_id)
-        reason = out.finish_reason.value if out.finish_reason is not None else None
-        prompt_logprobs = tuple(TokenLogprob(t.token_id, t.logprob, t.top_logprobs, t.rank)
-                                for t in out.prompt_logprobs) if out.prompt_logprobs else ()
-        return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, reason,
-                          out.num_prompt_tokens, out.num_cached_tokens, logprobs, out.error, self.config.worker_id,
-                          {} if out.queue_time_s is None else {"queue_s": out.queue_time_s},
-                          prompt_logprobs=prompt_logprobs)
+            socket.send(rpc.encode(rpc.TokenDeltas(self.config.worker_id, tuple(outputs))))
 
     def _finish_all(self, socket: zmq.Socket) -> None:
         """Abort whatever is left and step until each request has sent its final delta."""

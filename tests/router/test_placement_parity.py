@@ -111,8 +111,7 @@ def _replay(events: list[_Event], setup: SimSetup, sim: ClusterSim,
                     setup.block_size, 64, "", 1, kv_address=f"{sim.spec.link}://sim:1" if role == "decode" else ""))
             live.pool.handle(stats.worker_id, rpc.Stats(
                 stats.worker_id, stats.num_waiting, stats.num_running, stats.num_queued_prefill_tokens,
-                stats.num_kv_blocks_used + stats.num_kv_blocks_cached, stats.num_kv_blocks_free,
-                stats.num_kv_blocks_cached, 0, 0, 0, 0, event.now))
+                stats.num_used_blocks, stats.num_free_blocks, stats.num_cached_blocks, 0, 0, 0, 0, event.now))
         elif event.kind == "kv":
             worker_id, batch = event.args
             live.pool.handle(worker_id, rpc.KVEvents(worker_id, tuple(e.to_wire() for e in batch)))

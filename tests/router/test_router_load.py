@@ -6,7 +6,7 @@ from kvbaton.router.load import LoadTracker, WorkerStats
 
 
 def stats(worker: str, queued: int = 0, used: int = 0, free: int = 100) -> WorkerStats:
-    return WorkerStats(worker, num_queued_prefill_tokens=queued, num_kv_blocks_used=used, num_kv_blocks_free=free)
+    return WorkerStats(worker, num_queued_prefill_tokens=queued, num_used_blocks=used, num_free_blocks=free)
 
 
 def test_load_tokens_is_queued_prefill_plus_kv_in_use_plus_pending() -> None:

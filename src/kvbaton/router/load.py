@@ -23,16 +23,22 @@ from kvbaton.router.base import WorkerId
 
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
-    """One heartbeat from a worker."""
+    """One heartbeat from a worker: the load figures of its scheduler's stats (`SchedulerStats`, and the heartbeat
+    `rpc.Stats`), under the same names and meanings."""
 
     worker_id: WorkerId
     num_queued_prefill_tokens: int  # prompt tokens admitted or waiting but not yet computed
-    num_kv_blocks_used: int  # blocks referenced by running requests
-    num_kv_blocks_free: int  # blocks allocatable without evicting cached prefixes
+    num_used_blocks: int  # blocks not free: those requests hold, and those only the prefix cache keeps
+    num_free_blocks: int  # blocks allocatable without evicting cached prefixes
     num_running: int = 0
     num_waiting: int = 0
-    num_kv_blocks_cached: int = 0  # unreferenced blocks kept by the prefix cache (evictable)
+    num_cached_blocks: int = 0  # of the used blocks, those the prefix cache keeps and no request holds (evictable)
     block_size: int = 16
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks running requests hold (low when they lock cached blocks, which count as cached)."""
+        return max(self.num_used_blocks - self.num_cached_blocks, 0)
 
 
 class _Entry:
@@ -93,7 +99,7 @@ class LoadTracker:
 
     def _mirror(self, worker: WorkerId, load: _WorkerLoad) -> None:
         stats = load.stats
-        self._costs[worker] = (load.work_s, None if stats is None else stats.num_kv_blocks_free - load.pending_blocks)
+        self._costs[worker] = (load.work_s, None if stats is None else stats.num_free_blocks - load.pending_blocks)
 
     # ---- inputs --------------------------------------------------------------------------------
     def on_stats(self, stats: WorkerStats, now: float) -> None:
@@ -156,7 +162,7 @@ class LoadTracker:
         if load is None:
             return 0
         stats = load.stats
-        base = 0 if stats is None else stats.num_queued_prefill_tokens + stats.num_kv_blocks_used * stats.block_size
+        base = 0 if stats is None else stats.num_queued_prefill_tokens + stats.num_held_blocks * stats.block_size
         return base + load.pending_prefill_tokens
 
     def queued_prefill_tokens(self, worker: WorkerId) -> int:
@@ -172,7 +178,7 @@ class LoadTracker:
         load = self._workers.get(worker)
         if load is None or load.stats is None:
             return 0
-        return (load.stats.num_kv_blocks_used + max(load.pending_blocks, 0)) * load.stats.block_size
+        return (load.stats.num_held_blocks + max(load.pending_blocks, 0)) * load.stats.block_size
 
     def num_pending(self, worker: WorkerId) -> int:
         """Requests routed or handed off to the worker that its latest heartbeat may not reflect yet."""
@@ -184,7 +190,7 @@ class LoadTracker:
         load = self._workers.get(worker)
         if load is None or load.stats is None:
             return None
-        return load.stats.num_kv_blocks_free - load.pending_blocks
+        return load.stats.num_free_blocks - load.pending_blocks
 
     def cost_inputs(self, workers: Sequence[WorkerId]) -> list[tuple[float, int | None]]:
         """(window_load_s, free_blocks) per worker in one pass; the hot loop of cost-based placement."""
@@ -196,7 +202,7 @@ class LoadTracker:
                 out.append((0.0, None))
             else:
                 stats = load.stats
-                out.append((load.work_s, None if stats is None else stats.num_kv_blocks_free - load.pending_blocks))
+                out.append((load.work_s, None if stats is None else stats.num_free_blocks - load.pending_blocks))
         return out
 
     def cost_lookup(self) -> Callable[[WorkerId, tuple[float, None]], tuple[float, int | None]]:

@@ -89,7 +89,7 @@ class PairChooser:
         admission_s = num_running * self.state.decode_s_per_token
         free_blocks = load.free_blocks(worker)
         needed = self._num_prompt_blocks(request)
-        if free_blocks is not None and free_blocks + (stats.num_kv_blocks_cached if stats else 0) < needed:
+        if free_blocks is not None and free_blocks + (stats.num_cached_blocks if stats else 0) < needed:
             admission_s += BLOCKS_SHORT_PENALTY_S
         transfer_bytes = request.num_prompt_tokens * self.config.kv_bytes_per_token
         return admission_s + transfer_bytes / LINK_BYTES_PER_S.get(link_kind, LINK_BYTES_PER_S["tcp"])

@@ -96,7 +96,7 @@ def kv_capacity_tokens(load: LoadTracker, worker_id: WorkerId) -> int:
     stats = load.stats(worker_id)
     if stats is None:
         return 0
-    return (stats.num_kv_blocks_used + stats.num_kv_blocks_cached + stats.num_kv_blocks_free) * stats.block_size
+    return (stats.num_used_blocks + stats.num_free_blocks) * stats.block_size
 
 
 @dataclass(slots=True)

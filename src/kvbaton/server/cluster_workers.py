@@ -104,12 +104,10 @@ class WorkerPool:
                 register = record.register
                 self.placement.add_worker(sender, register.role, register.kv_address.partition("://")[0])
             record.stats = message
-            # The pool's used blocks include the prefix cache's; what the cache alone holds is evictable, so
-            # used - cached approximates the running requests' KV (low when they lock cached blocks).
             self.placement.on_stats(WorkerStats(
-                sender, message.num_queued_prefill_tokens, max(message.num_used_blocks - message.num_cached_blocks, 0),
-                message.num_free_blocks, message.num_running, message.num_waiting, message.num_cached_blocks,
-                self.config.block_size), record.last_heard_at)
+                sender, message.num_queued_prefill_tokens, message.num_used_blocks, message.num_free_blocks,
+                message.num_running, message.num_waiting, message.num_cached_blocks, self.config.block_size),
+                record.last_heard_at)
             dirty_at = record.index_dirty_at
             if dirty_at is not None and (not record.in_flight or record.last_heard_at - dirty_at > INDEX_RESYNC_S):
                 record.index_dirty_at = None

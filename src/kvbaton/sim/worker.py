@@ -242,7 +242,6 @@ class SimWorker:
         scheduler, pool = self.scheduler, self.pool
         num_cached_blocks = self.cache.num_cached_blocks if self.cache is not None else 0
         num_free_blocks = pool.num_free_blocks
-        num_used_blocks = pool.num_blocks - num_free_blocks - num_cached_blocks
-        return WorkerStats(self.worker_id, scheduler.num_queued_prefill_tokens(), max(num_used_blocks, 0),
+        return WorkerStats(self.worker_id, scheduler.num_queued_prefill_tokens(), pool.num_blocks - num_free_blocks,
                            num_free_blocks, scheduler.num_running, scheduler.num_waiting + len(self.pending_handoffs),
                            num_cached_blocks, self.block_size)

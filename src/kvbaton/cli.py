@@ -355,7 +355,10 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from kvbaton.server.worker import Worker, WorkerConfig
 
+    from kvbaton.model.device import check_device_name
+
     _check_kv_sizes(args)
+    check_device_name(args.device)  # a misspelt device fails here, before the secret and the model load
     secret = _cluster_secret(args, create=False)
     if secret is None:
         raise KvbatonError("no cluster secret: give the router's with --cluster-secret-file FILE (written by "

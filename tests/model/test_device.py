@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbaton.cli import main
+from kvbaton.cli import _serve_device, build_parser, main
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.engine.llm import LLM
 from kvbaton.model.device import check_device_name, resolve_device
@@ -40,6 +40,8 @@ def test_llm_runs_on_the_named_device() -> None:
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "tiny-random", "--prompt", "hi", "--device", "tpu"], "unknown device 'tpu'"),
     (["serve", "--model", "tiny-random", "--device", "gpu0"], "unknown device 'gpu0'"),
+    (["worker", "--router", "tcp://127.0.0.1:1", "--model", "tiny-random", "--device", "cuda:x"],
+     "unknown device 'cuda:x'"),
     (["serve", "--model", "tiny-random", "--ray", "local", "--gpus-per-worker", "1", "--device", "cpu"],
      "--gpus-per-worker reserves GPUs for each worker, which --device cpu would leave unused"),
     (["serve", "--model", "tiny-random", "--ray", "local", "--gpus-per-worker", "1", "--device", "cuda:1"],
@@ -66,3 +68,13 @@ def test_serve_hands_its_device_to_every_worker() -> None:
     assert args[args.index("--device") + 1] == "cuda:0"
     default = worker_args(ServeConfig(model="tiny-random"), "tcp://127.0.0.1:1", "w0")
     assert default[default.index("--device") + 1] == "cpu"
+
+
+def test_gpus_per_worker_puts_each_ray_worker_on_its_own_gpus() -> None:
+    parser = build_parser()
+    assert _serve_device(parser.parse_args(["serve", "--ray", "local", "--gpus-per-worker", "1"])) == "cuda"
+    assert _serve_device(parser.parse_args(["serve", "--ray", "local", "--gpus-per-worker", "2",
+                                            "--device", "cuda:1"])) == "cuda:1"
+    assert _serve_device(parser.parse_args(["serve", "--ray", "local", "--gpus-per-worker", "0.5",
+                                            "--device", "cuda:0"])) == "cuda:0"  # a shared GPU is still device 0
+    assert _serve_device(parser.parse_args(["serve"])) == "cpu"

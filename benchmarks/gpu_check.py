@@ -12,8 +12,8 @@ failure recorded in the report without stopping the others:
    prompt, kvbaton's engine and transformers' `generate()` / forward on the same GPU in the same run, each with
    its fraction of the HBM roofline (bytes a step must read / step time / peak bandwidth) and its MFU (matmul and
    attention FLOPs / time / peak bf16 FLOP/s), peaks from `kvbaton.sim.catalog` for the GPU torch names.
-3. `pair`: a prefill engine and a decode engine on the one GPU, linked by the real shared-memory KV transport
-   (its authenticated link, the pinned host staging of `engine/kv_staging.py`): greedy tokens after the handoff
+3. `pair`: a prefill engine and a decode engine on the one GPU, linked by the real KV transports, shared memory
+   and TCP in turn (their authenticated links, the pinned host staging of `engine/kv_staging.py`): greedy tokens after the handoff
    against one engine's, the bytes moved, the time, and no block left held.
 
 `--small` runs the same sections on the CPU with tiny models (tiny-random and a small Llama-shaped random model)
@@ -81,7 +81,7 @@ class Shapes:
         self.decode_prompt_tokens = 32 if small else 128
         self.decode_new_tokens = 8 if small else 64
         self.prefill_tokens = 256 if small else 8192
-        self.pair_prompt_tokens = 64 if small else 600
+        self.pair_prompt_tokens = 64 if small else 400  # three prompts in 112 blocks: a 41 MB region on SmolLM2
         self.pair_new_tokens = 8 if small else 32
 
 
@@ -398,13 +398,13 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
 # -- 3. a 1P1D pair on the one device --------------------------------------------------------------------------------
 
 
-def pair_check(shapes: Shapes, device: torch.device, loaded: LoadedModel) -> dict[str, Any]:
-    """Prefill engine -> decode engine over the shared-memory transport, as `kvbaton serve --prefill 1 --decode 1`
-    wires them (server/worker.py), both on `device`."""
+def pair_check(shapes: Shapes, device: torch.device, loaded: LoadedModel, transport: str) -> dict[str, Any]:
+    """Prefill engine -> decode engine over the `transport` (shm | tcp) KV link, as `kvbaton serve --prefill 1
+    --decode 1` wires them (server/worker.py), both on `device`."""
     secret = ClusterSecret.generate()
     layout = kv_layout_for(loaded, BLOCK_SIZE)
-    num_blocks = 256
-    decode_kv = DecodeKV("d0", layout, num_blocks, "shm", secret=secret, pin_memory=device.type == "cuda")
+    num_blocks = 112  # small: a container's /dev/shm may be 64 MB
+    decode_kv = DecodeKV("d0", layout, num_blocks, transport, secret=secret, pin_memory=device.type == "cuda")
     links = PrefillLinks("p0", layout, secret=secret)
     try:
         # A GPU engine keeps its own storage and adopts through the landing memory (engine/kv_staging.py); the small
@@ -450,7 +450,7 @@ def pair_check(shapes: Shapes, device: torch.device, loaded: LoadedModel) -> dic
                 held.append(f"{name}: {engine.pool.num_used_blocks - cached} blocks beyond its prefix cache")
         if p.source.num_held_blocks or d.destination.num_reserved_blocks:
             held.append("the handoff legs still hold blocks")
-        return {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "transport": "shm",
+        return {"model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."), "transport": transport,
                 "equal_to_colocated": [tokens[f"r{i}"] for i in range(len(prompts))] == colocated,
                 "num_completed": p.counters.num_completed, "num_recomputed": d.counters.num_recomputed,
                 "reports": [f"{r.request_id}: {r.outcome} {r.reason}" for r in reports],
@@ -557,14 +557,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             config, pair_state, pair_tokenizer = SMOLLM2_SHAPE, random_state_dict(SMOLLM2_SHAPE, 1, device), tokenizer
             name = "smollm2-shaped-random"
-        return pair_check(shapes, device, loaded_model(name, config, pair_state, pair_tokenizer, "pair",
-                                                       torch.bfloat16, device))
+        loaded = loaded_model(name, config, pair_state, pair_tokenizer, "pair", torch.bfloat16, device)
+        return {transport: section({}, transport, lambda: pair_check(shapes, device, loaded, transport))
+                for transport in ("shm", "tcp")}
 
     section(report, "pair", pair)
     report["total_s"] = round(time.perf_counter() - started, 1)
     parity = [report[k].get("equal") for k in ("parity_smollm2", "parity_big") if "skipped" not in report[k]]
-    report["ok"] = bool(parity) and all(parity) and report["pair"].get("equal_to_colocated") is True \
-        and not report["pair"].get("blocks_held")
+    pairs = [report["pair"].get(transport, {}) for transport in ("shm", "tcp")]
+    report["ok"] = (bool(parity) and all(parity)
+                    and all(pair.get("equal_to_colocated") is True and not pair.get("blocks_held") for pair in pairs))
     line = json.dumps(report)
     print(line, flush=True)
     if args.out:

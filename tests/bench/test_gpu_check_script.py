@@ -34,7 +34,10 @@ def test_gpu_check_small_runs_every_section_and_agrees(tmp_path: Path) -> None:
     else:
         assert set(report["speed_ratio_kvbaton_over_transformers"]) == {"decode_b1", "decode_b4", "decode_b8",
                                                                           "prefill"}
-    pair = report["pair"]
-    assert pair["equal_to_colocated"] and pair["num_completed"] == 3 and pair["num_recomputed"] == 0
-    assert pair["blocks_held"] == [] and pair["reports"] == []
-    assert pair["kv_bytes"] > 0 and pair["decode_staged_bytes"] > 0  # the landing memory was copied into storage
+    for transport in ("shm", "tcp"):
+        pair = report["pair"][transport]
+        assert "error" not in pair, pair
+        assert pair["transport"] == transport and pair["equal_to_colocated"]
+        assert pair["num_completed"] == 3 and pair["num_recomputed"] == 0
+        assert pair["blocks_held"] == [] and pair["reports"] == []
+        assert pair["kv_bytes"] > 0 and pair["decode_staged_bytes"] > 0  # the landing memory was copied in

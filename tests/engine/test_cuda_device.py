@@ -46,3 +46,22 @@ def test_staging_round_trips_device_blocks_through_pinned_host_memory() -> None:
     staging.host_kv[:, :, 3] = 1.0
     staging.to_device([3])
     assert torch.equal(device_kv[:, :, 3].cpu(), staging.host_kv[:, :, 3])
+
+
+def test_the_host_tier_copies_device_blocks_out_and_back() -> None:
+    """A 40-block device pool for six 13-block prefixes taken in turn: evicted blocks go to pinned host memory and
+    come back as hits, with the tokens of a CPU pool that never evicts."""
+    import random
+
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(1, 200) for _ in range(200)] for _ in range(6)]
+    prompts = [prefixes[i % 6] + [rng.randrange(1, 200) for _ in range(10)] for i in range(18)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = LLM("tiny-random", dtype="float32", num_blocks=2000)
+    tiered = LLM("tiny-random", dtype="float32", num_blocks=40, host_num_blocks=200, device="cuda")
+    assert tiered.engine.host_storage is not None and tiered.engine.host_storage.kv_cache.is_pinned()
+    for prompt in prompts:
+        expected = reference.generate([prompt], params)[0].outputs[0].token_ids
+        assert tiered.generate([prompt], params)[0].outputs[0].token_ids == expected
+    tiered.engine.check_invariants()
+    assert tiered.engine.host_storage.num_loaded_bytes > 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from kvbaton.router.admission import ADMISSION_POLICIES
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 
 from kvbaton.core.cluster_secret import API_KEY_ENV
+
+DEVICE_HELP = "where the weights, the KV pool and the forward live: cpu | cuda | cuda:N"
 
 if TYPE_CHECKING:
     from kvbaton.core.cluster_secret import ClusterSecret
@@ -42,6 +45,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     constraint.add_argument("--regex", help="constrain the output to match this regex in full")
     constraint.add_argument("--choice", action="append", help="the output is one of these (repeatable)")
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
@@ -55,7 +59,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), grammar=_grammar_of(args))
     llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, enable_prefix_cache=not args.no_prefix_cache,
-              num_speculative_tokens=args.speculative_tokens)
+              num_speculative_tokens=args.speculative_tokens, device=args.device)
     prompt = args.prompt
     if args.chat:
         text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -100,7 +104,12 @@ def _grammar_of(args: argparse.Namespace) -> str:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run a local cluster: N worker processes and the OpenAI-compatible router")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny-random | path to .gguf or HF dir")
+    p.add_argument("--model", default=None, help="smollm2-135m (default) | tiny-random | path to .gguf or HF dir")
+    p.add_argument("--placement", default="", metavar="FILE",
+                   help="the worker pools from `kvbaton plan ... --json > FILE` (its best unit x units; instead of "
+                        "--workers/--prefill/--decode); the model defaults to the plan's when kvbaton can serve it")
+    p.add_argument("--placement-pick", default="best", choices=("best", "best_disaggregated", "best_colocated"),
+                   help="which of the plan's answers --placement launches")
     p.add_argument("--workers", type=int, default=None,
                    help="mixed (prefill+decode) worker processes (default 2, or 0 with --prefill/--decode)")
     p.add_argument("--prefill", type=int, default=0, help="prefill worker processes (disaggregated pool)")
@@ -118,7 +127,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray", default="", metavar="ADDRESS",
                    help="place the workers on a Ray cluster: 'auto' (the one running here), HOST:PORT, or 'local' "
                         "(start a single-node one on 127.0.0.1); needs pip install 'kvbaton[ray]'")
-    p.add_argument("--gpus-per-worker", type=float, default=0.0, help="with --ray: GPUs each worker holds")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0,
+                   help="with --ray: GPUs each worker holds (Ray narrows CUDA_VISIBLE_DEVICES to them; the workers run "
+                        "on them: --device cuda)")
+    p.add_argument("--device", default=None, help=DEVICE_HELP + " for every worker (default cpu, or cuda with "
+                   "--gpus-per-worker); several local workers on cuda share that one device")
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
@@ -211,6 +224,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 
+    if args.placement:
+        _apply_placement(args)
+    args.model = args.model or "smollm2-135m"
     num_workers = args.workers if args.workers is not None else (0 if args.prefill or args.decode else 2)
     if min(num_workers, args.prefill, args.decode) < 0:
         raise KvbatonError("--workers, --prefill and --decode must not be negative")
@@ -227,6 +243,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.migration_limit < 0:
         raise KvbatonError(f"--migration-limit must be >= 0, got {args.migration_limit}")
     _check_kv_sizes(args)
+    device = _serve_device(args)
     api_keys = _api_keys(args)
     check_exposure(args.host, api_keys, args.allow_unauthenticated)  # before anything loads
     threshold = args.local_prefill_threshold
@@ -235,7 +252,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_transport=args.kv_transport, kv_load_failure_policy=args.kv_load_failure_policy,
         local_prefill_threshold_tokens=DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS if threshold is None else threshold,
         policy=args.policy, host=args.host, port=args.port,
-        rpc_address=args.rpc_address, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        rpc_address=args.rpc_address, dtype=args.dtype, device=device, block_size=args.block_size, num_blocks=args.num_blocks,
         host_num_blocks=args.host_num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
@@ -251,6 +268,46 @@ def _run_serve(args: argparse.Namespace) -> int:
         metrics_require_key=args.metrics_require_key, cluster_secret=_cluster_secret(args, create=True)))
 
 
+def _apply_placement(args: argparse.Namespace) -> None:
+    """--placement FILE: the pools (and, unless --model says otherwise, the model) of a `kvbaton plan --json`."""
+    from kvbaton.model.registry import BUILTIN_MODELS
+    from kvbaton.plan.serve_layout import read_serve_layout
+
+    if args.workers is not None or args.prefill or args.decode:
+        raise KvbatonError("--placement sets the worker pools: drop --workers, --prefill and --decode")
+    layout = read_serve_layout(args.placement, args.placement_pick, max_workers=os.cpu_count() or 1)
+    if layout.mixed is not None:
+        args.workers = layout.mixed.num_workers
+    else:
+        assert layout.prefill is not None and layout.decode is not None
+        args.workers, args.prefill, args.decode = 0, layout.prefill.num_workers, layout.decode.num_workers
+    if args.model is None:
+        if layout.planned_model not in BUILTIN_MODELS:
+            raise KvbatonError(f"--placement: the plan priced {layout.planned_model or 'an unnamed model'}, which "
+                               "kvbaton cannot load by name: give --model")
+        args.model = layout.planned_model
+    planned = f"{layout.planned_model} on {layout.planned_gpu}" if layout.planned_gpu else layout.planned_model
+    print(f"kvbaton: placement {args.placement_pick} of {args.placement} (planned for {planned}): "
+          f"{' '.join(layout.serve_flags())}", file=sys.stderr, flush=True)
+
+
+def _serve_device(args: argparse.Namespace) -> str:
+    """The workers' device: --device, or cuda where --gpus-per-worker hands each worker GPUs. A local CUDA launch is
+    checked here, before any worker starts; Ray's workers are checked on their own nodes."""
+    from kvbaton.model.device import check_device_name, resolve_device
+
+    device = check_device_name(args.device if args.device is not None else ("cuda" if args.gpus_per_worker else "cpu"))
+    if args.gpus_per_worker and device == "cpu":
+        raise KvbatonError("--gpus-per-worker reserves GPUs for each worker, which --device cpu would leave unused: "
+                           "drop --device (cuda) or the GPUs")
+    if args.gpus_per_worker and device != "cuda" and int(device.partition(":")[2]) >= math.ceil(args.gpus_per_worker):
+        raise KvbatonError(f"--device {device}: Ray narrows each worker's CUDA_VISIBLE_DEVICES to its "
+                           f"{args.gpus_per_worker:g} GPU(s), numbered from 0")
+    if device != "cpu" and not args.ray:
+        resolve_device(device)
+    return device
+
+
 def _add_worker(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run one worker process that registers with a router")
     p.add_argument("--role", default="mixed", choices=("mixed", "prefill", "decode"))
@@ -259,7 +316,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-id", default="", help="unique id in the cluster (default: host-pid)")
     p.add_argument("--policy", default="", help="local queue policy fcfs | lpm | preble | priority (default: the router's)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
@@ -298,7 +355,10 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from kvbaton.server.worker import Worker, WorkerConfig
 
+    from kvbaton.model.device import check_device_name
+
     _check_kv_sizes(args)
+    check_device_name(args.device)  # a misspelt device fails here, before the secret and the model load
     secret = _cluster_secret(args, create=False)
     if secret is None:
         raise KvbatonError("no cluster secret: give the router's with --cluster-secret-file FILE (written by "

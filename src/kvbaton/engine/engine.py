@@ -11,6 +11,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,11 +27,13 @@ from kvbaton.core.step import SampledToken, StepPlan, StepResult, TokenDelta
 from kvbaton.engine.kv_storage import HostKVStorage, KVStorage
 from kvbaton.engine.model_runner import ModelRunner, PromptLogprobsWanted
 from kvbaton.engine.sampler import Sampler
-from kvbaton.engine.structured import RequestGrammar, grammar_tokenizer
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.model.tokenizer import IncrementalDetokenizer
 from kvbaton.scheduler.local_scheduler import LocalScheduler
 from kvbaton.scheduler.outputs import SchedulerStats
+
+if TYPE_CHECKING:
+    from kvbaton.engine.structured import RequestGrammar
 
 
 @dataclass(slots=True)
@@ -144,6 +147,10 @@ class Engine:
         """A fresh matcher for a structured-output request (InvalidRequestError if its grammar does not build)."""
         if not params.grammar:
             return None
+        # Imported with the first structured request: an engine that never constrains runs without llguidance
+        # (benchmarks/gpu_check.py on a machine that has only torch and a few pure-Python packages).
+        from kvbaton.engine.structured import RequestGrammar, grammar_tokenizer
+
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.loaded.config.vocab_size)
         return RequestGrammar(self._grammar_tokenizer, params.grammar)

@@ -27,7 +27,10 @@ def kv_layout_for(loaded: LoadedModel, block_size: int) -> KVLayout:
 
 
 def numpy_kv(kv_cache: torch.Tensor) -> np.ndarray:
-    """A no-copy numpy view of CPU KV storage; bfloat16 as its raw 16-bit pattern (the transports' convention)."""
+    """A no-copy numpy view of CPU KV storage; bfloat16 as its raw 16-bit pattern (the transports' convention).
+    A device tensor is refused: the transports reach it through `kv_staging.KVStaging`'s host buffer."""
+    if kv_cache.device.type != "cpu":
+        raise ValueError(f"KV storage on {kv_cache.device} has no host view: stage it through KVStaging")
     if kv_cache.dtype == torch.bfloat16:
         return kv_cache.view(torch.int16).numpy().view(np.uint16)
     return kv_cache.numpy()

@@ -19,6 +19,7 @@ from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken, TokenDelta
 from kvbaton.engine.engine import Engine
 from kvbaton.engine.handoff import TransferCounters, transfer_id_of
+from kvbaton.engine.kv_staging import KVStaging
 from kvbaton.transfer.base import KVTransport
 from kvbaton.transfer.destination import HandoffDestination
 from kvbaton.transfer.driver import pump_destination, send_all
@@ -42,8 +43,11 @@ class DecodeHandoffs:
     """Every incoming handoff of one decode worker (single-threaded: the worker loop calls everything)."""
 
     def __init__(self, engine: Engine, layout: KVLayout, transport: KVTransport, lease_s: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], staging: KVStaging | None = None) -> None:
+        """`staging`: where the transport lands KV when that is not the engine's storage (a device's: the landing
+        buffer is host memory, copied to the device as each leg is adopted)."""
         self.engine = engine
+        self.staging = staging
         self.transport = transport
         self.lease_s = lease_s
         self._clock = clock
@@ -148,6 +152,8 @@ class DecodeHandoffs:
     def _adopt(self, entry: _Expected, now: float) -> list[TokenDelta]:
         adopted = self.destination.adopt(transfer_id_of(entry.request_id), now)
         first = adopted.first_token
+        if self.staging is not None:
+            self.staging.to_device(adopted.block_ids)
         try:
             output = self.engine.adopt_request(entry.prompt_token_ids, entry.params, entry.request_id,
                                                SampledToken(first.token_id, first.logprob, first.top_logprobs),

@@ -27,7 +27,8 @@ from kvbaton.core.request import Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken, StepPlan, TokenDelta
 from kvbaton.engine.engine import Engine
-from kvbaton.engine.handoff import TransferCounters, numpy_kv, transfer_id_of
+from kvbaton.engine.handoff import TransferCounters, transfer_id_of
+from kvbaton.engine.kv_staging import KVStaging
 from kvbaton.transfer.base import KVTransport, TransportError
 from kvbaton.transfer.driver import pump_source, send_all
 from kvbaton.transfer.layout import KVLayout
@@ -92,7 +93,9 @@ class PrefillHandoffs:
         self._unreserved: deque[_Outgoing] = deque()  # legs waiting for their turn to reserve, FIFO
         self._reports: list[HandoffReport] = []
         self._swallow: set[str] = set()  # aborted here: the engine's final ABORT output is not the client's
-        self._source_kv = numpy_kv(engine.storage.kv_cache)
+        # What the transports read: the storage itself on the CPU, a pinned host copy of a device's (kv_staging).
+        self.staging = KVStaging(engine.storage.kv_cache)
+        self._source_kv = self.staging.host_numpy
         engine.on_executed = self._on_executed
         engine.scheduler.on_preempted = self._on_preempted
 
@@ -202,6 +205,7 @@ class PrefillHandoffs:
             src_block_ids = chunk.block_ids[blocks.start:blocks.stop]
             messages = [self.source.stream(transfer_id, layer, first, num, src_block_ids, now).message
                         for layer in range(self.layout.num_layers)]
+            self.staging.to_host(src_block_ids)
             try:
                 self.transport.send_many(leg.decode_worker, messages, self._source_kv)
             except TransportError as exc:

@@ -54,9 +54,11 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "auto", block_size: int = 16,
                  num_blocks: int = 2048, enable_prefix_cache: bool = True, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 128, queue_policy: str = "fcfs", max_model_len: int = 0, seed: int = 0,
-                 num_speculative_tokens: int = 0, host_num_blocks: int = 0) -> None:
+                 num_speculative_tokens: int = 0, host_num_blocks: int = 0, device: str = "cpu") -> None:
+        """`device`: cpu, cuda or cuda:N (`kvbaton.model.device`), where the weights, the KV pool and the forward
+        live."""
         config = EngineConfig(
-            model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_cache=enable_prefix_cache,
                               host_num_blocks=host_num_blocks),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -65,6 +65,13 @@ class Sampler:
         """logits: [N, vocab] float32, row i for request_ids[i] (left as they are: masks and adjustments go to a copy);
         `requests[i]` is that request (its prompt and output so far, for the penalties), needed when any of
         `params` adjusts its logits; `allowed[i]`, when not None, is row i's [vocab] bool grammar mask."""
+        if logits.device.type != "cpu":
+            # An accelerator's logits: a plain greedy batch takes its argmax there (only the ids cross to the host);
+            # anything else is sampled on the host, where the grammar masks and the seeded generators live, so a
+            # seed draws the same tokens on every device.
+            if allowed is None and all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params):
+                return [SampledToken(token) for token in torch.argmax(logits, dim=-1).tolist()]
+            logits = logits.float().cpu()
         owned = allowed is not None  # logits are the model's (inference tensors): adjust a copy
         if allowed is not None:
             logits = logits.clone()
@@ -98,6 +105,7 @@ class Sampler:
         exactly those plain decodes would give; sampled, each draft x kept with probability p(x) (p after
         temperature, min-p, top-k and top-p) and else replaced by a draw from p without x, renormalised, which
         leaves every token distributed as p (speculative sampling with a draft that is certain of its token)."""
+        rows = rows.float().cpu()  # a no-op on the CPU; an accelerator's rows are judged on the host (see `sample`)
         logprobs = torch.log_softmax(rows, dim=-1) if p.logprobs is not None else None
         tokens: list[int] = []
         if p.greedy:

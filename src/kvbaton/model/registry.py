@@ -164,11 +164,12 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     """Resolve, read and build a model; every bad input raises a KvbatonError with a message for the user."""
     from kvbaton.model.llama import LlamaModel
 
+    from kvbaton.model.device import resolve_device
+
     torch_dtype = resolve_dtype(dtype)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidRequestError(f"device {device!r} requested but CUDA is not available")
+    torch_device = resolve_device(device)
     source = resolve_model_source(name)
     config, state_dict, tokenizer = read_model_source(source)
     revision = model_revision(source, state_dict)
-    model = LlamaModel.from_hf_state_dict(config, state_dict, torch_dtype, device)
+    model = LlamaModel.from_hf_state_dict(config, state_dict, torch_dtype, torch_device)
     return LoadedModel(name, config, model, tokenizer, revision, torch_dtype)

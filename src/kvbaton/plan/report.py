@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbaton.plan.planner import Candidate, Plan
+from kvbaton.plan.serve_layout import serve_command
 
 
 def candidate_json(c: Candidate) -> dict[str, Any]:
@@ -100,6 +101,7 @@ def plan_text(plan: Plan, rate_rps: float | None = None) -> str:
     if rate_rps is not None:
         units = plan.units_for(rate_rps)
         lines.append(f"  for {rate_rps:g} req/s: {units} unit(s) = {units * p.num_gpus} GPUs")
+    lines.append(f"  launch here: {serve_command(plan_json(plan, rate_rps))}")
     lines += [f"searched {len(plan.candidates)} placements in {plan.search_s:.1f} s", "", candidates_table(plan)]
     return "\n".join(lines)
 

@@ -63,6 +63,7 @@ class ServeConfig:
     port: int = 8000  # 0 = any free port (the printed URL has the real one)
     rpc_address: str = DEFAULT_RPC_ADDRESS  # where workers connect; "*" = any free port
     dtype: str = "auto"
+    device: str = "cpu"  # every worker's (kvbaton.model.device); with Ray GPUs, "cuda" is each worker's own GPU
     block_size: int = 16
     num_blocks: int = 2048  # per worker
     host_num_blocks: int = 0  # per worker: the prefix cache's host tier (kvbaton.cache.host_tier); 0 = off
@@ -171,7 +172,7 @@ def serving_max_model_len(config: ServeConfig, model_config: ModelConfig) -> int
 def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: str = "mixed") -> list[str]:
     """The arguments of `kvbaton worker` for one worker of `config`."""
     return ["--role", role, "--router", router_address,
-            "--model", config.model, "--worker-id", worker_id, "--dtype", config.dtype,
+            "--model", config.model, "--worker-id", worker_id, "--dtype", config.dtype, "--device", config.device,
             "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
             "--host-num-blocks", str(config.host_num_blocks),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),

@@ -70,7 +70,9 @@ class WorkerHost:
 
     def start(self, worker_args: Sequence[str], secret_hex: str) -> tuple[str, int]:
         """Start the worker with `worker_args` (after `kvbaton worker`), this node's IP for its KV receiver and the
-        cluster secret in its environment (never on its command line); returns (node IP, worker pid)."""
+        cluster secret in its environment (never on its command line); returns (node IP, worker pid). That
+        environment is the actor's, with the CUDA_VISIBLE_DEVICES Ray set to the actor's GPUs (`--gpus-per-worker`):
+        the worker's `--device cuda` is the first of them."""
         import ray
 
         node_ip = ray.util.get_node_ip_address()

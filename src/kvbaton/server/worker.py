@@ -37,6 +37,7 @@ from kvbaton.engine.engine import Engine
 from kvbaton.engine.handoff import DEFAULT_LEASE_S, TransferCounters, kv_layout_for
 from kvbaton.engine.handoff_decode import DecodeHandoffs
 from kvbaton.engine.handoff_prefill import PrefillHandoffs
+from kvbaton.engine.kv_staging import KVStaging
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
@@ -181,7 +182,7 @@ class Worker:
         try:
             if cfg.role == "decode":  # storage first: its address goes into the registration
                 self._decode_kv = DecodeKV(cfg.worker_id, layout, cfg.num_blocks, cfg.kv_transport, cfg.kv_host,
-                                           secret=secret)
+                                           secret=secret, pin_memory=cfg.device.startswith("cuda"))
             ack = self._register(socket)
             alive = _AliveThread(context, cfg.router_address, cfg.worker_id, secret)
             try:
@@ -213,7 +214,11 @@ class Worker:
         cfg = self.config
         self.engine = self._build_engine(cfg.queue_policy or ack.queue_policy)
         if self._decode_kv is not None:
-            self.decode = DecodeHandoffs(self.engine, layout, self._decode_kv.receiver, cfg.kv_lease_s, self._clock)
+            landing = self._decode_kv.kv_cache
+            staging = (KVStaging(self.engine.storage.kv_cache, host_kv=landing)
+                       if landing is not self.engine.storage.kv_cache else None)
+            self.decode = DecodeHandoffs(self.engine, layout, self._decode_kv.receiver, cfg.kv_lease_s, self._clock,
+                                         staging)
             self.engine.between_layers = self.decode.pump  # grants and KV between layers; adoption after
         if cfg.role == "prefill":
             self._prefill_links = PrefillLinks(cfg.worker_id, layout, cfg.transfer_faults, self._clock, secret=secret)
@@ -249,7 +254,10 @@ class Worker:
             scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, queue_policy=queue_policy,
                                       num_speculative_tokens=cfg.num_speculative_tokens),
         )
-        kv_cache = self._decode_kv.kv_cache if self._decode_kv is not None else None
+        # On the CPU a decode worker's engine computes in the memory its KV lands in; a device's storage is its own,
+        # and handoffs are staged through the landing memory (engine/kv_staging.py, `_start_handoffs`).
+        on_host = self.loaded.model.embed_tokens.device.type == "cpu"
+        kv_cache = self._decode_kv.kv_cache if self._decode_kv is not None and on_host else None
         engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache)
         engine.worker_id = cfg.worker_id
         if engine.kv_layout != kv_layout_of(self.loaded, cfg.block_size):

@@ -41,7 +41,8 @@ class DecodeKV:
     """The decode end: KV storage plus the receiver prefill workers link to."""
 
     def __init__(self, worker_id: str, layout: KVLayout, num_blocks: int, transport: str, host: str = "127.0.0.1",
-                 port: int = 0, *, secret: ClusterSecret) -> None:
+                 port: int = 0, *, secret: ClusterSecret, pin_memory: bool = False) -> None:
+        """`pin_memory`: the tcp receiver's buffer is page-locked (a CUDA engine copies landed KV from it)."""
         if transport not in KV_TRANSPORTS:
             raise ValueError(f"kv transport must be one of {KV_TRANSPORTS}, got {transport!r}")
         self.region: ShmKVRegion | None = None
@@ -55,7 +56,8 @@ class DecodeKV:
                 raise
             self.kv_cache = self.region.torch_view()
         else:
-            self.kv_cache = torch.zeros(layout.storage_shape(num_blocks), dtype=_TORCH_DTYPES[layout.dtype])
+            self.kv_cache = torch.zeros(layout.storage_shape(num_blocks), dtype=_TORCH_DTYPES[layout.dtype],
+                                        pin_memory=pin_memory)
             self.receiver = TcpKVReceiver(worker_id, layout, numpy_kv(self.kv_cache), host, port, secret=secret)
         bound_host, bound_port = self.receiver.address
         self.address = f"{transport}://{bound_host}:{bound_port}"

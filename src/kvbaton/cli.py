@@ -254,7 +254,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _add_worker(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run one worker process that registers with a router")
     p.add_argument("--role", default="mixed", choices=("mixed", "prefill", "decode"))
-    p.add_argument("--router", required=True, help="the router's zmq address, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--router", required=True, metavar="ADDRESS[,ADDRESS...]",
+                   help="the router's zmq address, e.g. tcp://127.0.0.1:5557; several, comma-separated: serve each "
+                        "(routers that join later are announced by one of them)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--worker-id", default="", help="unique id in the cluster (default: host-pid)")
     p.add_argument("--policy", default="", help="local queue policy fcfs | lpm | preble | priority (default: the router's)")
@@ -268,7 +270,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-up", action="store_true", help="build every linear shape a step can use (oneDNN primitives, ~0.5 MB each) before serving: RSS stays flat under any mix of step sizes, at a few seconds of start-up")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = all cores)")
-    p.add_argument("--router-timeout", type=float, default=15.0, help="exit after this long without a word from the router")
+    p.add_argument("--router-timeout", type=float, default=15.0, help="exit after this long without a word from any router")
+    p.add_argument("--router-link-timeout", type=float, default=5.0,
+                   help="give up one of several routers silent this long while another is heard: abort its requests "
+                        "(and keep registering with it, so it gets this worker again if it comes back)")
     p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"),
                    help="decode role: how prefill workers write KV")
     p.add_argument("--kv-host", default="127.0.0.1", help="decode role: address the KV receiver listens on")
@@ -306,8 +311,12 @@ def _run_worker(args: argparse.Namespace) -> int:
     # SIGTERM exits through the KeyboardInterrupt path (status 130) instead of dying mid-frame.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    routers = [address.strip() for address in args.router.split(",") if address.strip()]
+    if not routers:
+        raise KvbatonError("--router needs at least one address")
     worker = Worker(WorkerConfig(
-        router_address=args.router, worker_id=worker_id, role=args.role, model=args.model, dtype=args.dtype,
+        router_address=routers[0], more_router_addresses=tuple(routers[1:]),
+        router_link_timeout_s=args.router_link_timeout, worker_id=worker_id, role=args.role, model=args.model, dtype=args.dtype,
         device=args.device, block_size=args.block_size, num_blocks=args.num_blocks, host_num_blocks=args.host_num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.threads,
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,

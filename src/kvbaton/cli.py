@@ -22,6 +22,7 @@ from kvbaton.core.cluster_secret import API_KEY_ENV
 
 if TYPE_CHECKING:
     from kvbaton.core.cluster_secret import ClusterSecret
+    from kvbaton.server.launcher import ServeConfig
     from kvbaton.server.auth import ApiKeys
 
 
@@ -100,11 +101,47 @@ def _grammar_of(args: argparse.Namespace) -> str:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run a local cluster: N worker processes and the OpenAI-compatible router")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny-random | path to .gguf or HF dir")
     p.add_argument("--workers", type=int, default=None,
                    help="mixed (prefill+decode) worker processes (default 2, or 0 with --prefill/--decode)")
     p.add_argument("--prefill", type=int, default=0, help="prefill worker processes (disaggregated pool)")
     p.add_argument("--decode", type=int, default=0, help="decode worker processes (disaggregated pool)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router processes over the same workers, on consecutive HTTP ports from --port (any free "
+                        "ports with --port 0); put a load balancer in front of them")
+    _add_router_options(p)
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run one more router (HTTP API) for a running cluster: its workers register "
+                                      "with it too")
+    p.add_argument("--join", required=True, metavar="ADDRESS",
+                   help="the RPC address of a router of the cluster (its /cluster router_address, e.g. "
+                        "tcp://127.0.0.1:5557); needs the cluster secret (--cluster-secret-file or "
+                        "KVBATON_CLUSTER_SECRET)")
+    _add_router_options(p)
+
+
+# Options of `kvbaton serve` that a router started with `kvbaton router --join` does not take (serve --routers N).
+_SERVE_ONLY_OPTIONS = ("--routers", "--workers", "--prefill", "--decode", "--port", "--rpc-address", "--ray",
+                       "--gpus-per-worker")
+
+
+def _router_argv(argv: Sequence[str]) -> tuple[str, ...]:
+    """`kvbaton serve` arguments as the extra routers of `--routers N` take them: the serve-only options dropped."""
+    kept: list[str] = []
+    skip_value = False
+    for token in argv:
+        if skip_value:
+            skip_value = False
+        elif token in _SERVE_ONLY_OPTIONS:
+            skip_value = True
+        elif token.split("=", 1)[0] not in _SERVE_ONLY_OPTIONS and token != "serve":
+            kept.append(token)
+    return tuple(kept)
+
+
+def _add_router_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m | tiny-random | path to .gguf or HF dir")
     p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"), help="how KV moves prefill -> decode")
     p.add_argument("--local-prefill-threshold", type=int, default=None,
                    help="prompts with fewer uncached tokens skip the handoff (default: the measured one)")
@@ -205,11 +242,8 @@ def _add_reserve_ahead(p: argparse.ArgumentParser) -> None:
                         "left to prefill ahead of it (default: as it arrives)")
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    from kvbaton.server.auth import check_exposure
-    from kvbaton.server.launcher import ServeConfig, serve
-
-    from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+def _run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from kvbaton.server.launcher import serve
 
     num_workers = args.workers if args.workers is not None else (0 if args.prefill or args.decode else 2)
     if min(num_workers, args.prefill, args.decode) < 0:
@@ -220,6 +254,31 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise KvbatonError("give at least one worker: --workers N, or --prefill N --decode M")
     if args.gpus_per_worker < 0 or (args.gpus_per_worker and not args.ray):
         raise KvbatonError("--gpus-per-worker takes a non-negative number, with --ray")
+    if args.routers < 1:
+        raise KvbatonError(f"--routers must be at least 1, got {args.routers}")
+    if args.port and args.port + args.routers - 1 > 65535:
+        raise KvbatonError(f"--routers {args.routers} from --port {args.port} runs past port 65535")
+    return serve(_serve_config(args, num_workers=num_workers, num_prefill=args.prefill, num_decode=args.decode,
+                               num_routers=args.routers, router_args=_router_argv(argv), rpc_address=args.rpc_address,
+                               ray_address=args.ray, gpus_per_worker=args.gpus_per_worker))
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from kvbaton.server.launcher import serve
+
+    if args.ray:
+        raise KvbatonError("kvbaton router starts no worker: --ray is for kvbaton serve")
+    return serve(_serve_config(args, num_workers=0, num_prefill=0, num_decode=0, join_address=args.join,
+                               rpc_address=args.rpc_address))
+
+
+def _serve_config(args: argparse.Namespace, **fields: object) -> ServeConfig:
+    """The launcher's config from the options `kvbaton serve` and `kvbaton router` share, plus `fields`."""
+    from kvbaton.server.auth import check_exposure
+    from kvbaton.server.launcher import ServeConfig
+
+    from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+
     if not 0 <= args.port <= 65535:
         raise KvbatonError(f"--port must be 0-65535, got {args.port}")
     if not args.drain_timeout >= 0:  # NaN too
@@ -230,12 +289,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     api_keys = _api_keys(args)
     check_exposure(args.host, api_keys, args.allow_unauthenticated)  # before anything loads
     threshold = args.local_prefill_threshold
-    return serve(ServeConfig(
-        model=args.model, num_workers=num_workers, num_prefill=args.prefill, num_decode=args.decode,
-        kv_transport=args.kv_transport, kv_load_failure_policy=args.kv_load_failure_policy,
+    return ServeConfig(
+        model=args.model, kv_transport=args.kv_transport, kv_load_failure_policy=args.kv_load_failure_policy,
         local_prefill_threshold_tokens=DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS if threshold is None else threshold,
-        policy=args.policy, host=args.host, port=args.port,
-        rpc_address=args.rpc_address, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+        policy=args.policy, host=args.host, port=args.port, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         host_num_blocks=args.host_num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
@@ -246,9 +303,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens,
         tool_call_parser=args.tool_call_parser, scheduling_policy=args.scheduling_policy,
         max_stored_responses=args.max_stored_responses, stored_response_ttl_s=args.stored_response_ttl,
-        ray_address=args.ray, gpus_per_worker=args.gpus_per_worker, api_keys=api_keys,
-        allow_unauthenticated=args.allow_unauthenticated, trust_tenant_header=args.trust_tenant_header,
-        metrics_require_key=args.metrics_require_key, cluster_secret=_cluster_secret(args, create=True)))
+        api_keys=api_keys, allow_unauthenticated=args.allow_unauthenticated,
+        trust_tenant_header=args.trust_tenant_header, metrics_require_key=args.metrics_require_key,
+        cluster_secret=_cluster_secret(args, create="join_address" not in fields), **fields)  # type: ignore[arg-type]
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -335,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_router(sub)
     _add_worker(sub)
     from kvbaton.bench.cli import add_bench_arguments
 
@@ -370,7 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return _run_generate(args)
         if args.command == "serve":
-            return _run_serve(args)
+            return _run_serve(args, list(argv) if argv is not None else sys.argv[1:])
+        if args.command == "router":
+            return _run_router(args)
         if args.command == "worker":
             return _run_worker(args)
         if args.command == "bench":

@@ -177,6 +177,8 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
     p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
+    p.add_argument("--router-link-timeout", type=float, default=5.0,
+                   help="workers give up one of several routers silent this long (aborting its requests)")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to another worker when its worker dies mid-request (0 = off)")
     p.add_argument("--admission", default="none", choices=ADMISSION_POLICIES,
@@ -297,7 +299,7 @@ def _serve_config(args: argparse.Namespace, **fields: object) -> ServeConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
-        migration_limit=args.migration_limit,
+        migration_limit=args.migration_limit, router_link_timeout_s=args.router_link_timeout,
         admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
         adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
         tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens,

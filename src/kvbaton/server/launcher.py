@@ -84,6 +84,7 @@ class ServeConfig:
     startup_timeout_s: float = 300.0  # every worker registered within this
     drain_timeout_s: float = 30.0  # in-flight requests may finish within this after a stop signal
     migration_limit: int = 3  # times a call may move to another worker after losing one (0: it fails)
+    router_link_timeout_s: float = 5.0  # workers give up one of several routers silent this long
     worker_exit_timeout_s: float = 10.0  # then stragglers are killed
     # SLO admission (kvbaton.router.admission): none | baseline | early | predicted. The others price each
     # arrival with the step times of `cost_profile` (a `kvbaton profile` file) against the SLOs.
@@ -184,6 +185,7 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
             "--speculative-tokens", str(config.num_speculative_tokens), *(["--warm-up"] if config.warm_up else []),
             "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport,
+            "--router-link-timeout", str(config.router_link_timeout_s),
             *(["--step-log", str(Path(config.step_log_dir) / f"{worker_id}.steps.jsonl")] if config.step_log_dir else []),
             *(["--reserve-ahead-tokens", str(config.reserve_ahead_tokens)]
               if config.reserve_ahead_tokens is not None else [])]
@@ -306,8 +308,9 @@ class Launcher:
             if self.placement is not None:
                 ips = sorted({p.node_ip for p in self.processes.values() if isinstance(p, RayWorkerProcess)})
                 nodes = f" on Ray node(s) {' '.join(ips)}"
-            print(f"kvbaton: serving {config.model} at {self.url} with {pools}{nodes}, policy "
-                  f"{config.policy} (pids {' '.join(str(p.pid) for p in self.processes.values())})", flush=True)
+            pids = " ".join(str(p.pid) for p in self.processes.values())
+            print(f"kvbaton: serving {config.model} at {self.url} with {pools}{nodes}, policy {config.policy}"
+                  + (f" (pids {pids})" if pids else ""), flush=True)
             if config.num_routers > 1:
                 await self._start_routers(address, port)
             if self._stop.is_set():  # a signal arrived while the server was starting

@@ -1,7 +1,7 @@
 """Several routers over one set of workers (server/worker_links.py): each router gets every worker's registration,
 heartbeats and KV events, and only its own calls' deltas; a router that dies costs only its own calls (the workers
 abort them and free their blocks), and a router that joins later rebuilds its prefix index from the workers'
-snapshots.
+snapshots. A router restarted at its old address gets the workers back the same way (they keep registering there).
 
 Routers are ClusterManagers in this process (so the test reads their state); the workers are real `Worker`s in
 threads (tests/server/pd_helpers.py), each linked to every router over the real authenticated zmq RPC.
@@ -132,6 +132,37 @@ def test_a_router_that_shuts_down_leaves_the_workers_to_the_others(tiny: LoadedM
             deltas = await collect(first, GenerateCall("a-0", tuple(PROMPT), greedy(4), 0.0))
             assert deltas[-1].finish_reason == "length" and worker.thread.is_alive()
         finally:
+            await first.shutdown(timeout_s=5.0)
+            await asyncio.to_thread(worker.thread.join, 10.0)
+        assert not worker.thread.is_alive() and worker.error is None, repr(worker.error)
+
+    asyncio.run(main())
+
+
+def test_a_router_that_comes_back_at_its_address_gets_the_workers_and_their_cache_again(tiny: LoadedModel) -> None:
+    async def main() -> None:
+        first, second = router(tiny), router(tiny)
+        first_address, second_address = await first.start(), await second.start()
+        worker = start(tiny, first_address, "w0", "mixed", more_router_addresses=(second_address,),
+                       router_link_timeout_s=1.0, router_timeout_s=10.0)
+        back: ClusterManager | None = None
+        try:
+            await second.wait_for_workers(1, 20.0)
+            deltas = await collect(first, GenerateCall("a-0", tuple(PROMPT), greedy(4), 0.0))
+            assert deltas[-1].finish_reason == "length"
+            die(second)
+            await until(lambda: not worker.worker._links.links[1].registered, 10.0, "the worker to give it up")
+            # The router restarts at the same address (no --join): the worker, still registering there, comes back
+            # with a snapshot of its prefix cache.
+            back = router(tiny, bind_address=second_address)
+            await back.start()
+            await back.wait_for_workers(1, 20.0)
+            await until(lambda: back.state.index.num_blocks >= 3, 10.0, "the snapshot")
+            deltas = await collect(back, GenerateCall("b-0", tuple(PROMPT), greedy(4), 0.0))
+            assert deltas[-1].num_cached_tokens >= 2 * BLOCK_SIZE, deltas[-1]
+        finally:
+            if back is not None:
+                await back.shutdown(timeout_s=5.0)
             await first.shutdown(timeout_s=5.0)
             await asyncio.to_thread(worker.thread.join, 10.0)
         assert not worker.thread.is_alive() and worker.error is None, repr(worker.error)

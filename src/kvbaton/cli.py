@@ -25,6 +25,7 @@ DEVICE_HELP = "where the weights, the KV pool and the forward live: cpu | cuda |
 
 if TYPE_CHECKING:
     from kvbaton.core.cluster_secret import ClusterSecret
+    from kvbaton.server.launcher import ServeConfig
     from kvbaton.server.auth import ApiKeys
 
 
@@ -104,7 +105,6 @@ def _grammar_of(args: argparse.Namespace) -> str:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run a local cluster: N worker processes and the OpenAI-compatible router")
-    p.add_argument("--model", default=None, help="smollm2-135m (default) | tiny-random | path to .gguf or HF dir")
     p.add_argument("--placement", default="", metavar="FILE",
                    help="the worker pools from `kvbaton plan ... --json > FILE` (its best unit x units; instead of "
                         "--workers/--prefill/--decode); the model defaults to the plan's when kvbaton can serve it")
@@ -114,6 +114,43 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="mixed (prefill+decode) worker processes (default 2, or 0 with --prefill/--decode)")
     p.add_argument("--prefill", type=int, default=0, help="prefill worker processes (disaggregated pool)")
     p.add_argument("--decode", type=int, default=0, help="decode worker processes (disaggregated pool)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router processes over the same workers, on consecutive HTTP ports from --port (any free "
+                        "ports with --port 0); put a load balancer in front of them")
+    _add_router_options(p)
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run one more router (HTTP API) for a running cluster: its workers register "
+                                      "with it too")
+    p.add_argument("--join", required=True, metavar="ADDRESS",
+                   help="the RPC address of a router of the cluster (its /cluster router_address, e.g. "
+                        "tcp://127.0.0.1:5557); needs the cluster secret (--cluster-secret-file or "
+                        "KVBATON_CLUSTER_SECRET)")
+    _add_router_options(p)
+
+
+# Options of `kvbaton serve` that a router started with `kvbaton router --join` does not take (serve --routers N).
+_SERVE_ONLY_OPTIONS = ("--routers", "--workers", "--prefill", "--decode", "--port", "--rpc-address", "--ray",
+                       "--gpus-per-worker", "--placement", "--placement-pick")
+
+
+def _router_argv(argv: Sequence[str]) -> tuple[str, ...]:
+    """`kvbaton serve` arguments as the extra routers of `--routers N` take them: the serve-only options dropped."""
+    kept: list[str] = []
+    skip_value = False
+    for token in argv:
+        if skip_value:
+            skip_value = False
+        elif token in _SERVE_ONLY_OPTIONS:
+            skip_value = True
+        elif token.split("=", 1)[0] not in _SERVE_ONLY_OPTIONS and token != "serve":
+            kept.append(token)
+    return tuple(kept)
+
+
+def _add_router_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="smollm2-135m (default) | tiny-random | path to .gguf or HF dir")
     p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"), help="how KV moves prefill -> decode")
     p.add_argument("--local-prefill-threshold", type=int, default=None,
                    help="prompts with fewer uncached tokens skip the handoff (default: the measured one)")
@@ -153,6 +190,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
     p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
+    p.add_argument("--router-link-timeout", type=float, default=5.0,
+                   help="workers give up one of several routers silent this long (aborting its requests)")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to another worker when its worker dies mid-request (0 = off)")
     p.add_argument("--admission", default="none", choices=ADMISSION_POLICIES,
@@ -218,11 +257,8 @@ def _add_reserve_ahead(p: argparse.ArgumentParser) -> None:
                         "left to prefill ahead of it (default: as it arrives)")
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    from kvbaton.server.auth import check_exposure
-    from kvbaton.server.launcher import ServeConfig, serve
-
-    from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+def _run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from kvbaton.server.launcher import serve
 
     if args.placement:
         _apply_placement(args)
@@ -236,6 +272,33 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise KvbatonError("give at least one worker: --workers N, or --prefill N --decode M")
     if args.gpus_per_worker < 0 or (args.gpus_per_worker and not args.ray):
         raise KvbatonError("--gpus-per-worker takes a non-negative number, with --ray")
+    if args.routers < 1:
+        raise KvbatonError(f"--routers must be at least 1, got {args.routers}")
+    if args.port and args.port + args.routers - 1 > 65535:
+        raise KvbatonError(f"--routers {args.routers} from --port {args.port} runs past port 65535")
+    router_args = (*_router_argv(argv), "--model", args.model)  # the model --placement may have chosen
+    return serve(_serve_config(args, num_workers=num_workers, num_prefill=args.prefill, num_decode=args.decode,
+                               num_routers=args.routers, router_args=router_args, rpc_address=args.rpc_address,
+                               ray_address=args.ray, gpus_per_worker=args.gpus_per_worker))
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from kvbaton.server.launcher import serve
+
+    if args.ray:
+        raise KvbatonError("kvbaton router starts no worker: --ray is for kvbaton serve")
+    args.model = args.model or "smollm2-135m"
+    return serve(_serve_config(args, num_workers=0, num_prefill=0, num_decode=0, join_address=args.join,
+                               rpc_address=args.rpc_address))
+
+
+def _serve_config(args: argparse.Namespace, **fields: object) -> ServeConfig:
+    """The launcher's config from the options `kvbaton serve` and `kvbaton router` share, plus `fields`."""
+    from kvbaton.server.auth import check_exposure
+    from kvbaton.server.launcher import ServeConfig
+
+    from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
+
     if not 0 <= args.port <= 65535:
         raise KvbatonError(f"--port must be 0-65535, got {args.port}")
     if not args.drain_timeout >= 0:  # NaN too
@@ -247,25 +310,24 @@ def _run_serve(args: argparse.Namespace) -> int:
     api_keys = _api_keys(args)
     check_exposure(args.host, api_keys, args.allow_unauthenticated)  # before anything loads
     threshold = args.local_prefill_threshold
-    return serve(ServeConfig(
-        model=args.model, num_workers=num_workers, num_prefill=args.prefill, num_decode=args.decode,
-        kv_transport=args.kv_transport, kv_load_failure_policy=args.kv_load_failure_policy,
+    return ServeConfig(
+        model=args.model, kv_transport=args.kv_transport, kv_load_failure_policy=args.kv_load_failure_policy,
         local_prefill_threshold_tokens=DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS if threshold is None else threshold,
-        policy=args.policy, host=args.host, port=args.port,
-        rpc_address=args.rpc_address, dtype=args.dtype, device=device, block_size=args.block_size, num_blocks=args.num_blocks,
+        policy=args.policy, host=args.host, port=args.port, dtype=args.dtype, device=device, block_size=args.block_size,
+        num_blocks=args.num_blocks,
         host_num_blocks=args.host_num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
-        migration_limit=args.migration_limit,
+        migration_limit=args.migration_limit, router_link_timeout_s=args.router_link_timeout,
         admission=args.admission, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, cost_profile=args.cost_profile,
         adaptive_pools=args.adaptive_pools, step_log_dir=args.step_log_dir,
         tokenizer_cache_chars=args.tokenizer_cache_chars, reserve_ahead_tokens=args.reserve_ahead_tokens,
         tool_call_parser=args.tool_call_parser, scheduling_policy=args.scheduling_policy,
         max_stored_responses=args.max_stored_responses, stored_response_ttl_s=args.stored_response_ttl,
-        ray_address=args.ray, gpus_per_worker=args.gpus_per_worker, api_keys=api_keys,
-        allow_unauthenticated=args.allow_unauthenticated, trust_tenant_header=args.trust_tenant_header,
-        metrics_require_key=args.metrics_require_key, cluster_secret=_cluster_secret(args, create=True)))
+        api_keys=api_keys, allow_unauthenticated=args.allow_unauthenticated,
+        trust_tenant_header=args.trust_tenant_header, metrics_require_key=args.metrics_require_key,
+        cluster_secret=_cluster_secret(args, create="join_address" not in fields), **fields)  # type: ignore[arg-type]
 
 
 def _apply_placement(args: argparse.Namespace) -> None:
@@ -311,7 +373,9 @@ def _serve_device(args: argparse.Namespace) -> str:
 def _add_worker(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run one worker process that registers with a router")
     p.add_argument("--role", default="mixed", choices=("mixed", "prefill", "decode"))
-    p.add_argument("--router", required=True, help="the router's zmq address, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--router", required=True, metavar="ADDRESS[,ADDRESS...]",
+                   help="the router's zmq address, e.g. tcp://127.0.0.1:5557; several, comma-separated: serve each "
+                        "(routers that join later are announced by one of them)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--worker-id", default="", help="unique id in the cluster (default: host-pid)")
     p.add_argument("--policy", default="", help="local queue policy fcfs | lpm | preble | priority (default: the router's)")
@@ -325,7 +389,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-up", action="store_true", help="build every linear shape a step can use (oneDNN primitives, ~0.5 MB each) before serving: RSS stays flat under any mix of step sizes, at a few seconds of start-up")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = all cores)")
-    p.add_argument("--router-timeout", type=float, default=15.0, help="exit after this long without a word from the router")
+    p.add_argument("--router-timeout", type=float, default=15.0, help="exit after this long without a word from any router")
+    p.add_argument("--router-link-timeout", type=float, default=5.0,
+                   help="give up one of several routers silent this long while another is heard: abort its requests "
+                        "(and keep registering with it, so it gets this worker again if it comes back)")
     p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"),
                    help="decode role: how prefill workers write KV")
     p.add_argument("--kv-host", default="127.0.0.1", help="decode role: address the KV receiver listens on")
@@ -366,8 +433,12 @@ def _run_worker(args: argparse.Namespace) -> int:
     # SIGTERM exits through the KeyboardInterrupt path (status 130) instead of dying mid-frame.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    routers = [address.strip() for address in args.router.split(",") if address.strip()]
+    if not routers:
+        raise KvbatonError("--router needs at least one address")
     worker = Worker(WorkerConfig(
-        router_address=args.router, worker_id=worker_id, role=args.role, model=args.model, dtype=args.dtype,
+        router_address=routers[0], more_router_addresses=tuple(routers[1:]),
+        router_link_timeout_s=args.router_link_timeout, worker_id=worker_id, role=args.role, model=args.model, dtype=args.dtype,
         device=args.device, block_size=args.block_size, num_blocks=args.num_blocks, host_num_blocks=args.host_num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.threads,
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
@@ -386,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_router(sub)
     _add_worker(sub)
     from kvbaton.bench.cli import add_bench_arguments
 
@@ -421,7 +493,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return _run_generate(args)
         if args.command == "serve":
-            return _run_serve(args)
+            return _run_serve(args, list(argv) if argv is not None else sys.argv[1:])
+        if args.command == "router":
+            return _run_router(args)
         if args.command == "worker":
             return _run_worker(args)
         if args.command == "bench":

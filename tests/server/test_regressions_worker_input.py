@@ -5,6 +5,7 @@ Each test failed on the code it was written against; the fixes it guards are nam
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,6 +19,7 @@ from kvbaton.server import rpc
 from kvbaton.server.base import GenerateCall
 from kvbaton.server.cluster import ClusterManager
 from kvbaton.server.worker import Worker, WorkerConfig
+from kvbaton.server.worker_links import RouterLinks
 from tests.server.pd_helpers import collect, colocated, greedy, run_pd, tokens_of, wait_clean
 from tests.server.test_worker_cluster import WorkerThread
 
@@ -75,6 +77,7 @@ def test_an_unreadable_frame_fails_its_request_not_the_worker(tiny: LoadedModel)
                                  block_size=16, num_blocks=64), tiny)
     worker.engine = worker._build_engine("fcfs")
     with linked_router("w0") as (router, dealer):
+        worker._links = RouterLinks.of_socket(dealer, "w0", time.monotonic)
         for frame in unreadable_frames():
             router.send_multipart([b"w0", frame])
         good = rpc.AddRequest("good", (5, 6, 7), SamplingParams(max_tokens=2, temperature=0.0))
@@ -82,7 +85,7 @@ def test_an_unreadable_frame_fails_its_request_not_the_worker(tiny: LoadedModel)
             router.send_multipart([b"w0", rpc.encode(message)])
         while not worker._stopping:
             assert dealer.poll(2000), "messages did not arrive"
-            worker._drain(dealer)
+            worker._drain()
         failed = failed_deltas(router)
     assert sorted(failed) == ["invalid", "short"], failed
     assert "max_tokens must be a positive integer" in failed["invalid"] and "malformed add" in failed["short"]
@@ -97,15 +100,16 @@ def test_an_unreadable_frame_mid_step_fails_its_request_not_the_prefill_worker(t
     worker.engine = worker._build_engine("fcfs")
     frames = unreadable_frames()
     with linked_router("p0") as (router, dealer):
+        worker._links = RouterLinks.of_socket(dealer, "p0", time.monotonic)
         for frame in frames:
             router.send_multipart([b"p0", frame])
         router.send_multipart([b"p0", rpc.encode(rpc.Ping(1.0))])
         while not worker._deferred:
             assert dealer.poll(2000), "messages did not arrive"
-            worker._read_mid_step(dealer)
+            worker._read_mid_step()
         failed = failed_deltas(router)
     assert sorted(failed) == ["invalid", "short"], failed
-    assert worker._deferred == [rpc.Ping(1.0)]
+    assert [message for _, message in worker._deferred] == [rpc.Ping(1.0)]
 
 
 def test_a_request_id_used_again_does_not_kill_the_prefill_worker(tiny: LoadedModel) -> None:

@@ -224,10 +224,10 @@ class SlowStepWorker(Worker):
 
     step_s = 0.0
 
-    def _step(self, socket: object) -> None:
+    def _step(self) -> None:
         step_s, SlowStepWorker.step_s = SlowStepWorker.step_s, 0.0
         time.sleep(step_s)
-        super()._step(socket)  # type: ignore[arg-type]
+        super()._step()
 
 
 def test_a_step_longer_than_the_worker_timeout_does_not_remove_the_worker(tiny: LoadedModel) -> None:

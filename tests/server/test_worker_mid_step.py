@@ -7,12 +7,15 @@ whose handoffs reserve as they arrive, did not see.
 
 from __future__ import annotations
 
+import time
+
 import zmq
 
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.model.registry import load_model
 from kvbaton.server import rpc
 from kvbaton.server.worker import Worker, WorkerConfig
+from kvbaton.server.worker_links import RouterLinks
 
 
 class RecordingHandoffs:
@@ -37,6 +40,7 @@ def test_handoffs_are_submitted_mid_step_and_other_messages_wait_in_order() -> N
         router.bind("inproc://mid-step")
         dealer.setsockopt(zmq.IDENTITY, b"p0")
         dealer.connect("inproc://mid-step")
+        worker._links = RouterLinks.of_socket(dealer, "p0", time.monotonic)
         sampling = SamplingParams(max_tokens=4)
         messages = [rpc.AddRequest("h1", (1, 2, 3), sampling, decode_worker="d0", decode_address="a"),
                     rpc.Abort(("x",)),
@@ -49,9 +53,9 @@ def test_handoffs_are_submitted_mid_step_and_other_messages_wait_in_order() -> N
             router.send_multipart([b"p0", rpc.encode(message)])
         while len(handoffs.submitted) + len(worker._deferred) < len(messages):
             assert dealer.poll(2000), "messages did not arrive"
-            worker._read_mid_step(dealer)
+            worker._read_mid_step()
         assert handoffs.submitted == ["h1", "h2"]
-        assert worker._deferred == [messages[1], messages[2], messages[4]]
+        assert [message for _, message in worker._deferred] == [messages[1], messages[2], messages[4]]
         assert not worker._stopping  # Shutdown is handled after the step, not between two layers
     finally:
         dealer.close(linger=0)

@@ -36,6 +36,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
+import zmq
+
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.router.admission import AdmissionPolicy
@@ -52,6 +54,7 @@ from kvbaton.server.cluster_registry import CallRecord, ProcessHandle, WorkerRec
 from kvbaton.server.cluster_workers import WorkerPool
 from kvbaton.server.identity import ClusterIdentity
 from kvbaton.server.router_socket import RouterSocket
+from kvbaton.server.rpc_auth import secure_dealer
 
 log = logging.getLogger("kvbaton.cluster")
 
@@ -83,6 +86,22 @@ class ClusterConfig:
     # Only holders of this secret connect as workers (server/rpc_auth.py); None: a fresh one (`ClusterManager.secret`).
     cluster_secret: ClusterSecret | None = None
     migration_limit: int = 3  # times one call may move to another worker after losing one; 0: it fails instead
+    # Other routers of the cluster (zmq RPC addresses) the workers registering here are told about (`join`).
+    peer_routers: tuple[str, ...] = ()
+
+
+def send_add_router(router_address: str, own_address: str, secret: ClusterSecret, timeout_s: float = 5.0) -> None:
+    """Tell the router at `router_address` that a router now serves at `own_address` (blocking: run it off the loop)."""
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    try:
+        secure_dealer(socket, secret)
+        socket.setsockopt(zmq.LINGER, int(timeout_s * 1000))  # close waits (this long at most) for the frame to go
+        socket.connect(router_address)
+        socket.send(rpc.encode(rpc.AddRouter(own_address)))
+    finally:
+        socket.close()
+        context.term()
 
 
 class ClusterManager:
@@ -172,6 +191,19 @@ class ClusterManager:
         socket.start(self.pool.handle)
         self._tasks = [asyncio.create_task(self._monitor_loop())]
         return self.address
+
+    async def join(self, address: str, timeout_s: float) -> None:
+        """Join the cluster whose router listens (RPC) at `address`: tell it this router's address, which it passes on
+        to its workers; they register here and send their prefix caches' snapshots, so this router's index starts
+        whole. Returns once a worker serves here; TimeoutError when none does within `timeout_s`."""
+        if address not in self.pool.peer_routers:
+            self.pool.peer_routers.append(address)
+        await asyncio.to_thread(send_add_router, address, self.address, self.secret)
+        try:
+            await self.wait_for_workers(1, timeout_s)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc} after joining {address}: is it a kvbaton router's RPC address (its /cluster "
+                               "router_address), holding the same cluster secret?") from None
 
     async def _monitor_loop(self) -> None:
         while True:
@@ -491,6 +523,7 @@ class ClusterManager:
                 "model_revision": self.identity.model_revision, "kv_layout": self.identity.kv_layout,
                 "block_size": self.identity.block_size},
             "router_address": self.address,
+            "peer_routers": list(self.pool.peer_routers),
             "workers": [worker_info(self.workers[w], self.state, now) for w in sorted(self.workers)],
             "lost_workers": dict(sorted(self.lost_workers.items())),
             "num_in_flight": len(self._calls),

@@ -59,6 +59,9 @@ class WorkerPool:
         self.num_snapshots_requested = 0
         self.retired_spec_decode_tokens = [0, 0]  # (draft, accepted) of workers that left: keeps totals monotone
         self.socket: RouterSocket | None = None  # set by the manager's start, cleared by its shutdown
+        # The other routers of this cluster that this one knows (those that joined through it, the one it joined):
+        # every worker that registers here is told to register with them too.
+        self.peer_routers: list[str] = list(config.peer_routers)
         self._last_check_at = clock()
 
     @property
@@ -86,6 +89,9 @@ class WorkerPool:
         """One message from a worker (the socket's reader callback)."""
         if isinstance(message, rpc.Register):
             self._on_register(sender, message)
+            return
+        if isinstance(message, rpc.AddRouter):  # a router joining the cluster (`kvbaton router --join`)
+            self._on_router_joined(message.address)
             return
         if isinstance(message, rpc.Alive):  # from the worker's liveness thread, on its second socket
             record = self.workers.get(message.worker_id)
@@ -151,7 +157,19 @@ class WorkerPool:
             self.identity = offered
         self.workers[sender] = WorkerRecord(message, self.clock())
         self.send(sender, rpc.RegisterAck(sender, self.queue_policy, self.config.heartbeat_interval_s))
+        for address in self.peer_routers:
+            self.send(sender, rpc.AddRouter(address))
         log.info("worker %s registered (pid %d, %s)", sender, message.pid, message.kv_layout)
+
+    def _on_router_joined(self, address: str) -> None:
+        """Another router serves this cluster from now on: every worker registers with it too (a worker that knows
+        it already ignores the news). Only a holder of the cluster secret gets this far."""
+        if not address or address in self.peer_routers:
+            return
+        self.peer_routers.append(address)
+        log.info("router %s joined the cluster; telling %d worker(s)", address, len(self.workers))
+        for worker_id in sorted(self.workers):
+            self.send(worker_id, rpc.AddRouter(address))
 
     def _send_raw(self, identity: str, message: rpc.Message) -> None:
         """Send to a peer that is not (or no longer) a pool member; errors are ignored."""

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import TypeVar
 import uvicorn
 import uvloop
 
-from kvbaton.core.cluster_secret import ClusterSecret, worker_environment
+from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret, worker_environment
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.config import ModelConfig
 from kvbaton.model.registry import read_model_header, resolve_model_source
@@ -84,6 +85,7 @@ class ServeConfig:
     startup_timeout_s: float = 300.0  # every worker registered within this
     drain_timeout_s: float = 30.0  # in-flight requests may finish within this after a stop signal
     migration_limit: int = 3  # times a call may move to another worker after losing one (0: it fails)
+    router_link_timeout_s: float = 5.0  # workers give up one of several routers silent this long
     worker_exit_timeout_s: float = 10.0  # then stragglers are killed
     # SLO admission (kvbaton.router.admission): none | baseline | early | predicted. The others price each
     # arrival with the step times of `cost_profile` (a `kvbaton profile` file) against the SLOs.
@@ -112,6 +114,12 @@ class ServeConfig:
     metrics_require_key: bool = False
     # What the RPC and the KV links authenticate with (core/cluster_secret.py); None: a fresh one for this run.
     cluster_secret: ClusterSecret | None = None
+    # Several routers (`kvbaton serve --routers N`): this process is the first; the others are `kvbaton router --join`
+    # processes with `router_args` (the shared options), on the next HTTP ports (any free ones when port is 0).
+    num_routers: int = 1
+    router_args: tuple[str, ...] = ()
+    # `kvbaton router --join ADDRESS`: start no worker; join the cluster whose router's RPC listens at ADDRESS.
+    join_address: str = ""
 
 
 def _slo_and_profile(config: ServeConfig, flag: str,
@@ -178,6 +186,7 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
             "--speculative-tokens", str(config.num_speculative_tokens), *(["--warm-up"] if config.warm_up else []),
             "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport,
+            "--router-link-timeout", str(config.router_link_timeout_s),
             *(["--step-log", str(Path(config.step_log_dir) / f"{worker_id}.steps.jsonl")] if config.step_log_dir else []),
             *(["--reserve-ahead-tokens", str(config.reserve_ahead_tokens)]
               if config.reserve_ahead_tokens is not None else [])]
@@ -195,12 +204,16 @@ class Launcher:
         self._cluster: ClusterManager | None = None
         self._drain_timer: asyncio.TimerHandle | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.routers: dict[str, subprocess.Popen[bytes]] = {}  # URL -> the other routers' processes (--routers N)
 
     def request_stop(self) -> None:
         """Signal handler: the first call drains, then stops the HTTP server; a second one stops at once. While
         draining the server still accepts: new calls are answered 503 with Retry-After (a load balancer moves them
         to another router) and /ready fails, while those in flight finish."""
         server, cluster = self._server, self._cluster
+        for process in self.routers.values():  # each drains its own streams meanwhile
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM if not self._stop.is_set() else signal.SIGINT)
         if server is not None:
             if self._stop.is_set():
                 server.force_exit = True
@@ -256,11 +269,17 @@ class Launcher:
             self._let_go_of_ray()
             raise
         try:
-            await self._start_workers(address)
-            for worker_id, process in self.processes.items():
-                cluster.watch_process(worker_id, process)
-            if not await self._wait_for_workers(cluster):
-                return 0  # stopped during startup
+            if config.join_address:
+                try:
+                    await cluster.join(config.join_address, config.startup_timeout_s)
+                except TimeoutError as exc:
+                    raise KvbatonError(f"router did not join: {exc}") from None
+            else:
+                await self._start_workers(address)
+                for worker_id, process in self.processes.items():
+                    cluster.watch_process(worker_id, process)
+                if not await self._wait_for_workers(cluster):
+                    return 0  # stopped during startup
             app = create_app(cluster, tokenizer, config.model, max_model_len=serving_max_model_len(config,
                                                                                               model_config),
                              tokenizer_cache_chars=config.tokenizer_cache_chars,
@@ -283,13 +302,18 @@ class Launcher:
             port = http_socket.getsockname()[1]
             host = f"[{config.host}]" if ":" in config.host else config.host
             self.url = f"http://{host}:{port}"
-            pools = f"{config.num_workers} mixed + {config.num_prefill} prefill + {config.num_decode} decode"
+            pools = f"{config.num_workers} mixed + {config.num_prefill} prefill + {config.num_decode} decode worker(s)"
+            if config.join_address:
+                pools = f"the {cluster.num_serving_workers} worker(s) of the cluster it joined at {config.join_address}"
             nodes = ""
             if self.placement is not None:
                 ips = sorted({p.node_ip for p in self.processes.values() if isinstance(p, RayWorkerProcess)})
                 nodes = f" on Ray node(s) {' '.join(ips)}"
-            print(f"kvbaton: serving {config.model} at {self.url} with {pools} worker(s){nodes}, policy "
-                  f"{config.policy} (pids {' '.join(str(p.pid) for p in self.processes.values())})", flush=True)
+            pids = " ".join(str(p.pid) for p in self.processes.values())
+            print(f"kvbaton: serving {config.model} at {self.url} with {pools}{nodes}, policy {config.policy}"
+                  + (f" (pids {pids})" if pids else ""), flush=True)
+            if config.num_routers > 1:
+                await self._start_routers(address, port)
             if self._stop.is_set():  # a signal arrived while the server was starting
                 self._server.should_exit = True
             try:
@@ -308,11 +332,51 @@ class Launcher:
             if self._drain_task is not None:
                 self._drain_task.cancel()
             http_socket.close()
+            await self._stop_routers()  # before this router's shutdown: the workers stop with their last router
             self._stop_unregistered(cluster)
             await cluster.shutdown(timeout_s=config.worker_exit_timeout_s)
             self._reap()
             self._let_go_of_ray()
             print("kvbaton: stopped", flush=True)
+
+    async def _start_routers(self, rpc_address: str, port: int) -> None:
+        """Start the other routers of `--routers N` (`kvbaton router --join` this one) and wait until each is ready.
+
+        Consecutive ports rather than one port shared with SO_REUSEPORT: a client's stream lives in the router
+        process that accepted it (the kernel would spread connections blindly, and a router's death must end only
+        its own clients' streams), and a load balancer in front health-checks each router on its own port."""
+        config = self.config
+        environment = {**os.environ, SECRET_ENV: self.secret.to_hex()}  # the secret never on a command line
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        for index in range(1, config.num_routers):
+            router_port = config.port + index if config.port else _free_port(config.host)
+            command = [sys.executable, "-m", "kvbaton.cli", "router", "--join", rpc_address, "--port",
+                       str(router_port), *config.router_args]
+            self.routers[f"http://{host}:{router_port}"] = subprocess.Popen(command, start_new_session=True,
+                                                                             env=environment)
+        deadline = time.monotonic() + config.startup_timeout_s
+        for url, process in self.routers.items():
+            while not await asyncio.to_thread(_is_ready, url):
+                if process.poll() is not None:
+                    raise KvbatonError(f"router {url} (pid {process.pid}) exited with code {process.returncode} "
+                                       "during startup")
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise KvbatonError(f"router {url} not ready within {config.startup_timeout_s:g} s")
+                await asyncio.sleep(0.1)
+            print(f"kvbaton: router at {url} (pid {process.pid}) serves the same workers", flush=True)
+
+    async def _stop_routers(self) -> None:
+        """Stop the other routers (they drain their streams first), killing any still running after the drain."""
+        for process in self.routers.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        timeout_s = self.config.drain_timeout_s + self.config.worker_exit_timeout_s
+        for process in self.routers.values():
+            try:
+                await asyncio.to_thread(process.wait, timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                await asyncio.to_thread(process.wait, 5.0)
 
     @staticmethod
     def placed_on_ray(config: ServeConfig, placement: RayPlacement) -> ServeConfig:
@@ -404,6 +468,21 @@ def freeze_startup_heap() -> None:
     requests took 0.16-0.23 s before (~60 us a request, each a pause of ~0.1 s), 0.007 s after."""
     gc.collect()
     gc.freeze()
+
+
+def _free_port(host: str) -> int:
+    """A port free now (another process may take it before the router binds it: a start-up error, not a hang)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def _is_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2.0) as response:
+            return int(response.status) == 200
+    except (OSError, ValueError):
+        return False
 
 
 def _bind_http(host: str, port: int) -> socket.socket:

@@ -242,16 +242,26 @@ class Ping:
 
 
 @dataclass(frozen=True, slots=True)
+class AddRouter:
+    """Another router serves this cluster at `address` (a zmq address): router -> worker, connect and register there
+    too; a joining router -> a router of the cluster (`kvbaton router --join`), tell your workers (and the workers
+    that register later) about me."""
+
+    TAG: ClassVar[str] = "add_router"
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     TAG: ClassVar[str] = "shutdown"
     reason: str
 
 
 Message = (Register | TokenDeltas | Stats | KVEvents | SnapshotResponse | HandoffEnded | Alive | Goodbye
-           | RegisterAck | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | ResetPrefixCache | Ping | Shutdown)
+           | RegisterAck | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | ResetPrefixCache | Ping | AddRouter | Shutdown)
 
 _PLAIN = (Register, Stats, HandoffEnded, Alive, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed,
-          SnapshotRequest, ResetPrefixCache, Ping, Shutdown)
+          SnapshotRequest, ResetPrefixCache, Ping, AddRouter, Shutdown)
 _BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, SnapshotResponse, AddRequest,
                                                        Abort)}
 # What each field of a plain message must be on the wire (a float field takes an int too): a dataclass does not

@@ -1,4 +1,9 @@
-"""One worker process: registers with the router, then runs the engine loop and streams results back.
+"""One worker process: registers with its router(s), then runs the engine loop and streams results back.
+
+Several routers may share the worker (`server/worker_links.py`): it registers with each, sends each its heartbeats
+and KV events, takes requests from all, and answers each request to the router that sent it. One of several routers
+silent for `router_link_timeout_s` is given up (its requests aborted, their blocks freed) and retried; a router that
+shuts down ends only its own requests.
 
 Loop invariant: while the engine has work, messages are drained without blocking between steps
 (a prefill worker also looks between the layers of a step, and sends a new handoff's KV reservation
@@ -8,8 +13,8 @@ heartbeat (`Stats`, plus new `KVEvents`) goes out every `heartbeat_interval_s` e
 the router's liveness check does not wait for those: a thread with a socket of its own sends `Alive` every
 `rpc.ALIVE_INTERVAL_S` from registration on, so a step longer than the router's worker timeout (a long
 prefill of a real model on a loaded host) does not get the worker removed. The
-worker exits on `Shutdown` (aborting what is left, so every request still gets its final delta) or
-when the router has been silent for `router_timeout_s`.
+worker exits on `Shutdown` from its last router (aborting what is left, so every request still gets its final
+delta) or when every router has been silent for `router_timeout_s`.
 
 Roles: `mixed` runs whole requests; `prefill` also runs handoffs (prefill, stream the KV to the decode
 worker the router named, report legs that end without the KV); `decode` also owns KV storage that
@@ -21,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,9 +46,9 @@ from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.identity import tokenizer_probe_hash
-from kvbaton.server.rpc_auth import secure_dealer
 from kvbaton.server.step_log import StepLog
 from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
+from kvbaton.server.worker_links import REGISTER_RESEND_S, RouterLink, RouterLinks
 from kvbaton.transfer.faults import FaultRule
 from kvbaton.transfer.layout import KVLayout
 
@@ -74,7 +78,12 @@ class WorkerConfig:
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default (all cores)
     queue_policy: str = ""  # local waiting-queue policy; "" = the one the router names at register_ack
     register_timeout_s: float = 60.0  # give up when no register_ack/refuse arrives in time
-    router_timeout_s: float = 15.0  # exit when nothing arrived from the router for this long
+    router_timeout_s: float = 15.0  # exit when nothing arrived from any router for this long
+    # More routers to serve over the same engine (server/worker_links.py); each gets its own registration.
+    more_router_addresses: tuple[str, ...] = ()
+    # One of several routers silent this long (while another is heard) is given up: its requests are aborted and
+    # their blocks freed; the worker keeps sending it registrations, so a router that comes back gets it again.
+    router_link_timeout_s: float = 5.0
     idle_poll_s: float = 0.02
     kv_transport: str = "shm"  # decode workers: how prefill workers reach their KV (shm | tcp)
     kv_host: str = "127.0.0.1"  # decode workers: where the KV receiver listens
@@ -92,41 +101,6 @@ def kv_layout_of(loaded: LoadedModel, block_size: int) -> str:
     """The layout id the engine will have (Engine computes it the same way from the same inputs)."""
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     return loaded.config.kv_layout_id(dtype_name, block_size)
-
-
-class _AliveThread:
-    """Sends `rpc.Alive` every `interval_s` on its own DEALER socket (a zmq socket belongs to one thread) until
-    stopped. It needs the GIL only for a moment per beat, which a step's torch ops release."""
-
-    def __init__(self, context: zmq.Context, router_address: str, worker_id: str, secret: ClusterSecret,
-                 interval_s: float = rpc.ALIVE_INTERVAL_S) -> None:
-        self._socket = context.socket(zmq.DEALER)
-        secure_dealer(self._socket, secret)
-        self._socket.setsockopt(zmq.IDENTITY, rpc.alive_identity(worker_id).encode())
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, 4)  # an unreachable router queues a few beats, not a backlog
-        self._socket.connect(router_address)
-        self._frame = rpc.encode(rpc.Alive(worker_id))
-        self._interval_s = interval_s
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{worker_id}-alive", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                try:
-                    self._socket.send(self._frame, zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # the router is not reachable right now: the next beat tries again
-                if self._stopped.wait(self._interval_s):
-                    return
-        finally:
-            self._socket.close()
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join()
 
 
 class Worker:
@@ -155,7 +129,9 @@ class Worker:
         self.decode: DecodeHandoffs | None = None
         self._decode_kv: DecodeKV | None = None
         self._prefill_links: PrefillLinks | None = None
-        self._deferred: list[rpc.Message] = []  # read between two layers of a step, handled after it (`_drain`)
+        # Read between two layers of a step, handled after it (`_drain`), with the link each came on.
+        self._deferred: list[tuple[RouterLink, rpc.Message]] = []
+        self._links = RouterLinks(config.worker_id, config.cluster_secret, clock)  # connected by `run`
 
     def register_message(self) -> rpc.Register:
         cfg = self.config
@@ -170,36 +146,30 @@ class Worker:
         if secret is None:
             raise KvbatonError(f"worker {self.config.worker_id} has no cluster secret: give it the router's "
                                "(--cluster-secret-file FILE or the KVBATON_CLUSTER_SECRET variable)")
-        context = zmq.Context()
-        socket = context.socket(zmq.DEALER)
-        secure_dealer(socket, secret)
-        socket.setsockopt(zmq.IDENTITY, self.config.worker_id.encode())
-        socket.setsockopt(zmq.LINGER, 1000)
-        socket.connect(self.config.router_address)
         cfg = self.config
+        context = zmq.Context()
+        links = self._links = RouterLinks(cfg.worker_id, secret, self._clock, context)
+        for address in (cfg.router_address, *cfg.more_router_addresses):
+            links.add(address)
         layout = kv_layout_for(self.loaded, cfg.block_size)
-        alive: _AliveThread | None = None
         try:
             if cfg.role == "decode":  # storage first: its address goes into the registration
                 self._decode_kv = DecodeKV(cfg.worker_id, layout, cfg.num_blocks, cfg.kv_transport, cfg.kv_host,
                                            secret=secret, pin_memory=cfg.device.startswith("cuda"))
-            ack = self._register(socket)
-            alive = _AliveThread(context, cfg.router_address, cfg.worker_id, secret)
+            ack = self._register()
             try:
-                self._start(socket, layout, ack, secret)
-            except Exception as exc:  # the router counts this worker in: tell it why it will not serve
-                socket.send(rpc.encode(rpc.Goodbye(cfg.worker_id, f"failed to start: {exc}")))
+                self._start(layout, ack, secret)
+            except Exception as exc:  # the routers count this worker in: tell them why it will not serve
+                links.broadcast(rpc.Goodbye(cfg.worker_id, f"failed to start: {exc}"))
                 raise
-            return self._serve(socket, ack.heartbeat_interval_s)
+            return self._serve(ack.heartbeat_interval_s)
         except KeyboardInterrupt:
             # SIGTERM or Ctrl-C (a worker being drained): leave without ending the requests here, so the router
             # moves them to other workers at once (migration) instead of streaming an abort to their clients.
-            socket.send(rpc.encode(rpc.Goodbye(cfg.worker_id, "stopped by a signal")), zmq.NOBLOCK)
+            links.broadcast(rpc.Goodbye(cfg.worker_id, "stopped by a signal"))
             raise
         finally:
-            if alive is not None:
-                alive.stop()
-            socket.close()
+            links.close()
             context.term()
             if self._step_log is not None:
                 self._step_log.write()
@@ -209,7 +179,7 @@ class Worker:
                 self.engine = self.decode = None  # drop every view of the shared region before unmapping it
                 self._decode_kv.close()
 
-    def _start(self, socket: zmq.Socket, layout: KVLayout, ack: rpc.RegisterAck, secret: ClusterSecret) -> None:
+    def _start(self, layout: KVLayout, ack: rpc.RegisterAck, secret: ClusterSecret) -> None:
         """Build the engine (with the queue policy the router named) and the role's handoff drivers."""
         cfg = self.config
         self.engine = self._build_engine(cfg.queue_policy or ack.queue_policy)
@@ -225,26 +195,60 @@ class Worker:
             self.prefill = PrefillHandoffs(self.engine, layout, self._prefill_links, self._prefill_links.connect,
                                            cfg.kv_lease_s, self._clock, cfg.reserve_ahead_tokens)
             if cfg.reserve_ahead_tokens is None:  # a late reservation waits for its turn between steps anyway
-                self.engine.between_layers = lambda: self._read_mid_step(socket)
+                self.engine.between_layers = self._read_mid_step
 
     # -- registration ---------------------------------------------------------------------------
 
-    def _register(self, socket: zmq.Socket) -> rpc.RegisterAck:
-        socket.send(rpc.encode(self.register_message()))
+    def _register(self) -> rpc.RegisterAck:
+        """Register with every router; returns the first acknowledgement (the others may come later, in the loop)."""
         deadline = self._clock() + self.config.register_timeout_s
-        while self._clock() < deadline:
-            if not socket.poll(100):
-                continue
-            message = rpc.decode(socket.recv())
-            if isinstance(message, rpc.RegisterAck):
-                return message
-            if isinstance(message, rpc.RegisterRefuse):
-                raise KvbatonError(f"router refused worker {self.config.worker_id}: {message.reason}")
-            if isinstance(message, rpc.Shutdown):
-                raise KvbatonError(f"router shut down before registering worker {self.config.worker_id}")
-        raise KvbatonError(f"no answer from the router at {self.config.router_address} within "
+        first: rpc.RegisterAck | None = None
+        while first is None and self._clock() < deadline:
+            self._send_registrations(self._clock())
+            self._links.poll(100)
+            for link, payload in self._links.frames():
+                try:
+                    message = rpc.decode(payload)
+                except rpc.ProtocolError:
+                    continue
+                if isinstance(message, rpc.RegisterAck):
+                    self._on_registered(link)
+                    first = first or message
+                elif isinstance(message, rpc.RegisterRefuse):
+                    raise KvbatonError(f"router refused worker {self.config.worker_id}: {message.reason} "
+                                       f"(router {link.address})")
+                elif isinstance(message, rpc.Shutdown):
+                    raise KvbatonError(f"router shut down before registering worker {self.config.worker_id} "
+                                       f"(router {link.address})")
+        if first is not None:
+            return first
+        addresses = ", ".join(link.address for link in self._links.links)
+        raise KvbatonError(f"no answer from the router at {addresses} within "
                            f"{self.config.register_timeout_s:g} s (a router whose cluster secret differs cannot be "
                            "reached either)")
+
+    def _send_registrations(self, now: float) -> None:
+        """Register with each open link not registered: at once while its router is unreachable (the send fails),
+        again REGISTER_RESEND_S after one that went out unanswered."""
+        payload = b""
+        for link in self._links.links:
+            if link.registered or link.closed or link.leaving or now - link.register_sent_at < REGISTER_RESEND_S:
+                continue
+            payload = payload or rpc.encode(self.register_message())
+            if link.send_bytes(payload):
+                link.register_sent_at = now
+
+    def _on_registered(self, link: RouterLink) -> None:
+        """A router acknowledged this worker: it gets heartbeats and KV events from now on, and (when it joined or
+        came back after the engine started) a snapshot to rebuild its prefix index from."""
+        if link.registered:
+            return  # a late second acknowledgement
+        link.registered = True
+        link.last_heard_at = self._clock()
+        self._links.start_alive(link)
+        if self.engine is not None:
+            log.info("worker %s registered with router %s", self.config.worker_id, link.address)
+            self._send_snapshot(link)
 
     def _build_engine(self, queue_policy: str) -> Engine:
         cfg = self.config
@@ -266,7 +270,7 @@ class Worker:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def _serve(self, socket: zmq.Socket, heartbeat_interval_s: float) -> str:
+    def _serve(self, heartbeat_interval_s: float) -> str:
         engine = self.engine
         assert engine is not None
         self._last_router_at = self._clock()
@@ -277,59 +281,89 @@ class Worker:
             if not engine.has_unfinished_requests():
                 if self._step_log is not None:
                     self._step_log.on_idle()
-                socket.poll(idle_poll_ms)
-            self._drain(socket)
-            self._pump_handoffs(socket)
+                self._links.poll(idle_poll_ms)
+            self._drain()
+            self._pump_handoffs()
             if engine.has_unfinished_requests():
-                self._step(socket)
+                self._step()
             now = self._clock()
             if now >= next_heartbeat_at:
-                self._send_heartbeat(socket, now)
+                self._send_heartbeat(now)
                 next_heartbeat_at = now + heartbeat_interval_s
+                self._send_registrations(now)
+            self._check_links(now)
             if not self._stopping and now - self._last_router_at > self.config.router_timeout_s:
-                self._drain(socket)  # after a step longer than the timeout, the router's pings are still unread
+                self._drain()  # after a step longer than the timeout, the routers' pings are still unread
             if not self._stopping and now - self._last_router_at > self.config.router_timeout_s:
-                self._stopping = f"router silent for more than {self.config.router_timeout_s:g} s"
-                self._finish_all(socket)
+                self._stopping = f"every router silent for more than {self.config.router_timeout_s:g} s"
+                self._finish_all()
                 raise KvbatonError(f"worker {self.config.worker_id}: {self._stopping}; exiting")
-        self._finish_all(socket)
-        self._send_heartbeat(socket, self._clock())
-        socket.send(rpc.encode(rpc.Goodbye(self.config.worker_id, self._stopping)))
+        self._finish_all()
+        self._send_heartbeat(self._clock())
+        self._links.broadcast(rpc.Goodbye(self.config.worker_id, self._stopping))
         return self._stopping
 
-    def _drain(self, socket: zmq.Socket) -> None:
+    def _check_links(self, now: float) -> None:
+        """Give up a router silent past `router_link_timeout_s` while another is heard (its requests are aborted, so
+        their blocks are freed); close a link whose router shut down once its requests have ended."""
+        links = self._links
+        for link in links.links:
+            if link.leaving and not link.request_ids:
+                link.send(rpc.Goodbye(self.config.worker_id, "its router shut down; serving the others"))
+                links.close_link(link)
+        if len(links.links) < 2:
+            return  # a lone router keeps the old rule: the worker waits router_timeout_s for it, then exits
+        timeout_s = self.config.router_link_timeout_s
+        registered = links.registered
+        if not any(now - link.last_heard_at > timeout_s for link in registered):
+            return
+        self._drain()  # after a long step, the pings are still unread
+        heard = [link for link in registered if now - link.last_heard_at <= timeout_s]
+        if not heard:
+            return  # every router silent: the worker-wide router_timeout_s decides
+        for link in registered:
+            if now - link.last_heard_at > timeout_s:
+                log.warning("worker %s gives up router %s (silent for %.1f s); %d request(s) aborted",
+                            self.config.worker_id, link.address, now - link.last_heard_at, len(link.request_ids))
+                link.registered = False
+                link.register_sent_at = float("-inf")  # try it again at once: it may be back
+                self._abort(sorted(link.request_ids))
+
+    def _drain(self) -> None:
         if self._deferred:
             deferred, self._deferred = self._deferred, []
-            for message in deferred:
-                self._handle(socket, message)
-        while not self._stopping:
-            try:
-                payload = socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._last_router_at = self._clock()
-            message = self._decode(socket, payload)
+            for link, message in deferred:
+                self._handle(link, message)
+        for link, payload in self._links.frames():
+            link.last_heard_at = self._last_router_at = self._clock()
+            message = self._decode(link, payload)
             if message is not None:
-                self._handle(socket, message)
+                self._handle(link, message)
+            if self._stopping:
+                return
 
-    def _read_mid_step(self, socket: zmq.Socket) -> None:
+    def _read_mid_step(self) -> None:
         """Between two layers of a prefill worker's step: a handoff routed here asks its decode worker for blocks
         now instead of after the step, so the reservation's round trip overlaps the step (the simulator's model:
         a handoff reserves as it arrives). Only `PrefillHandoffs.submit` runs here, which touches the handoff
         legs and the transport, not the engine; every other message waits for `_drain`, in arrival order. A
         handoff is the first message about its request, so taking it ahead of deferred ones reorders nothing
         that concerns one request."""
-        while not self._stopping and socket.get(zmq.EVENTS) & zmq.POLLIN:
-            message = self._decode(socket, socket.recv(zmq.NOBLOCK))
-            self._last_router_at = self._clock()
-            if message is None:
-                continue
-            if isinstance(message, rpc.AddRequest) and message.decode_worker and self.prefill is not None:
-                self._add_handoff(socket, message)
-            else:
-                self._deferred.append(message)
+        for link in self._links.links:
+            while not self._stopping and link.has_input():
+                payload = link.recv()
+                if payload is None:
+                    break
+                link.last_heard_at = self._last_router_at = self._clock()
+                message = self._decode(link, payload)
+                if message is None:
+                    continue
+                if isinstance(message, rpc.AddRequest) and message.decode_worker and self.prefill is not None:
+                    self._add_handoff(link, message)
+                else:
+                    self._deferred.append((link, message))
 
-    def _decode(self, socket: zmq.Socket, payload: bytes) -> rpc.Message | None:
+    def _decode(self, link: RouterLink, payload: bytes) -> rpc.Message | None:
         """The router's message, or None for a frame this worker cannot read (a router of another version): it is
         dropped, and the request it names, if any, fails with the reason, so one frame never stops the worker."""
         try:
@@ -337,51 +371,74 @@ class Worker:
         except rpc.ProtocolError as exc:
             log.error("worker %s dropped an unreadable message: %s", self.config.worker_id, exc)
             if exc.request_id:
-                self._send_failed(socket, exc.request_id, 0, f"worker {self.config.worker_id} cannot read it: {exc}")
+                self._send_failed(link, exc.request_id, 0, f"worker {self.config.worker_id} cannot read it: {exc}")
             return None
 
-    def _send_failed(self, socket: zmq.Socket, request_id: str, num_prompt_tokens: int, error: str) -> None:
-        """The final delta of a request this worker does not take."""
+    def _send_failed(self, link: RouterLink, request_id: str, num_prompt_tokens: int, error: str) -> None:
+        """The final delta of a request this worker does not take (to the router that sent it)."""
         failed = TokenDelta(request_id, (), "", True, "error", num_prompt_tokens, error=error,
                             worker_id=self.config.worker_id)
-        socket.send(rpc.encode(rpc.TokenDeltas(self.config.worker_id, (failed,))))
+        link.send(rpc.TokenDeltas(self.config.worker_id, (failed,)))
 
-    def _handle(self, socket: zmq.Socket, message: rpc.Message) -> None:
+    def _handle(self, link: RouterLink, message: rpc.Message) -> None:
         engine = self.engine
         assert engine is not None
         if isinstance(message, rpc.AddRequest) and (message.decode_worker or message.prefill_worker):
-            self._add_handoff(socket, message)
+            self._add_handoff(link, message)
         elif isinstance(message, rpc.AddRequest):
             try:
                 engine.add_request(list(message.prompt_token_ids), message.sampling, request_id=message.request_id,
                                    tenant=message.tenant, slo_class=message.slo_class,
                                    output_token_ids=message.output_token_ids)
             except KvbatonError as exc:
-                self._send_failed(socket, message.request_id, len(message.prompt_token_ids), str(exc))
+                self._send_failed(link, message.request_id, len(message.prompt_token_ids), str(exc))
                 return
+            self._links.assign(message.request_id, link)
             self._in_flight.add(message.request_id)
         elif isinstance(message, rpc.Abort):
-            for request_id in message.request_ids:
-                if self.prefill is not None and self.prefill.owns(request_id):
-                    self.prefill.abort(request_id)
-                elif self.decode is not None and self.decode.owns(request_id):
-                    self._emit(socket, [out for out in [self.decode.abort(request_id)] if out is not None])
-                else:
-                    engine.abort_request(request_id)
+            self._abort(message.request_ids)
         elif isinstance(message, rpc.HandoffFailed):
             if self.decode is not None:
-                self._emit(socket, self.decode.on_prefill_failed(message.request_id, message.reason, message.refused))
+                self._emit(self.decode.on_prefill_failed(message.request_id, message.reason, message.refused))
         elif isinstance(message, rpc.SnapshotRequest):
-            self._send_snapshot(socket)
+            self._send_snapshot(link)
         elif isinstance(message, rpc.ResetPrefixCache):
             engine.reset_prefix_cache()  # its KV events go out with the next heartbeat
         elif isinstance(message, rpc.Shutdown):
-            self._stopping = f"shutdown: {message.reason}"
-        # Ping only refreshes _last_router_at; a late RegisterAck is harmless.
+            others = [other for other in self._links.registered if other is not link]
+            if others:  # one router of several stops: end its requests, then leave it; the others are served on
+                link.registered, link.leaving = False, True
+                self._abort(sorted(link.request_ids))
+            else:
+                self._stopping = f"shutdown: {message.reason}"
+        elif isinstance(message, rpc.AddRouter):
+            if self._links.add(message.address) is not None:
+                log.info("worker %s: router %s joined; registering", self.config.worker_id, message.address)
+        elif isinstance(message, rpc.RegisterAck):
+            self._on_registered(link)
+        elif isinstance(message, rpc.RegisterRefuse):
+            log.error("router %s refused worker %s: %s", link.address, self.config.worker_id, message.reason)
+            link.refused = message.reason
+            self._links.close_link(link)
+        # Ping only refreshes the link's last_heard_at.
 
-    def _add_handoff(self, socket: zmq.Socket, message: rpc.AddRequest) -> None:
+    def _abort(self, request_ids: tuple[str, ...] | list[str]) -> None:
+        """Abort requests wherever they run (engine, prefill leg, decode handoff); each still sends its final
+        delta."""
+        engine = self.engine
+        assert engine is not None
+        for request_id in request_ids:
+            if self.prefill is not None and self.prefill.owns(request_id):
+                self.prefill.abort(request_id)
+            elif self.decode is not None and self.decode.owns(request_id):
+                self._emit([out for out in [self.decode.abort(request_id)] if out is not None])
+            else:
+                engine.abort_request(request_id)
+
+    def _add_handoff(self, link: RouterLink, message: rpc.AddRequest) -> None:
         """A prefill leg (decode_worker set) or a decode leg (prefill_worker set) of a disaggregated request."""
         if message.decode_worker and self.prefill is not None:
+            self._links.assign(message.request_id, link)  # its HandoffEnded, if any, goes back to this router
             self.prefill.submit(message.request_id, message.prompt_token_ids, message.sampling, message.decode_worker,
                                 message.decode_address, message.tenant, message.slo_class)
             return
@@ -391,66 +448,99 @@ class Worker:
                                    message.prefill_worker, message.kv_load_failure_policy, message.tenant,
                                    message.slo_class)
             except KvbatonError as exc:
-                self._send_failed(socket, message.request_id, len(message.prompt_token_ids), str(exc))
+                self._send_failed(link, message.request_id, len(message.prompt_token_ids), str(exc))
                 return
+            self._links.assign(message.request_id, link)
             self._in_flight.add(message.request_id)
             return
         error = f"worker {self.config.worker_id} has role {self.config.role!r} and cannot take this handoff leg"
-        self._send_failed(socket, message.request_id, len(message.prompt_token_ids), error)
+        self._send_failed(link, message.request_id, len(message.prompt_token_ids), error)
 
-    def _pump_handoffs(self, socket: zmq.Socket) -> None:
+    def _pump_handoffs(self) -> None:
         if self.prefill is not None:
             self.prefill.poll()
+            links = self._links
             for report in self.prefill.take_reports():
-                socket.send(rpc.encode(rpc.HandoffEnded(self.config.worker_id, report.request_id,
-                                                        report.decode_worker, report.outcome, report.reason)))
+                link = links.link_of(report.request_id) or self._default_link()
+                if link is not None:
+                    link.send(rpc.HandoffEnded(self.config.worker_id, report.request_id, report.decode_worker,
+                                               report.outcome, report.reason))
+            # A prefill leg sends no final delta: its request leaves its link once the leg is gone.
+            if len(links.owner) > self.prefill.num_live + len(self._in_flight):
+                for request_id in [r for r in links.owner if r not in self._in_flight and not self.prefill.owns(r)]:
+                    links.release(request_id)
         if self.decode is not None:
-            self._emit(socket, self.decode.poll())
+            self._emit(self.decode.poll())
 
-    def _step(self, socket: zmq.Socket) -> None:
+    def _step(self) -> None:
         assert self.engine is not None
         started_s = time.perf_counter()
         outputs = self.engine.step()
         self._num_step_calls += 1
         if self.prefill is not None:
             outputs = self.prefill.on_outputs(outputs)
-        self._emit(socket, outputs)
+        self._emit(outputs)
         if self._step_log is not None and self.engine.last_plan is not None:
             self._step_log.on_step(self.engine.last_plan, started_s, time.perf_counter(),
                                    self.engine.has_unfinished_requests())
 
-    def _emit(self, socket: zmq.Socket, outputs: list[TokenDelta]) -> None:
+    def _default_link(self) -> RouterLink | None:
+        """Where a request no router is known for answers (one added before links existed): the first open link."""
+        links = self._links.open_links
+        return links[0] if links else None
+
+    def _emit(self, outputs: list[TokenDelta]) -> None:
+        """Each output's delta to the router that sent its request: one frame per router per step."""
+        if not outputs:
+            return
+        links = self._links
+        by_link: dict[int, tuple[RouterLink, list[TokenDelta]]] = {}
         for out in outputs:
+            link = links.link_of(out.request_id) or self._default_link()
             if out.finished:
                 self._in_flight.discard(out.request_id)
-        if outputs:
-            socket.send(rpc.encode(rpc.TokenDeltas(self.config.worker_id, tuple(outputs))))
+                links.release(out.request_id)
+            if link is None:
+                continue
+            entry = by_link.get(id(link))
+            if entry is None:
+                entry = by_link[id(link)] = (link, [])
+            entry[1].append(out)
+        for link, deltas in by_link.values():
+            link.send(rpc.TokenDeltas(self.config.worker_id, tuple(deltas)))
 
-    def _finish_all(self, socket: zmq.Socket) -> None:
+
+    def _finish_all(self) -> None:
         """Abort whatever is left and step until each request has sent its final delta."""
         engine = self.engine
         assert engine is not None
         for request_id in sorted(self._in_flight):
             if self.decode is not None and self.decode.owns(request_id):
-                self._emit(socket, [out for out in [self.decode.abort(request_id)] if out is not None])
+                self._emit([out for out in [self.decode.abort(request_id)] if out is not None])
             engine.abort_request(request_id)
         if self.prefill is not None:
             for request_id in self.prefill.live_request_ids():
                 self.prefill.abort(request_id, "prefill worker stopping")
         while engine.has_unfinished_requests():
-            self._step(socket)
-        self._pump_handoffs(socket)  # let the aborts out
+            self._step()
+        self._pump_handoffs()  # let the aborts out
 
     # -- heartbeat, events, snapshot ------------------------------------------------------------
 
-    def _send_heartbeat(self, socket: zmq.Socket, now: float) -> None:
+    def _flush_events(self) -> None:
+        """The prefix cache's new KV events, to every registered router (each keeps its own index from them)."""
+        engine = self.engine
+        if engine is None or engine.prefix_cache is None:
+            return
+        events = engine.prefix_cache.take_events()
+        if events:
+            self._last_event_seq = events[-1].seq
+            self._links.broadcast(rpc.KVEvents(self.config.worker_id, tuple(e.to_wire() for e in events)))
+
+    def _send_heartbeat(self, now: float) -> None:
         engine = self.engine
         assert engine is not None
-        if engine.prefix_cache is not None:
-            events = engine.prefix_cache.take_events()
-            if events:
-                self._last_event_seq = events[-1].seq
-                socket.send(rpc.encode(rpc.KVEvents(self.config.worker_id, tuple(e.to_wire() for e in events))))
+        self._flush_events()
         if not self._has_work() and self._checked_at_step_call != self._num_step_calls:
             self._checked_at_step_call = self._num_step_calls
             try:
@@ -462,12 +552,12 @@ class Worker:
             except AssertionError as exc:
                 self._invariant_error = str(exc) or "check_invariants failed"
         s = engine.stats()
-        socket.send(rpc.encode(rpc.Stats(
+        self._links.broadcast(rpc.Stats(
             self.config.worker_id, s.num_waiting, s.num_running, s.num_queued_prefill_tokens, s.num_used_blocks,
             s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens,
             s.num_preemptions, s.num_steps, now, self._invariant_error, *self._transfer_stats(),
             engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens, s.num_host_cached_blocks,
-            s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks)))
+            s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks))
 
     def _has_work(self) -> bool:
         """Anything running or in a handoff, including a reservation made before the router's expect arrived (or
@@ -487,13 +577,11 @@ class Worker:
             num_held = self.decode.destination.num_reserved_blocks
         return (*counters.as_tuple(), num_live, num_held)
 
-    def _send_snapshot(self, socket: zmq.Socket) -> None:
+    def _send_snapshot(self, link: RouterLink) -> None:
+        """The whole prefix cache to one router. Events not yet sent go to every router first: the snapshot covers
+        them, and the others must not miss them."""
+        self._flush_events()
         cache = self.engine.prefix_cache if self.engine is not None else None
-        events = []
-        if cache is not None:
-            pending = cache.take_events()  # already reflected in the snapshot below
-            if pending:
-                self._last_event_seq = pending[-1].seq
-            events = cache.snapshot()
+        events = cache.snapshot() if cache is not None else []
         seq = max([self._last_event_seq, *(e.seq for e in events)])
-        socket.send(rpc.encode(rpc.SnapshotResponse(self.config.worker_id, seq, tuple(e.to_wire() for e in events))))
+        link.send(rpc.SnapshotResponse(self.config.worker_id, seq, tuple(e.to_wire() for e in events)))

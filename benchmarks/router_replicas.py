@@ -1,0 +1,414 @@
+"""Router replicas: 1 and 2 kvbaton routers in front of the same 8 instant workers, sglang-router cache_aware in the
+same run: req/s, CPU per request of each router process, cache-hit ratio and busiest/mean worker load. One JSON line.
+
+Setup (router_overhead.py's, whose pieces this reuses): 2,000-character prompts, 80 % of each a prefix shared within
+one of 8 groups; non-streaming `POST /v1/completions`, 4 output tokens; closed-loop clients over keep-alive
+connections, `--concurrency` in flight in all. With 2 routers there is one client process per router, each with half
+the concurrency and half the requests (what a load balancer spreading connections evenly would send).
+
+- kvbaton:<N>: N router processes (router_overhead.py's `kvbaton-router` role: ClusterManager + the OpenAI app), each
+  its own RPC socket; 8 fake workers in one process, each with one DEALER per router (as `kvbaton worker --router
+  A,B` has), registered with every router. Unlike router_overhead.py's fake workers, these keep a prefix cache: the
+  chained block hashes of every prompt they served (the router's own hashing), so a request's cached tokens are the
+  leading blocks its worker already holds, and each new block goes out as a STORED KV event to every router — the
+  sync the replicas rely on. Workers answer at once and report no queue (`num_queued_prefill_tokens` 0).
+- kvbaton:1:half: one router with the load one of the two replicas gets, the baseline that isolates the sync's cost
+  (a router with half the connections handles fewer requests per event-loop wakeup, which costs CPU per request of
+  itself).
+- sglang:cache_aware: `python -m sglang_router.launch_router` over 8 fake HTTP workers that keep the same kind of
+  cache over 64-character blocks of the prompt text (sglang-router routes on text; it does not tokenize).
+
+Per system: hit ratio = cached / prompt units summed over the workers (tokens for kvbaton, characters for sglang),
+busiest/mean = the most requests one worker served over the mean, both over the measured requests only. CPU is
+utime+stime of each router process over the measured requests (router_overhead.py's `process_tree_cpu_s`); the
+client's is its processes' own over the load (`time.process_time`). Each router's idle CPU (heartbeats, pings, its
+monitor) is sampled for 2 s before the run; `*_above_idle` subtracts it over the run's length: the per-request work
+alone, which is what the replicas' sync could add to (a replica serves half the requests over a longer run, so its
+fixed per-second cost weighs twice as much per request in the raw figure). Every process here shares this machine's cores (`cores` says how many
+each could run on): the aggregate req/s of 2 routers is bounded by the machine, not by the routers.
+
+    .venv/bin/python benchmarks/router_replicas.py [--num-requests 2000 --num-warmup 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from kvbaton.cache.events import KVEvent, KVEventKind
+from kvbaton.cache.hashing import CacheKey, hash_block_tokens
+from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
+from kvbaton.server import rpc
+from kvbaton.server.base import TokenDelta
+from kvbaton.server.rpc_auth import secure_dealer
+from overhead_backends import REPLY_TEXT, REPLY_TOKEN_IDS, _completion, _read_request, _response, cluster_secret
+from router_overhead import MODEL, _body, _spawn, _stop, _wait_ready, free_port, make_prompts, process_tree_cpu_s
+
+BLOCK_SIZE = 16
+TEXT_BLOCK_CHARS = 64
+IDLE_S = 2.0  # how long each router's idle CPU is sampled before the measured run
+KEY = CacheKey("fake-revision", "fake-layout")  # what the fake workers register with: the routers hash under it
+
+
+class WorkerTally:
+    """One fake worker's prefix cache (chained block hashes) and what it served."""
+
+    def __init__(self) -> None:
+        self.cached: set[int] = set()
+        self.seq = 0
+        self.num_requests = 0
+        self.prompt_units = 0
+        self.cached_units = 0
+
+    def serve(self, hashes: list[int], num_units: int, unit_per_block: int) -> tuple[int, list[int]]:
+        """(cached units, new block hashes) of one request."""
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.cached:
+            hit += 1
+        new = hashes[hit:]
+        self.cached.update(new)
+        cached_units = min(hit * unit_per_block, num_units)
+        self.num_requests += 1
+        self.prompt_units += num_units
+        self.cached_units += cached_units
+        return cached_units, new
+
+    def as_json(self) -> dict[str, int]:
+        return {"num_requests": self.num_requests, "prompt_units": self.prompt_units,
+                "cached_units": self.cached_units}
+
+
+def _write_summary(path: str, tallies: dict[str, WorkerTally]) -> None:
+    temporary = path + ".tmp"
+    Path(temporary).write_text(json.dumps({w: t.as_json() for w, t in tallies.items()}))
+    os.replace(temporary, path)
+
+
+def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summary_path: str) -> None:
+    """`num_workers` fake workers, each registered with every router; see the module docstring."""
+    context = zmq.Context()
+    secret = cluster_secret()
+    sockets: dict[zmq.Socket, str] = {}
+    by_worker: dict[str, list[zmq.Socket]] = {}
+    for i in range(num_workers):
+        worker_id = f"fake{i:02d}"
+        for address in router_addresses:
+            socket = context.socket(zmq.DEALER)
+            secure_dealer(socket, secret)
+            socket.setsockopt(zmq.IDENTITY, worker_id.encode())
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            socket.send(rpc.encode(rpc.Register(worker_id, "mixed", MODEL, KEY.model_revision, KEY.kv_layout,
+                                                BLOCK_SIZE, 100_000, "", os.getpid())))
+            sockets[socket] = worker_id
+            by_worker.setdefault(worker_id, []).append(socket)
+    tallies = {worker_id: WorkerTally() for worker_id in by_worker}
+    poller = zmq.Poller()
+    for socket in sockets:
+        poller.register(socket, zmq.POLLIN)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    heartbeat_s, next_heartbeat_at, next_summary_at = 0.05, 0.0, 0.0
+    while not stopped.is_set():
+        for socket, _ in poller.poll(10):
+            worker_id = sockets[socket]
+            while True:
+                try:
+                    message = rpc.decode(socket.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if isinstance(message, rpc.AddRequest):
+                    tally = tallies[worker_id]
+                    prompt = message.prompt_token_ids
+                    hashes = hash_block_tokens(KEY.with_tenant(message.tenant), prompt, BLOCK_SIZE)
+                    cached, new = tally.serve(hashes, len(prompt), BLOCK_SIZE)
+                    if new:  # every router hears the new blocks (the replicas' shared index)
+                        tally.seq += 1
+                        parent = hashes[len(hashes) - len(new) - 1] if len(new) < len(hashes) else \
+                            KEY.with_tenant(message.tenant).root_hash
+                        event = KVEvent(tally.seq, KVEventKind.STORED, tuple(new), parent, BLOCK_SIZE).to_wire()
+                        frame = rpc.encode(rpc.KVEvents(worker_id, (event,)))
+                        for peer in by_worker[worker_id]:
+                            peer.send(frame)
+                    delta = TokenDelta(message.request_id, REPLY_TOKEN_IDS, REPLY_TEXT, True, "length", len(prompt),
+                                       cached, worker_id=worker_id)
+                    socket.send(rpc.encode(rpc.TokenDeltas(worker_id, (delta,))))
+                elif isinstance(message, rpc.RegisterAck):
+                    heartbeat_s = message.heartbeat_interval_s
+                elif isinstance(message, rpc.SnapshotRequest):
+                    socket.send(rpc.encode(rpc.SnapshotResponse(worker_id, tallies[worker_id].seq, ())))
+                elif isinstance(message, rpc.Shutdown):
+                    socket.send(rpc.encode(rpc.Goodbye(worker_id, "shutdown")))
+        now = time.monotonic()
+        if now >= next_heartbeat_at:
+            next_heartbeat_at = now + heartbeat_s
+            for socket, worker_id in sockets.items():
+                socket.send(rpc.encode(rpc.Stats(worker_id, 0, 0, 0, 0, 100_000, len(tallies[worker_id].cached), 0,
+                                                 0, 0, tallies[worker_id].num_requests, now)))
+        if now >= next_summary_at:
+            next_summary_at = now + 0.2
+            _write_summary(summary_path, tallies)
+    _write_summary(summary_path, tallies)
+    for socket in sockets:
+        socket.close()
+    context.term()
+
+
+def run_cached_http_workers(ports: list[int], summary_path: str) -> None:
+    """OpenAI-style fake workers (router_overhead.py's) that keep a cache of 64-character text blocks."""
+    tallies = {f"http{port}": WorkerTally() for port in ports}
+
+    async def serve(port: int) -> asyncio.Server:
+        tally = tallies[f"http{port}"]
+        info = {"model_path": MODEL, "tokenizer_path": MODEL, "is_generation": True, "served_model_name": MODEL,
+                "status": "ok", "data": [{"id": MODEL, "object": "model"}], "max_total_num_tokens": 1_000_000}
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    request = await _read_request(reader)
+                    if request is None:
+                        break
+                    method, path, body = request
+                    if method == "POST" and path.startswith("/v1/completions"):
+                        prompt = str(json.loads(body).get("prompt", ""))
+                        blocks = [prompt[i:i + TEXT_BLOCK_CHARS] for i in range(0, len(prompt) - TEXT_BLOCK_CHARS + 1,
+                                                                                  TEXT_BLOCK_CHARS)]
+                        hashes, parent = [], 0
+                        for block in blocks:
+                            parent = hash((parent, block))
+                            hashes.append(parent)
+                        tally.serve(hashes, len(prompt), TEXT_BLOCK_CHARS)
+                        writer.write(_response("200 OK", _completion(MODEL, body)))
+                    elif method == "POST":
+                        writer.write(_response("200 OK", {"status": "ok"}))
+                    else:
+                        writer.write(_response("200 OK", info))
+                    await writer.drain()
+            except ConnectionError:
+                pass
+            finally:
+                writer.close()
+
+        return await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+
+    async def main() -> None:
+        servers = [await serve(port) for port in ports]
+        stopped = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
+        while not stopped.is_set():
+            _write_summary(summary_path, tallies)
+            try:
+                await asyncio.wait_for(stopped.wait(), 0.2)
+            except TimeoutError:
+                pass
+        _write_summary(summary_path, tallies)
+        for server in servers:
+            server.close()
+
+    asyncio.run(main())
+
+
+def _read_summary(path: str) -> dict[str, dict[str, int]]:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _run_clients(script: str, urls: list[str], bodies_path: str, num_requests: int, concurrency: int,
+                 first_body: int, timeout_s: float) -> tuple[list[dict[str, object]], float]:
+    """One closed-loop client per URL at once (its share of requests and connections); their results and the CPU
+    seconds the clients used."""
+    share, connections = num_requests // len(urls), max(1, concurrency // len(urls))
+    processes = [subprocess.Popen([sys.executable, script, "--role", "load", "--url", f"{url}/v1/completions",
+                                   "--bodies", bodies_path, "--num-requests", str(share),
+                                   "--first-body", str(first_body + i * share), "--concurrency", str(connections)],
+                                  stdout=subprocess.PIPE, text=True)
+                 for i, url in enumerate(urls)]
+    results = []
+    for process in processes:
+        output, _ = process.communicate(timeout=timeout_s + 60.0)
+        if process.returncode != 0:
+            raise RuntimeError(f"load client exited with {process.returncode}")
+        results.append(json.loads(output.strip().splitlines()[-1]))
+    return results, sum(float(r["cpu_s"]) for r in results)  # type: ignore[arg-type]
+
+
+def _cores(pid: int) -> int:
+    try:
+        return len(os.sched_getaffinity(pid))
+    except OSError:
+        return 0
+
+
+def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str, tmp: str) -> dict[str, object]:
+    kind, variant, *rest = system.split(":")
+    # ":half": one router with the load one of two replicas gets (half the requests and connections), so that what
+    # a replica adds over it is the sync alone, not the smaller batches a half-loaded event loop handles per wakeup.
+    share = 0.5 if rest == ["half"] else 1.0
+    num_requests, concurrency = int(args.num_requests * share), int(args.concurrency * share)
+    summary_path = os.path.join(tmp, f"{kind}-{variant}-{share}.summary.json")
+    routers: list[subprocess.Popen[bytes]] = []
+    urls: list[str] = []
+    if kind == "kvbaton":
+        rpc_ports = [free_port() for _ in range(int(variant))]
+        workers = _spawn([script, "--role", "cached-rpc-workers", "--rpc-ports", ",".join(map(str, rpc_ports)),
+                          "--num-workers", str(args.num_workers), "--summary", summary_path])
+        for rpc_port in rpc_ports:
+            http_port = free_port()
+            routers.append(_spawn([str(Path(script).with_name("router_overhead.py")), "--role", "kvbaton-router",
+                                   "--policy", args.policy, "--http-port", str(http_port), "--rpc-port",
+                                   str(rpc_port), "--num-workers", str(args.num_workers)]))
+            urls.append(f"http://127.0.0.1:{http_port}")
+    else:
+        ports = [free_port() for _ in range(args.num_workers)]
+        workers = _spawn([script, "--role", "cached-http-workers", "--ports", ",".join(map(str, ports)),
+                          "--summary", summary_path])
+        time.sleep(0.5)
+        http_port = free_port()
+        routers.append(subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                         "--port", str(http_port), "--policy", variant, "--log-level", "warn",
+                                         "--worker-urls", *(f"http://127.0.0.1:{p}" for p in ports)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        urls.append(f"http://127.0.0.1:{http_port}")
+    processes = [*routers, workers]
+    try:
+        first = json.loads(Path(bodies_path).read_text())[0].encode()
+        for url in urls:
+            _wait_ready(url, first, processes, args.startup_timeout_s)
+        _run_clients(script, urls, bodies_path, args.num_warmup, concurrency, 0, args.load_timeout_s)
+        # What each router burns with no request (heartbeats of every worker, pings, its monitor), over IDLE_S.
+        idle_before = [process_tree_cpu_s(r.pid) for r in routers]
+        time.sleep(IDLE_S)
+        idle_cpu_s_per_s = [(process_tree_cpu_s(r.pid) - b) / IDLE_S for r, b in zip(routers, idle_before)]
+        before, cpu_before = _read_summary(summary_path), [process_tree_cpu_s(r.pid) for r in routers]
+        results, client_cpu_s = _run_clients(script, urls, bodies_path, num_requests, concurrency, args.num_warmup,
+                                             args.load_timeout_s)
+        cpu_after = [process_tree_cpu_s(r.pid) for r in routers]
+        time.sleep(0.5)  # the summary is written every 0.2 s
+        after = _read_summary(summary_path)
+        cores = {"routers": [_cores(r.pid) for r in routers], "workers": _cores(workers.pid),
+                 "machine": os.cpu_count()}
+    finally:
+        _stop(processes)
+    num_ok = [int(r["num_ok"]) for r in results]  # type: ignore[call-overload]
+    elapsed_s = max(float(r["elapsed_s"]) for r in results)  # type: ignore[arg-type]
+    served = {w: after[w]["num_requests"] - before.get(w, {}).get("num_requests", 0) for w in after}
+    prompt = sum(after[w]["prompt_units"] - before.get(w, {}).get("prompt_units", 0) for w in after)
+    cached = sum(after[w]["cached_units"] - before.get(w, {}).get("cached_units", 0) for w in after)
+    figures: dict[str, object] = {
+        "rps": round(sum(num_ok) / elapsed_s, 1),
+        "router_cpu_us_per_request": [round(1e6 * (a - b) / max(n, 1), 1)
+                                      for a, b, n in zip(cpu_after, cpu_before, num_ok)],
+        # The same less what the router burns idle over the run's length: the per-request work alone.
+        "router_cpu_us_per_request_above_idle": [round(1e6 * (a - b - idle * elapsed_s) / max(n, 1), 1)
+                                                 for a, b, idle, n in zip(cpu_after, cpu_before, idle_cpu_s_per_s,
+                                                                          num_ok)],
+        "router_idle_cpu_ms_per_s": [round(1e3 * idle, 1) for idle in idle_cpu_s_per_s],
+        "elapsed_s": round(elapsed_s, 3),
+        "client_cpu_us_per_request": round(1e6 * client_cpu_s / max(sum(num_ok), 1), 1),
+        "hit_ratio": round(cached / max(prompt, 1), 4),
+        "busiest_over_mean": round(max(served.values()) / statistics.mean(served.values()), 3) if served else None,
+        "requests_per_worker": [served[w] for w in sorted(served)],
+        "num_ok": sum(num_ok), "statuses": [r["statuses"] for r in results], "cores": cores,
+    }
+    print(f"{system}: {json.dumps(figures)}", file=sys.stderr, flush=True)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", default="main", choices=("main", "cached-rpc-workers", "cached-http-workers",
+                                                           "load"))
+    parser.add_argument("--systems", default="kvbaton:1,kvbaton:1:half,kvbaton:2,sglang:cache_aware",
+                        help="kvbaton:<number of routers>[:half] | sglang:<policy>, comma-separated")
+    parser.add_argument("--policy", default="preble", help="the kvbaton routers' policy")
+    parser.add_argument("--num-workers", type=int, default=8)
+    parser.add_argument("--num-requests", type=int, default=2000, help="measured, over all routers")
+    parser.add_argument("--num-warmup", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=64, help="in flight over all routers")
+    parser.add_argument("--prompt-chars", type=int, default=2000)
+    parser.add_argument("--shared-fraction", type=float, default=0.8)
+    parser.add_argument("--num-groups", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout-s", type=float, default=120.0)
+    parser.add_argument("--load-timeout-s", type=float, default=120.0)
+    # Internal roles.
+    parser.add_argument("--rpc-ports", default="")
+    parser.add_argument("--ports", default="")
+    parser.add_argument("--summary", default="")
+    parser.add_argument("--url", default="")
+    parser.add_argument("--bodies", default="")
+    parser.add_argument("--first-body", type=int, default=0)
+    args = parser.parse_args()
+    script = os.path.abspath(__file__)
+    if args.role == "cached-rpc-workers":
+        run_cached_rpc_workers([f"tcp://127.0.0.1:{p}" for p in args.rpc_ports.split(",")], args.num_workers,
+                               args.summary)
+        return
+    if args.role == "cached-http-workers":
+        run_cached_http_workers([int(p) for p in args.ports.split(",")], args.summary)
+        return
+    if args.role == "load":
+        from overhead_backends import run_load
+
+        bodies = [b.encode() for b in json.loads(Path(args.bodies).read_text())]
+        cpu_before_s = time.process_time()  # the load alone: not this process's start-up
+        result = run_load(args.url, bodies, args.num_requests, args.concurrency, args.load_timeout_s, args.first_body)
+        print(json.dumps({**result, "cpu_s": time.process_time() - cpu_before_s}))
+        return
+    os.environ.setdefault(SECRET_ENV, ClusterSecret.generate().to_hex())  # the routers' and workers' (children)
+    num_prompts = args.num_warmup + args.num_requests
+    prompts = make_prompts(num_prompts, args.prompt_chars, args.shared_fraction, args.num_groups, args.seed)
+    results: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        bodies_path = os.path.join(tmp, "text.json")
+        Path(bodies_path).write_text(json.dumps([_body(p) for p in prompts]))
+        for system in [s for s in args.systems.split(",") if s]:
+            if system.startswith("sglang:"):
+                try:
+                    import sglang_router  # noqa: F401 - only whether it is installed
+                except ImportError:
+                    results[system] = "not installed (pip install sglang-router)"
+                    continue
+            results[system] = measure(system, args, script, bodies_path, tmp)
+    out: dict[str, object] = {
+        "setup": {"num_workers": args.num_workers, "concurrency": args.concurrency,
+                  "num_requests": args.num_requests, "num_warmup": args.num_warmup, "prompt_chars": args.prompt_chars,
+                  "shared_fraction": args.shared_fraction, "num_groups": args.num_groups, "policy": args.policy,
+                  "max_tokens": 4},
+        "systems": results}
+    one, half, two = results.get("kvbaton:1"), results.get("kvbaton:1:half"), results.get("kvbaton:2")
+    if isinstance(half, dict) and isinstance(two, dict):
+        lone_at_share = half["router_cpu_us_per_request_above_idle"][0]  # type: ignore[index]
+        out["replica_cpu_above_idle_over_lone_at_a_replicas_share"] = [
+            round(c / lone_at_share, 3) for c in two["router_cpu_us_per_request_above_idle"]]  # type: ignore[union-attr]
+    if isinstance(one, dict) and isinstance(two, dict):
+        lone = one["router_cpu_us_per_request"][0]  # type: ignore[index]
+        lone_above_idle = one["router_cpu_us_per_request_above_idle"][0]  # type: ignore[index]
+        out["targets"] = {
+            "replica_cpu_over_lone": [round(c / lone, 3) for c in two["router_cpu_us_per_request"]],  # type: ignore[union-attr]
+            "replica_cpu_above_idle_over_lone": [round(c / lone_above_idle, 3)
+                                                 for c in two["router_cpu_us_per_request_above_idle"]],  # type: ignore[union-attr]
+            "replica_cpu_target": 1.1,
+            "hit_ratio_two_over_one": round(float(two["hit_ratio"]) / max(float(one["hit_ratio"]), 1e-9), 3),  # type: ignore[arg-type]
+            "hit_ratio_target": 0.95,
+            "busiest_over_mean_two": two["busiest_over_mean"], "busiest_over_mean_target": 1.15}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

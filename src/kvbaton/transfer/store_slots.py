@@ -1,0 +1,82 @@
+"""The KV store's DRAM tier on a node: fixed-size block slots in one shared-memory file the workers of the host map.
+
+The store node owns the file (`/dev/shm/kvbaton-store-<pid>-<random>`, mode 0600: only the user running the
+cluster maps it) and writes slots; a worker on the same host maps it read-only in effect (it only reads the
+slots a load lease pinned for it) and copies each block straight from its slot into its KV pool, the only
+copy on a same-host load. A slot holds one block's KV as the worker's storage lays one block out
+(`[layers, 2, block_size, kv_heads, head_dim]`, contiguous). Which slot holds which block is the node's
+bookkeeping (`kvbaton.server.store_node`); a slot is reused only once no lease pins its block.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+SHM_DIRECTORY = "/dev/shm"
+SHM_PREFIX = "kvbaton-store"
+
+
+class StoreSlots:
+    def __init__(self, path: str, block_bytes: int, num_slots: int, owner: bool) -> None:
+        if block_bytes <= 0 or num_slots <= 0:
+            raise ValueError(f"store slots need block_bytes > 0 and num_slots > 0, got {block_bytes}, {num_slots}")
+        self.path, self.block_bytes, self.num_slots, self.owner = path, block_bytes, num_slots, owner
+        num_bytes = block_bytes * num_slots
+        fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if owner else os.O_RDWR, 0o600)
+        try:
+            if owner:
+                os.ftruncate(fd, num_bytes)
+            elif os.fstat(fd).st_size != num_bytes:
+                raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {num_bytes}")
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            if owner:
+                os.unlink(path)
+            raise
+        os.close(fd)
+        self.buffer = memoryview(self._mmap)
+        self._free = list(range(num_slots - 1, -1, -1))  # owner only: popped from the end, 0 first
+
+    @classmethod
+    def create(cls, block_bytes: int, num_slots: int, directory: str = SHM_DIRECTORY) -> StoreSlots:
+        path = os.path.join(directory, f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}")
+        return cls(path, block_bytes, num_slots, owner=True)
+
+    @classmethod
+    def attach(cls, path: str, block_bytes: int, num_slots: int) -> StoreSlots:
+        return cls(path, block_bytes, num_slots, owner=False)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free store slot: the policy core's DRAM capacity and the slots disagree")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def view(self, slot: int) -> memoryview:
+        start = slot * self.block_bytes
+        return self.buffer[start : start + self.block_bytes]
+
+    def close(self) -> None:
+        """Unmap (and, for the owner, unlink: a worker's mapping stays valid until it closes its own)."""
+        if self._mmap is None:
+            return
+        self.buffer.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view handed out (a torch tensor over it) is still alive: the mapping goes with it
+        self._mmap = None
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

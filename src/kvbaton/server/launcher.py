@@ -17,6 +17,7 @@ import gc
 import signal
 import socket
 import os
+import select
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ import uvloop
 from kvbaton.core.cluster_secret import ClusterSecret, worker_environment
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.config import ModelConfig
-from kvbaton.model.registry import read_model_header, resolve_model_source
+from kvbaton.model.registry import read_model_header, resolve_dtype, resolve_model_source
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api import create_app
 from kvbaton.server.auth import ApiAuth, ApiKeys, check_exposure
@@ -66,6 +67,10 @@ class ServeConfig:
     block_size: int = 16
     num_blocks: int = 2048  # per worker
     host_num_blocks: int = 0  # per worker: the prefix cache's host tier (kvbaton.cache.host_tier); 0 = off
+    # This host's KV store node (kvbaton.server.store_server): DRAM in GB (0 = none) and its disk tier "DIR:GB".
+    kv_store_gb: float = 0.0
+    kv_store_disk: str = ""
+    kv_store_address: str = ""  # set by the launcher once the store node listens; handed to every worker
     max_num_batched_tokens: int = 512
     num_speculative_tokens: int = 0  # prompt-lookup drafts per decode on every worker (0: off)
     warm_up: bool = False  # workers build every linear shape before serving (Worker: WorkerConfig.warm_up)
@@ -179,7 +184,8 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
             "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport,
             *(["--step-log", str(Path(config.step_log_dir) / f"{worker_id}.steps.jsonl")] if config.step_log_dir else []),
             *(["--reserve-ahead-tokens", str(config.reserve_ahead_tokens)]
-              if config.reserve_ahead_tokens is not None else [])]
+              if config.reserve_ahead_tokens is not None else []),
+            *(["--kv-store", config.kv_store_address] if config.kv_store_address else [])]
 
 
 class Launcher:
@@ -194,6 +200,7 @@ class Launcher:
         self._cluster: ClusterManager | None = None
         self._drain_timer: asyncio.TimerHandle | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.store_process: subprocess.Popen[str] | None = None
 
     def request_stop(self) -> None:
         """Signal handler: the first call drains, then stops the HTTP server; a second one stops at once. While
@@ -255,6 +262,8 @@ class Launcher:
             self._let_go_of_ray()
             raise
         try:
+            if config.kv_store_gb > 0:
+                config = self.config = replace(config, kv_store_address=self._start_store(model_config))
             await self._start_workers(address)
             for worker_id, process in self.processes.items():
                 cluster.watch_process(worker_id, process)
@@ -310,6 +319,7 @@ class Launcher:
             self._stop_unregistered(cluster)
             await cluster.shutdown(timeout_s=config.worker_exit_timeout_s)
             self._reap()
+            self._stop_store()
             self._let_go_of_ray()
             print("kvbaton: stopped", flush=True)
 
@@ -348,6 +358,36 @@ class Launcher:
             placing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             self.processes.update(await placing)
+
+    def _start_store(self, model_config: ModelConfig) -> str:
+        """Start this host's KV store node (its own process, sized for the workers' blocks); returns its address."""
+        config = self.config
+        if config.ray_address:
+            raise KvbatonError("--kv-store-gb runs one store node on the launcher's host: not with --ray yet")
+        block_bytes = model_config.kv_bytes_per_token(resolve_dtype(config.dtype).itemsize) * config.block_size
+        command = [sys.executable, "-m", "kvbaton.server.store_server", "--block-bytes", str(block_bytes),
+                   "--block-tokens", str(config.block_size), "--kv-store-gb", str(config.kv_store_gb),
+                   *(["--kv-store-disk-gb", config.kv_store_disk] if config.kv_store_disk else [])]
+        self.store_process = process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, text=True, start_new_session=True,
+            env=worker_environment(self.secret, dict(os.environ)))
+        ready, _, _ = select.select([process.stdout], [], [], 60.0)
+        line = process.stdout.readline() if ready else ""  # type: ignore[union-attr]
+        if not line.startswith("store node ready "):
+            self._stop_store()
+            raise KvbatonError(f"the KV store node did not start: {line.strip() or 'no answer in 60 s'}")
+        return line.split()[-1]
+
+    def _stop_store(self) -> None:
+        process, self.store_process = self.store_process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
 
     def _let_go_of_ray(self) -> None:
         if self.placement is not None:

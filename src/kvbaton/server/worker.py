@@ -44,6 +44,7 @@ from kvbaton.server.base import TokenDelta, TokenLogprob
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.rpc_auth import secure_dealer
 from kvbaton.server.step_log import StepLog
+from kvbaton.server.store_client import StoreClient
 from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
 from kvbaton.transfer.faults import FaultRule
 from kvbaton.transfer.layout import KVLayout
@@ -84,6 +85,7 @@ class WorkerConfig:
     reserve_ahead_tokens: int | None = None
     transfer_faults: tuple[FaultRule, ...] = ()  # prefill workers: scripted faults on outgoing KV (tests)
     step_log: str = ""  # write each step's shape and period here at exit (kvbaton.server.step_log)
+    kv_store_address: str = ""  # this host's KV store node (kvbaton.server.store_server); "" = none
     # The router's: the RPC and every KV link authenticate with it (core/cluster_secret.py). Required to run.
     cluster_secret: ClusterSecret | None = None
 
@@ -204,6 +206,8 @@ class Worker:
             context.term()
             if self._step_log is not None:
                 self._step_log.write()
+            if self.engine is not None:
+                self.engine.close()  # the store IO thread, if any
             if self._prefill_links is not None:
                 self._prefill_links.close()
             if self._decode_kv is not None:
@@ -252,7 +256,12 @@ class Worker:
                                       num_speculative_tokens=cfg.num_speculative_tokens),
         )
         kv_cache = self._decode_kv.kv_cache if self._decode_kv is not None else None
-        engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache)
+        store_link = None
+        if cfg.kv_store_address:
+            address, secret = cfg.kv_store_address, cfg.cluster_secret
+            store_link = lambda: StoreClient(address, secret)  # noqa: E731 - built on the store IO thread
+        engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache,
+                        create_store_link=store_link)
         if engine.kv_layout != kv_layout_of(self.loaded, cfg.block_size):
             raise KvbatonError(f"engine KV layout {engine.kv_layout} differs from the registered one")
         return engine

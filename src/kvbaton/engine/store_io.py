@@ -4,7 +4,8 @@
   with the blocks it just adopted; they join a bounded queue (`max_pending_saves` blocks). A full queue drops
   the save (counted), never blocks. The thread copies each block out of the KV pool and `put`s it to the store.
   Until it has copied a block, an eviction of that block (`demote`, which runs before its device block can be
-  reused) or a `clear` cancels the save, under the lock the copy holds: a save never reads a reused block.
+  reused) cancels the save, under the lock the copy holds: a save never reads a reused block. A `clear` (an
+  admin's reset, not a step) copies the pending blocks out itself instead, so a reset loses no save.
 - **Loads.** `acquire` asks the store node for the leading blocks of a chain (pinned under a lease, in its DRAM
   slots); `copy_in` copies them from the node's shared-memory slots straight into device blocks the engine
   allocated, then releases the lease. Results come back through `take_results`, read by the engine between steps
@@ -72,6 +73,7 @@ class _SaveJob:
     block_hashes: list[int]
     device_block_ids: list[int]
     cancelled: bool = False
+    payloads: list | None = None  # copied out already (by a `clear`, before its blocks went back to the pool)
 
 
 def namespace_of(cache_key: object) -> tuple[str, str, str]:
@@ -127,9 +129,11 @@ class WorkerStoreIO:
         return [block.block_hash for block in blocks]
 
     def clear(self) -> list[int]:
+        """The device cache is being emptied (not on a step's path): saves not copied yet copy their blocks now."""
         with self._lock:
-            for job in list(self._pending.values()):
-                self._cancel(job)
+            for job in {id(job): job for job in self._pending.values()}.values():
+                job.payloads = self._payloads(job)
+                self._unlist(job)
         return []
 
     def match(self, parent_hash: int, token_blocks: Sequence[tuple[int, ...]], block_hashes: Sequence[int] = (),
@@ -230,14 +234,19 @@ class WorkerStoreIO:
         finally:
             link.close()
 
-    def _save(self, link: StoreLink, job: _SaveJob) -> None:
+    def _payloads(self, job: _SaveJob) -> list:
         kv = self.kv_cache
+        return [kv[:, :, block_id].contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
+                for block_id in job.device_block_ids]
+
+    def _save(self, link: StoreLink, job: _SaveJob) -> None:
         with self._lock:
             if job.cancelled:
                 return
-            payloads = [kv[:, :, block_id].contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
-                        for block_id in job.device_block_ids]
-            self._unlist(job)
+            payloads = job.payloads
+            if payloads is None:
+                payloads = self._payloads(job)
+                self._unlist(job)
         if link.put(job.namespace, job.parent_hash, job.block_hashes, [memoryview(p) for p in payloads]):
             self.num_saved_blocks += len(payloads)
         else:

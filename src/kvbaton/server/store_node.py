@@ -131,6 +131,14 @@ class StoreNodeState:
     def num_leases(self) -> int:
         return len(self._leases)
 
+    @property
+    def num_dram_blocks(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def num_disk_blocks(self) -> int:
+        return len(self._on_disk)
+
     # ---- readers -------------------------------------------------------------------------------
     def events_since(self, seq: int) -> tuple[list[StoreEvent], bool]:
         """The node's events after `seq`, or (when the log no longer reaches back that far) a snapshot; the flag

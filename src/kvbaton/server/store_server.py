@@ -129,6 +129,8 @@ class StoreServer:
                          num_loaded_blocks=state.num_loaded_blocks, num_leases=state.num_leases,
                          num_expired_leases=state.num_expired_leases, num_evicted_blocks=store.num_evicted_blocks,
                          num_corrupt_blocks=state.disk.num_corrupt_blocks if state.disk is not None else 0,
+                         num_disk_read_blocks=state.disk.num_read_blocks if state.disk is not None else 0,
+                         num_disk_blocks=state.num_disk_blocks, num_dram_blocks=state.num_dram_blocks,
                          num_errors=self.num_errors)
         else:
             raise KvbatonError(f"unknown store op {op!r}")

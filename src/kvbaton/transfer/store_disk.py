@@ -43,6 +43,7 @@ class DiskBlockFiles:
         self.capacity_blocks = capacity_blocks
         self.num_written_bytes = 0
         self.num_read_bytes = 0
+        self.num_read_blocks = 0  # reads that passed every check
         self.num_corrupt_blocks = 0  # reads refused: checksum, length, key or magic wrong, or file missing
 
     def open(self) -> None:
@@ -84,6 +85,7 @@ class DiskBlockFiles:
             payload = memoryview(data)[HEADER_BYTES:]
             if (magic == _MAGIC and length == num_bytes and digest == key_digest(block_hash, namespace)
                     and check == checksum(payload)):
+                self.num_read_blocks += 1
                 return data[HEADER_BYTES:]
         self.num_corrupt_blocks += 1
         path.unlink(missing_ok=True)

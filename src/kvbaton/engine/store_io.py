@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kvbaton.cache.host_tier import EvictedBlock
@@ -94,6 +95,7 @@ class WorkerStoreIO:
         self._num_pending_blocks = 0
         self._slots: torch.Tensor | None = None
         self._mapping: StoreSlots | None = None
+        self._rows: tuple[np.ndarray, np.ndarray] | None = None
         self.skip_saves: set[int] = set()  # hashes loaded from the store: caching them saves nothing
         self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
         self.num_loaded_blocks = self.num_failed_loads = 0
@@ -253,10 +255,16 @@ class WorkerStoreIO:
             self.num_dropped_saves += len(payloads)
 
     def _copy(self, link: StoreLink, job: LoadJob) -> None:
+        """Each run of consecutive slots into consecutive device blocks in one copy. On the CPU through numpy views
+        in 8-byte words (torch's strided bf16 copy runs at a third of memcpy's speed; this at about memcpy's)."""
         slots = self._slot_view(link)
         kv = self.kv_cache
-        for slot, block_id in zip(job.slots, job.device_block_ids):
-            kv[:, :, block_id].copy_(slots[slot])
+        rows = self._rows
+        for slot, block_id, num in block_runs(job.slots, job.device_block_ids):
+            if rows is not None:
+                np.copyto(rows[0][:, block_id : block_id + num], rows[1][slot : slot + num].transpose(1, 0, 2))
+            else:
+                kv[:, :, block_id : block_id + num].copy_(slots[slot : slot + num].permute(1, 2, 0, 3, 4, 5))
 
     def _slot_view(self, link: StoreLink) -> torch.Tensor:
         """The store node's DRAM slots as `[slots, layers, 2, block_size, kv_heads, head_dim]` (mapped once)."""
@@ -269,4 +277,27 @@ class WorkerStoreIO:
                 raise StoreUnavailable(f"the store node's blocks are {block_bytes} bytes, this worker's {expected}")
             self._mapping = StoreSlots.attach(path, block_bytes, num_slots)
             self._slots = torch.frombuffer(self._mapping.buffer, dtype=kv.dtype).view(shape)
+            self._rows = _word_rows(kv, self._mapping) if kv.device.type == "cpu" else None
         return self._slots
+
+
+def block_runs(slots: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first slot, first device block, length) of each stretch where both lists count up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for slot, block_id in zip(slots, block_ids):
+        if runs and slot == runs[-1][0] + runs[-1][2] and block_id == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((slot, block_id, 1))
+    return runs
+
+
+def _word_rows(kv: torch.Tensor, mapping: StoreSlots) -> tuple[np.ndarray, np.ndarray] | None:
+    """The KV pool as `[layers x 2, blocks, words]` and the slots as `[slots, layers x 2, words]` (numpy, no copy),
+    words of 8 bytes where a block's row divides into them."""
+    num_rows = kv.shape[0] * kv.shape[1]
+    row_bytes = kv[0, 0, 0].numel() * kv.element_size()
+    word = np.int64 if row_bytes % 8 == 0 else np.uint8
+    pool = kv.view(torch.uint8).numpy().reshape(num_rows, kv.shape[2], row_bytes).view(word)
+    slots = np.frombuffer(mapping.buffer, dtype=np.uint8).reshape(mapping.num_slots, num_rows, row_bytes).view(word)
+    return pool, slots

@@ -240,6 +240,8 @@ class Launcher:
         admission, pools = admission_policy(config, time_model), pool_balancer(config, time_model)
         http_socket = _bind_http(config.host, config.port)  # fail on a taken port before starting any worker
         try:
+            if config.kv_store_gb > 0:  # before the router: it reads the store node's events
+                config = self.config = replace(config, kv_store_address=self._start_store(model_config))
             if config.ray_address:
                 self.placement = RayPlacement(config.ray_address)
                 for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init replaced them with its own (sys.exit)
@@ -254,16 +256,17 @@ class Launcher:
                 reserve_ahead_tokens=config.reserve_ahead_tokens,
                 scheduling_policy=config.scheduling_policy,
                 kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4),
-                cluster_secret=self.secret, migration_limit=config.migration_limit), admission=admission, pools=pools)
+                cluster_secret=self.secret, migration_limit=config.migration_limit,
+                kv_store_address=config.kv_store_address, kv_store_block_bytes=self._store_block_bytes(model_config)),
+                admission=admission, pools=pools)
             self._cluster = cluster
             address = await cluster.start()
         except BaseException:
             http_socket.close()
             self._let_go_of_ray()
+            self._stop_store()
             raise
         try:
-            if config.kv_store_gb > 0:
-                config = self.config = replace(config, kv_store_address=self._start_store(model_config))
             await self._start_workers(address)
             for worker_id, process in self.processes.items():
                 cluster.watch_process(worker_id, process)
@@ -364,7 +367,7 @@ class Launcher:
         config = self.config
         if config.ray_address:
             raise KvbatonError("--kv-store-gb runs one store node on the launcher's host: not with --ray yet")
-        block_bytes = model_config.kv_bytes_per_token(resolve_dtype(config.dtype).itemsize) * config.block_size
+        block_bytes = self._store_block_bytes(model_config)
         command = [sys.executable, "-m", "kvbaton.server.store_server", "--block-bytes", str(block_bytes),
                    "--block-tokens", str(config.block_size), "--kv-store-gb", str(config.kv_store_gb),
                    *(["--kv-store-disk-gb", config.kv_store_disk] if config.kv_store_disk else [])]
@@ -377,6 +380,9 @@ class Launcher:
             self._stop_store()
             raise KvbatonError(f"the KV store node did not start: {line.strip() or 'no answer in 60 s'}")
         return line.split()[-1]
+
+    def _store_block_bytes(self, model_config: ModelConfig) -> int:
+        return model_config.kv_bytes_per_token(resolve_dtype(self.config.dtype).itemsize) * self.config.block_size
 
     def _stop_store(self) -> None:
         process, self.store_process = self.store_process, None

@@ -1,4 +1,4 @@
-"""A worker's connection to its host's KV store node (`kvbaton.server.store_server`): the engine's `StoreLink`.
+"""A worker's (or router's) connection to its host's KV store node (`kvbaton.server.store_server`): the engine's `StoreLink`.
 
 One zmq DEALER under CurveZMQ (the store channel's key pairs, from the cluster secret), used by one thread
 only (the worker's store IO thread, `kvbaton.engine.store_io`). Saves and releases are sent without waiting
@@ -11,12 +11,14 @@ request at most one timeout and then nothing (they recompute).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 import msgpack
 import zmq
 
+from kvbaton.cache.kv_store import StoreEvent
 from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.engine.store_io import StoreUnavailable
 from kvbaton.server.rpc_auth import secure_dealer
@@ -94,3 +96,46 @@ class StoreClient:
                     raise StoreUnavailable(f"store node {self.address}: {reply['error']}")
                 self._down_until = 0.0
                 return reply
+
+
+class StoreEventFeed:
+    """A router's reader of one store node's events, on a thread of its own (its calls may wait on a dead node):
+    every `interval_s` it asks for what came after the last seq it had, and hands the events (or a snapshot, when
+    the node's log no longer reaches back) to `deliver(events, is_snapshot)`, which the caller runs on its own
+    thread (the router's event loop: `loop.call_soon_threadsafe`). Any number of routers may each run one."""
+
+    def __init__(self, address: str, secret: ClusterSecret,
+                 deliver: Callable[[list[StoreEvent], bool], None], interval_s: float = 0.05) -> None:
+        self._address, self._secret, self._deliver, self._interval_s = address, secret, deliver, interval_s
+        self._stop = threading.Event()
+        self._seq = 0
+        self.num_polls = 0
+        self._thread = threading.Thread(target=self._run, name="kv-store-events", daemon=True)
+
+    def start(self) -> StoreEventFeed:
+        self._thread.start()
+        return self
+
+    def resync(self) -> None:
+        """The reader found a gap: ask from the start (the node answers with its log or a snapshot)."""
+        self._seq = 0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        client = StoreClient(self._address, self._secret, timeout_s=1.0, retry_after_s=1.0)
+        try:
+            while not self._stop.wait(self._interval_s):
+                try:
+                    reply = client.events_since(self._seq)
+                except StoreUnavailable:
+                    continue
+                self.num_polls += 1
+                events = [StoreEvent(int(seq), kind, tuple(hashes), tier) for seq, kind, hashes, tier in reply["events"]]
+                if events:
+                    self._seq = max(event.seq for event in events)
+                    self._deliver(events, bool(reply["snapshot"]))
+        finally:
+            client.close()

@@ -1,7 +1,7 @@
 """Issue 21's live must-show: the KV store node serving real engines on this host (SmolLM2 by default).
 
 A store node runs as its own process (`python -m kvbaton.server.store_server`, CurveZMQ, shared-memory DRAM
-slots, a disk tier in a temporary directory); worker engines A, B, C (and a plain one without the store) run in
+slots, a disk tier in a temporary directory); worker engines A and B (and a plain one without the store) run in
 this process, one after the other, so each timing has the CPU to itself. Figures, all from this one run:
 
 - **cross-worker hit**: a `--prefix-tokens` prompt computed on A is served on B from the store: B's TTFT over the
@@ -11,7 +11,9 @@ this process, one after the other, so each timing has the CPU to itself. Figures
   from disk, checksums checked);
 - **load throughput**: the worker's own load path (acquire RPC, copy from the node's slots into the KV pool,
   release) over a single-thread memcpy of the same bytes between two plain buffers, side by side
-  (`load_over_memcpy`, target >= 0.8);
+  (`load_over_memcpy`, target >= 0.8), for the prefix as one prefill stored it (its slots in order, copied in
+  runs), and `scattered_*` for a prefix whose slots churned apart (copied block by block); `*_copy_only_*`
+  leaves the RPC out;
 - **ITL under loads**: a decode stream's p99 inter-token latency while other requests load their prefixes from
   the store, over the same stream alone (`itl_p99_with_loads_over_alone`, target <= 1.2).
 
@@ -39,7 +41,7 @@ from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.engine.engine import Engine
-from kvbaton.engine.store_io import LoadJob, namespace_of
+from kvbaton.engine.store_io import LoadJob, block_runs, namespace_of
 from kvbaton.cache.hashing import hash_block_tokens
 from kvbaton.model.registry import load_model
 from kvbaton.server.store_client import StoreClient
@@ -106,7 +108,7 @@ def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], rep
     block_bytes = engine.storage.bytes_per_block
     src = np.ones(num_blocks * block_bytes, dtype=np.uint8)
     dst = np.zeros_like(src)
-    load_s, memcpy_s = [], []
+    load_s, memcpy_s, copy_s = [], [], []
     for _ in range(repeats):
         started = time.perf_counter()
         np.copyto(dst, src)
@@ -117,14 +119,18 @@ def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], rep
         kind = _result(io)
         assert kind == "acquired" and len(job.slots) == num_blocks, (kind, len(job.slots), num_blocks)
         job.device_block_ids = device_ids
+        copied_before = io.copy_in_s
         io.copy_in(job)
         assert _result(io) == "copied"
         load_s.append(time.perf_counter() - started)
+        copy_s.append(io.copy_in_s - copied_before)
     engine.pool.release(device_ids)
     num_bytes = num_blocks * block_bytes
-    load, memcpy = statistics.median(load_s), statistics.median(memcpy_s)
+    load, memcpy, copy = statistics.median(load_s), statistics.median(memcpy_s), statistics.median(copy_s)
     return {"load_blocks": num_blocks, "load_bytes": num_bytes, "load_gbps": num_bytes / load / 1e9,
-            "memcpy_gbps": num_bytes / memcpy / 1e9, "load_over_memcpy": memcpy / load}
+            "memcpy_gbps": num_bytes / memcpy / 1e9, "load_over_memcpy": memcpy / load,
+            "load_copy_only_gbps": num_bytes / copy / 1e9, "load_copy_only_over_memcpy": memcpy / copy,
+            "load_runs": len(block_runs(job.slots, device_ids))}
 
 
 def _result(io: Any) -> str:
@@ -202,6 +208,8 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
         a_tokens, ttft_a, _ = _generate(a, prompt, 8)
         _settle(a, client)
         b_tokens, ttft_store, cached_b = _generate(b, prompt, 8)
+        # The prefix as one prefill stored it (its slots in order): the common case of a load.
+        throughput = _load_throughput(b, client, prompt[: args.prefix_tokens], args.repeats)
         b.reset_prefix_cache()  # evicted from every device pool: back from the store's DRAM
         a.reset_prefix_cache()
         dram_tokens, ttft_dram, cached_dram = _generate(b, prompt, 8)
@@ -217,7 +225,8 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
         b.reset_prefix_cache()
         disk_tokens, ttft_disk, cached_disk = _generate(b, disk_prompt, 8)
         after = client.stats()
-        throughput = _load_throughput(b, client, _prompt(5, args.prefix_tokens, vocab), args.repeats)
+        # A prefix whose slots churn scattered (stored while DRAM was full, moved to disk and back): block by block.
+        scattered = _load_throughput(b, client, _prompt(5, args.prefix_tokens, vocab), args.repeats)
         b.reset_prefix_cache()
         # ITL: a stream alone, then the same stream while four other prefixes load from the store into it.
         stream_prompt = _prompt(9, 128, vocab)
@@ -239,7 +248,7 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
             "ttft_dram_reload_s": ttft_dram, "cached_tokens_dram_reload": cached_dram,
             "ttft_disk_reload_s": ttft_disk, "cached_tokens_disk_reload": cached_disk,
             "disk_blocks_read_on_reload": after["num_disk_read_blocks"] - before["num_disk_read_blocks"],
-            **throughput,
+            **throughput, **{f"scattered_{k}": v for k, v in scattered.items()},
             "itl_p99_alone_s": itl_alone, "itl_p99_with_loads_s": itl_loads,
             "itl_p99_with_loads_over_alone": itl_loads / itl_alone, "itl_p99_with_recompute_s": itl_recompute,
             "num_loaded_blocks_b": b.store_io.num_loaded_blocks, "num_dropped_saves_a": a.store_io.num_dropped_saves,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -99,6 +100,7 @@ class WorkerStoreIO:
         self.skip_saves: set[int] = set()  # hashes loaded from the store: caching them saves nothing
         self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
         self.num_loaded_blocks = self.num_failed_loads = 0
+        self.copy_in_s = 0.0  # seconds the IO thread spent copying loads into the KV pool
         self._thread = threading.Thread(target=self._run, name="kv-store-io", daemon=True)
         self._thread.start()
 
@@ -221,7 +223,9 @@ class WorkerStoreIO:
                         item.lease, item.slots = link.acquire(item.namespace, item.block_hashes)
                         self._results.put(("acquired", item))
                     elif kind == "copy":
+                        started = time.perf_counter()
                         self._copy(link, item)
+                        self.copy_in_s += time.perf_counter() - started
                         link.release(item.lease)
                         item.lease = 0
                         self.num_loaded_blocks += len(item.device_block_ids)

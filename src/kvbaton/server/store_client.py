@@ -26,7 +26,7 @@ from kvbaton.server.store_server import STORE_CHANNEL
 
 
 class StoreClient:
-    def __init__(self, address: str, secret: ClusterSecret, timeout_s: float = 2.0, retry_after_s: float = 5.0,
+    def __init__(self, address: str, secret: ClusterSecret, timeout_s: float = 10.0, retry_after_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, max_queued_messages: int = 256) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -91,7 +91,11 @@ class StoreClient:
                 self._down_until = self._clock() + self.retry_after_s
                 raise StoreUnavailable(f"store node {self.address} did not answer within {self.timeout_s} s")
             reply = msgpack.unpackb(self._socket.recv(), raw=False)
-            if isinstance(reply, dict) and reply.get("id") == call_id:  # a late answer to a call given up is skipped
+            if isinstance(reply, dict) and reply.get("id") != call_id:  # a late answer to a call given up
+                if reply.get("lease"):
+                    self.release(int(reply["lease"]))  # nobody copies what it pinned: let it go now
+                continue
+            if isinstance(reply, dict):
                 if "error" in reply:
                     raise StoreUnavailable(f"store node {self.address}: {reply['error']}")
                 self._down_until = 0.0

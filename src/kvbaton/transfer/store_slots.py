@@ -10,6 +10,7 @@ bookkeeping (`kvbaton.server.store_node`); a slot is reused only once no lease p
 
 from __future__ import annotations
 
+import heapq
 import mmap
 import os
 import secrets
@@ -38,7 +39,9 @@ class StoreSlots:
             raise
         os.close(fd)
         self.buffer = memoryview(self._mmap)
-        self._free = list(range(num_slots - 1, -1, -1))  # owner only: popped from the end, 0 first
+        # Owner only: a min-heap, so a chain stored at once gets ascending slots, mostly consecutive ones, which a
+        # worker copies out in runs (one copy per run) where its device blocks are consecutive too.
+        self._free = list(range(num_slots))
 
     @classmethod
     def create(cls, block_bytes: int, num_slots: int, directory: str = SHM_DIRECTORY) -> StoreSlots:
@@ -56,10 +59,10 @@ class StoreSlots:
     def allocate(self) -> int:
         if not self._free:
             raise RuntimeError("no free store slot: the policy core's DRAM capacity and the slots disagree")
-        return self._free.pop()
+        return heapq.heappop(self._free)
 
     def free(self, slot: int) -> None:
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def view(self, slot: int) -> memoryview:
         start = slot * self.block_bytes

@@ -54,9 +54,11 @@ def _prompt(seed: int, num_tokens: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab - 10) for _ in range(num_tokens)]
 
 
-def _start_store(secret: ClusterSecret, block_bytes: int, dram_gb: float, disk: str) -> tuple[subprocess.Popen, str]:
+def _start_store(secret: ClusterSecret, block_bytes: int, rows: int, dram_gb: float,
+                 disk: str) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "kvbaton.server.store_server", "--block-bytes", str(block_bytes),
-               "--block-tokens", str(BLOCK), "--kv-store-gb", str(dram_gb), "--kv-store-disk-gb", disk]
+               "--block-tokens", str(BLOCK), "--block-rows", str(rows), "--kv-store-gb", str(dram_gb),
+               "--kv-store-disk-gb", disk]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env={**os.environ, SECRET_ENV: secret.to_hex()})
     line = process.stdout.readline()  # type: ignore[union-attr]
     if not line.startswith("store node ready"):
@@ -178,7 +180,8 @@ def main() -> None:
     dram_gb = 2.5 * prefix_blocks * block_bytes / 1e9
     secret = ClusterSecret.generate()
     with tempfile.TemporaryDirectory(prefix="kvbaton-store-bench-") as tmp:
-        store, address = _start_store(secret, block_bytes, dram_gb, f"{tmp}/disk:{20 * dram_gb}")
+        store, address = _start_store(secret, block_bytes, 2 * loaded.config.num_layers, dram_gb,
+                                      f"{tmp}/disk:{20 * dram_gb}")
         try:
             result = _run(args, loaded, vocab, secret, address, prefix_blocks, block_bytes, dram_gb)
         finally:

@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 BLOCK = 16
 SECRET = ClusterSecret(b"s" * 32)
+ROWS = 4  # tiny-random: 2 layers, K and V
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def _config(num_blocks: int = 256) -> EngineConfig:
 class _Store:
     def __init__(self, block_bytes: int, tmp_path: Path, dram_blocks: int, disk_blocks: int, lease_s: float) -> None:
         disk = DiskBlockFiles(tmp_path / "disk", disk_blocks) if disk_blocks else None
-        self.state = StoreNodeState(block_bytes, BLOCK, dram_blocks, disk, lease_s)
+        self.state = StoreNodeState(block_bytes, BLOCK, dram_blocks, disk, lease_s, block_rows=ROWS)
         self.server = StoreServer(self.state, SECRET)
         self.thread = self.server.start_thread()
 
@@ -66,6 +67,7 @@ def make_store(loaded, tmp_path: Path) -> Iterator[Callable[..., _Store]]:  # no
     stores: list[_Store] = []
     kv = loaded.config
     block_bytes = kv.num_layers * 2 * BLOCK * kv.num_kv_heads * kv.head_dim * 4
+    assert kv.num_layers * 2 == ROWS
 
     def make(dram_blocks: int = 64, disk_blocks: int = 0, lease_s: float = 30.0) -> _Store:
         stores.append(_Store(block_bytes, tmp_path, dram_blocks, disk_blocks, lease_s))

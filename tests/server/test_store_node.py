@@ -38,7 +38,7 @@ def _put(node: StoreNodeState, hashes: list[int], parent: int = 0, ns: tuple[str
 
 
 def _read(node: StoreNodeState, slots: list[int]) -> list[bytes]:
-    return [bytes(node.slots.view(slot)) for slot in slots]
+    return [node.slots.read(slot) for slot in slots]
 
 
 def test_put_then_acquire_reads_the_payloads(node: StoreNodeState) -> None:

@@ -39,8 +39,8 @@ class StoreUnavailable(RuntimeError):
 class StoreLink(Protocol):
     """The worker's connection to its store node (`kvbaton.server.store_client.StoreClient`); one thread uses it."""
 
-    def hello(self) -> tuple[str, int, int]:
-        """(shared-memory path of the DRAM slots, bytes per block, number of slots)."""
+    def hello(self) -> tuple[str, int, int, int]:
+        """(shared-memory path of the DRAM slots, bytes per block, number of slots, rows per block)."""
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
             payloads: Sequence[memoryview]) -> bool:
@@ -259,27 +259,29 @@ class WorkerStoreIO:
             self.num_dropped_saves += len(payloads)
 
     def _copy(self, link: StoreLink, job: LoadJob) -> None:
-        """Each run of consecutive slots into consecutive device blocks in one copy. On the CPU through numpy views
-        in 8-byte words (torch's strided bf16 copy runs at a third of memcpy's speed; this at about memcpy's)."""
+        """Each run of consecutive slots into consecutive device blocks in one copy: the slots are laid out as the
+        pool is (`[layers, 2, slots, ...]`), so that is one memcpy per row. On the CPU through numpy views in 8-byte
+        words (torch's strided bf16 copy runs at a third of memcpy's speed)."""
         slots = self._slot_view(link)
         kv = self.kv_cache
         rows = self._rows
         for slot, block_id, num in block_runs(job.slots, job.device_block_ids):
             if rows is not None:
-                np.copyto(rows[0][:, block_id : block_id + num], rows[1][slot : slot + num].transpose(1, 0, 2))
+                np.copyto(rows[0][:, block_id : block_id + num], rows[1][:, slot : slot + num])
             else:
-                kv[:, :, block_id : block_id + num].copy_(slots[slot : slot + num].permute(1, 2, 0, 3, 4, 5))
+                kv[:, :, block_id : block_id + num].copy_(slots[:, :, slot : slot + num])
 
     def _slot_view(self, link: StoreLink) -> torch.Tensor:
-        """The store node's DRAM slots as `[slots, layers, 2, block_size, kv_heads, head_dim]` (mapped once)."""
+        """The store node's DRAM slots as `[layers, 2, slots, block_size, kv_heads, head_dim]` (mapped once)."""
         if self._slots is None:
-            path, block_bytes, num_slots = link.hello()
+            path, block_bytes, num_slots, num_rows = link.hello()
             kv = self.kv_cache
-            shape = (num_slots, kv.shape[0], kv.shape[1], *kv.shape[3:])
+            shape = (kv.shape[0], kv.shape[1], num_slots, *kv.shape[3:])
             expected = kv[:, :, 0].numel() * kv.element_size()
-            if block_bytes != expected:
-                raise StoreUnavailable(f"the store node's blocks are {block_bytes} bytes, this worker's {expected}")
-            self._mapping = StoreSlots.attach(path, block_bytes, num_slots)
+            if block_bytes != expected or num_rows != kv.shape[0] * kv.shape[1]:
+                raise StoreUnavailable(f"the store node's blocks are {block_bytes} bytes in {num_rows} rows, this "
+                                       f"worker's {expected} in {kv.shape[0] * kv.shape[1]}")
+            self._mapping = StoreSlots.attach(path, block_bytes, num_slots, num_rows)
             self._slots = torch.frombuffer(self._mapping.buffer, dtype=kv.dtype).view(shape)
             self._rows = _word_rows(kv, self._mapping) if kv.device.type == "cpu" else None
         return self._slots
@@ -297,11 +299,10 @@ def block_runs(slots: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int
 
 
 def _word_rows(kv: torch.Tensor, mapping: StoreSlots) -> tuple[np.ndarray, np.ndarray] | None:
-    """The KV pool as `[layers x 2, blocks, words]` and the slots as `[slots, layers x 2, words]` (numpy, no copy),
+    """The KV pool as `[layers x 2, blocks, words]` and the slots as `[layers x 2, slots, words]` (numpy, no copy),
     words of 8 bytes where a block's row divides into them."""
     num_rows = kv.shape[0] * kv.shape[1]
     row_bytes = kv[0, 0, 0].numel() * kv.element_size()
     word = np.int64 if row_bytes % 8 == 0 else np.uint8
     pool = kv.view(torch.uint8).numpy().reshape(num_rows, kv.shape[2], row_bytes).view(word)
-    slots = np.frombuffer(mapping.buffer, dtype=np.uint8).reshape(mapping.num_slots, num_rows, row_bytes).view(word)
-    return pool, slots
+    return pool, mapping.rows.view(word)

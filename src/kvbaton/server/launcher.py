@@ -369,7 +369,8 @@ class Launcher:
             raise KvbatonError("--kv-store-gb runs one store node on the launcher's host: not with --ray yet")
         block_bytes = self._store_block_bytes(model_config)
         command = [sys.executable, "-m", "kvbaton.server.store_server", "--block-bytes", str(block_bytes),
-                   "--block-tokens", str(config.block_size), "--kv-store-gb", str(config.kv_store_gb),
+                   "--block-tokens", str(config.block_size), "--block-rows", str(2 * model_config.num_layers),
+                   "--kv-store-gb", str(config.kv_store_gb),
                    *(["--kv-store-disk-gb", config.kv_store_disk] if config.kv_store_disk else [])]
         self.store_process = process = subprocess.Popen(
             command, stdout=subprocess.PIPE, text=True, start_new_session=True,

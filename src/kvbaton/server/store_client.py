@@ -41,9 +41,9 @@ class StoreClient:
         self._ids = itertools.count(1)
         self._down_until = 0.0
 
-    def hello(self) -> tuple[str, int, int]:
+    def hello(self) -> tuple[str, int, int, int]:
         reply = self._call({"op": "hello"})
-        return reply["shm_path"], int(reply["block_bytes"]), int(reply["num_slots"])
+        return reply["shm_path"], int(reply["block_bytes"]), int(reply["num_slots"]), int(reply["num_rows"])
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
             payloads: Sequence[memoryview]) -> bool:

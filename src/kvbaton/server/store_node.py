@@ -52,7 +52,10 @@ class StoreNodeState:
     NODE = "local"
 
     def __init__(self, block_bytes: int, block_tokens: int, dram_blocks: int, disk: DiskBlockFiles | None = None,
-                 lease_s: float = 30.0, slots: StoreSlots | None = None, max_log_events: int = 65536) -> None:
+                 lease_s: float = 30.0, slots: StoreSlots | None = None, max_log_events: int = 65536,
+                 block_rows: int = 1) -> None:
+        """`block_rows`: rows a block's bytes split into (layers x 2, K and V: the slots are laid out as a worker's
+        KV pool, `kvbaton.transfer.store_slots`)."""
         if dram_blocks <= 0:
             raise InvalidRequestError("a live store node needs DRAM (--kv-store-gb > 0): disk blocks load through it")
         self.block_bytes = block_bytes
@@ -60,7 +63,7 @@ class StoreNodeState:
         disk_blocks = disk.capacity_blocks if disk is not None else 0
         self.store = KVStore(StoreConfig(dram_blocks, disk_blocks, replicate_after_remote_loads=0, max_replicas=1),
                              [self.NODE])
-        self.slots = slots if slots is not None else StoreSlots.create(block_bytes, dram_blocks)
+        self.slots = slots if slots is not None else StoreSlots.create(block_bytes, dram_blocks, block_rows)
         if disk is not None:
             disk.open()
         self.lease_s = lease_s
@@ -178,16 +181,16 @@ class StoreNodeState:
             self.disk.remove(block_hash)
             if data is None:
                 return False
-            self.slots.view(slot)[:] = data
+            self.slots.write(slot, data)
         else:
             self._namespace_of[block_hash] = namespace
-            self.slots.view(slot)[:] = payloads[block_hash]
+            self.slots.write(slot, payloads[block_hash])
         return True
 
     def _to_disk(self, block_hash: int, payloads: dict[int, bytes | memoryview], namespace: Namespace) -> None:
         slot = self._slot_of.pop(block_hash, None)
         if slot is not None:
-            self.disk.write(block_hash, self._namespace_of[block_hash], self.slots.view(slot))
+            self.disk.write(block_hash, self._namespace_of[block_hash], self.slots.read(slot))
             self.slots.free(slot)
         else:  # a node without DRAM room stores a new block straight to disk
             self._namespace_of[block_hash] = namespace

@@ -118,7 +118,8 @@ class StoreServer:
         if op == "acquire":
             reply["lease"], reply["slots"] = state.acquire(_namespace(header), _hashes(header), self._clock())
         elif op == "hello":
-            reply.update(shm_path=state.slots.path, block_bytes=state.block_bytes, num_slots=state.slots.num_slots)
+            reply.update(shm_path=state.slots.path, block_bytes=state.block_bytes, num_slots=state.slots.num_slots,
+                         num_rows=state.slots.num_rows)
         elif op == "events":
             events, snapshot = state.events_since(int(header.get("since", 0)))
             reply["snapshot"] = snapshot
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbaton.server.store_server", description=__doc__.split("\n")[0])
     parser.add_argument("--block-bytes", type=int, required=True)
     parser.add_argument("--block-tokens", type=int, required=True)
+    parser.add_argument("--block-rows", type=int, default=1, help="rows of a block (layers x 2): the slots' layout")
     parser.add_argument("--kv-store-gb", type=float, required=True)
     parser.add_argument("--kv-store-disk-gb", default="", help="DIR:GB")
     parser.add_argument("--host", default="127.0.0.1")
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         directory, gb = parse_disk(args.kv_store_disk_gb)
         disk = DiskBlockFiles(directory, capacity_blocks(gb, args.block_bytes + 64))
     state = StoreNodeState(args.block_bytes, args.block_tokens, capacity_blocks(args.kv_store_gb, args.block_bytes),
-                           disk, args.lease_s)
+                           disk, args.lease_s, block_rows=args.block_rows)
     server = StoreServer(state, ClusterSecret.from_hex(secret_hex), args.host, args.port)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     print(f"store node ready {server.address}", flush=True)

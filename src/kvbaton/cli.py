@@ -132,7 +132,7 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
 
 # Options of `kvbaton serve` that a router started with `kvbaton router --join` does not take (serve --routers N).
 _SERVE_ONLY_OPTIONS = ("--routers", "--workers", "--prefill", "--decode", "--port", "--rpc-address", "--ray",
-                       "--gpus-per-worker", "--placement", "--placement-pick")
+                       "--gpus-per-worker", "--placement", "--placement-pick", "--kv-store-gb", "--kv-store-disk-gb")
 
 
 def _router_argv(argv: Sequence[str]) -> tuple[str, ...]:
@@ -173,6 +173,8 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
+    p.add_argument("--kv-store-gb", type=float, default=0.0, metavar="GB", help="start this host's KV store node with GB of shared-memory DRAM: every worker writes its new full blocks through to it and loads prefix hits past its KV pool from it (Mooncake's store; replaces --host-num-blocks); 0 = off")
+    p.add_argument("--kv-store-disk-gb", default="", metavar="DIR:GB", help="the store node's disk tier: block files under DIR, at most GB of them, each checked by a checksum when read back")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
     p.add_argument("--warm-up", action="store_true", help="build every linear shape a step can use (oneDNN primitives, ~0.5 MB each) before serving: RSS stays flat under any mix of step sizes, at a few seconds of start-up")
@@ -287,6 +289,9 @@ def _run_router(args: argparse.Namespace) -> int:
 
     if args.ray:
         raise KvbatonError("kvbaton router starts no worker: --ray is for kvbaton serve")
+    if args.kv_store_gb or args.kv_store_disk_gb:
+        raise KvbatonError("kvbaton router starts no KV store node: the host's one comes with kvbaton serve "
+                           "--kv-store-gb (a joined router does not price store hits)")
     args.model = args.model or "smollm2-135m"
     return serve(_serve_config(args, num_workers=0, num_prefill=0, num_decode=0, join_address=args.join,
                                rpc_address=args.rpc_address))
@@ -315,7 +320,7 @@ def _serve_config(args: argparse.Namespace, **fields: object) -> ServeConfig:
         local_prefill_threshold_tokens=DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS if threshold is None else threshold,
         policy=args.policy, host=args.host, port=args.port, dtype=args.dtype, device=device, block_size=args.block_size,
         num_blocks=args.num_blocks,
-        host_num_blocks=args.host_num_blocks,
+        host_num_blocks=args.host_num_blocks, kv_store_gb=args.kv_store_gb, kv_store_disk=args.kv_store_disk_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
@@ -384,6 +389,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
+    p.add_argument("--kv-store", default="", metavar="ADDRESS", help="this host's KV store node (tcp://host:port), as `kvbaton serve --kv-store-gb` hands it; empty = none")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
     p.add_argument("--seed", type=int, default=0)
@@ -414,6 +420,17 @@ def _check_kv_sizes(args: argparse.Namespace) -> None:
         raise KvbatonError(f"--num-blocks must be at least 2, got {args.num_blocks}")
     if args.host_num_blocks < 0:
         raise KvbatonError(f"--host-num-blocks must not be negative, got {args.host_num_blocks}")
+    if getattr(args, "kv_store_gb", 0.0) or getattr(args, "kv_store", ""):
+        if not getattr(args, "kv_store", "") and not args.kv_store_gb > 0:
+            raise KvbatonError(f"--kv-store-gb must be a positive number of GB, got {args.kv_store_gb}")
+        if args.host_num_blocks:
+            raise KvbatonError("the KV store replaces the host tier: give --kv-store-gb or --host-num-blocks, not both")
+    if getattr(args, "kv_store_disk_gb", ""):
+        from kvbaton.server.store_server import parse_disk
+
+        parse_disk(args.kv_store_disk_gb)
+        if not args.kv_store_gb:
+            raise KvbatonError("--kv-store-disk-gb needs --kv-store-gb: disk blocks load through the store's DRAM")
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -444,7 +461,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
         queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,
         kv_host=args.kv_host, kv_lease_s=args.kv_lease, step_log=args.step_log,
-        reserve_ahead_tokens=args.reserve_ahead_tokens, cluster_secret=secret))
+        reserve_ahead_tokens=args.reserve_ahead_tokens, kv_store_address=args.kv_store, cluster_secret=secret))
     print(f"kvbaton worker {worker_id}: {args.model} loaded, registering with {args.router}", file=sys.stderr,
           flush=True)
     reason = worker.run()

@@ -159,3 +159,14 @@ def test_a_busy_mixed_worker_is_priced_by_the_kv_its_steps_read():
     state.kv_read_s_per_token = 0.0  # unpriced: the device match wins
     decision = create_policy("conductor", state, random.Random(0)).choose(req("b", 1, 2, 3, 4), ["w0", "w1"], 1.0)
     assert decision.worker_id == "w0"
+
+
+def test_live_workers_sharing_their_hosts_store_node_read_it_at_the_host_links_price():
+    state = make_state()
+    state.store_node = "host-a"  # live: one store node per host, every worker of the host reads it locally
+    request = req("a", 1, 2)
+    for worker in WORKERS:
+        heartbeat(state, worker)
+    store_holds(state, "host-a", request.block_hashes)
+    decision = create_policy("conductor", state, random.Random(0)).choose(request, WORKERS, now=1.0)
+    assert decision.num_matched_tokens == 8 and decision.costs.store_load_s == pytest.approx(0.002)

@@ -257,6 +257,16 @@ class KVStore:
                 if self._insert(self.nodes[reader], copy):
                     self.num_replicated_blocks += 1
 
+    def discard(self, node_id: NodeId, block_hash: int) -> bool:
+        """The node's copy of the block is unusable (its bytes failed a check): it leaves the node, EVICTED, pinned
+        or not (a load that pinned it finds it gone and recomputes). False when the node did not hold it."""
+        node = self.nodes.get(node_id)
+        entry = node.entries.get(block_hash) if node is not None else None
+        if entry is None:
+            return False
+        self._drop(node, entry)
+        return True
+
     # ---- events --------------------------------------------------------------------------------
     def take_events(self, node_id: NodeId) -> list[StoreEvent]:
         """The node's events since the last call, in seq order (a lost node's, ending CLEARED, once)."""

@@ -27,6 +27,8 @@ from kvbaton.core.step import SampledToken, StepPlan, StepResult, TokenDelta
 from kvbaton.engine.kv_storage import HostKVStorage, KVStorage
 from kvbaton.engine.model_runner import ModelRunner, PromptLogprobsWanted
 from kvbaton.engine.sampler import Sampler
+from kvbaton.engine.store_io import StoreLink, WorkerStoreIO
+from kvbaton.engine.store_loads import StoreLoads
 from kvbaton.model.registry import LoadedModel, load_model
 from kvbaton.model.tokenizer import IncrementalDetokenizer
 from kvbaton.scheduler.local_scheduler import LocalScheduler
@@ -49,7 +51,10 @@ class _Tracked:
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 clock: Callable[[], float] = time.monotonic, kv_cache: torch.Tensor | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, kv_cache: torch.Tensor | None = None,
+                 create_store_link: Callable[[], StoreLink] | None = None) -> None:
+        """`create_store_link`: a connection to this host's KV store node (built on the store IO thread), which
+        then takes the host tier's place: write-through of new blocks, prefix loads before admission."""
         self.config = config
         self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
         model_config = self.loaded.config
@@ -66,10 +71,17 @@ class Engine:
         self.host_storage = (HostKVStorage(self.storage, cache_cfg.host_num_blocks) if cache_cfg.host_num_blocks
                              else None)
         tier = HostTier(cache_cfg.host_num_blocks, self.host_storage) if self.host_storage is not None else None
+        if create_store_link is not None and (tier is not None or not cache_cfg.enable_prefix_cache):
+            raise InvalidRequestError("the KV store needs the prefix cache and replaces the host tier: not both")
+        self.store_io = (WorkerStoreIO(self.storage.kv_cache, create_store_link) if create_store_link is not None
+                         else None)
+        tier = tier if self.store_io is None else self.store_io
         self.prefix_cache = (RadixCache(self.pool, cache_cfg.block_size, tier) if cache_cfg.enable_prefix_cache
                              else None)
         self.scheduler = LocalScheduler(config.scheduler, cache_cfg.block_size, self.pool, self.prefix_cache,
                                         self.cache_key)
+        self.store_loads = (StoreLoads(self.store_io, self.pool, self.prefix_cache, self.cache_key,
+                                       cache_cfg.block_size) if self.store_io is not None else None)
         self.runner = ModelRunner(self.loaded.model, self.storage, config.device)
         self.sampler = Sampler(config.seed)
         self._clock = clock
@@ -112,7 +124,8 @@ class Engine:
                            prompt_logprobs=[] if params.prompt_logprobs is not None and not output_token_ids else None)
         if output_token_ids:
             self._resume(tracked, output_token_ids)
-        self.scheduler.add_request(request)
+        if self.store_loads is None or not self.store_loads.submit(request):
+            self.scheduler.add_request(request)
         self._tracked[request_id] = tracked
         return request_id
 
@@ -204,6 +217,8 @@ class Engine:
 
     def abort_request(self, request_id: str) -> None:
         """Idempotent; the request's final output (finish_reason ABORT) comes from the next step()."""
+        if self.store_loads is not None and self.store_loads.abort(request_id):
+            return  # ends at its load's next step, in step()
         self.scheduler.abort_request(request_id, self._clock())
 
     # -- the loop -------------------------------------------------------------------------------
@@ -212,6 +227,10 @@ class Engine:
         return bool(self._tracked)
 
     def step(self) -> list[TokenDelta]:
+        outputs: list[TokenDelta] = []
+        if self.store_loads is not None:
+            for request in self.store_loads.poll(lambda request: outputs.append(self._end_loading(request))):
+                self.scheduler.add_request(request)
         now = self._clock()
         plan = self.scheduler.schedule(now)
         self.last_plan = plan
@@ -238,7 +257,6 @@ class Engine:
         self._step_id += 1
         result = StepResult(plan.step_id, sampled, time.perf_counter() - started, accepted)
         token_outputs = self.scheduler.update(plan, result, self._clock())
-        outputs: list[TokenDelta] = []
         ended: set[str] = set()
         for out in token_outputs:
             tracked = self._tracked.get(out.request_id)
@@ -253,6 +271,19 @@ class Engine:
             if tracked is not None and request.request_id not in ended:
                 outputs.append(self._final_output(tracked))
         return outputs
+
+    def _end_loading(self, request: Request) -> TokenDelta:
+        """The final output of a request aborted while its prefix loaded from the store."""
+        request.finish_reason = FinishReason.ABORT
+        request.finished_at = self._clock()
+        tracked = self._tracked.pop(request.request_id)
+        self.sampler.forget(request.request_id)
+        return self._final_output(tracked)
+
+    def close(self) -> None:
+        """Stop the store IO thread, if any (pending saves are dropped)."""
+        if self.store_io is not None:
+            self.store_io.close()
 
     def _drafts_of(self, plan: StepPlan) -> dict[str, tuple[int, ...]]:
         """The draft tokens of the plan's speculative chunks (those reaching past their request's known tokens)."""
@@ -382,8 +413,10 @@ class Engine:
             self.prefix_cache.check_invariants()
         if not self.scheduler.has_unfinished_requests():
             cached = self.prefix_cache.num_cached_blocks if self.prefix_cache is not None else 0
-            assert self.pool.num_used_blocks == cached, (
-                f"idle engine holds {self.pool.num_used_blocks} blocks but the prefix cache has only {cached}"
+            held = self.store_loads.num_held_blocks if self.store_loads is not None else 0
+            assert self.pool.num_used_blocks == cached + held, (
+                f"idle engine holds {self.pool.num_used_blocks} blocks but the prefix cache has only {cached} and "
+                f"store loads {held}"
             )
 
 

@@ -41,11 +41,12 @@ def with_store_load(state: RouterState, request: RouteRequest, worker: WorkerId,
     max_hit = max(0, (num_prompt - 1) // block_size)  # the last prompt token is always computed
     if store is None or prices is None or num_device_blocks >= max_hit:
         return prefill_s, 0.0, 0
-    sources = store.sources(request.block_hashes[num_device_blocks:max_hit], worker)
+    reader = state.store_node or worker
+    sources = store.sources(request.block_hashes[num_device_blocks:max_hit], reader)
     if not sources:
         return prefill_s, 0.0, 0
     cached = (num_device_blocks + len(sources)) * block_size
-    load_s = prices.load_s(sources, worker)
+    load_s = prices.load_s(sources, reader)
     rest_s = state.prefill_model.predict(num_prompt - cached, cached)
     if load_s + rest_s >= prefill_s:
         return prefill_s, 0.0, 0

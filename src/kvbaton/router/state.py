@@ -24,9 +24,11 @@ class RouterState:
     prefill_model: PrefillTimeModel = field(default_factory=PrefillTimeModel)
     decode_s_per_token: float = 0.02  # prices decode work in the load window (one token of one request)
     # The cluster KV store, when there is one: which node holds which block (fed by the store's events) and what
-    # loading a block costs; store nodes are named by the worker ids on them.
+    # loading a block costs. A worker reads from the store node named by its own id (the simulator's: one node per
+    # worker) unless `store_node` names the node of its host (live: one node per host, shared by its workers).
     store: StoreDirectory | None = None
     store_prices: StorePrices | None = None
+    store_node: str = ""
     # What a mixed worker's running requests add to each step a prefill takes (the conductor's TTFT): every step
     # reads their KV, this many seconds per KV token in use (KV bytes per token / memory bandwidth; 0: unpriced),
     # and a prefill takes one step per `step_tokens` (the workers' token budget) of what is queued and its own.

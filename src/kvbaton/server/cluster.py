@@ -39,6 +39,8 @@ from dataclasses import dataclass, replace
 import zmq
 
 from kvbaton.cache.hashing import CacheKey
+from kvbaton.cache.kv_store import StoreEvent
+from kvbaton.cache.store_prices import StorePrices
 from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.router.admission import AdmissionPolicy
 from kvbaton.router.base import RouteRequest
@@ -55,6 +57,7 @@ from kvbaton.server.cluster_workers import WorkerPool
 from kvbaton.server.identity import ClusterIdentity
 from kvbaton.server.router_socket import RouterSocket
 from kvbaton.server.rpc_auth import secure_dealer
+from kvbaton.server.store_client import StoreEventFeed
 
 log = logging.getLogger("kvbaton.cluster")
 
@@ -88,6 +91,15 @@ class ClusterConfig:
     migration_limit: int = 3  # times one call may move to another worker after losing one; 0: it fails instead
     # Other routers of the cluster (zmq RPC addresses) the workers registering here are told about (`join`).
     peer_routers: tuple[str, ...] = ()
+    # This host's KV store node (kvbaton.server.store_server), read for the placement's store directory: its
+    # address, its name (the host's) and its block bytes. "" = no store.
+    kv_store_address: str = ""
+    kv_store_node: str = "local"
+    kv_store_block_bytes: int = 0
+    # What the router prices a store load at: a worker's copy from the node's shared memory (a CPU memcpy's speed
+    # by default; a GPU's host link would be ~50e9), and the node's disk.
+    kv_store_host_bytes_per_s: float = 3e9
+    kv_store_disk_bytes_per_s: float = 1e9
 
 
 def send_add_router(router_address: str, own_address: str, secret: ClusterSecret, timeout_s: float = 5.0) -> None:
@@ -119,8 +131,14 @@ class ClusterManager:
                             max_num_waiting=config.max_num_waiting,
                             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
                             kv_bytes_per_token=config.kv_bytes_per_token,
-                            reserve_ahead_tokens=config.reserve_ahead_tokens),
+                            reserve_ahead_tokens=config.reserve_ahead_tokens,
+                            store_prices=StorePrices(config.kv_store_block_bytes,
+                                                     host_bytes_per_s=config.kv_store_host_bytes_per_s,
+                                                     disk_bytes_per_s=config.kv_store_disk_bytes_per_s)
+                            if config.kv_store_address else None,
+                            store_node=config.kv_store_node if config.kv_store_address else ""),
             admission, pools)
+        self._store_feed: StoreEventFeed | None = None
         self.queue_policy = config.scheduling_policy or local_queue_policy(config.policy)
         self.pool = WorkerPool(config, clock, self.placement, self.queue_policy, self._on_delta,
                                self._on_handoff_ended, self._on_worker_removed)
@@ -190,6 +208,11 @@ class ClusterManager:
         self.address = socket.address
         socket.start(self.pool.handle)
         self._tasks = [asyncio.create_task(self._monitor_loop())]
+        if self.config.kv_store_address:
+            loop = asyncio.get_running_loop()
+            self._store_feed = StoreEventFeed(
+                self.config.kv_store_address, self.secret,
+                lambda events, snapshot: loop.call_soon_threadsafe(self._on_store_events, events, snapshot)).start()
         return self.address
 
     async def join(self, address: str, timeout_s: float) -> None:
@@ -204,6 +227,12 @@ class ClusterManager:
         except TimeoutError as exc:
             raise TimeoutError(f"{exc} after joining {address}: is it a kvbaton router's RPC address (its /cluster "
                                "router_address), holding the same cluster secret?") from None
+    def _on_store_events(self, events: list[StoreEvent], snapshot: bool) -> None:
+        node = self.config.kv_store_node
+        if snapshot:
+            self.placement.apply_store_snapshot(node, events)
+        elif not self.placement.on_store_events(node, events) and self._store_feed is not None:
+            self._store_feed.resync()
 
     async def _monitor_loop(self) -> None:
         while True:
@@ -257,6 +286,9 @@ class ClusterManager:
             await asyncio.sleep(0.05)
         for worker_id in sorted(self.workers):
             self.pool.remove(worker_id, "did not acknowledge shutdown")
+        if self._store_feed is not None:
+            self._store_feed.stop()
+            self._store_feed = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -17,6 +17,7 @@ import gc
 import signal
 import socket
 import os
+import select
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ import uvloop
 from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret, worker_environment
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.config import ModelConfig
-from kvbaton.model.registry import read_model_header, resolve_model_source
+from kvbaton.model.registry import read_model_header, resolve_dtype, resolve_model_source
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api import create_app
 from kvbaton.server.auth import ApiAuth, ApiKeys, check_exposure
@@ -68,6 +69,10 @@ class ServeConfig:
     block_size: int = 16
     num_blocks: int = 2048  # per worker
     host_num_blocks: int = 0  # per worker: the prefix cache's host tier (kvbaton.cache.host_tier); 0 = off
+    # This host's KV store node (kvbaton.server.store_server): DRAM in GB (0 = none) and its disk tier "DIR:GB".
+    kv_store_gb: float = 0.0
+    kv_store_disk: str = ""
+    kv_store_address: str = ""  # set by the launcher once the store node listens; handed to every worker
     max_num_batched_tokens: int = 512
     num_speculative_tokens: int = 0  # prompt-lookup drafts per decode on every worker (0: off)
     warm_up: bool = False  # workers build every linear shape before serving (Worker: WorkerConfig.warm_up)
@@ -189,7 +194,8 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
             "--router-link-timeout", str(config.router_link_timeout_s),
             *(["--step-log", str(Path(config.step_log_dir) / f"{worker_id}.steps.jsonl")] if config.step_log_dir else []),
             *(["--reserve-ahead-tokens", str(config.reserve_ahead_tokens)]
-              if config.reserve_ahead_tokens is not None else [])]
+              if config.reserve_ahead_tokens is not None else []),
+            *(["--kv-store", config.kv_store_address] if config.kv_store_address else [])]
 
 
 class Launcher:
@@ -205,6 +211,7 @@ class Launcher:
         self._drain_timer: asyncio.TimerHandle | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self.routers: dict[str, subprocess.Popen[bytes]] = {}  # URL -> the other routers' processes (--routers N)
+        self.store_process: subprocess.Popen[str] | None = None
 
     def request_stop(self) -> None:
         """Signal handler: the first call drains, then stops the HTTP server; a second one stops at once. While
@@ -247,6 +254,8 @@ class Launcher:
         admission, pools = admission_policy(config, time_model), pool_balancer(config, time_model)
         http_socket = _bind_http(config.host, config.port)  # fail on a taken port before starting any worker
         try:
+            if config.kv_store_gb > 0:  # before the router: it reads the store node's events
+                config = self.config = replace(config, kv_store_address=self._start_store(model_config))
             if config.ray_address:
                 self.placement = RayPlacement(config.ray_address)
                 for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init replaced them with its own (sys.exit)
@@ -261,12 +270,15 @@ class Launcher:
                 reserve_ahead_tokens=config.reserve_ahead_tokens,
                 scheduling_policy=config.scheduling_policy,
                 kv_bytes_per_token=model_config.kv_bytes_per_token(2 if config.dtype != "float32" else 4),
-                cluster_secret=self.secret, migration_limit=config.migration_limit), admission=admission, pools=pools)
+                cluster_secret=self.secret, migration_limit=config.migration_limit,
+                kv_store_address=config.kv_store_address, kv_store_block_bytes=self._store_block_bytes(model_config)),
+                admission=admission, pools=pools)
             self._cluster = cluster
             address = await cluster.start()
         except BaseException:
             http_socket.close()
             self._let_go_of_ray()
+            self._stop_store()
             raise
         try:
             if config.join_address:
@@ -336,6 +348,7 @@ class Launcher:
             self._stop_unregistered(cluster)
             await cluster.shutdown(timeout_s=config.worker_exit_timeout_s)
             self._reap()
+            self._stop_store()
             self._let_go_of_ray()
             print("kvbaton: stopped", flush=True)
 
@@ -413,6 +426,40 @@ class Launcher:
             placing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             self.processes.update(await placing)
+
+    def _start_store(self, model_config: ModelConfig) -> str:
+        """Start this host's KV store node (its own process, sized for the workers' blocks); returns its address."""
+        config = self.config
+        if config.ray_address:
+            raise KvbatonError("--kv-store-gb runs one store node on the launcher's host: not with --ray yet")
+        block_bytes = self._store_block_bytes(model_config)
+        command = [sys.executable, "-m", "kvbaton.server.store_server", "--block-bytes", str(block_bytes),
+                   "--block-tokens", str(config.block_size), "--block-rows", str(2 * model_config.num_layers),
+                   "--kv-store-gb", str(config.kv_store_gb),
+                   *(["--kv-store-disk-gb", config.kv_store_disk] if config.kv_store_disk else [])]
+        self.store_process = process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, text=True, start_new_session=True,
+            env=worker_environment(self.secret, dict(os.environ)))
+        ready, _, _ = select.select([process.stdout], [], [], 60.0)
+        line = process.stdout.readline() if ready else ""  # type: ignore[union-attr]
+        if not line.startswith("store node ready "):
+            self._stop_store()
+            raise KvbatonError(f"the KV store node did not start: {line.strip() or 'no answer in 60 s'}")
+        return line.split()[-1]
+
+    def _store_block_bytes(self, model_config: ModelConfig) -> int:
+        return model_config.kv_bytes_per_token(resolve_dtype(self.config.dtype).itemsize) * self.config.block_size
+
+    def _stop_store(self) -> None:
+        process, self.store_process = self.store_process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
 
     def _let_go_of_ray(self) -> None:
         if self.placement is not None:

@@ -39,10 +39,11 @@ class CurveKeys:
         return "CurveKeys(...)"
 
 
-def curve_keys(secret: ClusterSecret) -> CurveKeys:
-    """Any 32 bytes are a Curve25519 secret key (libsodium clamps them), so a derived key is one."""
-    server_secret = z85.encode(secret.derive("rpc-curve-server"))
-    client_secret = z85.encode(secret.derive("rpc-curve-client"))
+def curve_keys(secret: ClusterSecret, channel: str = "rpc") -> CurveKeys:
+    """Any 32 bytes are a Curve25519 secret key (libsodium clamps them), so a derived key is one. `channel`: each
+    zmq channel ("rpc", the KV store's "store") derives its own pairs."""
+    server_secret = z85.encode(secret.derive(f"{channel}-curve-server"))
+    client_secret = z85.encode(secret.derive(f"{channel}-curve-client"))
     return CurveKeys(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret)
 
 
@@ -63,10 +64,11 @@ class _WorkerKeyCheck:
         return allowed
 
 
-def secure_router(socket: zmq.Socket, context: zmq.Context, secret: ClusterSecret) -> ThreadAuthenticator:
+def secure_router(socket: zmq.Socket, context: zmq.Context, secret: ClusterSecret,
+                  channel: str = "rpc") -> ThreadAuthenticator:
     """Make `socket` (not yet bound) a CURVE server that admits only holders of `secret`; returns the running
     authenticator, which the caller stops after closing the socket."""
-    keys = curve_keys(secret)
+    keys = curve_keys(secret, channel)
     authenticator = ThreadAuthenticator(context, log=logging.getLogger("kvbaton.cluster.zap"))
     authenticator.start()
     authenticator.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_WorkerKeyCheck(keys.client_public))
@@ -76,9 +78,9 @@ def secure_router(socket: zmq.Socket, context: zmq.Context, secret: ClusterSecre
     return authenticator
 
 
-def secure_dealer(socket: zmq.Socket, secret: ClusterSecret) -> None:
+def secure_dealer(socket: zmq.Socket, secret: ClusterSecret, channel: str = "rpc") -> None:
     """Make `socket` (not yet connected) a CURVE client of the router that holds `secret`."""
-    keys = curve_keys(secret)
+    keys = curve_keys(secret, channel)
     socket.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
     socket.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
     socket.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)

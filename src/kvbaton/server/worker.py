@@ -47,6 +47,7 @@ from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.step_log import StepLog
+from kvbaton.server.store_client import StoreClient
 from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
 from kvbaton.server.worker_links import REGISTER_RESEND_S, RouterLink, RouterLinks
 from kvbaton.transfer.faults import FaultRule
@@ -93,6 +94,7 @@ class WorkerConfig:
     reserve_ahead_tokens: int | None = None
     transfer_faults: tuple[FaultRule, ...] = ()  # prefill workers: scripted faults on outgoing KV (tests)
     step_log: str = ""  # write each step's shape and period here at exit (kvbaton.server.step_log)
+    kv_store_address: str = ""  # this host's KV store node (kvbaton.server.store_server); "" = none
     # The router's: the RPC and every KV link authenticate with it (core/cluster_secret.py). Required to run.
     cluster_secret: ClusterSecret | None = None
 
@@ -173,6 +175,8 @@ class Worker:
             context.term()
             if self._step_log is not None:
                 self._step_log.write()
+            if self.engine is not None:
+                self.engine.close()  # the store IO thread, if any
             if self._prefill_links is not None:
                 self._prefill_links.close()
             if self._decode_kv is not None:
@@ -262,7 +266,12 @@ class Worker:
         # and handoffs are staged through the landing memory (engine/kv_staging.py, `_start_handoffs`).
         on_host = self.loaded.model.embed_tokens.device.type == "cpu"
         kv_cache = self._decode_kv.kv_cache if self._decode_kv is not None and on_host else None
-        engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache)
+        store_link = None
+        if cfg.kv_store_address:
+            address, secret = cfg.kv_store_address, cfg.cluster_secret
+            store_link = lambda: StoreClient(address, secret)  # noqa: E731 - built on the store IO thread
+        engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache,
+                        create_store_link=store_link)
         engine.worker_id = cfg.worker_id
         if engine.kv_layout != kv_layout_of(self.loaded, cfg.block_size):
             raise KvbatonError(f"engine KV layout {engine.kv_layout} differs from the registered one")

@@ -1,0 +1,267 @@
+"""Issue 21's live must-show: the KV store node serving real engines on this host (SmolLM2 by default).
+
+A store node runs as its own process (`python -m kvbaton.server.store_server`, CurveZMQ, shared-memory DRAM
+slots, a disk tier in a temporary directory); worker engines A and B (and a plain one without the store) run in
+this process, one after the other, so each timing has the CPU to itself. Figures, all from this one run:
+
+- **cross-worker hit**: a `--prefix-tokens` prompt computed on A is served on B from the store: B's TTFT over the
+  TTFT of recomputing it (`ttft_store_over_recompute`, target <= 0.3) and the greedy outputs equal;
+- **back from DRAM**: the prefix evicted from every device pool (B's cache cleared) comes back from the store's DRAM;
+- **back from disk**: after other prefixes pushed it out of DRAM, it comes back from the disk tier (blocks read
+  from disk, checksums checked);
+- **load throughput**: the worker's own load path (acquire RPC, copy from the node's slots into the KV pool,
+  release) over a single-thread memcpy of the same bytes between two plain buffers, side by side
+  (`load_over_memcpy`, target >= 0.8), for the prefix as one prefill stored it (its slots in order, copied in
+  runs), and `scattered_*` for a prefix whose slots churned apart (copied block by block); `*_copy_only_*`
+  leaves the RPC out;
+- **ITL under loads**: a decode stream's p99 inter-token latency while other requests load their prefixes from
+  the store, over the same stream alone (`itl_p99_with_loads_over_alone`, target <= 1.2).
+
+Cross-host loads over TCP are not built yet (the raw-socket comparison is therefore absent). Prints one JSON line.
+Usage: python benchmarks/kv_store_live.py [--model smollm2-135m] [--prefix-tokens 2000] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
+from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.engine.engine import Engine
+from kvbaton.engine.store_io import LoadJob, block_runs, namespace_of
+from kvbaton.cache.hashing import hash_block_tokens
+from kvbaton.model.registry import load_model
+from kvbaton.server.store_client import StoreClient
+
+BLOCK = 16
+
+
+def _prompt(seed: int, num_tokens: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab - 10) for _ in range(num_tokens)]
+
+
+def _start_store(secret: ClusterSecret, block_bytes: int, rows: int, dram_gb: float,
+                 disk: str) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "kvbaton.server.store_server", "--block-bytes", str(block_bytes),
+               "--block-tokens", str(BLOCK), "--block-rows", str(rows), "--kv-store-gb", str(dram_gb),
+               "--kv-store-disk-gb", disk]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env={**os.environ, SECRET_ENV: secret.to_hex()})
+    line = process.stdout.readline()  # type: ignore[union-attr]
+    if not line.startswith("store node ready"):
+        process.kill()
+        raise SystemExit(f"store node did not start: {line!r}")
+    return process, line.split()[-1]
+
+
+def _generate(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[int], float, int]:
+    """(tokens, TTFT s, cached tokens) of one greedy request run alone on `engine`."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    rid = engine.add_request(prompt, params)
+    tokens: list[int] = []
+    ttft = 0.0
+    cached = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids:
+                if not tokens:
+                    ttft = time.perf_counter() - started
+                tokens += out.new_token_ids
+            cached = out.num_cached_tokens
+    return tokens, ttft, cached
+
+
+def _settle(engine: Engine, client: StoreClient, timeout_s: float = 60.0) -> dict:
+    """The store's stats once `engine`'s write-through has drained and the node has taken every put."""
+    deadline = time.monotonic() + timeout_s
+    while engine.store_io.num_pending_saves and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = client.stats()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        again = client.stats()
+        if again["num_put_blocks"] == stats["num_put_blocks"]:
+            return again
+        stats = again
+    return stats
+
+
+def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], repeats: int) -> dict[str, float]:
+    """The worker's load path against a single-thread memcpy of the same bytes, interleaved, medians."""
+    io = engine.store_io
+    hashes = hash_block_tokens(engine.cache_key, prompt, BLOCK)
+    num_blocks = len(hashes)
+    engine.reset_prefix_cache()
+    device_ids = engine.pool.allocate(num_blocks)  # timing only: no request runs meanwhile
+    block_bytes = engine.storage.bytes_per_block
+    src = np.ones(num_blocks * block_bytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    load_s, memcpy_s, copy_s = [], [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        memcpy_s.append(time.perf_counter() - started)
+        job = LoadJob("bench", namespace_of(engine.cache_key), list(hashes))
+        started = time.perf_counter()
+        io.acquire(job)
+        kind = _result(io)
+        assert kind == "acquired" and len(job.slots) == num_blocks, (kind, len(job.slots), num_blocks)
+        job.device_block_ids = device_ids
+        copied_before = io.copy_in_s
+        io.copy_in(job)
+        assert _result(io) == "copied"
+        load_s.append(time.perf_counter() - started)
+        copy_s.append(io.copy_in_s - copied_before)
+    engine.pool.release(device_ids)
+    num_bytes = num_blocks * block_bytes
+    load, memcpy, copy = statistics.median(load_s), statistics.median(memcpy_s), statistics.median(copy_s)
+    return {"load_blocks": num_blocks, "load_bytes": num_bytes, "load_gbps": num_bytes / load / 1e9,
+            "memcpy_gbps": num_bytes / memcpy / 1e9, "load_over_memcpy": memcpy / load,
+            "load_copy_only_gbps": num_bytes / copy / 1e9, "load_copy_only_over_memcpy": memcpy / copy,
+            "load_runs": len(block_runs(job.slots, device_ids))}
+
+
+def _result(io: Any) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        results = io.take_results()
+        if results:
+            return results[0][0]
+        time.sleep(0.0002)
+    raise SystemExit("no load result in 30 s")
+
+
+def _itl_p99(engine: Engine, stream_prompt: list[int], loaders: list[list[int]], num_tokens: int) -> float:
+    """p99 gap between a decode stream's tokens; `loaders` join one every few tokens (each loads its prefix from the
+    store and samples one token)."""
+    stream = engine.add_request(stream_prompt, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times: list[float] = []
+    pending = list(loaders)
+    every = max(1, num_tokens // (len(loaders) + 1))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == stream and out.new_token_ids:
+                times.append(time.perf_counter())
+                if pending and len(times) % every == 0:
+                    engine.add_request(pending.pop(0), one)
+    gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # from the second token on: decode steps only
+    return gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prefix-tokens", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--stream-tokens", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, "auto", "cpu")
+    vocab = loaded.config.vocab_size
+    block_bytes = loaded.config.kv_bytes_per_token(loaded.dtype.itemsize) * BLOCK
+    prefix_blocks = args.prefix_tokens // BLOCK
+    # DRAM for a bit more than two prefixes: a third and fourth push the first ones out to disk.
+    dram_gb = 2.5 * prefix_blocks * block_bytes / 1e9
+    secret = ClusterSecret.generate()
+    with tempfile.TemporaryDirectory(prefix="kvbaton-store-bench-") as tmp:
+        store, address = _start_store(secret, block_bytes, 2 * loaded.config.num_layers, dram_gb,
+                                      f"{tmp}/disk:{20 * dram_gb}")
+        try:
+            result = _run(args, loaded, vocab, secret, address, prefix_blocks, block_bytes, dram_gb)
+        finally:
+            store.terminate()
+            store.wait(10)
+    print(json.dumps(result))
+
+
+def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecret, address: str,
+         prefix_blocks: int, block_bytes: int, dram_gb: float) -> dict[str, Any]:
+    config = EngineConfig(model=args.model, cache=CacheConfig(block_size=BLOCK, num_blocks=4 * prefix_blocks + 64),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=512))
+
+    def link() -> StoreClient:
+        return StoreClient(address, secret)
+
+    a = Engine(config, loaded, create_store_link=link)
+    b = Engine(config, loaded, create_store_link=link)
+    plain = Engine(config, loaded)
+    client = StoreClient(address, secret)
+    try:
+        prompt = _prompt(1, args.prefix_tokens, vocab) + _prompt(2, 8, vocab)
+        _generate(a, _prompt(0, 64, vocab), 2)  # warm-up: first-call costs out of the timings
+        _generate(b, _prompt(0, 64, vocab), 2)
+        _generate(plain, _prompt(0, 64, vocab), 2)
+        ref_tokens, ttft_recompute, _ = _generate(plain, prompt, 8)
+        a_tokens, ttft_a, _ = _generate(a, prompt, 8)
+        _settle(a, client)
+        b_tokens, ttft_store, cached_b = _generate(b, prompt, 8)
+        # The prefix as one prefill stored it (its slots in order): the common case of a load.
+        throughput = _load_throughput(b, client, prompt[: args.prefix_tokens], args.repeats)
+        b.reset_prefix_cache()  # evicted from every device pool: back from the store's DRAM
+        a.reset_prefix_cache()
+        dram_tokens, ttft_dram, cached_dram = _generate(b, prompt, 8)
+        # Another prefix, used once, then three more through A: GDSF moves the one used least and longest ago (it)
+        # out of DRAM to disk. B has never seen it: its load comes from the disk files.
+        disk_prompt = _prompt(11, args.prefix_tokens, vocab) + _prompt(2, 8, vocab)
+        disk_ref, _, _ = _generate(a, disk_prompt, 8)
+        a.reset_prefix_cache()
+        for seed in (3, 4, 5):
+            _generate(a, _prompt(seed, args.prefix_tokens, vocab) + _prompt(2, 8, vocab), 1)
+            a.reset_prefix_cache()
+        before = _settle(a, client)
+        b.reset_prefix_cache()
+        disk_tokens, ttft_disk, cached_disk = _generate(b, disk_prompt, 8)
+        after = client.stats()
+        # A prefix whose slots churn scattered (stored while DRAM was full, moved to disk and back): block by block.
+        scattered = _load_throughput(b, client, _prompt(5, args.prefix_tokens, vocab), args.repeats)
+        b.reset_prefix_cache()
+        # ITL: a stream alone, then the same stream while four other prefixes load from the store into it.
+        stream_prompt = _prompt(9, 128, vocab)
+        loaders = [_prompt(seed, args.prefix_tokens, vocab) + _prompt(7, 8, vocab) for seed in (3, 4)]
+        itl_alone = _itl_p99(b, stream_prompt, [], args.stream_tokens)
+        b.reset_prefix_cache()
+        itl_loads = _itl_p99(b, stream_prompt, loaders, args.stream_tokens)
+        plain.reset_prefix_cache()
+        _generate(plain, stream_prompt, 1)  # the stream's own prompt cached, as it is on B after the first run
+        itl_recompute = _itl_p99(plain, stream_prompt, loaders, args.stream_tokens)
+        for engine in (a, b, plain):
+            engine.check_invariants()
+        return {
+            "model": args.model, "threads": args.threads, "prefix_tokens": args.prefix_tokens,
+            "block_bytes": block_bytes, "store_dram_gb": round(dram_gb, 4),
+            "ttft_recompute_s": ttft_recompute, "ttft_worker_a_s": ttft_a, "ttft_store_s": ttft_store,
+            "ttft_store_over_recompute": ttft_store / ttft_recompute, "cached_tokens_b": cached_b,
+            "same_output": ref_tokens == a_tokens == b_tokens == dram_tokens and disk_tokens == disk_ref,
+            "ttft_dram_reload_s": ttft_dram, "cached_tokens_dram_reload": cached_dram,
+            "ttft_disk_reload_s": ttft_disk, "cached_tokens_disk_reload": cached_disk,
+            "disk_blocks_read_on_reload": after["num_disk_read_blocks"] - before["num_disk_read_blocks"],
+            **throughput, **{f"scattered_{k}": v for k, v in scattered.items()},
+            "itl_p99_alone_s": itl_alone, "itl_p99_with_loads_s": itl_loads,
+            "itl_p99_with_loads_over_alone": itl_loads / itl_alone, "itl_p99_with_recompute_s": itl_recompute,
+            "num_loaded_blocks_b": b.store_io.num_loaded_blocks, "num_dropped_saves_a": a.store_io.num_dropped_saves,
+            "store_stats": client.stats(),
+        }
+    finally:
+        client.close()
+        for engine in (a, b):
+            engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""A worker's data path to the cluster KV store: one background thread moves every byte, so no step waits on it.
+
+- **Saves (write-through).** The prefix cache calls `on_cached` (as it calls a host tier: `RadixCache.tier`)
+  with the blocks it just adopted; they join a bounded queue (`max_pending_saves` blocks). A full queue drops
+  the save (counted), never blocks. The thread copies each block out of the KV pool and `put`s it to the store.
+  Until it has copied a block, an eviction of that block (`demote`, which runs before its device block can be
+  reused) cancels the save, under the lock the copy holds: a save never reads a reused block. A `clear` (an
+  admin's reset, not a step) copies the pending blocks out itself instead, so a reset loses no save.
+- **Loads.** `acquire` asks the store node for the leading blocks of a chain (pinned under a lease, in its DRAM
+  slots); `copy_in` copies them from the node's shared-memory slots straight into device blocks the engine
+  allocated, then releases the lease. Results come back through `take_results`, read by the engine between steps
+  (`kvbaton.engine.store_loads`). A store that does not answer (`StoreUnavailable`) fails the load: the request
+  recomputes.
+- **Not a tier of its own.** Matching past the device cache is not done here (`match` finds nothing): loads are
+  asynchronous, started by the engine before admission, so the scheduler only ever sees device hits. The host
+  tier (`kvbaton.cache.host_tier`) stays as it was, for workers without a store; a worker has one or the other.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvbaton.cache.host_tier import EvictedBlock
+from kvbaton.transfer.store_slots import StoreSlots
+
+
+class StoreUnavailable(RuntimeError):
+    """The store node did not answer in time, refused, or is taken as down."""
+
+
+class StoreLink(Protocol):
+    """The worker's connection to its store node (`kvbaton.server.store_client.StoreClient`); one thread uses it."""
+
+    def hello(self) -> tuple[str, int, int, int]:
+        """(shared-memory path of the DRAM slots, bytes per block, number of slots, rows per block)."""
+
+    def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
+            payloads: Sequence[memoryview]) -> bool:
+        """Send blocks to store, not waiting; False when dropped."""
+
+    def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int]]:
+        """(lease, slots) of the leading blocks the node holds, pinned; raises StoreUnavailable."""
+
+    def release(self, lease: int) -> bool:
+        """Unpin a lease's blocks, not waiting."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """One request's load from the store, from `acquire` to its end (`kvbaton.engine.store_loads` drives it)."""
+
+    request_id: str
+    namespace: tuple[str, ...]
+    block_hashes: list[int]  # the chain asked for, after the device prefix
+    lease: int = 0
+    slots: list[int] = field(default_factory=list)  # of the leading blocks the node holds
+    device_block_ids: list[int] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass(slots=True)
+class _SaveJob:
+    namespace: tuple[str, ...]
+    parent_hash: int
+    block_hashes: list[int]
+    device_block_ids: list[int]
+    cancelled: bool = False
+    payloads: list | None = None  # copied out already (by a `clear`, before its blocks went back to the pool)
+
+
+def namespace_of(cache_key: object) -> tuple[str, str, str]:
+    """A CacheKey as the store's wire names it."""
+    return (cache_key.model_revision, cache_key.kv_layout, cache_key.tenant_salt)  # type: ignore[attr-defined]
+
+
+class WorkerStoreIO:
+    def __init__(self, kv_cache: torch.Tensor, create_link: Callable[[], StoreLink],
+                 max_pending_saves: int = 1024) -> None:
+        self.kv_cache = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        self.max_pending_saves = max_pending_saves
+        self._create_link = create_link
+        self._tasks: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # held while a save copies device blocks, and while saves are cancelled
+        self._pending: dict[int, _SaveJob] = {}  # device block id -> the save that has not copied it yet
+        self._num_pending_blocks = 0
+        self._slots: torch.Tensor | None = None
+        self._mapping: StoreSlots | None = None
+        self._rows: tuple[np.ndarray, np.ndarray] | None = None
+        self.skip_saves: set[int] = set()  # hashes loaded from the store: caching them saves nothing
+        self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
+        self.num_loaded_blocks = self.num_failed_loads = 0
+        self.copy_in_s = 0.0  # seconds the IO thread spent copying loads into the KV pool
+        self._thread = threading.Thread(target=self._run, name="kv-store-io", daemon=True)
+        self._thread.start()
+
+    # ---- the prefix cache's tier calls (engine thread) ------------------------------------------
+    def on_cached(self, block_hashes: Sequence[int], parent_hash: int, namespace: object,
+                  device_block_ids: Sequence[int] = ()) -> None:
+        keep = [i for i, h in enumerate(block_hashes) if h not in self.skip_saves]
+        if not keep:
+            return
+        with self._lock:
+            if self._num_pending_blocks + len(keep) > self.max_pending_saves:
+                self.num_dropped_saves += len(keep)
+                return
+            # Only a chain's leading run is written here: a block whose parent the store may not get is no use.
+            first = keep[0]
+            run = keep[: next((j for j, i in enumerate(keep) if i != first + j), len(keep))]
+            parent = block_hashes[first - 1] if first else parent_hash
+            job = _SaveJob(namespace_of(namespace), parent, [block_hashes[i] for i in run],
+                           [device_block_ids[i] for i in run])
+            for block_id in job.device_block_ids:
+                self._pending[block_id] = job
+            self._num_pending_blocks += len(run)
+        self._tasks.put(("save", job))
+
+    def demote(self, blocks: Sequence[EvictedBlock]) -> list[int]:
+        """The device evicted these; a save that has not read one yet is cancelled. All left the device."""
+        with self._lock:
+            for block in blocks:
+                self._cancel(self._pending.get(block.device_block_id))
+        return [block.block_hash for block in blocks]
+
+    def clear(self) -> list[int]:
+        """The device cache is being emptied (not on a step's path): saves not copied yet copy their blocks now."""
+        with self._lock:
+            for job in {id(job): job for job in self._pending.values()}.values():
+                job.payloads = self._payloads(job)
+                self._unlist(job)
+        return []
+
+    def match(self, parent_hash: int, token_blocks: Sequence[tuple[int, ...]], block_hashes: Sequence[int] = (),
+              namespace: object = None) -> int:
+        return 0
+
+    def take(self, parent_hash: int, token_blocks: Sequence[tuple[int, ...]], block_hashes: Sequence[int] = (),
+             namespace: object = None) -> list[int]:
+        return []
+
+    def load(self, block_hashes: Sequence[int], device_block_ids: list[int]) -> None:
+        assert not block_hashes, "the store loads through WorkerStoreIO.copy_in, never inside admission"
+
+    def put_back(self, block_hashes: Sequence[int]) -> None:
+        assert not block_hashes
+
+    def stored(self) -> list[tuple[int, int]]:
+        return []
+
+    def check_invariants(self, device_hashes: set[int]) -> None:
+        with self._lock:
+            assert self._num_pending_blocks == len(self._pending) <= self.max_pending_saves, "save queue miscounted"
+
+    # ---- loads (engine thread) ------------------------------------------------------------------
+    def acquire(self, job: LoadJob) -> None:
+        self._tasks.put(("acquire", job))
+
+    def copy_in(self, job: LoadJob) -> None:
+        self._tasks.put(("copy", job))
+
+    def release(self, job: LoadJob) -> None:
+        if job.lease:
+            self._tasks.put(("release", job.lease))
+            job.lease = 0
+
+    def take_results(self) -> list[tuple[str, LoadJob]]:
+        """("acquired" | "copied" | "failed", job) for each load step done since the last call."""
+        results = []
+        while True:
+            try:
+                results.append(self._results.get_nowait())
+            except queue.Empty:
+                return results
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks held for this worker elsewhere (the store node counts them, not the worker)."""
+        return 0
+
+    @property
+    def num_pending_saves(self) -> int:
+        return self._num_pending_blocks
+
+    def close(self) -> None:
+        self._tasks.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    # ---- the IO thread --------------------------------------------------------------------------
+    def _cancel(self, job: _SaveJob | None) -> None:
+        if job is None or job.cancelled:
+            return
+        job.cancelled = True
+        self.num_cancelled_saves += len(job.block_hashes)
+        self._unlist(job)
+
+    def _unlist(self, job: _SaveJob) -> None:
+        for block_id in job.device_block_ids:
+            if self._pending.get(block_id) is job:
+                del self._pending[block_id]
+        self._num_pending_blocks -= len(job.block_hashes)
+
+    def _run(self) -> None:
+        link = self._create_link()
+        try:
+            while True:
+                kind, item = self._tasks.get()
+                if kind == "stop":
+                    return
+                try:
+                    if kind == "save":
+                        self._save(link, item)
+                    elif kind == "acquire":
+                        item.lease, item.slots = link.acquire(item.namespace, item.block_hashes)
+                        self._results.put(("acquired", item))
+                    elif kind == "copy":
+                        started = time.perf_counter()
+                        self._copy(link, item)
+                        self.copy_in_s += time.perf_counter() - started
+                        link.release(item.lease)
+                        item.lease = 0
+                        self.num_loaded_blocks += len(item.device_block_ids)
+                        self._results.put(("copied", item))
+                    elif kind == "release":
+                        link.release(item)
+                except (StoreUnavailable, OSError, ValueError) as exc:
+                    if kind in ("acquire", "copy"):
+                        item.error = str(exc)
+                        self.num_failed_loads += 1
+                        self._results.put(("failed", item))
+        finally:
+            link.close()
+
+    def _payloads(self, job: _SaveJob) -> list:
+        kv = self.kv_cache
+        return [kv[:, :, block_id].contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
+                for block_id in job.device_block_ids]
+
+    def _save(self, link: StoreLink, job: _SaveJob) -> None:
+        with self._lock:
+            if job.cancelled:
+                return
+            payloads = job.payloads
+            if payloads is None:
+                payloads = self._payloads(job)
+                self._unlist(job)
+        if link.put(job.namespace, job.parent_hash, job.block_hashes, [memoryview(p) for p in payloads]):
+            self.num_saved_blocks += len(payloads)
+        else:
+            self.num_dropped_saves += len(payloads)
+
+    def _copy(self, link: StoreLink, job: LoadJob) -> None:
+        """Each run of consecutive slots into consecutive device blocks in one copy: the slots are laid out as the
+        pool is (`[layers, 2, slots, ...]`), so that is one memcpy per row. On the CPU through numpy views in 8-byte
+        words (torch's strided bf16 copy runs at a third of memcpy's speed)."""
+        slots = self._slot_view(link)
+        kv = self.kv_cache
+        rows = self._rows
+        for slot, block_id, num in block_runs(job.slots, job.device_block_ids):
+            if rows is not None:
+                np.copyto(rows[0][:, block_id : block_id + num], rows[1][:, slot : slot + num])
+            else:
+                kv[:, :, block_id : block_id + num].copy_(slots[:, :, slot : slot + num])
+
+    def _slot_view(self, link: StoreLink) -> torch.Tensor:
+        """The store node's DRAM slots as `[layers, 2, slots, block_size, kv_heads, head_dim]` (mapped once)."""
+        if self._slots is None:
+            path, block_bytes, num_slots, num_rows = link.hello()
+            kv = self.kv_cache
+            shape = (kv.shape[0], kv.shape[1], num_slots, *kv.shape[3:])
+            expected = kv[:, :, 0].numel() * kv.element_size()
+            if block_bytes != expected or num_rows != kv.shape[0] * kv.shape[1]:
+                raise StoreUnavailable(f"the store node's blocks are {block_bytes} bytes in {num_rows} rows, this "
+                                       f"worker's {expected} in {kv.shape[0] * kv.shape[1]}")
+            self._mapping = StoreSlots.attach(path, block_bytes, num_slots, num_rows)
+            self._slots = torch.frombuffer(self._mapping.buffer, dtype=kv.dtype).view(shape)
+            self._rows = _word_rows(kv, self._mapping) if kv.device.type == "cpu" else None
+        return self._slots
+
+
+def block_runs(slots: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first slot, first device block, length) of each stretch where both lists count up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for slot, block_id in zip(slots, block_ids):
+        if runs and slot == runs[-1][0] + runs[-1][2] and block_id == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((slot, block_id, 1))
+    return runs
+
+
+def _word_rows(kv: torch.Tensor, mapping: StoreSlots) -> tuple[np.ndarray, np.ndarray] | None:
+    """The KV pool as `[layers x 2, blocks, words]` and the slots as `[layers x 2, slots, words]` (numpy, no copy),
+    words of 8 bytes where a block's row divides into them."""
+    num_rows = kv.shape[0] * kv.shape[1]
+    row_bytes = kv[0, 0, 0].numel() * kv.element_size()
+    word = np.int64 if row_bytes % 8 == 0 else np.uint8
+    pool = kv.view(torch.uint8).numpy().reshape(num_rows, kv.shape[2], row_bytes).view(word)
+    return pool, mapping.rows.view(word)

@@ -1,0 +1,230 @@
+"""One live KV store node: the store's policy core (`kvbaton.cache.kv_store.KVStore`, the simulator's very object)
+over real bytes: DRAM slots in shared memory (`kvbaton.transfer.store_slots`) and block files on a local disk
+(`kvbaton.transfer.store_disk`).
+
+The policy core decides; this follows. Every call into the `KVStore` is followed by `_apply`, which replays
+the node's new events onto the bytes in their order: STORED in DRAM takes a slot (writing the put's payload,
+or reading the block's file back: a promotion), STORED on disk writes the slot (or the payload) to a file and
+frees the slot, EVICTED frees the slot or removes the file. The core's own order makes that safe: a victim
+moves out before the block that needs its room moves in, and a chain that pushes out its own head within one
+put still finds the payload for it. A file that fails its checksum on the way back is `discard`ed from the
+core (EVICTED), so the load that wanted it stops before it and recomputes the rest.
+
+Loads go by **lease**: `acquire` matches the leading blocks a worker asks for, pins them (so no eviction or
+move touches their slots), promotes the disk ones to DRAM, and answers the slots of the run that is in DRAM;
+the worker copies them out and `release`s the lease. A lease not released in `lease_s` (its worker died
+mid-load) is dropped by `expire`, so pins never leak. `check_invariants` ties the core's metadata, the slots,
+the files and the leases together. Plain Python and no socket: `kvbaton.server.store_server` serves it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvbaton.cache.kv_store import DISK, DRAM, KVStore, StoreConfig, StoreEvent
+from kvbaton.core.errors import InvalidRequestError
+from kvbaton.transfer.store_disk import DiskBlockFiles
+from kvbaton.transfer.store_slots import StoreSlots
+
+Namespace = tuple[str, ...]  # (model revision, KV layout, tenant salt): the worker's cache key on the wire
+
+
+def nominal_recompute_s(block_tokens: int) -> Callable[[int], float]:
+    """GDSF's price of recomputing a block at `depth` blocks: its tokens' prefill, linear, plus attention over the
+    context before it (a nominal 50 us per token and 2 ns per token pair; only the ratios between blocks matter)."""
+    def recompute_s(depth: int) -> float:
+        return block_tokens * (50e-6 + 2e-9 * depth * block_tokens)
+    return recompute_s
+
+
+@dataclass(slots=True)
+class _Lease:
+    block_hashes: list[int]
+    expires_at: float
+
+
+class StoreNodeState:
+    """A store node's metadata and bytes; one thread calls it (the server loop)."""
+
+    NODE = "local"
+
+    def __init__(self, block_bytes: int, block_tokens: int, dram_blocks: int, disk: DiskBlockFiles | None = None,
+                 lease_s: float = 30.0, slots: StoreSlots | None = None, max_log_events: int = 65536,
+                 block_rows: int = 1) -> None:
+        """`block_rows`: rows a block's bytes split into (layers x 2, K and V: the slots are laid out as a worker's
+        KV pool, `kvbaton.transfer.store_slots`)."""
+        if dram_blocks <= 0:
+            raise InvalidRequestError("a live store node needs DRAM (--kv-store-gb > 0): disk blocks load through it")
+        self.block_bytes = block_bytes
+        self.disk = disk
+        disk_blocks = disk.capacity_blocks if disk is not None else 0
+        self.store = KVStore(StoreConfig(dram_blocks, disk_blocks, replicate_after_remote_loads=0, max_replicas=1),
+                             [self.NODE])
+        self.slots = slots if slots is not None else StoreSlots.create(block_bytes, dram_blocks, block_rows)
+        if disk is not None:
+            disk.open()
+        self.lease_s = lease_s
+        self._recompute_s = nominal_recompute_s(block_tokens)
+        self._slot_of: dict[int, int] = {}  # hash -> DRAM slot
+        self._on_disk: set[int] = set()
+        self._namespace_of: dict[int, Namespace] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self._log: deque[StoreEvent] = deque(maxlen=max_log_events)  # for readers (routers): `events_since`
+        self.num_put_blocks = self.num_loaded_blocks = self.num_expired_leases = self.num_refused_puts = 0
+
+    # ---- writes --------------------------------------------------------------------------------
+    def put(self, namespace: Namespace, parent_hash: int, block_hashes: Sequence[int],
+            payloads: Sequence[bytes | memoryview]) -> int:
+        """Store a chain of blocks computed by a worker (following the block hashed `parent_hash`); blocks held
+        already are skipped. Returns how many were stored. A payload of the wrong size refuses the whole put."""
+        if len(payloads) != len(block_hashes) or any(len(p) != self.block_bytes for p in payloads):
+            self.num_refused_puts += 1
+            raise InvalidRequestError(f"a store put needs one {self.block_bytes}-byte payload per block")
+        namespace = tuple(namespace)
+        first_depth = self.store.depth_after(parent_hash)
+        stored = self.store.put(self.NODE, list(block_hashes), parent_hash, namespace, first_depth, self._recompute_s)
+        self._apply(dict(zip(block_hashes, payloads)), namespace)
+        self.num_put_blocks += len(stored)
+        return len(stored)
+
+    # ---- loads ---------------------------------------------------------------------------------
+    def acquire(self, namespace: Namespace, block_hashes: Sequence[int], now: float) -> tuple[int, list[int]]:
+        """Pin the leading blocks of `block_hashes` held under `namespace`, promoted to DRAM; returns (lease, their
+        slots). Lease 0 and no slots when nothing matches."""
+        namespace = tuple(namespace)
+        store = self.store
+        run = list(block_hashes[: store.match(block_hashes, namespace)])
+        if not run:
+            return 0, []
+        store.pin(run)
+        store.on_loaded(self.NODE, [(h, self.NODE) for h in run])  # a use each; disk copies move up to DRAM
+        self._apply({}, namespace)
+        entries = store.nodes[self.NODE].entries
+        num = 0
+        while num < len(run) and run[num] in entries and entries[run[num]].tier == DRAM:
+            num += 1
+        store.unpin(run[num:])
+        if not num:
+            return 0, []
+        lease = next(self._lease_ids)
+        self._leases[lease] = _Lease(run[:num], now + self.lease_s)
+        self.num_loaded_blocks += num
+        return lease, [self._slot_of[h] for h in run[:num]]
+
+    def release(self, lease: int) -> bool:
+        held = self._leases.pop(lease, None)
+        if held is None:
+            return False
+        self.store.unpin(held.block_hashes)
+        return True
+
+    def expire(self, now: float) -> int:
+        """Drop the leases whose time is up (their worker died or hung mid-load); returns how many."""
+        expired = [lease for lease, held in self._leases.items() if held.expires_at <= now]
+        for lease in expired:
+            self.release(lease)
+        self.num_expired_leases += len(expired)
+        return len(expired)
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    @property
+    def num_dram_blocks(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def num_disk_blocks(self) -> int:
+        return len(self._on_disk)
+
+    # ---- readers -------------------------------------------------------------------------------
+    def events_since(self, seq: int) -> tuple[list[StoreEvent], bool]:
+        """The node's events after `seq`, or (when the log no longer reaches back that far) a snapshot; the flag
+        says which."""
+        log = self._log
+        if seq >= self.store.nodes[self.NODE].seq:
+            return [], False
+        if log and log[0].seq <= seq + 1:
+            return [event for event in log if event.seq > seq], False
+        return self.store.snapshot(self.NODE), True
+
+    # ---- bytes follow the policy core -----------------------------------------------------------
+    def _apply(self, payloads: dict[int, bytes | memoryview], namespace: Namespace) -> None:
+        while True:
+            corrupt = []
+            for event in self.store.take_events(self.NODE):
+                self._log.append(event)
+                for block_hash in event.block_hashes:
+                    if event.kind == "stored" and event.tier == DRAM:
+                        if not self._to_dram(block_hash, payloads, namespace):
+                            corrupt.append(block_hash)
+                    elif event.kind == "stored":
+                        self._to_disk(block_hash, payloads, namespace)
+                    else:
+                        self._forget(block_hash)
+            if not corrupt:
+                return
+            for block_hash in corrupt:
+                self.store.discard(self.NODE, block_hash)
+
+    def _to_dram(self, block_hash: int, payloads: dict[int, bytes | memoryview], namespace: Namespace) -> bool:
+        slot = self.slots.allocate()
+        self._slot_of[block_hash] = slot
+        if block_hash in self._on_disk:  # a promotion: the file comes back, checked
+            self._on_disk.discard(block_hash)
+            data = self.disk.read(block_hash, self._namespace_of[block_hash], self.block_bytes)
+            self.disk.remove(block_hash)
+            if data is None:
+                return False
+            self.slots.write(slot, data)
+        else:
+            self._namespace_of[block_hash] = namespace
+            self.slots.write(slot, payloads[block_hash])
+        return True
+
+    def _to_disk(self, block_hash: int, payloads: dict[int, bytes | memoryview], namespace: Namespace) -> None:
+        slot = self._slot_of.pop(block_hash, None)
+        if slot is not None:
+            self.disk.write(block_hash, self._namespace_of[block_hash], self.slots.read(slot))
+            self.slots.free(slot)
+        else:  # a node without DRAM room stores a new block straight to disk
+            self._namespace_of[block_hash] = namespace
+            self.disk.write(block_hash, namespace, payloads[block_hash])
+        self._on_disk.add(block_hash)
+
+    def _forget(self, block_hash: int) -> None:
+        slot = self._slot_of.pop(block_hash, None)
+        if slot is not None:
+            self.slots.free(slot)
+        if block_hash in self._on_disk:
+            self._on_disk.discard(block_hash)
+            self.disk.remove(block_hash)
+        self._namespace_of.pop(block_hash, None)
+
+    def close(self) -> None:
+        self.slots.close()
+
+    def check_invariants(self) -> None:
+        """The core's invariants; DRAM entries are exactly the slotted blocks, disk entries exactly the files; slots
+        are each free or held once; every pin belongs to a lease."""
+        store = self.store
+        store.check_invariants()
+        entries = store.nodes[self.NODE].entries
+        assert {h for h, e in entries.items() if e.tier == DRAM} == self._slot_of.keys(), "DRAM entries != slots"
+        assert {h for h, e in entries.items() if e.tier == DISK} == self._on_disk, "disk entries != files"
+        assert self._namespace_of.keys() == entries.keys(), "namespaces out of date"
+        assert len(set(self._slot_of.values())) == len(self._slot_of), "a slot holds two blocks"
+        assert len(self._slot_of) + self.slots.num_free_slots == self.slots.num_slots, "slots leak"
+        if self.disk is not None:
+            assert self.disk.num_files() == len(self._on_disk), "block files leak"
+        pins: dict[int, int] = {}
+        for held in self._leases.values():
+            for block_hash in held.block_hashes:
+                pins[block_hash] = pins.get(block_hash, 0) + 1
+        for block_hash, entry in entries.items():
+            assert entry.num_pins == pins.get(block_hash, 0), f"block {block_hash} pinned by no lease"

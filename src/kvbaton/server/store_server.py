@@ -1,0 +1,203 @@
+"""A live KV store node's server: `StoreNodeState` behind one zmq ROUTER socket, under CurveZMQ, msgpack framing.
+
+Only holders of the cluster secret connect (`kvbaton.server.rpc_auth`, with the store's own derived key pairs:
+channel "store"). A message is `header | payload...`: a msgpack map (never pickle) with `op`, and for a put one
+raw frame per block. Ops:
+
+- `hello` -> the DRAM slots' shared-memory path, block bytes and slot count (a same-host worker maps them);
+- `put` (namespace, parent hash, block hashes; the blocks' bytes as frames): write-through, no answer (a
+  worker never waits on a save);
+- `acquire` (namespace, block hashes) -> a lease and the slots of the leading blocks held, pinned;
+- `release` (lease): the worker copied them out; no answer;
+- `events` (after a seq) -> the node's events since, or a snapshot: what a router's store directory reads;
+- `stats` -> counters.
+
+Bad input is answered with `error` and changes nothing. The loop also expires leases a dead worker left.
+`python -m kvbaton.server.store_server` runs one node as its own process (what `kvbaton serve --kv-store-gb`
+starts on each host), printing its address once it listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import msgpack
+import zmq
+
+from kvbaton.cache.kv_store import capacity_blocks
+from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
+from kvbaton.core.errors import KvbatonError
+from kvbaton.server.rpc_auth import secure_router
+from kvbaton.server.store_node import StoreNodeState
+from kvbaton.transfer.store_disk import DiskBlockFiles
+
+log = logging.getLogger("kvbaton.store")
+
+STORE_CHANNEL = "store"
+
+
+class StoreServer:
+    def __init__(self, state: StoreNodeState, secret: ClusterSecret, host: str = "127.0.0.1", port: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.state = state
+        self._clock = clock
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._auth = secure_router(self._socket, self._context, secret, STORE_CHANNEL)
+        if port:
+            self._socket.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # tests read the state between messages
+        self.num_errors = 0
+
+    def serve(self, poll_ms: int = 100) -> None:
+        socket = self._socket
+        try:
+            while not self._stop.is_set():
+                if socket.poll(poll_ms):
+                    while socket.get(zmq.EVENTS) & zmq.POLLIN:
+                        frames = socket.recv_multipart(copy=False)
+                        with self._lock:
+                            self._handle(frames)
+                with self._lock:
+                    self.state.expire(self._clock())
+        finally:
+            socket.close()
+            self._auth.stop()
+            self._context.term()
+            self.state.close()
+
+    def start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self.serve, name="kv-store-node", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def locked(self) -> threading.Lock:
+        return self._lock
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        try:
+            header = msgpack.unpackb(frames[1].bytes, raw=False, strict_map_key=True)
+            if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+                raise KvbatonError("a store message header must be a map with an op")
+            reply = self._answer(header, frames[2:])
+        except (KvbatonError, ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+            self.num_errors += 1
+            header = _safe_header(frames)
+            header = header if isinstance(header, dict) else {}
+            # put and release are never answered (a worker does not wait on them): their errors are counted
+            reply = None if header.get("op") in ("put", "release") else {"id": header.get("id"), "error": str(exc)[:500]}
+        if reply is not None:
+            self._socket.send_multipart([identity, msgpack.packb(reply)])
+
+    def _answer(self, header: dict, payloads: list[zmq.Frame]) -> dict | None:
+        state = self.state
+        op = header["op"]
+        if op == "put":
+            state.put(_namespace(header), int(header["parent"]), _hashes(header), [f.buffer for f in payloads])
+            return None
+        if op == "release":
+            state.release(int(header["lease"]))
+            return None
+        reply: dict = {"id": header.get("id")}
+        if op == "acquire":
+            reply["lease"], reply["slots"] = state.acquire(_namespace(header), _hashes(header), self._clock())
+        elif op == "hello":
+            reply.update(shm_path=state.slots.path, block_bytes=state.block_bytes, num_slots=state.slots.num_slots,
+                         num_rows=state.slots.num_rows)
+        elif op == "events":
+            events, snapshot = state.events_since(int(header.get("since", 0)))
+            reply["snapshot"] = snapshot
+            reply["events"] = [[e.seq, e.kind, list(e.block_hashes), e.tier] for e in events]
+        elif op == "stats":
+            store = state.store
+            reply.update(num_blocks=store.num_blocks, num_put_blocks=state.num_put_blocks,
+                         num_loaded_blocks=state.num_loaded_blocks, num_leases=state.num_leases,
+                         num_expired_leases=state.num_expired_leases, num_evicted_blocks=store.num_evicted_blocks,
+                         num_corrupt_blocks=state.disk.num_corrupt_blocks if state.disk is not None else 0,
+                         num_disk_read_blocks=state.disk.num_read_blocks if state.disk is not None else 0,
+                         num_disk_blocks=state.num_disk_blocks, num_dram_blocks=state.num_dram_blocks,
+                         num_errors=self.num_errors)
+        else:
+            raise KvbatonError(f"unknown store op {op!r}")
+        return reply
+
+
+def _safe_header(frames: list[zmq.Frame]) -> object:
+    try:
+        return msgpack.unpackb(frames[1].bytes, raw=False) if len(frames) > 1 else None
+    except Exception:  # noqa: BLE001 - the header was already found bad; this only looks for its id
+        return None
+
+
+def _namespace(header: dict) -> tuple[str, ...]:
+    namespace = header["namespace"]
+    if not isinstance(namespace, list) or len(namespace) != 3 or not all(isinstance(p, str) for p in namespace):
+        raise KvbatonError("a store namespace is [model revision, KV layout, tenant salt]")
+    return tuple(namespace)
+
+
+def _hashes(header: dict) -> list[int]:
+    hashes = header["hashes"]
+    if not isinstance(hashes, list) or not all(isinstance(h, int) and -2**63 <= h < 2**63 for h in hashes):
+        raise KvbatonError("block hashes must be a list of signed 64-bit integers")
+    return hashes
+
+
+def parse_disk(text: str) -> tuple[str, float]:
+    """`DIR:GB` -> (DIR, GB)."""
+    directory, sep, gb = text.rpartition(":")
+    try:
+        value = float(gb)
+    except ValueError:
+        value = -1.0
+    if not sep or not directory or value < 0:
+        raise KvbatonError(f"--kv-store-disk-gb takes DIR:GB (a directory and its gigabytes), got {text!r}")
+    return directory, value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvbaton.server.store_server", description=__doc__.split("\n")[0])
+    parser.add_argument("--block-bytes", type=int, required=True)
+    parser.add_argument("--block-tokens", type=int, required=True)
+    parser.add_argument("--block-rows", type=int, default=1, help="rows of a block (layers x 2): the slots' layout")
+    parser.add_argument("--kv-store-gb", type=float, required=True)
+    parser.add_argument("--kv-store-disk-gb", default="", help="DIR:GB")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--lease-s", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    secret_hex = os.environ.get(SECRET_ENV)
+    if not secret_hex:
+        print(f"the store node needs the cluster secret in {SECRET_ENV}", file=sys.stderr)
+        return 2
+    disk = None
+    if args.kv_store_disk_gb:
+        directory, gb = parse_disk(args.kv_store_disk_gb)
+        disk = DiskBlockFiles(directory, capacity_blocks(gb, args.block_bytes + 64))
+    state = StoreNodeState(args.block_bytes, args.block_tokens, capacity_blocks(args.kv_store_gb, args.block_bytes),
+                           disk, args.lease_s, block_rows=args.block_rows)
+    server = StoreServer(state, ClusterSecret.from_hex(secret_hex), args.host, args.port)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    print(f"store node ready {server.address}", flush=True)
+    server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

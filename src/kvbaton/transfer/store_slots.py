@@ -1,0 +1,99 @@
+"""The KV store's DRAM tier on a node: fixed-size block slots in one shared-memory file the workers of the host map.
+
+The store node owns the file (`/dev/shm/kvbaton-store-<pid>-<random>`, mode 0600: only the user running the
+cluster maps it) and writes slots; a worker on the same host maps it read-only in effect (it only reads the
+slots a load lease pinned for it) and copies each block straight from its slot into its KV pool, the only
+copy on a same-host load. The file is laid out as the worker's KV pool is, rows first: `[rows, slots, row
+bytes]` with a row per layer and K or V (`[layers, 2, slots, block_size, kv_heads, head_dim]`), so a run of
+consecutive slots copies into a run of consecutive device blocks as one memcpy per row. A block's bytes on the
+wire and on disk are its rows in order (`[layers, 2, block_size, kv_heads, head_dim]`): `write` scatters them,
+`read` gathers them. Which slot holds which block is the node's bookkeeping (`kvbaton.server.store_node`); a
+slot is reused only once no lease pins its block.
+"""
+
+from __future__ import annotations
+
+import heapq
+import mmap
+import os
+import secrets
+
+import numpy as np
+
+SHM_DIRECTORY = "/dev/shm"
+SHM_PREFIX = "kvbaton-store"
+
+
+class StoreSlots:
+    def __init__(self, path: str, block_bytes: int, num_slots: int, owner: bool, num_rows: int = 1) -> None:
+        if block_bytes <= 0 or num_slots <= 0 or num_rows <= 0 or block_bytes % num_rows:
+            raise ValueError(f"store slots need block_bytes > 0 in num_rows > 0 equal rows and num_slots > 0, got "
+                             f"{block_bytes}, {num_rows}, {num_slots}")
+        self.path, self.block_bytes, self.num_slots, self.owner = path, block_bytes, num_slots, owner
+        self.num_rows = num_rows
+        num_bytes = block_bytes * num_slots
+        fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if owner else os.O_RDWR, 0o600)
+        try:
+            if owner:
+                os.ftruncate(fd, num_bytes)
+            elif os.fstat(fd).st_size != num_bytes:
+                raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {num_bytes}")
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            if owner:
+                os.unlink(path)
+            raise
+        os.close(fd)
+        self.buffer = memoryview(self._mmap)
+        # [rows, slots, row bytes]
+        self.rows = np.frombuffer(self.buffer, dtype=np.uint8).reshape(num_rows, num_slots, block_bytes // num_rows)
+        # Owner only: a min-heap, so a chain stored at once gets ascending slots, mostly consecutive ones, which a
+        # worker copies out in runs (one copy per run) where its device blocks are consecutive too.
+        self._free = list(range(num_slots))
+
+    @classmethod
+    def create(cls, block_bytes: int, num_slots: int, num_rows: int = 1, directory: str = SHM_DIRECTORY) -> StoreSlots:
+        path = os.path.join(directory, f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}")
+        return cls(path, block_bytes, num_slots, owner=True, num_rows=num_rows)
+
+    @classmethod
+    def attach(cls, path: str, block_bytes: int, num_slots: int, num_rows: int = 1) -> StoreSlots:
+        return cls(path, block_bytes, num_slots, owner=False, num_rows=num_rows)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free store slot: the policy core's DRAM capacity and the slots disagree")
+        return heapq.heappop(self._free)
+
+    def free(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def write(self, slot: int, payload: bytes | memoryview) -> None:
+        """A block's bytes (its rows in order) into the slot."""
+        self.rows[:, slot] = np.frombuffer(payload, dtype=np.uint8).reshape(self.num_rows, -1)
+
+    def read(self, slot: int) -> bytes:
+        """The slot's block as bytes, its rows in order."""
+        return self.rows[:, slot].tobytes()
+
+    def close(self) -> None:
+        """Unmap (and, for the owner, unlink: a worker's mapping stays valid until it closes its own)."""
+        if self._mmap is None:
+            return
+        del self.rows
+        self.buffer.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view handed out (a torch tensor over it) is still alive: the mapping goes with it
+        self._mmap = None
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,287 @@
+"""The live KV store under real engines: a prompt computed on worker A is loaded by worker B from the store node (over
+its authenticated socket and shared-memory slots), with the same greedy output as recomputing it; disk, corruption,
+aborts mid-load and a dead store node end with every block accounted for."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbaton.cache.hashing import hash_block_tokens
+from kvbaton.core.cluster_secret import ClusterSecret
+from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbaton.core.request import FinishReason
+from kvbaton.core.sampling import SamplingParams
+from kvbaton.core.step import TokenDelta
+from kvbaton.engine.engine import Engine
+from kvbaton.engine.store_io import WorkerStoreIO
+from kvbaton.model.registry import load_model
+from kvbaton.server.store_client import StoreClient
+from kvbaton.server.store_node import StoreNodeState
+from kvbaton.server.store_server import StoreServer
+from kvbaton.transfer.store_disk import DiskBlockFiles
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+BLOCK = 16
+SECRET = ClusterSecret(b"s" * 32)
+ROWS = 4  # tiny-random: 2 layers, K and V
+
+
+@pytest.fixture(scope="module")
+def loaded():  # noqa: ANN201 - LoadedModel
+    return load_model("tiny-random", "float32", "cpu")
+
+
+def _config(num_blocks: int = 256) -> EngineConfig:
+    return EngineConfig(model="tiny-random", dtype="float32",
+                        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=512))
+
+
+class _Store:
+    def __init__(self, block_bytes: int, tmp_path: Path, dram_blocks: int, disk_blocks: int, lease_s: float) -> None:
+        disk = DiskBlockFiles(tmp_path / "disk", disk_blocks) if disk_blocks else None
+        self.state = StoreNodeState(block_bytes, BLOCK, dram_blocks, disk, lease_s, block_rows=ROWS)
+        self.server = StoreServer(self.state, SECRET)
+        self.thread = self.server.start_thread()
+
+    def link(self, timeout_s: float = 2.0) -> Callable[[], StoreClient]:
+        return lambda: StoreClient(self.server.address, SECRET, timeout_s=timeout_s, retry_after_s=0.5)
+
+    def check(self) -> None:
+        with self.server.locked():
+            self.state.check_invariants()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def make_store(loaded, tmp_path: Path) -> Iterator[Callable[..., _Store]]:  # noqa: ANN001
+    stores: list[_Store] = []
+    kv = loaded.config
+    block_bytes = kv.num_layers * 2 * BLOCK * kv.num_kv_heads * kv.head_dim * 4
+    assert kv.num_layers * 2 == ROWS
+
+    def make(dram_blocks: int = 64, disk_blocks: int = 0, lease_s: float = 30.0) -> _Store:
+        stores.append(_Store(block_bytes, tmp_path, dram_blocks, disk_blocks, lease_s))
+        return stores[-1]
+    yield make
+    for store in stores:
+        store.stop()
+
+
+def _prompt(seed: int = 0, num_tokens: int = 200) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 200) for _ in range(num_tokens)]
+
+
+def _run(engine: Engine, prompt: list[int], tenant: str = "", abort_after_steps: int = -1) -> list[TokenDelta]:
+    rid = engine.add_request(prompt, GREEDY, tenant=tenant)
+    outputs: list[TokenDelta] = []
+    deadline = time.monotonic() + 60
+    steps = 0
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "a request hangs"
+        if steps == abort_after_steps:
+            engine.abort_request(rid)
+        outputs += [out for out in engine.step() if out.request_id == rid]
+        steps += 1
+    return outputs
+
+
+def _tokens(outputs: list[TokenDelta]) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def _wait_saved(store: _Store, num_blocks: int) -> None:
+    deadline = time.monotonic() + 30
+    while store.state.store.num_blocks < num_blocks:
+        assert time.monotonic() < deadline, f"the store holds {store.state.store.num_blocks} of {num_blocks} blocks"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def reference(loaded) -> list[int]:  # noqa: ANN001
+    engine = Engine(_config(), loaded)
+    return _tokens(_run(engine, _prompt()))
+
+
+def test_a_prompt_computed_on_a_is_loaded_by_b(loaded, make_store, reference: list[int]) -> None:  # noqa: ANN001
+    store = make_store()
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link())
+    try:
+        out_a = _run(a, _prompt())
+        assert _tokens(out_a) == reference and out_a[-1].num_cached_tokens == 0
+        _wait_saved(store, 200 // BLOCK)  # write-through of the prompt's 12 full blocks (and no more)
+        out_b = _run(b, _prompt())
+        assert _tokens(out_b) == reference
+        assert out_b[-1].num_cached_tokens == (199 // BLOCK) * BLOCK  # all but the last token's block
+        assert b.store_io.num_loaded_blocks == 199 // BLOCK and b.store_io.num_saved_blocks == 0
+        for engine in (a, b):
+            engine.check_invariants()
+        store.check()
+        assert store.state.num_leases == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_wrong_kv_loaded_changes_the_output(loaded, make_store, reference: list[int],  # noqa: ANN001
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The equality above can fail: a load that brings back altered KV changes the greedy output."""
+    copy = WorkerStoreIO._copy
+
+    def scaled_copy(self: WorkerStoreIO, link, job) -> None:  # noqa: ANN001
+        copy(self, link, job)
+        for block_id in job.device_block_ids:
+            self.kv_cache[:, :, block_id] *= 3.0
+
+    monkeypatch.setattr(WorkerStoreIO, "_copy", scaled_copy)
+    store = make_store()
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link())
+    try:
+        _run(a, _prompt())
+        _wait_saved(store, 12)
+        out = _run(b, _prompt())
+        assert out[-1].num_cached_tokens > 0 and _tokens(out) != reference
+    finally:
+        a.close()
+        b.close()
+
+
+def test_another_tenant_never_loads(loaded, make_store, reference: list[int]) -> None:  # noqa: ANN001
+    store = make_store()
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link())
+    try:
+        _run(a, _prompt(), tenant="alice")
+        _wait_saved(store, 200 // BLOCK)
+        out = _run(b, _prompt(), tenant="bob")
+        assert out[-1].num_cached_tokens == 0 and b.store_io.num_loaded_blocks == 0
+        b.check_invariants()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_from_disk_after_dram_is_emptied_and_a_corrupt_block_recomputes(loaded, make_store,  # noqa: ANN001
+                                                                        reference: list[int]) -> None:
+    store = make_store(dram_blocks=12, disk_blocks=64)
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link())
+    try:
+        _run(a, _prompt())
+        _wait_saved(store, 12)
+        _run(a, _prompt(seed=1))  # 12 more blocks: DRAM's first 12 move to disk
+        _wait_saved(store, 24)
+        disk = store.state.disk
+        with store.server.locked():
+            assert disk.num_files() == 12
+        out = _run(b, _prompt())
+        assert _tokens(out) == reference and out[-1].num_cached_tokens == (199 // BLOCK) * BLOCK  # back from disk
+        store.check()
+        # Now corrupt a block of the second prompt (on disk after that load) and ask for it on a fresh worker.
+        with store.server.locked():
+            victims = sorted(store.state._on_disk)
+            assert victims
+        c = Engine(_config(), loaded, create_store_link=store.link())
+        try:
+            paths = [disk.path_of(h) for h in victims]
+            for path in paths:
+                data = bytearray(path.read_bytes())
+                data[-3] ^= 0x40
+                path.write_bytes(bytes(data))
+            reference_1 = _tokens(_run(Engine(_config(), loaded), _prompt(seed=1)))
+            out = _run(c, _prompt(seed=1))
+            assert _tokens(out) == reference_1  # recomputed what failed its checksum: same output
+            assert disk.num_corrupt_blocks >= 1 and out[-1].num_cached_tokens < (199 // BLOCK) * BLOCK
+            c.check_invariants()
+            store.check()
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("abort_after_steps", [0, 1, 2])
+def test_abort_during_a_load_frees_every_block(loaded, make_store, abort_after_steps: int) -> None:  # noqa: ANN001
+    store = make_store()
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link())
+    try:
+        _run(a, _prompt())
+        _wait_saved(store, 12)
+        out = _run(b, _prompt(), abort_after_steps=abort_after_steps)
+        assert out[-1].finished
+        b.check_invariants()
+        assert b.store_loads.num_loading == 0 and b.pool.num_used_blocks == b.prefix_cache.num_cached_blocks
+        deadline = time.monotonic() + 10
+        while store.state.num_leases:
+            assert time.monotonic() < deadline, "a lease is left pinned"
+            time.sleep(0.01)
+        store.check()
+        if abort_after_steps == 0:
+            assert out[-1].finish_reason == FinishReason.ABORT and not out[-1].new_token_ids
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_store_node_fails_over_to_recompute(loaded, make_store, reference: list[int]) -> None:  # noqa: ANN001
+    store = make_store()
+    a = Engine(_config(), loaded, create_store_link=store.link(timeout_s=0.5))
+    try:
+        _run(a, _prompt(seed=3))
+        store.stop()
+        started = time.monotonic()
+        out = _run(a, _prompt())  # the store is gone: the load times out once and the request recomputes
+        assert _tokens(out) == reference and time.monotonic() - started < 10
+        assert a.store_loads.num_failed_requests == 1
+        a.check_invariants()
+    finally:
+        a.close()
+
+
+def test_leases_of_a_dead_worker_expire(loaded, make_store) -> None:  # noqa: ANN001
+    store = make_store(lease_s=0.3)
+    client = StoreClient(store.server.address, SECRET)
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    try:
+        _run(a, _prompt())
+        _wait_saved(store, 12)
+        lease, slots = client.acquire(("tiny", "x", ""), [1])
+        assert (lease, slots) == (0, [])
+        key = a.cache_key
+        hashes = hash_block_tokens(key, _prompt(), BLOCK)
+        lease, slots = client.acquire((key.model_revision, key.kv_layout, ""), hashes)
+        assert lease and len(slots) == 12
+        client.close()  # the "worker" dies holding the lease
+        deadline = time.monotonic() + 10
+        while store.state.num_leases:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert store.state.num_expired_leases == 1
+        store.check()
+    finally:
+        a.close()
+
+
+def test_a_peer_without_the_secret_is_refused(make_store) -> None:  # noqa: ANN001
+    store = make_store()
+    client = StoreClient(store.server.address, ClusterSecret(b"x" * 32), timeout_s=0.5)
+    try:
+        with pytest.raises(Exception, match="did not answer"):
+            client.hello()
+    finally:
+        client.close()

@@ -1,0 +1,71 @@
+"""A router's store directory fed live: `StoreEventFeed` reads a store node's events over its authenticated socket and
+the placement's directory then knows what the node holds, in which tier."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbaton.cache.kv_store import StoreEvent
+from kvbaton.cache.store_directory import StoreDirectory
+from kvbaton.core.cluster_secret import ClusterSecret
+from kvbaton.server.store_client import StoreEventFeed
+from kvbaton.server.store_node import StoreNodeState
+from kvbaton.server.store_server import StoreServer
+from kvbaton.transfer.store_disk import DiskBlockFiles
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = ClusterSecret(b"f" * 32)
+NS = ("rev", "layout", "")
+
+
+def test_the_feed_keeps_a_directory_of_the_node(tmp_path: Path) -> None:
+    state = StoreNodeState(32, 16, dram_blocks=2, disk=DiskBlockFiles(tmp_path / "d", 8), max_log_events=3)
+    server = StoreServer(state, SECRET)
+    thread = server.start_thread()
+    directory = StoreDirectory()
+    lock = threading.Lock()
+    snapshots: list[bool] = []
+
+    def deliver(events: list[StoreEvent], snapshot: bool) -> None:
+        with lock:
+            snapshots.append(snapshot)
+            if snapshot:
+                directory.apply_snapshot("host", events)
+            else:
+                assert directory.on_events("host", events)
+
+    with server.locked():
+        state.put(NS, 0, [1, 2, 3], [b"x" * 32] * 3)  # 3 in DRAM of 2: block 1 moves to disk; 4 events, log of 3
+    feed = StoreEventFeed(server.address, SECRET, deliver, interval_s=0.02).start()
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with lock:
+                if directory.match([1, 2, 3]) == 3:
+                    break
+            assert time.monotonic() < deadline, "the directory never learnt the node's blocks"
+            time.sleep(0.02)
+        with lock:
+            assert snapshots[0] is True  # the log no longer reached back to seq 1: a snapshot
+            entries = state.store.nodes[state.NODE].entries
+            assert {h: directory.locations(h) for h in (1, 2, 3)} == {h: {"host": entries[h].tier} for h in (1, 2, 3)}
+            assert sorted(entries[h].tier for h in (1, 2, 3)) == ["disk", "dram", "dram"]
+        with server.locked():
+            state.put(NS, 3, [4], [b"y" * 32])
+        while True:
+            with lock:
+                if directory.match([1, 2, 3, 4]) == 4:
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with lock:
+            directory.check_invariants()
+    finally:
+        feed.stop()
+        server.stop()
+        thread.join(timeout=10)

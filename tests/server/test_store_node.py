@@ -1,0 +1,149 @@
+"""A live store node's state: the policy core's decisions followed by real slots and files, leases, invariants."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbaton.server.store_node import StoreNodeState
+from kvbaton.transfer.store_disk import DiskBlockFiles
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = ("rev", "layout", "")
+BLOCK_BYTES = 64
+
+
+def _payload(block_hash: int) -> bytes:
+    return (block_hash % 251).to_bytes(1, "little") * BLOCK_BYTES
+
+
+def _chain(first: int, num: int) -> list[int]:
+    return list(range(first, first + num))
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[StoreNodeState]:
+    state = StoreNodeState(BLOCK_BYTES, 16, dram_blocks=4, disk=DiskBlockFiles(tmp_path / "disk", 4), lease_s=5.0)
+    yield state
+    state.close()
+
+
+def _put(node: StoreNodeState, hashes: list[int], parent: int = 0, ns: tuple[str, ...] = NS) -> int:
+    return node.put(ns, parent, hashes, [_payload(h) for h in hashes])
+
+
+def _read(node: StoreNodeState, slots: list[int]) -> list[bytes]:
+    return [node.slots.read(slot) for slot in slots]
+
+
+def test_put_then_acquire_reads_the_payloads(node: StoreNodeState) -> None:
+    assert _put(node, _chain(10, 3)) == 3
+    assert _put(node, _chain(10, 3)) == 0  # one copy
+    lease, slots = node.acquire(NS, _chain(10, 4), now=0.0)
+    assert lease > 0 and _read(node, slots) == [_payload(h) for h in _chain(10, 3)]
+    node.check_invariants()
+    assert node.release(lease) and not node.release(lease)
+    node.check_invariants()
+
+
+def test_another_tenant_never_hits(node: StoreNodeState) -> None:
+    _put(node, _chain(10, 2))
+    assert node.acquire(("rev", "layout", "tenant-b"), _chain(10, 2), now=0.0) == (0, [])
+
+
+def test_dram_overflow_goes_to_disk_and_comes_back_checked(node: StoreNodeState) -> None:
+    _put(node, _chain(10, 4))
+    _put(node, _chain(20, 4))  # DRAM holds 4: the first chain moves to disk
+    assert node.disk.num_files() == 4
+    lease, slots = node.acquire(NS, _chain(10, 4), now=0.0)
+    assert _read(node, slots) == [_payload(h) for h in _chain(10, 4)]
+    node.check_invariants()
+    node.release(lease)
+
+
+def test_a_corrupt_disk_block_is_a_miss_from_there_on(node: StoreNodeState) -> None:
+    _put(node, _chain(10, 4))
+    _put(node, _chain(20, 4))
+    path = node.disk.path_of(12)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    lease, slots = node.acquire(NS, _chain(10, 4), now=0.0)
+    assert _read(node, slots) == [_payload(10), _payload(11)]  # stops before the corrupt block
+    assert node.disk.num_corrupt_blocks == 1 and 12 not in node.store.nodes[node.NODE].entries
+    node.check_invariants()
+    node.release(lease)
+    node.check_invariants()
+
+
+def test_pinned_blocks_stay_and_expired_leases_unpin(node: StoreNodeState) -> None:
+    _put(node, _chain(10, 4))
+    lease, slots = node.acquire(NS, _chain(10, 4), now=0.0)
+    _put(node, _chain(20, 4))  # DRAM is all pinned: the new chain goes nowhere in DRAM
+    assert _read(node, slots) == [_payload(h) for h in _chain(10, 4)]
+    node.check_invariants()
+    assert node.expire(now=4.0) == 0 and node.expire(now=5.0) == 1 and node.num_leases == 0
+    assert not node.release(lease)
+    node.check_invariants()
+
+
+def test_a_wrong_payload_size_refuses_the_whole_put(node: StoreNodeState) -> None:
+    with pytest.raises(Exception, match="payload"):
+        node.put(NS, 0, [1, 2], [_payload(1), b"short"])
+    assert node.store.num_blocks == 0
+    node.check_invariants()
+
+
+def test_events_since_a_seq_or_a_snapshot(node: StoreNodeState) -> None:
+    _put(node, _chain(10, 2))
+    events, snapshot = node.events_since(0)
+    assert not snapshot and [e.block_hashes for e in events] == [(10,), (11,)]
+    assert node.events_since(events[-1].seq) == ([], False)
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 5), st.integers(1, 4)),
+    st.tuples(st.just("acquire"), st.integers(0, 5), st.integers(1, 5)),
+    st.tuples(st.just("release"), st.integers(0, 6), st.just(0)),
+    st.tuples(st.just("corrupt"), st.integers(0, 5), st.integers(0, 4)),
+    st.tuples(st.just("expire"), st.integers(0, 3), st.just(0)),
+), max_size=30)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_random_operations_keep_every_invariant(tmp_path: Path, ops: list[tuple[str, int, int]]) -> None:
+    state = StoreNodeState(BLOCK_BYTES, 16, dram_blocks=3, disk=DiskBlockFiles(tmp_path / "prop", 4), lease_s=2.0)
+    leases: list[int] = []
+    now = 0.0
+    try:
+        for op, a, b in ops:
+            chain = _chain(100 * a, 5)
+            if op == "put":
+                _put(state, chain[:b])
+            elif op == "acquire":
+                lease, slots = state.acquire(NS, chain[:b], now)
+                assert _read(state, slots) == [_payload(h) for h in chain[: len(slots)]]  # never a wrong byte
+                if lease:
+                    leases.append(lease)
+            elif op == "release" and leases:
+                state.release(leases.pop(a % len(leases)))
+            elif op == "corrupt":
+                path = state.disk.path_of(chain[b])
+                if path.exists():
+                    path.write_bytes(path.read_bytes()[:-1])
+            elif op == "expire":
+                now += a
+                state.expire(now)
+            state.check_invariants()
+        for lease in leases:
+            state.release(lease)
+        state.check_invariants()
+        assert all(entry.num_pins == 0 for entry in state.store.nodes[state.NODE].entries.values())
+    finally:
+        state.close()

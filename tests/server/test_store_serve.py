@@ -1,0 +1,55 @@
+"""`kvbaton serve --kv-store-gb`: the launcher starts this host's store node, and a prompt one worker computed is
+served by the other from the store (usage reports the cached tokens), with the same text; flags are checked first."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+
+from kvbaton.cli import main
+from tests.server.serve_helpers import serve_process
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _complete(http: httpx.Client, url: str, prompt: list[int]) -> dict:
+    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    response = http.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_second_worker_loads_the_prompt_from_the_store() -> None:
+    prompt = [random.Random(0).randrange(1, 200) for _ in range(300)]
+    args = ["--model", "tiny-random", "--workers", "2", "--policy", "round_robin", "--kv-store-gb", "0.05",
+            "--threads-per-worker", "1"]
+    with serve_process(args) as served, httpx.Client() as http:
+        first = _complete(http, served.url, prompt)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        deadline = time.monotonic() + 30
+        while True:  # the write-through is asynchronous: ask again (on the other worker) until it has landed
+            second = _complete(http, served.url, prompt)
+            cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if cached == 288 or time.monotonic() > deadline:
+                break
+            _complete(http, served.url, [7] * 20)  # keep round robin's turn on the worker that did not compute it
+        assert cached == 288  # 18 of 19 blocks: the worker that did not compute the prompt loaded them
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(("extra", "error"), [
+    (["--kv-store-gb", "-1"], "--kv-store-gb must be a positive number"),
+    (["--kv-store-gb", "1", "--host-num-blocks", "8"], "replaces the host tier"),
+    (["--kv-store-disk-gb", "/tmp/x:1"], "needs --kv-store-gb"),
+    (["--kv-store-gb", "1", "--kv-store-disk-gb", "nodir"], "DIR:GB"),
+])
+def test_bad_store_flags_are_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str], extra: list[str],
+                                                            error: str) -> None:
+    started: list[object] = []
+    monkeypatch.setattr("kvbaton.server.launcher.serve", lambda config: started.append(config) or 0)
+    assert main(["serve", "--model", "tiny-random", *extra]) == 2
+    assert started == [] and error in capsys.readouterr().err

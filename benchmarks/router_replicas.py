@@ -11,10 +11,15 @@ the concurrency and half the requests (what a load balancer spreading connection
   A,B` has), registered with every router. Unlike router_overhead.py's fake workers, these keep a prefix cache: the
   chained block hashes of every prompt they served (the router's own hashing), so a request's cached tokens are the
   leading blocks its worker already holds, and each new block goes out as a STORED KV event to every router — the
-  sync the replicas rely on. Workers answer at once and report no queue (`num_queued_prefill_tokens` 0).
+  sync the replicas rely on. Workers answer at once and report no queue (`num_queued_prefill_tokens` 0), or, with
+  `--service-us-per-token T`, serve one request at a time for T per uncached token and report their queue in every
+  heartbeat: then routers that piled onto one worker between heartbeats would show in busiest/mean.
 - kvbaton:1:half: one router with the load one of the two replicas gets, the baseline that isolates the sync's cost
   (a router with half the connections handles fewer requests per event-loop wakeup, which costs CPU per request of
   itself).
+- kvbaton:2:one: two routers, all the load on the first; the second only keeps up with the workers (heartbeats, the
+  KV events of the first's requests), so its CPU over the run's requests is the sync's cost per request, measured
+  directly rather than as the difference of two noisy figures.
 - sglang:cache_aware: `python -m sglang_router.launch_router` over 8 fake HTTP workers that keep the same kind of
   cache over 64-character blocks of the prompt text (sglang-router routes on text; it does not tokenize).
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import signal
@@ -96,8 +102,11 @@ def _write_summary(path: str, tallies: dict[str, WorkerTally]) -> None:
     os.replace(temporary, path)
 
 
-def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summary_path: str) -> None:
-    """`num_workers` fake workers, each registered with every router; see the module docstring."""
+def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summary_path: str,
+                           service_us_per_token: float = 0.0) -> None:
+    """`num_workers` fake workers, each registered with every router; see the module docstring. With
+    `service_us_per_token`, each worker serves its requests one at a time, each taking that long per uncached prompt
+    token, and its heartbeats report the queue (waiting requests, their uncached tokens) as a real worker's do."""
     context = zmq.Context()
     secret = cluster_secret()
     sockets: dict[zmq.Socket, str] = {}
@@ -115,6 +124,11 @@ def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summar
             sockets[socket] = worker_id
             by_worker.setdefault(worker_id, []).append(socket)
     tallies = {worker_id: WorkerTally() for worker_id in by_worker}
+    # Per worker: its queue of (done at, socket, reply frame, uncached tokens) and when it is busy until.
+    queues: dict[str, collections.deque[tuple[float, zmq.Socket, bytes, int]]] = {w: collections.deque()
+                                                                              for w in by_worker}
+    busy_until = dict.fromkeys(by_worker, 0.0)
+    queued_tokens = dict.fromkeys(by_worker, 0)
     poller = zmq.Poller()
     for socket in sockets:
         poller.register(socket, zmq.POLLIN)
@@ -122,7 +136,14 @@ def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summar
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     heartbeat_s, next_heartbeat_at, next_summary_at = 0.05, 0.0, 0.0
     while not stopped.is_set():
-        for socket, _ in poller.poll(10):
+        now = time.monotonic()
+        for worker_id, queue in queues.items():
+            while queue and queue[0][0] <= now:
+                _, reply_socket, frame, tokens = queue.popleft()
+                queued_tokens[worker_id] -= tokens
+                reply_socket.send(frame)
+        next_done = min((queue[0][0] for queue in queues.values() if queue), default=now + 0.01)
+        for socket, _ in poller.poll(max(0, min(10, int((next_done - now) * 1000)))):
             worker_id = sockets[socket]
             while True:
                 try:
@@ -144,7 +165,15 @@ def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summar
                             peer.send(frame)
                     delta = TokenDelta(message.request_id, REPLY_TOKEN_IDS, REPLY_TEXT, True, "length", len(prompt),
                                        cached, worker_id=worker_id)
-                    socket.send(rpc.encode(rpc.TokenDeltas(worker_id, (delta,))))
+                    frame = rpc.encode(rpc.TokenDeltas(worker_id, (delta,)))
+                    if service_us_per_token <= 0:
+                        socket.send(frame)
+                        continue
+                    uncached = len(prompt) - cached
+                    start_at = max(time.monotonic(), busy_until[worker_id])
+                    busy_until[worker_id] = start_at + uncached * service_us_per_token / 1e6
+                    queues[worker_id].append((busy_until[worker_id], socket, frame, uncached))
+                    queued_tokens[worker_id] += uncached
                 elif isinstance(message, rpc.RegisterAck):
                     heartbeat_s = message.heartbeat_interval_s
                 elif isinstance(message, rpc.SnapshotRequest):
@@ -155,8 +184,9 @@ def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summar
         if now >= next_heartbeat_at:
             next_heartbeat_at = now + heartbeat_s
             for socket, worker_id in sockets.items():
-                socket.send(rpc.encode(rpc.Stats(worker_id, 0, 0, 0, 0, 100_000, len(tallies[worker_id].cached), 0,
-                                                 0, 0, tallies[worker_id].num_requests, now)))
+                socket.send(rpc.encode(rpc.Stats(worker_id, len(queues[worker_id]), 0, queued_tokens[worker_id], 0,
+                                                 100_000, len(tallies[worker_id].cached), 0, 0, 0,
+                                                 tallies[worker_id].num_requests, now)))
         if now >= next_summary_at:
             next_summary_at = now + 0.2
             _write_summary(summary_path, tallies)
@@ -258,7 +288,10 @@ def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str
     kind, variant, *rest = system.split(":")
     # ":half": one router with the load one of two replicas gets (half the requests and connections), so that what
     # a replica adds over it is the sync alone, not the smaller batches a half-loaded event loop handles per wakeup.
+    # ":one": two routers, all the load on the first: the second does nothing but keep up with the workers (their
+    # heartbeats and the KV events of the first router's requests), so its CPU is the sync's cost alone.
     share = 0.5 if rest == ["half"] else 1.0
+    loaded_routers = 1 if rest == ["one"] else int(variant) if kind == "kvbaton" else 1
     num_requests, concurrency = int(args.num_requests * share), int(args.concurrency * share)
     summary_path = os.path.join(tmp, f"{kind}-{variant}-{share}.summary.json")
     routers: list[subprocess.Popen[bytes]] = []
@@ -266,7 +299,8 @@ def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str
     if kind == "kvbaton":
         rpc_ports = [free_port() for _ in range(int(variant))]
         workers = _spawn([script, "--role", "cached-rpc-workers", "--rpc-ports", ",".join(map(str, rpc_ports)),
-                          "--num-workers", str(args.num_workers), "--summary", summary_path])
+                          "--num-workers", str(args.num_workers), "--summary", summary_path,
+                          "--service-us-per-token", str(args.service_us_per_token)])
         for rpc_port in rpc_ports:
             http_port = free_port()
             routers.append(_spawn([str(Path(script).with_name("router_overhead.py")), "--role", "kvbaton-router",
@@ -289,14 +323,15 @@ def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str
         first = json.loads(Path(bodies_path).read_text())[0].encode()
         for url in urls:
             _wait_ready(url, first, processes, args.startup_timeout_s)
-        _run_clients(script, urls, bodies_path, args.num_warmup, concurrency, 0, args.load_timeout_s)
+        _run_clients(script, urls[:loaded_routers], bodies_path, args.num_warmup, concurrency, 0,
+                     args.load_timeout_s)
         # What each router burns with no request (heartbeats of every worker, pings, its monitor), over IDLE_S.
         idle_before = [process_tree_cpu_s(r.pid) for r in routers]
         time.sleep(IDLE_S)
         idle_cpu_s_per_s = [(process_tree_cpu_s(r.pid) - b) / IDLE_S for r, b in zip(routers, idle_before)]
         before, cpu_before = _read_summary(summary_path), [process_tree_cpu_s(r.pid) for r in routers]
-        results, client_cpu_s = _run_clients(script, urls, bodies_path, num_requests, concurrency, args.num_warmup,
-                                             args.load_timeout_s)
+        results, client_cpu_s = _run_clients(script, urls[:loaded_routers], bodies_path, num_requests, concurrency,
+                                             args.num_warmup, args.load_timeout_s)
         cpu_after = [process_tree_cpu_s(r.pid) for r in routers]
         time.sleep(0.5)  # the summary is written every 0.2 s
         after = _read_summary(summary_path)
@@ -318,6 +353,13 @@ def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str
                                                  for a, b, idle, n in zip(cpu_after, cpu_before, idle_cpu_s_per_s,
                                                                           num_ok)],
         "router_idle_cpu_ms_per_s": [round(1e3 * idle, 1) for idle in idle_cpu_s_per_s],
+        # Routers given no load: their CPU over every request of the run (the sync's cost per cluster request).
+        "unloaded_router_cpu_us_per_cluster_request": [
+            round(1e6 * (a - b) / max(sum(num_ok), 1), 1) for a, b in
+            zip(cpu_after[len(num_ok):], cpu_before[len(num_ok):])],
+        "unloaded_router_cpu_us_per_cluster_request_above_idle": [
+            round(1e6 * (a - b - idle * elapsed_s) / max(sum(num_ok), 1), 1) for a, b, idle in
+            zip(cpu_after[len(num_ok):], cpu_before[len(num_ok):], idle_cpu_s_per_s[len(num_ok):])],
         "elapsed_s": round(elapsed_s, 3),
         "client_cpu_us_per_request": round(1e6 * client_cpu_s / max(sum(num_ok), 1), 1),
         "hit_ratio": round(cached / max(prompt, 1), 4),
@@ -333,8 +375,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", default="main", choices=("main", "cached-rpc-workers", "cached-http-workers",
                                                            "load"))
-    parser.add_argument("--systems", default="kvbaton:1,kvbaton:1:half,kvbaton:2,sglang:cache_aware",
-                        help="kvbaton:<number of routers>[:half] | sglang:<policy>, comma-separated")
+    parser.add_argument("--systems", default="kvbaton:1,kvbaton:1:half,kvbaton:2,kvbaton:2:one,sglang:cache_aware",
+                        help="kvbaton:<number of routers>[:half|:one] | sglang:<policy>, comma-separated")
     parser.add_argument("--policy", default="preble", help="the kvbaton routers' policy")
     parser.add_argument("--num-workers", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=2000, help="measured, over all routers")
@@ -344,6 +386,9 @@ def main() -> None:
     parser.add_argument("--shared-fraction", type=float, default=0.8)
     parser.add_argument("--num-groups", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--service-us-per-token", type=float, default=0.0,
+                        help="kvbaton's fake workers take this long per uncached prompt token, one request at a time, "
+                             "and report their queue in heartbeats (0: instant, as router_overhead.py's)")
     parser.add_argument("--startup-timeout-s", type=float, default=120.0)
     parser.add_argument("--load-timeout-s", type=float, default=120.0)
     # Internal roles.
@@ -357,7 +402,7 @@ def main() -> None:
     script = os.path.abspath(__file__)
     if args.role == "cached-rpc-workers":
         run_cached_rpc_workers([f"tcp://127.0.0.1:{p}" for p in args.rpc_ports.split(",")], args.num_workers,
-                               args.summary)
+                               args.summary, args.service_us_per_token)
         return
     if args.role == "cached-http-workers":
         run_cached_http_workers([int(p) for p in args.ports.split(",")], args.summary)
@@ -389,7 +434,7 @@ def main() -> None:
         "setup": {"num_workers": args.num_workers, "concurrency": args.concurrency,
                   "num_requests": args.num_requests, "num_warmup": args.num_warmup, "prompt_chars": args.prompt_chars,
                   "shared_fraction": args.shared_fraction, "num_groups": args.num_groups, "policy": args.policy,
-                  "max_tokens": 4},
+                  "max_tokens": 4, "service_us_per_token": args.service_us_per_token},
         "systems": results}
     one, half, two = results.get("kvbaton:1"), results.get("kvbaton:1:half"), results.get("kvbaton:2")
     if isinstance(half, dict) and isinstance(two, dict):

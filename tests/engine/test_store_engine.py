@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvbaton.cache.hashing import hash_block_tokens
 from kvbaton.core.cluster_secret import ClusterSecret
@@ -260,11 +262,11 @@ def test_leases_of_a_dead_worker_expire(loaded, make_store) -> None:  # noqa: AN
     try:
         _run(a, _prompt())
         _wait_saved(store, 12)
-        lease, slots = client.acquire(("tiny", "x", ""), [1])
+        lease, slots, _ = client.acquire(("tiny", "x", ""), [1])
         assert (lease, slots) == (0, [])
         key = a.cache_key
         hashes = hash_block_tokens(key, _prompt(), BLOCK)
-        lease, slots = client.acquire((key.model_revision, key.kv_layout, ""), hashes)
+        lease, slots, _ = client.acquire((key.model_revision, key.kv_layout, ""), hashes)
         assert lease and len(slots) == 12
         client.close()  # the "worker" dies holding the lease
         deadline = time.monotonic() + 10
@@ -285,3 +287,81 @@ def test_a_peer_without_the_secret_is_refused(make_store) -> None:  # noqa: ANN0
             client.hello()
     finally:
         client.close()
+
+
+def test_a_restarted_store_node_is_remapped_never_read_stale(loaded, tmp_path: Path) -> None:  # noqa: ANN001
+    """A node restarted on the same address keeps its slots in a new file: a worker that mapped the old one must not
+    copy from it (its slot numbers now name other blocks)."""
+    kv = loaded.config
+    block_bytes = kv.num_layers * 2 * BLOCK * kv.num_kv_heads * kv.head_dim * 4
+    first = _Store(block_bytes, tmp_path / "one", 64, 0, 30.0)
+    port = int(first.server.address.rsplit(":", 1)[1])
+    a = Engine(_config(), loaded, create_store_link=first.link())
+    b = Engine(_config(), loaded, create_store_link=first.link())
+    second = None
+    try:
+        _run(a, _prompt(0))
+        _wait_saved(first, 12)
+        _run(b, _prompt(0))  # B maps the first node's slots
+        first.stop()
+        state = StoreNodeState(block_bytes, BLOCK, 64, None, 30.0, block_rows=ROWS)
+        second = _Store.__new__(_Store)
+        second.state, second.server = state, StoreServer(state, SECRET, port=port)
+        second.thread = second.server.start_thread()
+        reference = _tokens(_run(Engine(_config(), loaded), _prompt(5)))
+        a.reset_prefix_cache()
+        deadline = time.monotonic() + 30
+        while second.state.store.num_blocks < 12:  # A's saves reach the new node once its link reconnects
+            assert time.monotonic() < deadline, "saves never reached the restarted node"
+            a.reset_prefix_cache()
+            _run(a, _prompt(5))
+        out = _run(b, _prompt(5))
+        assert _tokens(out) == reference and out[-1].num_cached_tokens > 0
+        b.check_invariants()
+    finally:
+        a.close()
+        b.close()
+        if second is not None:
+            second.stop()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=st.lists(st.tuples(st.integers(0, 3), st.one_of(st.none(), st.integers(0, 4))), min_size=1, max_size=5),
+       kill_store_at=st.one_of(st.none(), st.integers(0, 6)))
+def test_random_loads_aborts_and_a_store_death_keep_every_block_accounted(loaded, tmp_path: Path,  # noqa: ANN001
+                                                                           plan: list[tuple[int, int | None]],
+                                                                           kill_store_at: int | None) -> None:
+    """Requests over four prompts some other worker computed, some aborted at a random step, the store node maybe
+    killed mid-way: every step keeps the engine's invariants, and at the end only the cache holds blocks."""
+    kv = loaded.config
+    block_bytes = kv.num_layers * 2 * BLOCK * kv.num_kv_heads * kv.head_dim * 4
+    store = _Store(block_bytes, tmp_path, 48, 0, 30.0)
+    a = Engine(_config(), loaded, create_store_link=store.link(timeout_s=0.5))
+    b = Engine(_config(num_blocks=64), loaded, create_store_link=store.link(timeout_s=0.5))
+    try:
+        for seed in range(4):
+            _run(a, _prompt(seed, 120))
+        ids = [(b.add_request(_prompt(seed, 120), GREEDY), abort_at) for seed, abort_at in plan]
+        deadline = time.monotonic() + 60
+        step = 0
+        while b.has_unfinished_requests():
+            assert time.monotonic() < deadline, "a request hangs"
+            for rid, abort_at in ids:
+                if abort_at == step:
+                    b.abort_request(rid)
+            if kill_store_at == step:
+                store.stop()
+            b.step()
+            b.check_invariants()
+            step += 1
+        assert b.pool.num_used_blocks == b.prefix_cache.num_cached_blocks and b.store_loads.num_loading == 0
+        if kill_store_at is None or kill_store_at >= step:
+            deadline = time.monotonic() + 10
+            while store.state.num_leases:
+                assert time.monotonic() < deadline, "a lease is left pinned"
+                time.sleep(0.01)
+            store.check()
+    finally:
+        a.close()
+        b.close()
+        store.stop()

@@ -70,6 +70,7 @@ def test_a_store_load_from_another_node_beats_recomputing_and_a_long_queue():
     decision = create_policy("conductor", state, random.Random(0)).choose(request, ["w0", "w1"], now=1.0)
     # w0: 1.0 queue + 0.01 prefill; w1: 4 blocks over the NIC (40 ms) + 0.01 prefill
     assert decision.worker_id == "w1" and decision.num_matched_tokens == 16
+    assert decision.costs.num_store_remote_blocks == 4 and decision.costs.num_store_dram_blocks == 0
     assert decision.costs.store_load_s == pytest.approx(0.04) and decision.costs.prefill_s == pytest.approx(0.01)
     # the load tracker books only the token left to prefill on w1
     assert state.load.queued_prefill_tokens("w1") == 1
@@ -94,6 +95,8 @@ def test_local_dram_beats_remote_and_a_slow_disk_is_recomputed():
     store_holds(state, "w1", request.block_hashes)  # in w1's DRAM: 1 ms a block there, 10 ms elsewhere
     decision = create_policy("conductor", state, random.Random(0)).choose(request, WORKERS, now=1.0)
     assert decision.worker_id == "w1" and decision.costs.store_load_s == pytest.approx(0.002)
+    assert (decision.costs.num_store_dram_blocks, decision.costs.num_store_disk_blocks,
+            decision.costs.num_store_remote_blocks) == (2, 0, 0)  # the cost terms name the tier
     state = make_state()
     for worker in WORKERS:
         heartbeat(state, worker)

@@ -37,7 +37,7 @@ _WORKER = textwrap.dedent("""
             parent, i = hashes[-1], i + 4
             print(i, flush=True)
     else:
-        lease, slots = client.acquire(("r", "l", ""), [1, 2, 3, 4])
+        lease, slots, _ = client.acquire(("r", "l", ""), [1, 2, 3, 4])
         print(lease, len(slots), flush=True)
         time.sleep(600)
 """)

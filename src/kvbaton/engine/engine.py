@@ -406,8 +406,9 @@ class Engine:
         return self.scheduler.stats()
 
     def check_invariants(self) -> None:
-        """Block accounting: pool, cache and scheduler agree; when idle, only the cache holds blocks."""
-        self.scheduler.check_invariants()
+        """Block accounting: pool, cache and scheduler agree (and store loads in flight hold their own blocks); when
+        idle, only the cache holds blocks."""
+        self.scheduler.check_invariants(self.store_loads.num_held_blocks if self.store_loads is not None else 0)
         self.pool.check_invariants()
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants()

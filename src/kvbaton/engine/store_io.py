@@ -46,8 +46,9 @@ class StoreLink(Protocol):
             payloads: Sequence[memoryview]) -> bool:
         """Send blocks to store, not waiting; False when dropped."""
 
-    def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int]]:
-        """(lease, slots) of the leading blocks the node holds, pinned; raises StoreUnavailable."""
+    def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
+        """(lease, slots, the slots' shared-memory path) of the leading blocks the node holds, pinned; raises
+        StoreUnavailable."""
 
     def release(self, lease: int) -> bool:
         """Unpin a lease's blocks, not waiting."""
@@ -64,6 +65,7 @@ class LoadJob:
     block_hashes: list[int]  # the chain asked for, after the device prefix
     lease: int = 0
     slots: list[int] = field(default_factory=list)  # of the leading blocks the node holds
+    shm_path: str = ""  # the file those slots are in
     device_block_ids: list[int] = field(default_factory=list)
     error: str = ""
 
@@ -220,7 +222,7 @@ class WorkerStoreIO:
                     if kind == "save":
                         self._save(link, item)
                     elif kind == "acquire":
-                        item.lease, item.slots = link.acquire(item.namespace, item.block_hashes)
+                        item.lease, item.slots, item.shm_path = link.acquire(item.namespace, item.block_hashes)
                         self._results.put(("acquired", item))
                     elif kind == "copy":
                         started = time.perf_counter()
@@ -262,7 +264,11 @@ class WorkerStoreIO:
         """Each run of consecutive slots into consecutive device blocks in one copy: the slots are laid out as the
         pool is (`[layers, 2, slots, ...]`), so that is one memcpy per row. On the CPU through numpy views in 8-byte
         words (torch's strided bf16 copy runs at a third of memcpy's speed)."""
+        if self._mapping is not None and self._mapping.path != job.shm_path:
+            self._slots = self._mapping = self._rows = None  # the node restarted: its slots are in a new file
         slots = self._slot_view(link)
+        if self._mapping.path != job.shm_path:
+            raise StoreUnavailable(f"the store node's slots moved from {job.shm_path} to {self._mapping.path}")
         kv = self.kv_cache
         rows = self._rows
         for slot, block_id, num in block_runs(job.slots, job.device_block_ids):

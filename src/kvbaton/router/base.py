@@ -61,6 +61,10 @@ class CostTerms:
     eviction_s: float  # M_i: expected recompute cost of the cached blocks admitting this request evicts
     prefill_s: float  # P_i: prefill time of this request's tokens not cached on the worker
     store_load_s: float = 0.0  # loading blocks from the cluster KV store (the conductor policy), when it does
+    # Where the blocks that load comes from: the reader's own node's DRAM, its disk, and another node (either tier).
+    num_store_dram_blocks: int = 0
+    num_store_disk_blocks: int = 0
+    num_store_remote_blocks: int = 0
 
     @property
     def total_s(self) -> float:

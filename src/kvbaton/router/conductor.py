@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvbaton.cache.kv_store import DISK
 from kvbaton.router.base import RouteDecision, RouteRequest, CostTerms, WorkerId
 from kvbaton.router.policies import BasePolicy, _require_workers
 from kvbaton.router.state import RouterState
@@ -53,6 +54,20 @@ def with_store_load(state: RouterState, request: RouteRequest, worker: WorkerId,
     return rest_s, load_s, len(sources)
 
 
+def store_tiers(state: RouterState, request: RouteRequest, worker: WorkerId, first_block: int,
+                num_blocks: int) -> dict[str, int]:
+    """CostTerms' tier counts of the `num_blocks` store blocks from `first_block` a load on `worker` reads: from its
+    own node's DRAM, its disk, or another node."""
+    if not num_blocks or state.store is None:
+        return {}
+    reader = state.store_node or worker
+    sources = state.store.sources(request.block_hashes[first_block : first_block + num_blocks], reader)
+    remote = sum(node != reader for node, _ in sources)
+    disk = sum(node == reader and tier == DISK for node, tier in sources)
+    return {"num_store_dram_blocks": len(sources) - remote - disk, "num_store_disk_blocks": disk,
+            "num_store_remote_blocks": remote}
+
+
 class ConductorPolicy(BasePolicy):
     name = "conductor"
 
@@ -71,7 +86,7 @@ class ConductorPolicy(BasePolicy):
         kv_read_s = state.kv_read_s_per_token
         step_tokens = max(1, state.step_tokens)
         low = high = float("inf")
-        tied: list[tuple[WorkerId, int, float, float, float]] = []
+        tied: list[tuple[WorkerId, int, float, float, float, int]] = []
         for worker in workers:
             num_device = min(matched.get(worker, 0), max_hit)
             num_queued = queued(worker)
@@ -86,9 +101,11 @@ class ConductorPolicy(BasePolicy):
                 if total < low:
                     tolerance = 1e-9 * max(total, 1.0)
                     low, high, tied = total - tolerance, total + tolerance, []
-                tied.append((worker, num_device + num_loaded, queue_s, load_s, prefill_s))
+                tied.append((worker, num_device + num_loaded, queue_s, load_s, prefill_s, num_loaded))
         chosen = self._break_tie([option[0] for option in tied])
-        worker, num_blocks, queue_s, load_s, prefill_s = next(option for option in tied if option[0] == chosen)
+        worker, num_blocks, queue_s, load_s, prefill_s, num_loaded = next(option for option in tied
+                                                                          if option[0] == chosen)
         state.commit(request, worker, num_blocks, now, prefill_s=load_s + prefill_s)
+        tiers = store_tiers(state, request, worker, num_blocks - num_loaded, num_loaded)
         return RouteDecision(worker, state.matched_tokens(request, num_blocks), self.name,
-                                   state.load.load_tokens(worker), CostTerms(queue_s, 0.0, prefill_s, load_s))
+                             state.load.load_tokens(worker), CostTerms(queue_s, 0.0, prefill_s, load_s, **tiers))

@@ -35,7 +35,7 @@ from kvbaton.router.base import (
     RouteRequest,
     WorkerId,
 )
-from kvbaton.router.conductor import with_store_load
+from kvbaton.router.conductor import store_tiers, with_store_load
 from kvbaton.router.policies import BasePolicy
 from kvbaton.router.state import RouterState
 
@@ -244,8 +244,9 @@ class PrebleE2Policy(BasePolicy):
         eviction_s = deficit * self._eviction_s_per_block(worker) if deficit > 0 else 0.0
         prefill_s = prefill_by_blocks[num_blocks] if num_blocks else cold_prefill_s
         if store is not None:
-            prefill_s, store_s, _ = with_store_load(state, request, worker, num_blocks, prefill_s)
-            return worker, CostTerms(load_s, eviction_s, prefill_s, store_s)
+            prefill_s, store_s, num_loaded = with_store_load(state, request, worker, num_blocks, prefill_s)
+            return worker, CostTerms(load_s, eviction_s, prefill_s, store_s,
+                                     **store_tiers(state, request, worker, num_blocks, num_loaded))
         return worker, CostTerms(load_s, eviction_s, prefill_s)
 
     def _eviction_s_per_block(self, worker: WorkerId) -> float:

@@ -283,9 +283,10 @@ class BlockManager:
         hold = self._holds.get(request_id)
         return hold.num_blocks if hold else 0
 
-    def check_invariants(self, running: list[Request], max_draft_tokens: int = 0) -> None:
+    def check_invariants(self, running: list[Request], max_draft_tokens: int = 0, num_outside_blocks: int = 0) -> None:
         """Tables cover computed tokens, hold live refs, and only running requests hold locks. A table may reach
-        `max_draft_tokens` past its request's tokens (a speculative decode's drafts, between schedule and update)."""
+        `max_draft_tokens` past its request's tokens (a speculative decode's drafts, between schedule and update).
+        `num_outside_blocks`: pool blocks their owners hold outside the scheduler (KV store loads in flight)."""
         running_ids = {r.request_id for r in running}
         assert set(self._holds) <= running_ids, "a non-running request still holds a cache lock"
         held: set[int] = set()
@@ -299,4 +300,4 @@ class BlockManager:
             assert self.num_cached_blocks_of(r.request_id) <= r.num_computed_tokens // self.block_size
             held.update(r.block_ids)
         num_cached = self.cache.num_cached_blocks if self.cache is not None else 0
-        assert len(held) <= self.pool.num_used_blocks <= len(held) + num_cached, "pool refs leak"
+        assert len(held) <= self.pool.num_used_blocks <= len(held) + num_cached + num_outside_blocks, "pool refs leak"

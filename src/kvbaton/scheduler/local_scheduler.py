@@ -297,7 +297,8 @@ class LocalScheduler:
                           r.num_computed_tokens))
         return tuple(queue)
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, num_outside_blocks: int = 0) -> None:
+        """`num_outside_blocks`: pool blocks held outside the scheduler by their owners (KV store loads in flight)."""
         self.queues.check_invariants(self.config.max_num_seqs)
         # Between schedule and update a speculating decode's table also covers its drafts (update trims it).
-        self.blocks.check_invariants(list(self.queues.running), self.config.num_speculative_tokens)
+        self.blocks.check_invariants(list(self.queues.running), self.config.num_speculative_tokens, num_outside_blocks)

@@ -50,9 +50,9 @@ class StoreClient:
         header = {"op": "put", "namespace": list(namespace), "parent": parent_hash, "hashes": list(block_hashes)}
         return self._send([msgpack.packb(header), *payloads])
 
-    def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int]]:
+    def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
         reply = self._call({"op": "acquire", "namespace": list(namespace), "hashes": list(block_hashes)})
-        return int(reply["lease"]), [int(slot) for slot in reply["slots"]]
+        return int(reply["lease"]), [int(slot) for slot in reply["slots"]], str(reply["shm_path"])
 
     def release(self, lease: int) -> bool:
         return self._send([msgpack.packb({"op": "release", "lease": lease})])

@@ -115,8 +115,9 @@ class StoreServer:
             state.release(int(header["lease"]))
             return None
         reply: dict = {"id": header.get("id")}
-        if op == "acquire":
+        if op == "acquire":  # the slots are of this file: a worker that mapped another (a node since restarted) remaps
             reply["lease"], reply["slots"] = state.acquire(_namespace(header), _hashes(header), self._clock())
+            reply["shm_path"] = state.slots.path
         elif op == "hello":
             reply.update(shm_path=state.slots.path, block_bytes=state.block_bytes, num_slots=state.slots.num_slots,
                          num_rows=state.slots.num_rows)

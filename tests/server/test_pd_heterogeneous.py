@@ -42,10 +42,13 @@ def test_parallel_degrees_are_convertible_and_other_differences_refused() -> Non
         KVLayout("rev", "float32", 16, 2, 2, 16, tensor_parallel_size=4)
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "transport"), [(2, 1, "shm"), (1, 2, "tcp")],
-                         ids=["tp2-to-tp1-shm", "tp1-to-tp2-tcp"])
-def test_handoff_between_degrees_gives_the_colocated_output(tiny: LoadedModel, prefill_tp: int, decode_tp: int,
-                                                            transport: str) -> None:
+@pytest.mark.parametrize(("prefill", "decode", "transport"), [
+    ({"tensor_parallel_size": 2}, {}, "shm"),
+    ({}, {"tensor_parallel_size": 2}, "tcp"),
+    ({"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}, "shm"),
+], ids=["tp2-to-tp1-shm", "tp1-to-tp2-tcp", "pp2-to-tp2-shm"])
+def test_handoff_between_degrees_gives_the_colocated_output(tiny: LoadedModel, prefill: dict[str, int],
+                                                            decode: dict[str, int], transport: str) -> None:
     prompts = [PROMPT, tokens(150, offset=5)]
 
     async def body(cluster: ClusterManager, workers: dict[str, WorkerThread]) -> None:
@@ -56,11 +59,11 @@ def test_handoff_between_degrees_gives_the_colocated_output(tiny: LoadedModel, p
         await wait_clean(cluster, ["p0", "d0"])
         assert cluster.workers["p0"].stats.num_transfers_completed == 2
         assert cluster.workers["d0"].stats.num_transfer_recomputes == 0
-        engines = {w: workers[w].worker.engine for w in ("p0", "d0")}
-        assert len(engines["p0"].ranks.pids if prefill_tp > 1 else engines["d0"].ranks.pids) == 2
+        for worker_id, wanted in (("p0", prefill), ("d0", decode)):
+            ranks = workers[worker_id].worker.engine.ranks
+            assert (len(ranks.pids) if ranks is not None else 1) == max(wanted.values(), default=1)
 
-    overrides = {"p0": {"tensor_parallel_size": prefill_tp, "num_threads": 1},
-                 "d0": {"tensor_parallel_size": decode_tp, "num_threads": 1, "kv_transport": transport}}
+    overrides = {"p0": {**prefill, "num_threads": 1}, "d0": {**decode, "num_threads": 1, "kv_transport": transport}}
     run_pd(tiny, PD, body, overrides, timeout_s=120.0)
 
 

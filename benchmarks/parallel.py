@@ -1,0 +1,139 @@
+"""What tensor parallelism costs on this machine: TP 1 against TP 2 (one thread per rank), and a handoff from a TP 2
+prefill worker against one from a TP 1 prefill worker, in one run; one JSON line.
+
+Engine part (`LLM`, in this process and its rank processes): prefill tok/s of one `--prompt-tokens` prompt
+(no prefix cache, best of `--repeats`), and decode tok/s of `--batch` requests decoding `--decode-tokens` each
+(output tokens after the first over the time from the first first token to the last finish).
+Handoff part (`kvbaton serve --prefill 1 --decode 1 --prefill-tp A`, started here and stopped by pid): the mean
+transfer time per handoff (the prefill worker's first chunk sent -> ack, as its /cluster counters sum it) of
+`--repeats` distinct `--prompt-tokens` prompts, each prefilled in one step (the token budget covers it), so the
+time is the streaming of every layer and the ack, not the prefill. On 2 shared cores TP may well be slower: the
+ratios are reported as they are.
+
+    .venv/bin/python benchmarks/parallel.py [--model smollm2-135m] [--prompt-tokens 2000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+
+import torch
+
+from kvbaton import LLM, SamplingParams
+
+
+def _prompt(num_tokens: int, offset: int, vocab_size: int) -> list[int]:
+    return [(i * 7919 + offset * 104729) % (vocab_size - 300) + 200 for i in range(num_tokens)]
+
+
+def engine_rates(model: str, dtype: str, tp: int, args: argparse.Namespace) -> dict[str, float]:
+    torch.set_num_threads(1)
+    with LLM(model, dtype=dtype, num_blocks=1024, enable_prefix_cache=False, max_num_batched_tokens=2048,
+             tensor_parallel_size=tp, rank_num_threads=1) as llm:
+        vocab = llm.engine.loaded.config.vocab_size
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        prefill_s = min(llm.generate(_prompt(args.prompt_tokens, r, vocab), one)[0].ttft_s
+                        for r in range(args.repeats))
+        params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
+        results = llm.generate([_prompt(32, 100 + i, vocab) for i in range(args.batch)], params)
+        outs = [r.outputs[0] for r in results]
+        decode_s = max(o.finished_at for o in outs) - min(o.first_token_at for o in outs)
+        num_decoded = sum(len(o.token_ids) - 1 for o in outs)
+    return {"prefill_tok_s": args.prompt_tokens / prefill_s, "decode_tok_s": num_decoded / decode_s}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+def handoff_time(model: str, dtype: str, prefill_tp: int, args: argparse.Namespace, vocab: int) -> float:
+    port = _free_port()
+    command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", model, "--dtype", dtype, "--prefill", "1",
+               "--decode", "1", "--prefill-tp", str(prefill_tp), "--local-prefill-threshold", "0",
+               "--max-num-batched-tokens", str(args.prompt_tokens + 48), "--threads-per-worker", "1",
+               "--num-blocks", "512", "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if _get(f"{url}/health") is not None and len(_get(f"{url}/cluster")["workers"]) == 2:
+                    break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {' '.join(command)}")
+            time.sleep(1.0)
+        for r in range(args.repeats + 1):  # the first warms the link and the shapes up; its time is left out
+            if r == 1:
+                first = next(w for w in _get(f"{url}/cluster")["workers"] if w["role"] == "prefill")["transfers"]
+            _post(f"{url}/v1/completions", {"model": model, "prompt": _prompt(args.prompt_tokens, 500 + r, vocab),
+                                            "max_tokens": 2, "temperature": 0.0})
+        time.sleep(2.0)  # the next heartbeat carries the last leg's counters
+        last = next(w for w in _get(f"{url}/cluster")["workers"] if w["role"] == "prefill")["transfers"]
+        num_legs = last["num_completed"] - first["num_completed"]
+        if num_legs != args.repeats:
+            raise RuntimeError(f"{num_legs} handoffs completed of {args.repeats}")
+        return (last["time_s"] - first["time_s"]) / num_legs
+    finally:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    tp1 = engine_rates(args.model, args.dtype, 1, args)
+    tp2 = engine_rates(args.model, args.dtype, 2, args)
+    with LLM(args.model, dtype=args.dtype, num_blocks=16) as llm:
+        vocab = llm.engine.loaded.config.vocab_size
+    handoff_tp1 = handoff_time(args.model, args.dtype, 1, args, vocab)
+    handoff_tp2 = handoff_time(args.model, args.dtype, 2, args, vocab)
+    print(json.dumps({
+        "model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "batch": args.batch,
+        "cpu_count": os.cpu_count(), "threads_per_rank": 1,
+        "tp1_prefill_tok_s": round(tp1["prefill_tok_s"], 1), "tp2_prefill_tok_s": round(tp2["prefill_tok_s"], 1),
+        "tp1_decode_tok_s": round(tp1["decode_tok_s"], 1), "tp2_decode_tok_s": round(tp2["decode_tok_s"], 1),
+        "tp2_over_tp1_prefill": round(tp2["prefill_tok_s"] / tp1["prefill_tok_s"], 3),
+        "tp2_over_tp1_decode": round(tp2["decode_tok_s"] / tp1["decode_tok_s"], 3),
+        "handoff_tp1_to_tp1_s": round(handoff_tp1, 4), "handoff_tp2_to_tp1_s": round(handoff_tp2, 4),
+        "handoff_tp2_over_tp1": round(handoff_tp2 / handoff_tp1, 3),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,8 @@
-"""What tensor parallelism costs on this machine: TP 1 against TP 2 (one thread per rank), and a handoff from a TP 2
-prefill worker against one from a TP 1 prefill worker, in one run; one JSON line.
+"""What tensor parallelism costs on this machine: TP 1 against TP N (one thread per rank), and a handoff from a TP N
+prefill worker to a TP 1 decode worker against TP 1 -> TP 1, in one run; one JSON line.
+
+N is `--tp`, by default 2 where the model's KV heads divide by 2, else their count (kvbaton splits KV heads and
+does not replicate them: SmolLM2-135M has 3, so its default is TP 3 on this 2-core machine).
 
 Engine part (`LLM`, in this process and its rank processes): prefill tok/s of one `--prompt-tokens` prompt
 (no prefix cache, best of `--repeats`), and decode tok/s of `--batch` requests decoding `--decode-tokens` each
@@ -10,7 +13,7 @@ transfer time per handoff (the prefill worker's first chunk sent -> ack, as its 
 time is the streaming of every layer and the ack, not the prefill. On 2 shared cores TP may well be slower: the
 ratios are reported as they are.
 
-    .venv/bin/python benchmarks/parallel.py [--model smollm2-135m] [--prompt-tokens 2000] [--repeats 3]
+    .venv/bin/python benchmarks/parallel.py [--model smollm2-135m] [--tp N] [--prompt-tokens 2000] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from kvbaton import LLM, SamplingParams
+from kvbaton.model.registry import read_model_header, resolve_model_source
 
 
 def _prompt(num_tokens: int, offset: int, vocab_size: int) -> list[int]:
@@ -110,27 +114,29 @@ def handoff_time(model: str, dtype: str, prefill_tp: int, args: argparse.Namespa
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="float32", help="float32 by default: this host has no fast bfloat16 matmul")
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=0, help="the degree set beside TP 1 (0: see above)")
     args = parser.parse_args(argv)
+    config, _ = read_model_header(resolve_model_source(args.model))
+    vocab = config.vocab_size
+    tp = args.tp or (2 if config.num_kv_heads % 2 == 0 else config.num_kv_heads)
     tp1 = engine_rates(args.model, args.dtype, 1, args)
-    tp2 = engine_rates(args.model, args.dtype, 2, args)
-    with LLM(args.model, dtype=args.dtype, num_blocks=16) as llm:
-        vocab = llm.engine.loaded.config.vocab_size
+    tpn = engine_rates(args.model, args.dtype, tp, args)
     handoff_tp1 = handoff_time(args.model, args.dtype, 1, args, vocab)
-    handoff_tp2 = handoff_time(args.model, args.dtype, 2, args, vocab)
+    handoff_tpn = handoff_time(args.model, args.dtype, tp, args, vocab)
     print(json.dumps({
         "model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "batch": args.batch,
-        "cpu_count": os.cpu_count(), "threads_per_rank": 1,
-        "tp1_prefill_tok_s": round(tp1["prefill_tok_s"], 1), "tp2_prefill_tok_s": round(tp2["prefill_tok_s"], 1),
-        "tp1_decode_tok_s": round(tp1["decode_tok_s"], 1), "tp2_decode_tok_s": round(tp2["decode_tok_s"], 1),
-        "tp2_over_tp1_prefill": round(tp2["prefill_tok_s"] / tp1["prefill_tok_s"], 3),
-        "tp2_over_tp1_decode": round(tp2["decode_tok_s"] / tp1["decode_tok_s"], 3),
-        "handoff_tp1_to_tp1_s": round(handoff_tp1, 4), "handoff_tp2_to_tp1_s": round(handoff_tp2, 4),
-        "handoff_tp2_over_tp1": round(handoff_tp2 / handoff_tp1, 3),
+        "cpu_count": os.cpu_count(), "threads_per_rank": 1, "tp": tp,
+        "tp1_prefill_tok_s": round(tp1["prefill_tok_s"], 1), "tpN_prefill_tok_s": round(tpn["prefill_tok_s"], 1),
+        "tp1_decode_tok_s": round(tp1["decode_tok_s"], 1), "tpN_decode_tok_s": round(tpn["decode_tok_s"], 1),
+        "tpN_over_tp1_prefill": round(tpn["prefill_tok_s"] / tp1["prefill_tok_s"], 3),
+        "tpN_over_tp1_decode": round(tpn["decode_tok_s"] / tp1["decode_tok_s"], 3),
+        "handoff_tp1_to_tp1_s": round(handoff_tp1, 4), "handoff_tpN_to_tp1_s": round(handoff_tpn, 4),
+        "handoff_tpN_over_tp1": round(handoff_tpn / handoff_tp1, 3),
     }))
     return 0
 

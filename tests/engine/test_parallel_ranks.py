@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +17,7 @@ from kvbaton.core.errors import InvalidRequestError, KvbatonError
 from kvbaton.core.request import FinishReason
 from kvbaton.core.step import ScheduledChunk, StepPlan
 from kvbaton.engine.rank_process import micro_batches
+from kvbaton.transfer.transport_shm import remove_stale_regions
 from tests.engine.test_smollm2_parity import PARIS
 
 PROMPTS = [list(range(5, 40)), list(range(100, 160)), [7, 8, 9], list(range(200, 290))]
@@ -25,20 +28,38 @@ def _greedy(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     return [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY)]
 
 
+LOGPROBS = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, prompt_logprobs=2)
+
+
+def _logprobs(llm: LLM) -> list[tuple[list[int], list[float], list[float]]]:
+    """Per prompt: output ids, their logprobs, and the prompt tokens' logprobs (all rows the ranks returned)."""
+    out = []
+    for result in llm.generate(PROMPTS[:2], LOGPROBS):
+        sample = result.outputs[0]
+        prompt = [entry.logprob for entry in result.prompt_logprobs[1:]]
+        out.append((sample.token_ids, [t.logprob for t in sample.logprobs], prompt))
+    return out
+
+
 @pytest.fixture(scope="module")
-def one_process() -> list[list[int]]:
+def one_process() -> tuple[list[list[int]], list]:
     with LLM("tiny-random", dtype="float32", num_blocks=96, max_num_batched_tokens=64) as llm:
-        return _greedy(llm)
+        return _greedy(llm), _logprobs(llm)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_parallel_greedy_equals_one_process(one_process: list[list[int]], tp: int, pp: int) -> None:
+def test_parallel_greedy_equals_one_process(one_process: tuple[list[list[int]], list], tp: int, pp: int) -> None:
     # A 64-token budget chunks the 90-token prompt and mixes decodes with prefill chunks in one step.
+    want_ids, want_logprobs = one_process
     with LLM("tiny-random", dtype="float32", num_blocks=96, max_num_batched_tokens=64, tensor_parallel_size=tp,
              pipeline_parallel_size=pp, rank_num_threads=1) as llm:
         assert len(llm.engine.ranks.pids) == tp * pp
-        assert _greedy(llm) == one_process
+        assert _greedy(llm) == want_ids
+        for (ids, logprobs, prompt), (want, want_lp, want_prompt) in zip(_logprobs(llm), want_logprobs):
+            assert ids == want
+            assert logprobs == pytest.approx(want_lp, abs=1e-4)
+            assert prompt == pytest.approx(want_prompt, abs=1e-4)
         llm.engine.check_invariants()
         pids = llm.engine.ranks.pids
     for pid in pids:
@@ -97,3 +118,33 @@ def test_smollm2_tp3_equals_tp1() -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with LLM(dtype="float32", num_blocks=32, tensor_parallel_size=3, rank_num_threads=1) as llm:
         assert llm.generate("The capital of France is", params)[0].outputs[0].token_ids == PARIS[:12]
+
+
+@pytest.mark.timeout(240)
+def test_ranks_exit_when_their_front_process_is_killed() -> None:
+    script = ("from kvbaton import LLM\n"
+              "llm = LLM('tiny-random', dtype='float32', num_blocks=32, tensor_parallel_size=2, rank_num_threads=1)\n"
+              "print(*llm.engine.ranks.pids, flush=True)\n"
+              "import time; time.sleep(300)\n")
+    front = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in front.stdout.readline().split()]
+        assert len(pids) == 2
+        front.kill()
+        front.wait(10)
+        deadline = time.monotonic() + 20
+        alive = set(pids)
+        while alive and time.monotonic() < deadline:
+            for pid in list(alive):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    alive.discard(pid)
+            time.sleep(0.1)
+        assert not alive, f"ranks {alive} outlived their front process"
+        # Its KV region is left behind, as a killed decode worker's is, for the next start's sweep.
+        assert any(f"-{front.pid}-" in name for name in remove_stale_regions())
+    finally:
+        if front.poll() is None:
+            front.kill()
+            front.wait(10)

@@ -35,7 +35,7 @@ from kvbaton.core.step import SampledToken, StepPlan
 from kvbaton.engine.model_runner import PromptLogprobsWanted
 from kvbaton.engine.rank_wire import RankPipeClosed, decode_prompt_logprobs, encode_step, read_frame, write_frame
 from kvbaton.transfer.layout import KVLayout
-from kvbaton.transfer.transport_shm import ShmKVRegion
+from kvbaton.transfer.transport_shm import ShmKVRegion, remove_stale_regions
 
 START_TIMEOUT_S = 600.0  # loading a model in several processes on a shared 2-core machine is slow
 STOP_TIMEOUT_S = 5.0
@@ -59,6 +59,8 @@ class RankGroup:
         self.tp_size, self.pp_size = tp_size, pp_size
         self.poll_s = poll_s
         self._owns_region = region is None
+        if region is None:
+            remove_stale_regions()  # those of killed workers: this region would otherwise join them one day
         self.region = region if region is not None else ShmKVRegion.create(layout, num_blocks)
         self.kv_cache: torch.Tensor = self.region.torch_view()  # type: ignore[assignment]
         self._store_dir = tempfile.mkdtemp(prefix="kvbaton-ranks-")  # 0700: only this user reaches the rendezvous

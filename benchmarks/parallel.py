@@ -1,5 +1,5 @@
-"""What tensor parallelism costs on this machine: TP 1 against TP N (one thread per rank), and a handoff from a TP N
-prefill worker to a TP 1 decode worker against TP 1 -> TP 1, in one run; one JSON line.
+"""What tensor parallelism costs on this machine: TP 1 against TP N and PP 2 (one thread per rank), and a handoff from
+a TP N prefill worker to a TP 1 decode worker against TP 1 -> TP 1, in one run; one JSON line.
 
 N is `--tp`, by default 2 where the model's KV heads divide by 2, else their count (kvbaton splits KV heads and
 does not replicate them: SmolLM2-135M has 3, so its default is TP 3 on this 2-core machine).
@@ -39,10 +39,10 @@ def _prompt(num_tokens: int, offset: int, vocab_size: int) -> list[int]:
     return [(i * 7919 + offset * 104729) % (vocab_size - 300) + 200 for i in range(num_tokens)]
 
 
-def engine_rates(model: str, dtype: str, tp: int, args: argparse.Namespace) -> dict[str, float]:
+def engine_rates(model: str, dtype: str, tp: int, args: argparse.Namespace, pp: int = 1) -> dict[str, float]:
     torch.set_num_threads(1)
     with LLM(model, dtype=dtype, num_blocks=1024, enable_prefix_cache=False, max_num_batched_tokens=2048,
-             tensor_parallel_size=tp, rank_num_threads=1) as llm:
+             tensor_parallel_size=tp, pipeline_parallel_size=pp, rank_num_threads=1) as llm:
         vocab = llm.engine.loaded.config.vocab_size
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         prefill_s = min(llm.generate(_prompt(args.prompt_tokens, r, vocab), one)[0].ttft_s
@@ -126,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tp = args.tp or (2 if config.num_kv_heads % 2 == 0 else config.num_kv_heads)
     tp1 = engine_rates(args.model, args.dtype, 1, args)
     tpn = engine_rates(args.model, args.dtype, tp, args)
+    pp2 = engine_rates(args.model, args.dtype, 1, args, pp=2)
     handoff_tp1 = handoff_time(args.model, args.dtype, 1, args, vocab)
     handoff_tpn = handoff_time(args.model, args.dtype, tp, args, vocab)
     print(json.dumps({
@@ -135,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tp1_decode_tok_s": round(tp1["decode_tok_s"], 1), "tpN_decode_tok_s": round(tpn["decode_tok_s"], 1),
         "tpN_over_tp1_prefill": round(tpn["prefill_tok_s"] / tp1["prefill_tok_s"], 3),
         "tpN_over_tp1_decode": round(tpn["decode_tok_s"] / tp1["decode_tok_s"], 3),
+        "pp2_prefill_tok_s": round(pp2["prefill_tok_s"], 1), "pp2_decode_tok_s": round(pp2["decode_tok_s"], 1),
+        "pp2_over_tp1_prefill": round(pp2["prefill_tok_s"] / tp1["prefill_tok_s"], 3),
+        "pp2_over_tp1_decode": round(pp2["decode_tok_s"] / tp1["decode_tok_s"], 3),
         "handoff_tp1_to_tp1_s": round(handoff_tp1, 4), "handoff_tpN_to_tp1_s": round(handoff_tpn, 4),
         "handoff_tpN_over_tp1": round(handoff_tpn / handoff_tp1, 3),
     }))

@@ -74,13 +74,22 @@ def test_degree_that_does_not_divide_the_kv_heads_is_refused() -> None:
         LLM("tiny-random", dtype="float32", num_blocks=32, pipeline_parallel_size=3)
 
 
-def test_micro_batches_cut_at_chunk_boundaries_in_order() -> None:
-    chunks = tuple(ScheduledChunk(f"r{i}", 0, (1,) * n, (0,) * 8, True) for i, n in enumerate((1, 1, 30, 10, 20)))
-    plan = StepPlan(3, chunks, 62)
+def test_micro_batches_split_the_step_evenly_and_cut_only_prefill_chunks() -> None:
+    def chunk(rid: str, start: int, num: int, samples: bool = True) -> ScheduledChunk:
+        return ScheduledChunk(rid, start, tuple(range(start, start + num)), (0,) * 16, samples)
+
+    plan = StepPlan(3, (chunk("d0", 40, 1), chunk("d1", 40, 1), chunk("p", 0, 200), chunk("q", 10, 54)), 256)
     batches = micro_batches(plan, 2)
-    assert [[c.request_id for c in b.chunks] for b in batches] == [["r0", "r1", "r2"], ["r3", "r4"]]
-    assert [b.num_batched_tokens for b in batches] == [32, 30]
+    assert [b.num_batched_tokens for b in batches] == [64, 64, 64, 64]
+    pieces = [(c.request_id, c.start_pos, c.num_tokens, c.samples) for b in batches for c in b.chunks]
+    assert pieces == [("d0", 40, 1, True), ("d1", 40, 1, True), ("p", 0, 62, False), ("p", 62, 64, False),
+                      ("p", 126, 64, False), ("p", 190, 10, True), ("q", 10, 54, True)]
+    assert sum((c.token_ids for b in batches for c in b.chunks if c.request_id == "p"), ()) == tuple(range(200))
     assert micro_batches(plan, 1) == [plan]
+    assert micro_batches(StepPlan(4, (chunk("d0", 40, 1), chunk("d1", 9, 1)), 2), 2) == [
+        StepPlan(4, (chunk("d0", 40, 1), chunk("d1", 9, 1)), 2)]  # too small to be worth cutting
+    speculative = StepPlan(5, (chunk("s", 0, 70),), 70)
+    assert [b.num_batched_tokens for b in micro_batches(speculative, 2, {"s"})] == [70]
 
 
 @pytest.mark.timeout(240)

@@ -5,8 +5,8 @@ the model, keeps its shard (`kvbaton.model.sharding`), joins the worker's `torch
 CPU, NCCL on CUDA; rendezvous through a file in the front process's private directory, peers on loopback) and
 maps the worker's KV region: its KV pool is the slice of that region holding its layers and its KV heads. Then
 each plan the front sends runs through the same `ModelRunner` as a one-process worker. Under pipeline
-parallelism a plan is cut into micro-batches at chunk boundaries, each sent on (`isend`) as soon as its layers are
-done, so stage s runs micro-batch i+1 while stage s+1 runs micro-batch i. A closed pipe (the front is gone) ends
+parallelism a plan is cut into micro-batches (`micro_batches`: a long prefill chunk into pieces), each sent on
+(`isend`) as soon as its layers are done, so stage s runs micro-batch i+1 while stage s+1 runs micro-batch i. A closed pipe (the front is gone) ends
 the process.
 """
 
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from kvbaton.core.step import StepPlan
+from kvbaton.core.step import ScheduledChunk, StepPlan
 from kvbaton.engine.kv_storage import KVStorage
 from kvbaton.engine.model_runner import ModelRunner
 from kvbaton.engine.rank_wire import RankPipeClosed, decode_step, encode_prompt_logprobs, read_frame, write_frame
@@ -58,22 +59,40 @@ class PipelineLink:
         self.pending.clear()
 
 
-def micro_batches(plan: StepPlan, num_stages: int) -> list[StepPlan]:
-    """The plan's chunks in order, cut at chunk boundaries into at most `num_stages` runs of about equal tokens."""
-    if num_stages == 1 or len(plan.chunks) == 1:
+MIN_MICRO_BATCH_TOKENS = 32  # below this a micro-batch's send costs more than the overlap it buys
+
+
+def micro_batches(plan: StepPlan, num_stages: int, speculative: Collection[str] = ()) -> list[StepPlan]:
+    """The plan's tokens in order, in up to 2 x `num_stages` runs of about equal size, so that stage s computes one
+    while stage s+1 computes the one before (the bubble is (stages - 1) / (runs + stages - 1) of a step).
+
+    A prefill chunk may be cut in two: its second piece starts where the first ends and attends over the KV this
+    stage's layers wrote for the first, exactly as a later chunk of a chunked prefill does; only the last piece
+    samples. A decode (and its drafts) is never cut."""
+    num_tokens = plan.num_batched_tokens
+    num_runs = min(2 * num_stages, num_tokens // MIN_MICRO_BATCH_TOKENS)
+    if num_stages == 1 or num_runs < 2:
         return [plan]
-    target = -(-plan.num_batched_tokens // num_stages)
+    target = -(-num_tokens // num_runs)
     batches: list[StepPlan] = []
-    current: list = []
-    num_tokens = 0
+    current: list[ScheduledChunk] = []
+    room = target
     for chunk in plan.chunks:
+        while (chunk.num_tokens > room and chunk.num_tokens > 1 and chunk.request_id not in speculative
+               and len(batches) < num_runs - 1):
+            head = ScheduledChunk(chunk.request_id, chunk.start_pos, chunk.token_ids[:room], chunk.block_ids, False)
+            chunk = ScheduledChunk(chunk.request_id, chunk.start_pos + room, chunk.token_ids[room:], chunk.block_ids,
+                                   chunk.samples)
+            current.append(head)
+            batches.append(StepPlan(plan.step_id, tuple(current), sum(c.num_tokens for c in current)))
+            current, room = [], target
         current.append(chunk)
-        num_tokens += chunk.num_tokens
-        if num_tokens >= target and len(batches) < num_stages - 1:
-            batches.append(StepPlan(plan.step_id, tuple(current), num_tokens))
-            current, num_tokens = [], 0
+        room -= chunk.num_tokens
+        if room <= 0 and len(batches) < num_runs - 1:
+            batches.append(StepPlan(plan.step_id, tuple(current), sum(c.num_tokens for c in current)))
+            current, room = [], target
     if current:
-        batches.append(StepPlan(plan.step_id, tuple(current), num_tokens))
+        batches.append(StepPlan(plan.step_id, tuple(current), sum(c.num_tokens for c in current)))
     return batches
 
 
@@ -145,12 +164,13 @@ def _serve(fd_in: int, fd_out: int, runner: ModelRunner, link: PipelineLink | No
             return 0
         plan, wanted, speculative = decode_step(message)
         logits_parts, row_ids, prompt_out = [], [], {}
-        for batch in micro_batches(plan, num_stages):
+        for batch in micro_batches(plan, num_stages, speculative):
             logits, ids, prompt = runner.execute(batch, None, wanted or None, speculative)
             if ids:
                 logits_parts.append(logits)
                 row_ids.extend(ids)
-            prompt_out.update(prompt)
+            for request_id, entries in prompt.items():  # a cut chunk's pieces come in order
+                prompt_out.setdefault(request_id, []).extend(entries)
         if link is not None:
             link.wait_sent()
         if not is_result_rank:

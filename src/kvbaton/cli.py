@@ -51,6 +51,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_parallel(p)
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="tensor parallel ranks per worker: attention heads and MLP rows split over N rank processes "
+                        "(N must divide the model's KV heads)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                   help="pipeline parallel stages per worker: layers split over N rank processes")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -60,7 +69,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), grammar=_grammar_of(args))
     llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, enable_prefix_cache=not args.no_prefix_cache,
-              num_speculative_tokens=args.speculative_tokens, device=args.device)
+              num_speculative_tokens=args.speculative_tokens, device=args.device,
+              tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size)
+    try:
+        return _generate_with(llm, args, params)
+    finally:
+        llm.close()
+
+
+def _generate_with(llm, args: argparse.Namespace, params) -> int:  # noqa: ANN001 - LLM, SamplingParams
     prompt = args.prompt
     if args.chat:
         text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -191,6 +209,12 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stored-response-ttl", type=float, default=3600.0, help="seconds a stored response is kept")
     p.add_argument("--max-num-waiting", type=int, default=256, help="queued requests above which the router answers 429")
     p.add_argument("--threads-per-worker", type=int, default=0, help="torch threads per worker (0 = the cores shared evenly among workers)")
+    _add_parallel(p)
+    for pool in ("prefill", "decode"):
+        p.add_argument(f"--{pool}-tp", type=int, default=0, metavar="N",
+                       help=f"tensor parallel size of the {pool} pool's workers (0 = --tensor-parallel-size)")
+        p.add_argument(f"--{pool}-pp", type=int, default=0, metavar="N",
+                       help=f"pipeline parallel size of the {pool} pool's workers (0 = --pipeline-parallel-size)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
     p.add_argument("--router-link-timeout", type=float, default=5.0,
                    help="workers give up one of several routers silent this long (aborting its requests)")
@@ -312,6 +336,8 @@ def _serve_config(args: argparse.Namespace, **fields: object) -> ServeConfig:
         raise KvbatonError(f"--migration-limit must be >= 0, got {args.migration_limit}")
     _check_kv_sizes(args)
     device = _serve_device(args)
+    _check_parallel_sizes(args.model, (args.tensor_parallel_size, args.prefill_tp, args.decode_tp),
+                          (args.pipeline_parallel_size, args.prefill_pp, args.decode_pp))
     api_keys = _api_keys(args)
     check_exposure(args.host, api_keys, args.allow_unauthenticated)  # before anything loads
     threshold = args.local_prefill_threshold
@@ -332,7 +358,11 @@ def _serve_config(args: argparse.Namespace, **fields: object) -> ServeConfig:
         max_stored_responses=args.max_stored_responses, stored_response_ttl_s=args.stored_response_ttl,
         api_keys=api_keys, allow_unauthenticated=args.allow_unauthenticated,
         trust_tenant_header=args.trust_tenant_header, metrics_require_key=args.metrics_require_key,
-        cluster_secret=_cluster_secret(args, create="join_address" not in fields), **fields)  # type: ignore[arg-type]
+        cluster_secret=_cluster_secret(args, create="join_address" not in fields),
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        prefill_tensor_parallel_size=args.prefill_tp, decode_tensor_parallel_size=args.decode_tp,
+        prefill_pipeline_parallel_size=args.prefill_pp, decode_pipeline_parallel_size=args.decode_pp,
+        **fields)  # type: ignore[arg-type]
 
 
 def _apply_placement(args: argparse.Namespace) -> None:
@@ -399,6 +429,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--router-link-timeout", type=float, default=5.0,
                    help="give up one of several routers silent this long while another is heard: abort its requests "
                         "(and keep registering with it, so it gets this worker again if it comes back)")
+    _add_parallel(p)
     p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"),
                    help="decode role: how prefill workers write KV")
     p.add_argument("--kv-host", default="127.0.0.1", help="decode role: address the KV receiver listens on")
@@ -433,6 +464,21 @@ def _check_kv_sizes(args: argparse.Namespace) -> None:
             raise KvbatonError("--kv-store-disk-gb needs --kv-store-gb: disk blocks load through the store's DRAM")
 
 
+def _check_parallel_sizes(model: str, tps: tuple[int, ...], pps: tuple[int, ...]) -> None:
+    """Refuse, before anything starts, a degree the model cannot be split by (0: a pool's "the default")."""
+    from kvbaton.model.registry import read_model_header, resolve_model_source
+    from kvbaton.model.sharding import check_parallelism
+
+    if min(tps[0], pps[0]) < 1 or min(tps + pps) < 0:
+        raise KvbatonError("tensor and pipeline parallel sizes must be >= 1")
+    if max(tps + pps) <= 1:
+        return
+    config, _ = read_model_header(resolve_model_source(model))
+    for tp in {size for size in tps if size}:
+        for pp in {size for size in pps if size}:
+            check_parallelism(config, tp, pp)
+
+
 def _run_worker(args: argparse.Namespace) -> int:
     import signal
     import socket
@@ -443,6 +489,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     _check_kv_sizes(args)
     check_device_name(args.device)  # a misspelt device fails here, before the secret and the model load
+    _check_parallel_sizes(args.model, (args.tensor_parallel_size,), (args.pipeline_parallel_size,))
     secret = _cluster_secret(args, create=False)
     if secret is None:
         raise KvbatonError("no cluster secret: give the router's with --cluster-secret-file FILE (written by "
@@ -461,7 +508,8 @@ def _run_worker(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
         queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,
         kv_host=args.kv_host, kv_lease_s=args.kv_lease, step_log=args.step_log,
-        reserve_ahead_tokens=args.reserve_ahead_tokens, kv_store_address=args.kv_store, cluster_secret=secret))
+        reserve_ahead_tokens=args.reserve_ahead_tokens, kv_store_address=args.kv_store, cluster_secret=secret,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size))
     print(f"kvbaton worker {worker_id}: {args.model} loaded, registering with {args.router}", file=sys.stderr,
           flush=True)
     reason = worker.run()

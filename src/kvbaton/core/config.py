@@ -70,3 +70,17 @@ class EngineConfig:
     seed: int = 0  # seeds the engine RNG used by requests that give no seed of their own
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Rank processes behind this engine's scheduler (kvbaton.engine.rank_group): heads and MLP rows split over
+    # tensor_parallel_size ranks, layers over pipeline_parallel_size stages; 1 x 1 runs the model in-process.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    rank_num_threads: int = 0  # torch threads of each rank process (0: torch's default)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise InvalidRequestError(f"tensor and pipeline parallel sizes must be >= 1, got "
+                                      f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size

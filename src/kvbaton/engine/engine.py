@@ -20,19 +20,23 @@ from kvbaton.cache.hashing import CacheKey
 from kvbaton.cache.host_tier import HostTier
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.config import EngineConfig
-from kvbaton.core.errors import InvalidRequestError
+from kvbaton.core.errors import InvalidRequestError, KvbatonError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken, StepPlan, StepResult, TokenDelta
 from kvbaton.engine.kv_storage import HostKVStorage, KVStorage
 from kvbaton.engine.model_runner import ModelRunner, PromptLogprobsWanted
+from kvbaton.engine.rank_group import RankFailedError, RankGroup
 from kvbaton.engine.sampler import Sampler
 from kvbaton.engine.store_io import StoreLink, WorkerStoreIO
 from kvbaton.engine.store_loads import StoreLoads
-from kvbaton.model.registry import LoadedModel, load_model
+from kvbaton.model.registry import LoadedModel, load_model, load_model_front
+from kvbaton.model.sharding import check_parallelism
 from kvbaton.model.tokenizer import IncrementalDetokenizer
 from kvbaton.scheduler.local_scheduler import LocalScheduler
 from kvbaton.scheduler.outputs import SchedulerStats
+from kvbaton.transfer.layout import KVLayout
+from kvbaton.transfer.transport_shm import ShmKVRegion
 
 if TYPE_CHECKING:
     from kvbaton.engine.structured import RequestGrammar
@@ -52,11 +56,18 @@ class _Tracked:
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  clock: Callable[[], float] = time.monotonic, kv_cache: torch.Tensor | None = None,
+                 kv_region: ShmKVRegion | None = None, warm_up_rows: int = 0,
                  create_store_link: Callable[[], StoreLink] | None = None) -> None:
-        """`create_store_link`: a connection to this host's KV store node (built on the store IO thread), which
+        """With `config.num_ranks > 1` the model runs in rank processes (`RankGroup`) over a shared KV region:
+        `kv_region` when given (a decode worker's), else one of its own; `loaded` then needs no weights
+        (`load_model_front`) and `warm_up_rows` is passed to the ranks' linears' warm-up.
+        `create_store_link`: a connection to this host's KV store node (built on the store IO thread), which
         then takes the host tier's place: write-through of new blocks, prefix loads before admission."""
         self.config = config
-        self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
+        if loaded is None:
+            loaded = (load_model_front(config.model, config.dtype) if config.num_ranks > 1
+                      else load_model(config.model, config.dtype, config.device))
+        self.loaded = loaded
         model_config = self.loaded.config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
@@ -65,6 +76,18 @@ class Engine:
         self.kv_layout = model_config.kv_layout_id(dtype_name, cache_cfg.block_size)
         self.cache_key = CacheKey(self.loaded.revision, self.kv_layout)
         self.pool = BlockPool(cache_cfg.num_blocks)
+        self.ranks: RankGroup | None = None
+        if config.num_ranks > 1:
+            check_parallelism(model_config, config.tensor_parallel_size, config.pipeline_parallel_size)
+            layout = KVLayout(self.loaded.revision, dtype_name, cache_cfg.block_size, model_config.num_layers,
+                              model_config.num_kv_heads, model_config.head_dim)
+            self.ranks = RankGroup(config.model, dtype_name, self.loaded.revision, layout, cache_cfg.num_blocks,
+                                   config.tensor_parallel_size, config.pipeline_parallel_size, region=kv_region,
+                                   device=config.device, num_threads=config.rank_num_threads,
+                                   warm_up_rows=warm_up_rows)
+            kv_cache = self.ranks.kv_cache
+        elif kv_region is not None:
+            kv_cache = kv_region.torch_view()  # type: ignore[assignment]
         self.storage = KVStorage(model_config, cache_cfg.num_blocks, cache_cfg.block_size, self.loaded.dtype,
                                  config.device, kv_cache)
         # The prefix cache's host tier: what the device cache evicts is copied there and back (cache.host_tier).
@@ -82,7 +105,9 @@ class Engine:
                                         self.cache_key)
         self.store_loads = (StoreLoads(self.store_io, self.pool, self.prefix_cache, self.cache_key,
                                        cache_cfg.block_size) if self.store_io is not None else None)
-        self.runner = ModelRunner(self.loaded.model, self.storage, config.device)
+        self.runner: ModelRunner | RankGroup = (self.ranks if self.ranks is not None else
+                                                ModelRunner(self.loaded.model, self.storage, config.device))
+        self.failed = ""  # why the engine can run no more steps (a rank process died): every request ended
         self.sampler = Sampler(config.seed)
         self._clock = clock
         self._tracked: dict[str, _Tracked] = {}
@@ -108,6 +133,8 @@ class Engine:
                     output_token_ids: Sequence[int] = ()) -> str:
         """Validates and queues one request (one sample: callers expand `n`). Returns its id. `output_token_ids`:
         a request migrated from another worker resumes after the tokens it already produced there (`_resume`)."""
+        if self.failed:
+            raise KvbatonError(f"this engine can run no more steps: {self.failed}")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)
         vocab = self.loaded.config.vocab_size
@@ -239,8 +266,11 @@ class Engine:
         started = time.perf_counter()
         if plan.chunks:
             drafts = self._drafts_of(plan)
-            logits, row_ids, prompt_logprobs = self.runner.execute(plan, self.between_layers,
-                                                                   self._prompt_logprobs_wanted(plan), drafts)
+            try:
+                logits, row_ids, prompt_logprobs = self.runner.execute(plan, self.between_layers,
+                                                                       self._prompt_logprobs_wanted(plan), drafts)
+            except RankFailedError as exc:
+                return self._fail_all(str(exc))
             for rid, entries in prompt_logprobs.items():
                 self._tracked[rid].prompt_logprobs.extend(entries)  # type: ignore[union-attr]
             if self.on_executed is not None:
@@ -280,8 +310,25 @@ class Engine:
         self.sampler.forget(request.request_id)
         return self._final_output(tracked)
 
+    def _fail_all(self, message: str) -> list[TokenDelta]:
+        """The step could not run (a rank died): every request ends with `message` and its blocks go back (the
+        failed step's KV is never inserted in the prefix cache); later `add_request`s are refused."""
+        self.failed = message
+        now = self._clock()
+        for request_id in list(self.scheduler.requests):
+            self.scheduler.finish_request(request_id, FinishReason.ERROR, now, message)
+        outputs: list[TokenDelta] = []
+        for request in self.scheduler.take_finished():
+            tracked = self._tracked.pop(request.request_id, None)
+            self.sampler.forget(request.request_id)
+            if tracked is not None:
+                outputs.append(self._final_output(tracked))
+        return outputs
+
     def close(self) -> None:
-        """Stop the store IO thread, if any (pending saves are dropped)."""
+        """Stop the rank processes and the store IO thread, if any (pending saves are dropped); idempotent."""
+        if self.ranks is not None:
+            self.ranks.close()
         if self.store_io is not None:
             self.store_io.close()
 

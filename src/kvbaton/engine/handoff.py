@@ -19,11 +19,13 @@ from kvbaton.transfer.messages import TransferId
 DEFAULT_LEASE_S = 60.0  # a reservation covers the prefill's queue time on the prefill worker too
 
 
-def kv_layout_for(loaded: LoadedModel, block_size: int) -> KVLayout:
-    """The layout identity of an engine built from `loaded` with `block_size`-token blocks."""
+def kv_layout_for(loaded: LoadedModel, block_size: int, tensor_parallel_size: int = 1,
+                  pipeline_parallel_size: int = 1) -> KVLayout:
+    """The layout identity of an engine built from `loaded` with `block_size`-token blocks and that parallelism."""
     config = loaded.config
     dtype_name = str(loaded.dtype).removeprefix("torch.")
-    return KVLayout(loaded.revision, dtype_name, block_size, config.num_layers, config.num_kv_heads, config.head_dim)
+    return KVLayout(loaded.revision, dtype_name, block_size, config.num_layers, config.num_kv_heads, config.head_dim,
+                    tensor_parallel_size, pipeline_parallel_size)
 
 
 def numpy_kv(kv_cache: torch.Tensor) -> np.ndarray:

@@ -54,17 +54,31 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "auto", block_size: int = 16,
                  num_blocks: int = 2048, enable_prefix_cache: bool = True, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 128, queue_policy: str = "fcfs", max_model_len: int = 0, seed: int = 0,
-                 num_speculative_tokens: int = 0, host_num_blocks: int = 0, device: str = "cpu") -> None:
+                 num_speculative_tokens: int = 0, host_num_blocks: int = 0, device: str = "cpu",
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, rank_num_threads: int = 0) -> None:
         """`device`: cpu, cuda or cuda:N (`kvbaton.model.device`), where the weights, the KV pool and the forward
-        live."""
+        live. `tensor_parallel_size` / `pipeline_parallel_size` (vLLM's names): run the model in that many rank
+        processes (`kvbaton.engine.rank_group`); `close()` (or leaving a `with` block) stops them."""
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            rank_num_threads=rank_num_threads,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_cache=enable_prefix_cache,
                               host_num_blocks=host_num_blocks),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       queue_policy=queue_policy, num_speculative_tokens=num_speculative_tokens),
         )
         self.engine = Engine(config)
+
+    def close(self) -> None:
+        """Stop the engine's rank processes, if it has any; idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (device and host tier), as vLLM's LLM.reset_prefix_cache; returns the device

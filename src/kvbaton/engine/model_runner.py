@@ -9,7 +9,7 @@ prompt never holds all its [rows, vocab] logits at once).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -29,11 +29,25 @@ class PromptLogprobsWanted(NamedTuple):
     first_position: int  # the first prompt position whose logprob is still missing (>= 1)
 
 
+class StageLink(Protocol):
+    """A pipeline stage's neighbours (`kvbaton.engine.rank_process`): the previous stage's hidden states in, this
+    stage's out."""
+
+    is_first: bool
+
+    def receive(self, num_tokens: int) -> torch.Tensor: ...
+
+    def send(self, hidden: torch.Tensor) -> None: ...
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, storage: KVStorage, device: str = "cpu") -> None:
+    def __init__(self, model: LlamaModel, storage: KVStorage, device: str = "cpu",
+                 stage: StageLink | None = None) -> None:
+        """`stage`: set on the ranks of a pipeline-parallel worker, whose model is one stage's layers."""
         self.model = model
         self.storage = storage
         self.device = device
+        self.stage = stage
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, between_layers: Callable[[], None] | None = None,
@@ -65,7 +79,12 @@ class ModelRunner:
         meta = AttentionMetadata.build(seqs, self.storage.block_size, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, position_ids, meta, self.storage.kv_cache, between_layers)
+        hidden_in = None if self.stage is None or self.stage.is_first else self.stage.receive(len(token_ids))
+        hidden = self.model(input_ids, position_ids, meta, self.storage.kv_cache, between_layers, hidden_in)
+        if not self.model.is_last_stage:
+            assert self.stage is not None
+            self.stage.send(hidden)
+            return torch.empty(0, 0), [], {}
         prompt_out: dict[str, list[SampledToken]] = {}
         if prompt_logprobs:
             for chunk, first_row in zip(plan.chunks, chunk_rows):

@@ -102,8 +102,12 @@ def _prepack_for_cpu(weight: Tensor, bias: Tensor | None) -> Tensor | None:
 class LlamaLayer(torch.nn.Module):
     """One decoder block with fused QKV and gate/up weights."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor]) -> None:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor],
+                 all_reduce: Callable[[Tensor], object] | None = None) -> None:
         super().__init__()
+        # Tensor parallel: o_proj and down_proj hold this rank's input columns, so their outputs are partial sums
+        # that `all_reduce` (torch.distributed's, in place) completes; None on one rank.
+        self.all_reduce = all_reduce
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -125,20 +129,32 @@ class LlamaLayer(torch.nn.Module):
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        hidden = hidden + self.o_proj(paged_attention(q, k, v, layer_cache, meta))
+        attended = self.o_proj(paged_attention(q, k, v, layer_cache, meta))
+        if self.all_reduce is not None:
+            self.all_reduce(attended)
+        hidden = hidden + attended
         gate, up = self.gate_up_proj(rms_norm(hidden, self.post_attention_norm, self.eps)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        mlp_out = self.down_proj(F.silu(gate) * up)
+        if self.all_reduce is not None:
+            self.all_reduce(mlp_out)
+        return hidden + mlp_out
 
 
 class LlamaModel(torch.nn.Module):
-    """The decoder stack plus LM head; run it under `torch.inference_mode()`."""
+    """The decoder stack plus LM head; run it under `torch.inference_mode()`.
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor]) -> None:
+    One rank of a parallel worker builds it from its shard (`kvbaton.model.sharding`): `config` is then the shard's
+    (its heads, MLP rows and layers), `all_reduce` completes the row-parallel outputs, and a pipeline stage that is
+    not the last returns its hidden states un-normed for the next stage."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor],
+                 all_reduce: Callable[[Tensor], object] | None = None, is_last_stage: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.is_last_stage = is_last_stage
         self.embed_tokens = _param(weights["model.embed_tokens.weight"])
         self.layers = torch.nn.ModuleList(
-            LlamaLayer(config, _sub_dict(weights, f"model.layers.{i}.")) for i in range(config.num_layers)
+            LlamaLayer(config, _sub_dict(weights, f"model.layers.{i}."), all_reduce) for i in range(config.num_layers)
         )
         self.norm = _param(weights["model.norm.weight"])
         self.lm_head = Linear(weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
@@ -157,6 +173,8 @@ class LlamaModel(torch.nn.Module):
         state_dict: Mapping[str, Tensor],
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        all_reduce: Callable[[Tensor], object] | None = None,
+        is_last_stage: bool = True,
     ) -> LlamaModel:
         """Build from Hugging Face names; raises UnsupportedModelError on missing or unexpected tensors."""
         expected = _expected_names(config)
@@ -173,24 +191,27 @@ class LlamaModel(torch.nn.Module):
             )
         weights = {name: state_dict[name].to(device=device, dtype=dtype) for name in expected}
         with torch.inference_mode(False), torch.no_grad():
-            return cls(config, weights)
+            return cls(config, weights, all_reduce, is_last_stage)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor,
-                between_layers: Callable[[], None] | None = None) -> Tensor:
+                between_layers: Callable[[], None] | None = None, hidden_in: Tensor | None = None) -> Tensor:
         """[T] ids and positions in `meta`'s order -> final-normed hidden states [T, hidden].
 
         `between_layers`, when given, is called after each layer (as vLLM's layer-wise KV connector hooks are):
         the serving loop's chance to act on messages during a long forward. It must not touch this step's
-        inputs or KV."""
+        inputs or KV. A later pipeline stage passes the previous stage's output as `hidden_in` (the ids are then
+        unused); a stage that is not the last returns its hidden states un-normed."""
         if positions.numel() and int(positions.max()) >= self.rope_cos.shape[0]:
             raise ValueError(f"position beyond max_position_embeddings={self.rope_cos.shape[0]}")
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = F.embedding(input_ids, self.embed_tokens) if hidden_in is None else hidden_in
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, Dh], shared by all layers
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer_index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, meta, kv_cache[layer_index])
             if between_layers is not None:
                 between_layers()
+        if not self.is_last_stage:
+            return hidden
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def warm_up_linears(self, max_rows: int, max_logit_rows: int) -> int:

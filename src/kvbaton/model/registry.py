@@ -53,7 +53,7 @@ class ModelSource:
 class LoadedModel:
     name: str
     config: ModelConfig
-    model: LlamaModel
+    model: LlamaModel | None  # None in the front process of a parallel worker: its rank processes hold the weights
     tokenizer: Tokenizer
     revision: str  # short stable identity of the weights (prefix-cache key, handoff layout identity)
     dtype: torch.dtype
@@ -173,3 +173,15 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     revision = model_revision(source, state_dict)
     model = LlamaModel.from_hf_state_dict(config, state_dict, torch_dtype, torch_device)
     return LoadedModel(name, config, model, tokenizer, revision, torch_dtype)
+
+
+def load_model_front(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto") -> LoadedModel:
+    """What the front process of a tensor/pipeline-parallel worker needs: config, tokenizer, revision and dtype,
+    without the weights (its rank processes load their shards: `kvbaton.engine.rank_group`)."""
+    torch_dtype = resolve_dtype(dtype)
+    source = resolve_model_source(name)
+    if source.kind == "tiny_random":
+        config, state_dict, tokenizer = read_model_source(source)  # the revision hashes its (few MB of) tensors
+        return LoadedModel(name, config, None, tokenizer, model_revision(source, state_dict), torch_dtype)
+    config, tokenizer = read_model_header(source)
+    return LoadedModel(name, config, None, tokenizer, model_revision(source), torch_dtype)

@@ -78,14 +78,29 @@ class ServeConfig:
     warm_up: bool = False  # workers build every linear shape before serving (Worker: WorkerConfig.warm_up)
     max_num_waiting: int = 256
     threads_per_worker: int = 0  # torch threads in each worker; 0 = this machine's cores shared evenly among workers
+    # Rank processes per worker (kvbaton.engine.rank_group), vLLM's names; a pool's own degree (0: these) lets
+    # prefill and decode differ (DistServe: prefill TP for latency, decode TP for capacity).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    prefill_tensor_parallel_size: int = 0
+    decode_tensor_parallel_size: int = 0
+    prefill_pipeline_parallel_size: int = 0
+    decode_pipeline_parallel_size: int = 0
+
+    def parallelism(self, role: str) -> tuple[int, int]:
+        """(tensor, pipeline) parallel size of a worker of `role`."""
+        tp = {"prefill": self.prefill_tensor_parallel_size, "decode": self.decode_tensor_parallel_size}.get(role, 0)
+        pp = {"prefill": self.prefill_pipeline_parallel_size, "decode": self.decode_pipeline_parallel_size}.get(role, 0)
+        return tp or self.tensor_parallel_size, pp or self.pipeline_parallel_size
 
     @property
     def num_threads_per_worker(self) -> int:
-        """Co-located workers that each spin all cores' OpenMP threads slow each other down many times over."""
+        """Co-located workers that each spin all cores' OpenMP threads slow each other down many times over. A
+        parallel worker's every rank gets this many (the cores are shared among all ranks)."""
         if self.threads_per_worker > 0:
             return self.threads_per_worker
-        num_workers = max(1, self.num_workers + self.num_prefill + self.num_decode)
-        return max(1, (os.cpu_count() or 1) // num_workers)
+        num_ranks = sum(tp * pp for tp, pp in (self.parallelism(role) for _, role in worker_roles(self)))
+        return max(1, (os.cpu_count() or 1) // max(1, num_ranks))
     seed: int = 0
     startup_timeout_s: float = 300.0  # every worker registered within this
     drain_timeout_s: float = 30.0  # in-flight requests may finish within this after a stop signal
@@ -195,7 +210,13 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
             *(["--step-log", str(Path(config.step_log_dir) / f"{worker_id}.steps.jsonl")] if config.step_log_dir else []),
             *(["--reserve-ahead-tokens", str(config.reserve_ahead_tokens)]
               if config.reserve_ahead_tokens is not None else []),
-            *(["--kv-store", config.kv_store_address] if config.kv_store_address else [])]
+            *(["--kv-store", config.kv_store_address] if config.kv_store_address else []),
+            *_parallel_args(*config.parallelism(role))]
+
+
+def _parallel_args(tp: int, pp: int) -> list[str]:
+    return ([] if tp == 1 else ["--tensor-parallel-size", str(tp)]) + \
+        ([] if pp == 1 else ["--pipeline-parallel-size", str(pp)])
 
 
 class Launcher:

@@ -42,7 +42,7 @@ from kvbaton.engine.handoff import DEFAULT_LEASE_S, TransferCounters, kv_layout_
 from kvbaton.engine.handoff_decode import DecodeHandoffs
 from kvbaton.engine.handoff_prefill import PrefillHandoffs
 from kvbaton.engine.kv_staging import KVStaging
-from kvbaton.model.registry import LoadedModel, load_model
+from kvbaton.model.registry import LoadedModel, load_model, load_model_front
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.identity import tokenizer_probe_hash
@@ -97,6 +97,13 @@ class WorkerConfig:
     kv_store_address: str = ""  # this host's KV store node (kvbaton.server.store_server); "" = none
     # The router's: the RPC and every KV link authenticate with it (core/cluster_secret.py). Required to run.
     cluster_secret: ClusterSecret | None = None
+    # Rank processes behind this worker's one scheduler (kvbaton.engine.rank_group), each with num_threads threads.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def kv_layout_of(loaded: LoadedModel, block_size: int) -> str:
@@ -113,8 +120,11 @@ class Worker:
         self.config = config
         if config.num_threads > 0:  # before the model loads: co-located workers must not oversubscribe cores
             torch.set_num_threads(config.num_threads)
-        self.loaded = loaded if loaded is not None else load_model(config.model, config.dtype, config.device)
-        if config.warm_up:
+        if loaded is None:  # a parallel worker's ranks load their shards; this process needs no weights
+            loaded = (load_model_front(config.model, config.dtype) if config.num_ranks > 1
+                      else load_model(config.model, config.dtype, config.device))
+        self.loaded = loaded
+        if config.warm_up and config.num_ranks == 1:  # ranks warm their own linears up (Engine's warm_up_rows)
             rows = config.max_num_batched_tokens
             self.loaded.model.warm_up_linears(rows, rows)
         self._clock = clock
@@ -153,11 +163,12 @@ class Worker:
         links = self._links = RouterLinks(cfg.worker_id, secret, self._clock, context)
         for address in (cfg.router_address, *cfg.more_router_addresses):
             links.add(address)
-        layout = kv_layout_for(self.loaded, cfg.block_size)
+        layout = kv_layout_for(self.loaded, cfg.block_size, cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
         try:
             if cfg.role == "decode":  # storage first: its address goes into the registration
                 self._decode_kv = DecodeKV(cfg.worker_id, layout, cfg.num_blocks, cfg.kv_transport, cfg.kv_host,
-                                           secret=secret, pin_memory=cfg.device.startswith("cuda"))
+                                           secret=secret, pin_memory=cfg.device.startswith("cuda"),
+                                           shared=cfg.num_ranks > 1)
             ack = self._register()
             try:
                 self._start(layout, ack, secret)
@@ -176,7 +187,7 @@ class Worker:
             if self._step_log is not None:
                 self._step_log.write()
             if self.engine is not None:
-                self.engine.close()  # the store IO thread, if any
+                self.engine.close()  # its rank processes and store IO thread, if any
             if self._prefill_links is not None:
                 self._prefill_links.close()
             if self._decode_kv is not None:
@@ -258,20 +269,25 @@ class Worker:
         cfg = self.config
         engine_config = EngineConfig(
             model=cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
+            tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size,
+            rank_num_threads=cfg.num_threads,
             cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_cache, cfg.host_num_blocks),
             scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, queue_policy=queue_policy,
                                       num_speculative_tokens=cfg.num_speculative_tokens),
         )
         # On the CPU a decode worker's engine computes in the memory its KV lands in; a device's storage is its own,
-        # and handoffs are staged through the landing memory (engine/kv_staging.py, `_start_handoffs`).
-        on_host = self.loaded.model.embed_tokens.device.type == "cpu"
-        kv_cache = self._decode_kv.kv_cache if self._decode_kv is not None and on_host else None
+        # and handoffs are staged through the landing memory (engine/kv_staging.py, `_start_handoffs`). A parallel
+        # worker's ranks map the decode worker's shared region.
+        decode_kv = self._decode_kv
+        kv_region = decode_kv.region if decode_kv is not None and cfg.num_ranks > 1 else None
+        on_host = cfg.device == "cpu"
+        kv_cache = decode_kv.kv_cache if decode_kv is not None and kv_region is None and on_host else None
         store_link = None
         if cfg.kv_store_address:
             address, secret = cfg.kv_store_address, cfg.cluster_secret
             store_link = lambda: StoreClient(address, secret)  # noqa: E731 - built on the store IO thread
-        engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache,
-                        create_store_link=store_link)
+        engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache, kv_region=kv_region,
+                        warm_up_rows=cfg.max_num_batched_tokens if cfg.warm_up else 0, create_store_link=store_link)
         engine.worker_id = cfg.worker_id
         if engine.kv_layout != kv_layout_of(self.loaded, cfg.block_size):
             raise KvbatonError(f"engine KV layout {engine.kv_layout} differs from the registered one")
@@ -489,6 +505,9 @@ class Worker:
         if self.prefill is not None:
             outputs = self.prefill.on_outputs(outputs)
         self._emit(outputs)
+        if self.engine.failed and not self._stopping:
+            # A rank died: its requests just ended with the error; the Goodbye makes the router drop this worker.
+            self._stopping = f"cannot run: {self.engine.failed}"
         if self._step_log is not None and self.engine.last_plan is not None:
             self._step_log.on_step(self.engine.last_plan, started_s, time.perf_counter(),
                                    self.engine.has_unfinished_requests())

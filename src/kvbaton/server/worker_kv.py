@@ -41,13 +41,24 @@ class DecodeKV:
     """The decode end: KV storage plus the receiver prefill workers link to."""
 
     def __init__(self, worker_id: str, layout: KVLayout, num_blocks: int, transport: str, host: str = "127.0.0.1",
-                 port: int = 0, *, secret: ClusterSecret, pin_memory: bool = False) -> None:
-        """`pin_memory`: the tcp receiver's buffer is page-locked (a CUDA engine copies landed KV from it)."""
+                 port: int = 0, *, secret: ClusterSecret, pin_memory: bool = False, shared: bool = False) -> None:
+        """`pin_memory`: the tcp receiver's buffer is page-locked (a CUDA engine copies landed KV from it).
+        `shared`: keep the storage in a shared-memory region even for tcp (a parallel worker's rank processes
+        map it: `kvbaton.engine.rank_group`)."""
         if transport not in KV_TRANSPORTS:
             raise ValueError(f"kv transport must be one of {KV_TRANSPORTS}, got {transport!r}")
         self.region: ShmKVRegion | None = None
         self.receiver: ShmKVReceiver | TcpKVReceiver
-        if transport == "shm":
+        if transport == "tcp" and shared:
+            self.region = ShmKVRegion.create(layout, num_blocks)
+            self.kv_cache = self.region.torch_view()
+            try:
+                self.receiver = TcpKVReceiver(worker_id, layout, numpy_kv(self.kv_cache), host, port, secret=secret)
+            except BaseException:
+                self.kv_cache = None  # type: ignore[assignment]
+                self.region.close()
+                raise
+        elif transport == "shm":
             self.region = ShmKVRegion.create(layout, num_blocks)
             try:
                 self.receiver = ShmKVReceiver(worker_id, self.region, host, port, secret=secret)

@@ -83,7 +83,7 @@ HANDSHAKE_FRAMES = (Challenge, Hello, Welcome, Rejected)
 def layout_to_wire(layout: KVLayout) -> tuple[Any, ...]:
     """Packed as a msgpack array; cached because every chunk of a link carries the same layout."""
     return (layout.model_revision, layout.dtype, layout.block_size, layout.num_layers, layout.num_kv_heads,
-            layout.head_dim)
+            layout.head_dim, layout.tensor_parallel_size, layout.pipeline_parallel_size)
 
 
 def _tid(transfer_id: TransferId) -> list[Any]:

@@ -1,0 +1,42 @@
+"""`kvbaton serve --prefill N --decode M --prefill-tp A --decode-tp B`: each pool's workers get their own degree,
+threads are shared among all rank processes, and a degree the model cannot be split by is refused up front."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbaton.cli import main
+from kvbaton.server.launcher import ServeConfig, worker_args
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_each_pool_gets_its_own_degree() -> None:
+    config = ServeConfig(model="tiny-random", num_workers=0, num_prefill=1, num_decode=2,
+                         prefill_tensor_parallel_size=2, decode_pipeline_parallel_size=2)
+    prefill = worker_args(config, "tcp://127.0.0.1:1", "p0", "prefill")
+    decode = worker_args(config, "tcp://127.0.0.1:1", "d0", "decode")
+    assert (_flag(prefill, "--tensor-parallel-size"), _flag(prefill, "--pipeline-parallel-size")) == ("2", None)
+    assert (_flag(decode, "--tensor-parallel-size"), _flag(decode, "--pipeline-parallel-size")) == (None, "2")
+    assert config.parallelism("mixed") == (1, 1)
+    assert ServeConfig(num_workers=1, tensor_parallel_size=2).parallelism("mixed") == (2, 1)
+
+
+def test_threads_are_shared_among_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 12)
+    config = ServeConfig(num_workers=0, num_prefill=1, num_decode=1, prefill_tensor_parallel_size=2,
+                         decode_tensor_parallel_size=1)
+    assert config.num_threads_per_worker == 4  # 3 ranks in all
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--model", "tiny-random", "--prefill", "1", "--decode", "1", "--prefill-tp", "4"],
+    ["worker", "--model", "tiny-random", "--router", "tcp://127.0.0.1:1", "-tp", "3"],
+    ["generate", "--model", "tiny-random", "--prompt", "hi", "--tensor-parallel-size", "8"],
+])
+def test_a_degree_that_does_not_divide_the_kv_heads_is_refused_before_anything_starts(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "does not divide the model's 2 KV heads" in capsys.readouterr().err

@@ -4,10 +4,12 @@ a TP N prefill worker to a TP 1 decode worker against TP 1 -> TP 1, in one run; 
 N is `--tp`, by default 2 where the model's KV heads divide by 2, else their count (kvbaton splits KV heads and
 does not replicate them: SmolLM2-135M has 3, so its default is TP 3 on this 2-core machine).
 
-Engine part (`LLM`, in this process and its rank processes): prefill tok/s of one `--prompt-tokens` prompt
-(no prefix cache, best of `--repeats`), and decode tok/s of `--batch` requests decoding `--decode-tokens` each
-(output tokens after the first over the time from the first first token to the last finish).
-Handoff part (`kvbaton serve --prefill 1 --decode 1 --prefill-tp A`, started here and stopped by pid): the mean
+Engine part (`LLM`, in this process and its rank processes; the engines measured in turn, repeat by repeat, best
+of `--repeats`): prefill tok/s of one `--prompt-tokens` prompt (no prefix cache), and decode tok/s of `--batch`
+requests decoding `--decode-tokens` each (output tokens after the first over the time from the first first token
+to the last finish).
+Handoff part (`kvbaton serve --prefill 1 --decode 1 --prefill-tp A` for A = 1 and N, both started here, their
+requests taken in turn, stopped by process group): the mean
 transfer time per handoff (the prefill worker's first chunk sent -> ack, as its /cluster counters sum it) of
 `--repeats` distinct `--prompt-tokens` prompts, each prefilled in one step (the token budget covers it), so the
 time is the streaming of every layer and the ack, not the prefill. On 2 shared cores TP may well be slower: the
@@ -19,6 +21,7 @@ ratios are reported as they are.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -27,7 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -39,20 +42,32 @@ def _prompt(num_tokens: int, offset: int, vocab_size: int) -> list[int]:
     return [(i * 7919 + offset * 104729) % (vocab_size - 300) + 200 for i in range(num_tokens)]
 
 
-def engine_rates(model: str, dtype: str, tp: int, args: argparse.Namespace, pp: int = 1) -> dict[str, float]:
+def engine_rates(model: str, dtype: str, degrees: dict[str, tuple[int, int]],
+                 args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Prefill and decode tok/s of each (tp, pp) in `degrees`, every engine built first and measured in turn, repeat
+    by repeat (best of the repeats), so the host's load swings reach each one alike."""
     torch.set_num_threads(1)
-    with LLM(model, dtype=dtype, num_blocks=1024, enable_prefix_cache=False, max_num_batched_tokens=2048,
-             tensor_parallel_size=tp, pipeline_parallel_size=pp, rank_num_threads=1) as llm:
-        vocab = llm.engine.loaded.config.vocab_size
+    llms = {name: LLM(model, dtype=dtype, num_blocks=1024, enable_prefix_cache=False, max_num_batched_tokens=2048,
+                      tensor_parallel_size=tp, pipeline_parallel_size=pp, rank_num_threads=1)
+            for name, (tp, pp) in degrees.items()}
+    try:
+        vocab = next(iter(llms.values())).engine.loaded.config.vocab_size
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        prefill_s = min(llm.generate(_prompt(args.prompt_tokens, r, vocab), one)[0].ttft_s
-                        for r in range(args.repeats))
         params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
-        results = llm.generate([_prompt(32, 100 + i, vocab) for i in range(args.batch)], params)
-        outs = [r.outputs[0] for r in results]
-        decode_s = max(o.finished_at for o in outs) - min(o.first_token_at for o in outs)
-        num_decoded = sum(len(o.token_ids) - 1 for o in outs)
-    return {"prefill_tok_s": args.prompt_tokens / prefill_s, "decode_tok_s": num_decoded / decode_s}
+        rates: dict[str, dict[str, float]] = {name: {"prefill_tok_s": 0.0, "decode_tok_s": 0.0} for name in llms}
+        for r in range(args.repeats):
+            for name, llm in llms.items():
+                prefill_s = llm.generate(_prompt(args.prompt_tokens, r, vocab), one)[0].ttft_s
+                rates[name]["prefill_tok_s"] = max(rates[name]["prefill_tok_s"], args.prompt_tokens / prefill_s)
+                outs = [res.outputs[0] for res in
+                        llm.generate([_prompt(32, 100 + i, vocab) for i in range(args.batch)], params)]
+                decode_s = max(o.finished_at for o in outs) - min(o.first_token_at for o in outs)
+                decoded = sum(len(o.token_ids) - 1 for o in outs) / decode_s
+                rates[name]["decode_tok_s"] = max(rates[name]["decode_tok_s"], decoded)
+        return rates
+    finally:
+        for llm in llms.values():
+            llm.close()
 
 
 def _free_port() -> int:
@@ -72,7 +87,21 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def handoff_time(model: str, dtype: str, prefill_tp: int, args: argparse.Namespace, vocab: int) -> float:
+def _transfer_time_after(url: str, num_completed: int) -> float:
+    """The prefill worker's summed transfer time once its heartbeat counts `num_completed` handoffs."""
+    deadline = time.monotonic() + 60
+    while True:
+        transfers = next(w for w in _get(f"{url}/cluster")["workers"] if w["role"] == "prefill")["transfers"]
+        if transfers["num_completed"] == num_completed:
+            return float(transfers["time_s"])
+        if transfers["num_completed"] > num_completed or time.monotonic() > deadline:
+            raise RuntimeError(f"{transfers['num_completed']} handoffs completed, expected {num_completed}")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def pd_server(model: str, dtype: str, prefill_tp: int, args: argparse.Namespace) -> Iterator[str]:
+    """`kvbaton serve --prefill 1 --decode 1 --prefill-tp N` until the block ends (then SIGINT, SIGKILL by group)."""
     port = _free_port()
     command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", model, "--dtype", dtype, "--prefill", "1",
                "--decode", "1", "--prefill-tp", str(prefill_tp), "--local-prefill-threshold", "0",
@@ -91,17 +120,7 @@ def handoff_time(model: str, dtype: str, prefill_tp: int, args: argparse.Namespa
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start: {' '.join(command)}")
             time.sleep(1.0)
-        for r in range(args.repeats + 1):  # the first warms the link and the shapes up; its time is left out
-            if r == 1:
-                first = next(w for w in _get(f"{url}/cluster")["workers"] if w["role"] == "prefill")["transfers"]
-            _post(f"{url}/v1/completions", {"model": model, "prompt": _prompt(args.prompt_tokens, 500 + r, vocab),
-                                            "max_tokens": 2, "temperature": 0.0})
-        time.sleep(2.0)  # the next heartbeat carries the last leg's counters
-        last = next(w for w in _get(f"{url}/cluster")["workers"] if w["role"] == "prefill")["transfers"]
-        num_legs = last["num_completed"] - first["num_completed"]
-        if num_legs != args.repeats:
-            raise RuntimeError(f"{num_legs} handoffs completed of {args.repeats}")
-        return (last["time_s"] - first["time_s"]) / num_legs
+        yield url
     finally:
         os.killpg(process.pid, signal.SIGINT)
         try:
@@ -109,6 +128,20 @@ def handoff_time(model: str, dtype: str, prefill_tp: int, args: argparse.Namespa
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def handoff_times(model: str, dtype: str, degrees: dict[str, int], args: argparse.Namespace,
+                  vocab: int) -> dict[str, float]:
+    """Mean transfer time per handoff of a server per prefill degree, all running, their requests taken in turn."""
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(pd_server(model, dtype, tp, args)) for name, tp in degrees.items()}
+        time_s: dict[str, list[float]] = {name: [] for name in urls}
+        for r in range(args.repeats + 1):  # the first warms the link and the shapes up; its time is left out
+            for name, url in urls.items():
+                _post(f"{url}/v1/completions", {"model": model, "prompt": _prompt(args.prompt_tokens, 500 + r, vocab),
+                                                "max_tokens": 2, "temperature": 0.0})
+                time_s[name].append(_transfer_time_after(url, r + 1))
+        return {name: (times[-1] - times[0]) / args.repeats for name, times in time_s.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,11 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     config, _ = read_model_header(resolve_model_source(args.model))
     vocab = config.vocab_size
     tp = args.tp or (2 if config.num_kv_heads % 2 == 0 else config.num_kv_heads)
-    tp1 = engine_rates(args.model, args.dtype, 1, args)
-    tpn = engine_rates(args.model, args.dtype, tp, args)
-    pp2 = engine_rates(args.model, args.dtype, 1, args, pp=2)
-    handoff_tp1 = handoff_time(args.model, args.dtype, 1, args, vocab)
-    handoff_tpn = handoff_time(args.model, args.dtype, tp, args, vocab)
+    rates = engine_rates(args.model, args.dtype, {"tp1": (1, 1), "tpN": (tp, 1), "pp2": (1, 2)}, args)
+    tp1, tpn, pp2 = rates["tp1"], rates["tpN"], rates["pp2"]
+    handoffs = handoff_times(args.model, args.dtype, {"tp1": 1, "tpN": tp}, args, vocab)
+    handoff_tp1, handoff_tpn = handoffs["tp1"], handoffs["tpN"]
     print(json.dumps({
         "model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "batch": args.batch,
         "cpu_count": os.cpu_count(), "threads_per_rank": 1, "tp": tp,

@@ -3,10 +3,15 @@ threads are shared among all rank processes, and a degree the model cannot be sp
 
 from __future__ import annotations
 
+import os
+
+import httpx
 import pytest
 
+from kvbaton import LLM, SamplingParams
 from kvbaton.cli import main
 from kvbaton.server.launcher import ServeConfig, worker_args
+from tests.server.serve_helpers import serve_process, wait_pd_idle
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -40,3 +45,28 @@ def test_a_degree_that_does_not_divide_the_kv_heads_is_refused_before_anything_s
         argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert "does not divide the model's 2 KV heads" in capsys.readouterr().err
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as handle:
+        return [int(child) for child in handle.read().split()]
+
+
+@pytest.mark.timeout(300)
+def test_serve_with_a_tp2_prefill_pool_hands_off_to_a_tp1_decode_worker() -> None:
+    prompt = "A prompt long enough to leave the prefill worker for the decode worker, " * 2
+    with LLM("tiny-random", dtype="float32", num_blocks=64) as llm:
+        want = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text
+    args = ["--model", "tiny-random", "--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", "2",
+            "--local-prefill-threshold", "0", "--threads-per-worker", "1", "--num-blocks", "128"]
+    with serve_process(args) as served, httpx.Client(timeout=120) as http:
+        answer = http.post(f"{served.url}/v1/completions",
+                           json={"model": "tiny-random", "prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+        assert answer["choices"][0]["text"] == want
+        _, workers = wait_pd_idle(http, served.url)
+        assert workers["p0"]["transfers"]["num_completed"] == 1
+        ranks = {pid: _children(pid) for pid in served.worker_pids}
+        assert sorted(len(children) for children in ranks.values()) == [0, 2]  # the prefill worker's two ranks
+    for pid in (child for children in ranks.values() for child in children):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -372,12 +372,19 @@ def _apply_placement(args: argparse.Namespace) -> None:
 
     if args.workers is not None or args.prefill or args.decode:
         raise KvbatonError("--placement sets the worker pools: drop --workers, --prefill and --decode")
+    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1 or args.prefill_tp or args.decode_tp \
+            or args.prefill_pp or args.decode_pp:
+        raise KvbatonError("--placement sets the workers' parallel degrees: drop -tp/-pp and --prefill-tp/--decode-tp/"
+                           "--prefill-pp/--decode-pp")
     layout = read_serve_layout(args.placement, args.placement_pick, max_workers=os.cpu_count() or 1)
     if layout.mixed is not None:
         args.workers = layout.mixed.num_workers
+        args.tensor_parallel_size, args.pipeline_parallel_size = layout.mixed.tp, layout.mixed.pp
     else:
         assert layout.prefill is not None and layout.decode is not None
         args.workers, args.prefill, args.decode = 0, layout.prefill.num_workers, layout.decode.num_workers
+        args.prefill_tp, args.prefill_pp = layout.prefill.tp, layout.prefill.pp
+        args.decode_tp, args.decode_pp = layout.decode.tp, layout.decode.pp
     if args.model is None:
         if layout.planned_model not in BUILTIN_MODELS:
             raise KvbatonError(f"--placement: the plan priced {layout.planned_model or 'an unnamed model'}, which "

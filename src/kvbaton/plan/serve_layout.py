@@ -5,8 +5,9 @@ pool, or a colocated pool, each `replicas` workers of tensor degree `tp` and pip
 rate it also says how many `units` it takes. `serve_layout` turns that into worker counts per role (`replicas` x
 `units`), and refuses, with the reason, what the running code cannot launch:
 
-- a worker of tp or pp above what a live worker supports (`max_tp`, `max_pp`: 1 while a worker is one process);
-- more workers than the machine can hold (`max_workers`: one per core on the CPU, say);
+- a worker of tp or pp above a cap the caller sets (`max_tp`, `max_pp`; none by default: a live worker runs its
+  degrees as rank processes, and `kvbaton serve` checks them against the model it serves);
+- more processes (workers x tp x pp ranks) than the machine can hold (`max_workers`: one per core on the CPU, say);
 - a file that is not a plan (no such key, a malformed pool).
 
 `serve_command` prints the equivalent `kvbaton serve` flags, which `kvbaton plan` shows under its answer.
@@ -23,8 +24,6 @@ from typing import Any
 from kvbaton.core.errors import InvalidRequestError
 
 PICKS = ("best", "best_disaggregated", "best_colocated")
-LIVE_MAX_TP = 1  # a live worker is one process on one device: no tensor parallel ranks yet (issue 22, item 1)
-LIVE_MAX_PP = 1  # nor pipeline stages (issue 22, item 2)
 SERVABLE_BY_NAME = ("smollm2-135m",)  # catalog models whose weights kvbaton loads by name (model/registry.py)
 
 
@@ -51,11 +50,24 @@ class ServeLayout:
     def num_workers(self) -> int:
         return sum(pool.num_workers for pool in (self.mixed, self.prefill, self.decode) if pool is not None)
 
+    @property
+    def num_processes(self) -> int:
+        """Rank processes in all: a worker of degrees tp x pp runs that many."""
+        return sum(pool.num_workers * pool.tp * pool.pp for pool in (self.mixed, self.prefill, self.decode)
+                   if pool is not None)
+
     def serve_flags(self) -> list[str]:
         if self.mixed is not None:
-            return ["--workers", str(self.mixed.num_workers)]
+            pool = self.mixed
+            return ["--workers", str(pool.num_workers),
+                    *(["--tensor-parallel-size", str(pool.tp)] if pool.tp > 1 else []),
+                    *(["--pipeline-parallel-size", str(pool.pp)] if pool.pp > 1 else [])]
         assert self.prefill is not None and self.decode is not None
-        return ["--prefill", str(self.prefill.num_workers), "--decode", str(self.decode.num_workers)]
+        flags = ["--prefill", str(self.prefill.num_workers), "--decode", str(self.decode.num_workers)]
+        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            flags += [f"--{role}-tp", str(pool.tp)] if pool.tp > 1 else []
+            flags += [f"--{role}-pp", str(pool.pp)] if pool.pp > 1 else []
+        return flags
 
 
 def _pool(unit: dict[str, Any], role: str, units: int, where: str) -> PoolLayout:
@@ -71,7 +83,7 @@ def _pool(unit: dict[str, Any], role: str, units: int, where: str) -> PoolLayout
     return PoolLayout(values["replicas"] * units, values["tp"], values["pp"])
 
 
-def serve_layout(plan: Any, pick: str = "best", *, max_tp: int = LIVE_MAX_TP, max_pp: int = LIVE_MAX_PP,
+def serve_layout(plan: Any, pick: str = "best", *, max_tp: int | None = None, max_pp: int | None = None,
                  max_workers: int | None = None) -> ServeLayout:
     """The pools of `plan` (a parsed `kvbaton plan --json` object) at `pick`; InvalidRequestError for one the
     running code or this machine cannot launch, naming what is missing."""
@@ -95,16 +107,15 @@ def serve_layout(plan: Any, pick: str = "best", *, max_tp: int = LIVE_MAX_TP, ma
     for role, pool in (("colocated", layout.mixed), ("prefill", layout.prefill), ("decode", layout.decode)):
         if pool is None:
             continue
-        if pool.tp > max_tp:
-            raise InvalidRequestError(f"the plan's {role} workers are tensor parallel (tp {pool.tp}); a live worker "
-                                      f"here runs tp <= {max_tp} (one process on one device: tensor-parallel rank "
-                                      "processes are not supported yet)")
-        if pool.pp > max_pp:
-            raise InvalidRequestError(f"the plan's {role} workers are pipeline parallel (pp {pool.pp}); a live "
-                                      f"worker here runs pp <= {max_pp} (pipeline stages are not supported yet)")
-    if max_workers is not None and layout.num_workers > max_workers:
-        raise InvalidRequestError(f"the plan's {pick} takes {layout.num_workers} workers; this machine holds at most "
-                                  f"{max_workers}")
+        if max_tp is not None and pool.tp > max_tp:
+            raise InvalidRequestError(f"the plan's {role} workers are tensor parallel (tp {pool.tp}); here a worker "
+                                      f"runs tp <= {max_tp}")
+        if max_pp is not None and pool.pp > max_pp:
+            raise InvalidRequestError(f"the plan's {role} workers are pipeline parallel (pp {pool.pp}); here a worker "
+                                      f"runs pp <= {max_pp}")
+    if max_workers is not None and layout.num_processes > max_workers:
+        raise InvalidRequestError(f"the plan's {pick} takes {layout.num_workers} workers of {layout.num_processes} "
+                                  f"rank processes in all; this machine holds at most {max_workers}")
     return layout
 
 

@@ -249,18 +249,32 @@ class PrefixTree:
             lru.move_to_end(key)
             worker_lru.move_to_end(key)
 
-    def _evict_from(self, worker: WorkerId, block_hash: int) -> None:
-        segment = self._segment_of(block_hash)
-        if segment is None or worker not in segment.workers:
-            return
-        hashes = segment.hashes
-        # A worker's cache evicts its deepest block first, usually the last of the segment: found without a scan.
-        offset = len(hashes) - 1 if hashes[-1] == block_hash else hashes.index(block_hash)
-        if offset and not segment.children and len(segment.workers) == 1:
-            self._num_blocks -= len(hashes) - offset  # sole holder of a leaf: cut its tail in place
-            self._blocks.forget(hashes[offset:])
-            del hashes[offset:]
-            return
+    def _evict_from(self, worker: WorkerId, block_hashes: Sequence[int]) -> None:
+        """The worker evicted these blocks, in this order: each one and what it holds below it leaves the worker."""
+        index, num_hashes = 0, len(block_hashes)
+        while index < num_hashes:
+            block_hash = block_hashes[index]
+            index += 1
+            segment = self._segment_of(block_hash)
+            if segment is None or worker not in segment.workers:
+                continue
+            hashes = segment.hashes
+            # A cache evicts its deepest block first, usually the last of the segment: found without a scan.
+            offset = len(hashes) - 1 if hashes[-1] == block_hash else hashes.index(block_hash)
+            if offset and not segment.children and len(segment.workers) == 1:
+                # Sole holder of a leaf: cut its tail in place, with the blocks before it that come next in the
+                # event (a run evicted deepest first) in the same cut: one at a time each would cut here again.
+                while offset > 1 and index < num_hashes and block_hashes[index] == hashes[offset - 1]:
+                    offset -= 1
+                    index += 1
+                self._num_blocks -= len(hashes) - offset
+                self._blocks.forget(hashes[offset:])
+                del hashes[offset:]
+            else:
+                self._evict_segment(worker, segment, offset)
+
+    def _evict_segment(self, worker: WorkerId, segment: Segment, offset: int) -> None:
+        """The worker no longer holds `segment` from `offset` on, nor anything below it."""
         if offset:
             segment = self._split(segment, offset)[1]
         worker_lru = self._worker_lru[worker]

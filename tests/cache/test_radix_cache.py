@@ -284,3 +284,34 @@ def test_close_leaves_the_trees_to_reference_counting() -> None:
     # The parent <-> child links are cycles: without close the collector has the nodes to free, with it nothing.
     assert _cyclic_garbage_after_dropping(close=False) > 0
     assert _cyclic_garbage_after_dropping(close=True) == 0
+
+
+def _cache_with_three_leaves() -> tuple[BlockPool, RadixCache]:
+    pool, cache = make_cache(16)
+    cache_tokens(pool, cache, [1, 2, 3, 4, 5, 6, 7, 8])  # blocks 0-3
+    cache_tokens(pool, cache, [1, 2, 3, 4, 9, 9, 8, 8])  # splits after two blocks: 4, 5 below them
+    cache_tokens(pool, cache, [5, 5, 6, 6, 7, 7])  # 6-8
+    cache.take_events()
+    return pool, cache
+
+
+def test_evicting_many_at_once_equals_evicting_one_at_a_time() -> None:
+    # One cut per leaf must take the same blocks, in the same order, into the same free-queue places.
+    for num_blocks in (1, 3, 5, 7, 9, 20):
+        bulk_pool, bulk = _cache_with_three_leaves()
+        assert bulk.evict(num_blocks) == min(num_blocks, 9)
+        bulk_hashes = [h for event in bulk.take_events() for h in event.block_hashes]
+        one_pool, one = _cache_with_three_leaves()
+        freed = sum(one.evict(1) for _ in range(num_blocks))
+        one_hashes = [h for event in one.take_events() for h in event.block_hashes]
+        assert freed == min(num_blocks, 9)
+        assert bulk_hashes == one_hashes
+        assert bulk_pool.free_block_ids() == one_pool.free_block_ids()
+        assert [(e.block_hashes, e.parent_hash) for e in bulk.snapshot()] == [
+            (e.block_hashes, e.parent_hash) for e in one.snapshot()]  # the same tree (seqs differ: more events)
+        bulk.check_invariants()
+        one.check_invariants()
+    pool, cache = _cache_with_three_leaves()
+    cache.evict(3)  # the least recent leaf is [7, 8] (blocks 2, 3), then [9, 9, 8, 8]'s deepest block
+    assert [h for event in cache.take_events() for h in event.block_hashes] == [
+        hashes([1, 2, 3, 4, 5, 6, 7, 8])[3], hashes([1, 2, 3, 4, 5, 6, 7, 8])[2], hashes([1, 2, 3, 4, 9, 9, 8, 8])[3]]

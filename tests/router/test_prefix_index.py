@@ -185,6 +185,53 @@ def test_coldest_lists_least_recent_segments_first() -> None:
     assert index.coldest("nobody", 4) == []
 
 
+def _index_state(index: GlobalPrefixIndex, hashes: list[int]) -> tuple[object, ...]:
+    """What the router reads: depths, holders and reuse of every block, each worker's coldest segments."""
+    return (index.match(hashes), index.num_blocks, [index.holders(h) for h in hashes],
+            [index.num_routed(h) for h in hashes], {w: index.coldest(w, 100) for w in index.workers})
+
+
+def test_a_long_run_stored_chunk_by_chunk_splits_near_its_front() -> None:
+    # Routed whole, then stored by its worker in 4-block chunks (chunked prefill): each store splits the run
+    # where the chunk ends, the short head leaving the long rest in place; every block stays findable.
+    a = chain(*range(1, 41))
+    index = GlobalPrefixIndex()
+    index.on_routed("w0", a)
+    index.on_routed("w1", a[:6])
+    for seq, start in enumerate(range(0, 40, 4), 1):
+        assert index.on_kv_events("w0", [stored(seq, a[start : start + 4], parent=a[start - 1] if start else None)])
+        index.check_invariants()
+    assert index.match(a) == {"w0": 40, "w1": 6}
+    assert [index.holders(h) for h in a] == [{"w0", "w1"}] * 6 + [{"w0"}] * 34
+    # Segments [0:4] and [4:6] routed twice, [6:8] split off by the second chunk, then the chunks; a split keeps
+    # the head more recent than its tail, and a store touches only its own path.
+    assert index.coldest("w0", 100) == [(4, 2), (2, 1), (2, 2)] + [(4, 1)] * 8
+    assert index.coldest("w1", 100) == [(2, 2), (4, 2)]
+    # w1 evicts its deepest block: a split one block before the end of its run, the end leaving w1.
+    assert index.on_kv_events("w1", [evicted(1, [a[5]])])
+    assert index.match(a) == {"w0": 40, "w1": 5}
+    index.check_invariants()
+
+
+def test_an_evicted_run_equals_its_blocks_evicted_one_by_one() -> None:
+    a = chain(*range(1, 13))
+    b = chain(*range(1, 5), 50, 51)
+    indexes = [GlobalPrefixIndex(), GlobalPrefixIndex()]
+    for index in indexes:
+        index.on_routed("w0", a)
+        index.on_routed("w1", b)
+        index.on_routed("w0", b)
+    # Deepest first, as a radix cache lists them: w0 alone holds a's leaf, then a shared run (split per block).
+    run = a[2:][::-1] + b[4:][::-1]
+    assert indexes[0].on_kv_events("w0", [evicted(1, run)])
+    assert indexes[1].on_kv_events("w0", [evicted(seq, [h]) for seq, h in enumerate(run, 1)])
+    assert _index_state(indexes[0], a) == _index_state(indexes[1], a)
+    assert _index_state(indexes[0], b) == _index_state(indexes[1], b)
+    assert indexes[0].match(a) == {"w0": 2, "w1": 4} and indexes[0].match(b) == {"w0": 2, "w1": 6}
+    for index in indexes:
+        index.check_invariants()
+
+
 def test_invalid_bound_is_rejected() -> None:
     with pytest.raises(ValueError):
         GlobalPrefixIndex(max_blocks=0)

@@ -263,29 +263,42 @@ class RadixCache:
         return num_freed
 
     def _evict(self, num_blocks: int | None) -> tuple[int, list[int]]:
-        """Trim LRU leaves block by block until `num_blocks` are free (None: all unlocked)."""
+        """Trim LRU leaves until `num_blocks` are free (None: all unlocked).
+
+        A leaf stays the least recent until it is empty (trimming changes neither its tick nor its lock), so its
+        blocks are taken from the tail in one cut of at most what is still needed, in the order (deepest first)
+        and with the result of taking them one at a time: an unlocked cached block is freed by its release, and
+        if one were not, the loop would go on taking from the same leaf."""
         num_freed = 0
         evicted_hashes: list[int] = []
         tier = self.tier
         demoted: list[EvictedBlock] = []
         lru = self._lru
+        pool = self.pool
         while num_blocks is None or num_freed < num_blocks:
             node = lru.least_recent()
             if node is None:
                 break
-            block_id = node.block_ids.pop()
-            token_block = node.token_blocks.pop()
-            block_hash = node.block_hashes.pop()
-            self._cached_block_ids.discard(block_id)
-            self._num_cached_blocks -= 1
-            self.pool.release([block_id])
-            num_freed += self.pool.ref_count(block_id) == 0
+            block_ids = node.block_ids
+            num_left = len(block_ids)
+            cut = 0 if num_blocks is None else max(0, num_left - (num_blocks - num_freed))
+            taken_ids = block_ids[cut:][::-1]  # the tail, deepest first
+            taken_hashes = node.block_hashes[cut:][::-1]
             if tier is None:
-                evicted_hashes.append(block_hash)
-            else:  # its KV stays in the freed block until the next allocation: `demote` copies it out first
-                parent_hash = node.block_hashes[-1] if node.block_hashes else node.parent_hash
-                demoted.append(EvictedBlock(block_hash, token_block, parent_hash, block_id, node.namespace))
-            if not node.block_ids:
+                evicted_hashes.extend(taken_hashes)
+            else:  # their KV stays in the freed blocks until the next allocation: `demote` copies it out first
+                hashes, tokens = node.block_hashes, node.token_blocks
+                demoted.extend(
+                    EvictedBlock(hashes[i], tokens[i], hashes[i - 1] if i else node.parent_hash, block_ids[i],
+                                 node.namespace)
+                    for i in range(num_left - 1, cut - 1, -1))
+            del block_ids[cut:], node.token_blocks[cut:], node.block_hashes[cut:]
+            self._cached_block_ids.difference_update(taken_ids)
+            self._num_cached_blocks -= len(taken_ids)
+            num_free_before = pool.num_free_blocks
+            pool.release(taken_ids)
+            num_freed += pool.num_free_blocks - num_free_before
+            if not block_ids:
                 self._detach(node)
         if demoted:
             evicted_hashes = tier.demote(demoted)  # type: ignore[union-attr]

@@ -7,10 +7,12 @@ cost a random-access dict write per new block and a pop per evicted block (about
 100,000 blocks, most of a decision); here the writer only queues whole segments, and the per-block
 work happens at the next lookup, in bulk. Invariants:
 - every live segment is either queued or has all its blocks mapped to it;
-- a mapped entry may be stale (its segment was deleted, trimmed or split after mapping): `get`
-  checks the segment is live and still holds the block, and a split queues the tail, whose blocks
-  are remapped before any lookup;
-- stale entries are dropped once they outnumber the live blocks, so memory stays O(live blocks).
+- an entry that names a live segment names one holding that block: blocks that leave a segment
+  are either forgotten (`forget`: a trimmed tail, a deleted segment never mapped) or queued in
+  their new segment (a split's moved part), which is mapped before any lookup; so a lookup checks
+  only that the segment is live, in O(1), not that it still holds the block (a scan of its run);
+- entries naming deleted segments are dropped once they outnumber the live blocks, so memory stays
+  O(live blocks).
 """
 
 from __future__ import annotations
@@ -33,16 +35,25 @@ class LazyBlockMap(Generic[SegmentT]):
     def __init__(self, is_live: Callable[[SegmentT], bool]) -> None:
         self._is_live = is_live  # True while the segment is in the tree (not deleted)
         self._mapped: dict[int, SegmentT] = {}  # block hash -> segment, possibly stale (see module doc)
-        self._queued: dict[int, SegmentT] = {}  # segments whose blocks are not mapped yet, by first hash
+        # Segments whose blocks are not mapped yet, by id: a split may move a queued segment's first hash to a
+        # new segment, so the first hash does not name it for long.
+        self._queued: dict[int, SegmentT] = {}
 
     def add(self, segment: SegmentT) -> None:
-        """A new segment (or a split's tail): its blocks are mapped before the next lookup."""
-        self._queued[segment.hashes[0]] = segment
+        """A new segment (or the part a split moved out): its blocks are mapped before the next lookup."""
+        self._queued[id(segment)] = segment
 
     def discard(self, segment: SegmentT) -> None:
-        """A deleted segment: forget it if still queued (mapped entries go stale and are checked on read)."""
-        if self._queued.get(segment.hashes[0]) is segment:
-            del self._queued[segment.hashes[0]]
+        """A deleted segment. Mapped, its entries name a dead segment (dropped on read); still queued, its blocks'
+        entries may name the live segment it was split from, so they go now."""
+        if self._queued.pop(id(segment), None) is not None:
+            self.forget(segment.hashes)
+
+    def forget(self, block_hashes: Iterable[int]) -> None:
+        """These blocks left the index (a trimmed tail): drop their entries."""
+        mapped = self._mapped
+        for block_hash in block_hashes:
+            mapped.pop(block_hash, None)
 
     def get(self, block_hash: int, num_live_blocks: int, live: Callable[[], Iterable[SegmentT]]) -> SegmentT | None:
         """The live segment holding `block_hash`, or None.
@@ -53,7 +64,7 @@ class LazyBlockMap(Generic[SegmentT]):
         if self._queued:
             self._map_queued(num_live_blocks, live)
         segment = self._mapped.get(block_hash)
-        if segment is None or not self._is_live(segment) or block_hash not in segment.hashes:
+        if segment is None or not self._is_live(segment):
             return None
         return segment
 
@@ -66,7 +77,7 @@ class LazyBlockMap(Generic[SegmentT]):
             self._mapped = {h: s for s in live() for h in s.hashes}
 
     def check_invariants(self, live_segments: Iterable[SegmentT]) -> None:
-        """Every live block resolves to its segment (maps the queue first)."""
+        """Every live block resolves to its segment and no other block to a live segment (maps the queue first)."""
         for segment in self._queued.values():
             assert self._is_live(segment), "a deleted segment is still queued"
         segments = list(live_segments)
@@ -74,3 +85,6 @@ class LazyBlockMap(Generic[SegmentT]):
         for segment in segments:
             for block_hash in segment.hashes:
                 assert self.get(block_hash, num_blocks, lambda: segments) is segment, f"block {block_hash} misplaced"
+        held = {block_hash: segment for segment in segments for block_hash in segment.hashes}
+        for block_hash, segment in self._mapped.items():
+            assert not self._is_live(segment) or held.get(block_hash) is segment, f"block {block_hash} mapped stale"

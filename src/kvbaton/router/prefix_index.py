@@ -169,8 +169,7 @@ class GlobalPrefixIndex(PrefixTree):
         if event.kind is KVEventKind.CLEARED:
             self._drop_worker(worker)
         elif event.kind is KVEventKind.EVICTED:
-            for block_hash in event.block_hashes:
-                self._evict_from(worker, block_hash)
+            self._evict_from(worker, event.block_hashes)
         elif event.block_hashes:
             parent = self._segment_ending_at(event.parent_hash) if event.parent_hash is not None else None
             if parent is not None:

@@ -140,7 +140,7 @@ class PrefixTree:
                     limit = min(len(run), total - depth)
                     while common < limit and run[common] == block_hashes[depth + common]:
                         common += 1
-                    self._split(segment, common)
+                    segment = self._split(segment, common)[0]
                 depth += common
             self._visit(segment, worker, worker_lru, count_routed)
             path.append(segment)
@@ -164,24 +164,41 @@ class PrefixTree:
         self._blocks.add(segment)
         return segment
 
-    def _split(self, segment: Segment, offset: int) -> Segment:
-        """Cut `segment` after `offset` blocks; the tail becomes its only child. Returns the tail."""
-        tail_hashes = segment.hashes[offset:]
-        del segment.hashes[offset:]
-        tail = Segment(tail_hashes, segment, set(segment.workers), segment.num_routed)
-        tail.children = segment.children
-        for child in tail.children.values():
-            child.parent = tail
-        segment.children = {tail_hashes[0]: tail}
-        key = tail_hashes[0]
-        self._lru[key] = tail
-        self._blocks.add(tail)  # its blocks' entries still name `segment`
-        self._lru.move_to_end(segment.hashes[0])  # keep the ancestor more recent than its tail
+    def _split(self, segment: Segment, offset: int) -> tuple[Segment, Segment]:
+        """Cut `segment` after `offset` blocks; the tail becomes the head's only child. Returns (head, tail).
+
+        The shorter part moves into a new segment and the longer one keeps the object, so only the moved blocks
+        are remapped (`LazyBlockMap`): cutting a long run again and again near one end (a prompt's chunks
+        stored one by one) costs the chunks, not the run each time. Keys, orders and contents are the same
+        whichever part moves.
+        """
+        hashes = segment.hashes
+        head_key, tail_key = hashes[0], hashes[offset]
+        if 2 * offset <= len(hashes):  # the head moves; the tail keeps its children
+            head = Segment(hashes[:offset], segment.parent, set(segment.workers), segment.num_routed)
+            del hashes[:offset]
+            tail = segment
+            tail.parent = head
+            head.children = {tail_key: tail}
+            (head.parent.children if head.parent is not None else self._roots)[head_key] = head
+            self._lru[head_key] = head  # an existing key: its place in the order stays
+            self._blocks.add(head)  # its blocks' entries still name `segment`, now the tail
+        else:
+            tail = Segment(hashes[offset:], segment, set(segment.workers), segment.num_routed)
+            del hashes[offset:]
+            head = segment
+            tail.children = head.children
+            for child in tail.children.values():
+                child.parent = tail
+            head.children = {tail_key: tail}
+            self._blocks.add(tail)  # its blocks' entries still name `segment`, now the head
+        self._lru[tail_key] = tail
+        self._lru.move_to_end(head_key)  # keep the ancestor more recent than its tail
         for worker in tail.workers:
             worker_lru = self._worker_lru[worker]
-            worker_lru[key] = None
-            worker_lru.move_to_end(segment.hashes[0])
-        return tail
+            worker_lru[tail_key] = None
+            worker_lru.move_to_end(head_key)
+        return head, tail
 
     def _adopt(self, parent: Segment, orphan: Segment) -> Segment:
         """Attach a root segment under its now-known parent block; its holders hold the parent too."""
@@ -214,7 +231,7 @@ class PrefixTree:
             return None
         offset = segment.hashes.index(block_hash)
         if offset + 1 < len(segment.hashes):
-            self._split(segment, offset + 1)
+            segment = self._split(segment, offset + 1)[0]
         return segment
 
     def _add_worker_upwards(self, segment: Segment | None, worker: WorkerId) -> None:
@@ -232,17 +249,34 @@ class PrefixTree:
             lru.move_to_end(key)
             worker_lru.move_to_end(key)
 
-    def _evict_from(self, worker: WorkerId, block_hash: int) -> None:
-        segment = self._segment_of(block_hash)
-        if segment is None or worker not in segment.workers:
-            return
-        offset = segment.hashes.index(block_hash)
-        if offset and not segment.children and len(segment.workers) == 1:
-            self._num_blocks -= len(segment.hashes) - offset  # sole holder of a leaf: cut its tail in place
-            del segment.hashes[offset:]
-            return
+    def _evict_from(self, worker: WorkerId, block_hashes: Sequence[int]) -> None:
+        """The worker evicted these blocks, in this order: each one and what it holds below it leaves the worker."""
+        index, num_hashes = 0, len(block_hashes)
+        while index < num_hashes:
+            block_hash = block_hashes[index]
+            index += 1
+            segment = self._segment_of(block_hash)
+            if segment is None or worker not in segment.workers:
+                continue
+            hashes = segment.hashes
+            # A cache evicts its deepest block first, usually the last of the segment: found without a scan.
+            offset = len(hashes) - 1 if hashes[-1] == block_hash else hashes.index(block_hash)
+            if offset and not segment.children and len(segment.workers) == 1:
+                # Sole holder of a leaf: cut its tail in place, with the blocks before it that come next in the
+                # event (a run evicted deepest first) in the same cut: one at a time each would cut here again.
+                while offset > 1 and index < num_hashes and block_hashes[index] == hashes[offset - 1]:
+                    offset -= 1
+                    index += 1
+                self._num_blocks -= len(hashes) - offset
+                self._blocks.forget(hashes[offset:])
+                del hashes[offset:]
+            else:
+                self._evict_segment(worker, segment, offset)
+
+    def _evict_segment(self, worker: WorkerId, segment: Segment, offset: int) -> None:
+        """The worker no longer holds `segment` from `offset` on, nor anything below it."""
         if offset:
-            segment = self._split(segment, offset)
+            segment = self._split(segment, offset)[1]
         worker_lru = self._worker_lru[worker]
         stack = [segment]
         while stack:
@@ -292,6 +326,7 @@ class PrefixTree:
             coldest = next(iter(self._lru.values()))
             overflow = self._num_blocks - self.max_blocks
             if not coldest.children and len(coldest.hashes) > overflow:
+                self._blocks.forget(coldest.hashes[-overflow:])
                 del coldest.hashes[-overflow:]  # the leaf's deepest blocks only
                 self._num_blocks -= overflow
                 self.num_evicted_blocks += overflow

@@ -365,3 +365,24 @@ def test_random_loads_aborts_and_a_store_death_keep_every_block_accounted(loaded
         a.close()
         b.close()
         store.stop()
+
+
+def test_a_load_short_of_free_blocks_takes_them_from_the_cache(loaded, make_store,  # noqa: ANN001
+                                                               reference: list[int]) -> None:
+    """With fewer free blocks than the prefix needs, the load asks first and then evicts cached blocks for what the
+    node has (the two-trip path): same output, the load counted, every block accounted for."""
+    store = make_store()
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(num_blocks=20), loaded, create_store_link=store.link())
+    try:
+        _run(a, _prompt())
+        _wait_saved(store, 12)
+        _run(b, _prompt(seed=7))  # 13 of B's 20 blocks now cached: 7 free for a 12-block load
+        assert b.pool.num_free_blocks < 12
+        out = _run(b, _prompt())
+        assert _tokens(out) == reference and out[-1].num_cached_tokens == (199 // BLOCK) * BLOCK
+        assert b.store_loads.num_loaded_requests == 1
+        b.check_invariants()
+    finally:
+        a.close()
+        b.close()

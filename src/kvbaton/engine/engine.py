@@ -80,7 +80,8 @@ class Engine:
         if config.num_ranks > 1:
             check_parallelism(model_config, config.tensor_parallel_size, config.pipeline_parallel_size)
             layout = KVLayout(self.loaded.revision, dtype_name, cache_cfg.block_size, model_config.num_layers,
-                              model_config.num_kv_heads, model_config.head_dim)
+                              model_config.num_kv_heads, model_config.head_dim, config.tensor_parallel_size,
+                              config.pipeline_parallel_size)
             self.ranks = RankGroup(config.model, dtype_name, self.loaded.revision, layout, cache_cfg.num_blocks,
                                    config.tensor_parallel_size, config.pipeline_parallel_size, region=kv_region,
                                    device=config.device, num_threads=config.rank_num_threads,

@@ -170,6 +170,11 @@ class WorkerStoreIO:
     def copy_in(self, job: LoadJob) -> None:
         self._tasks.put(("copy", job))
 
+    def acquire_and_copy(self, job: LoadJob) -> None:
+        """`acquire`, then at once `copy_in` into the device blocks the job already holds (one per block asked
+        for; the first len(slots) get the blocks the node has): one trip through the engine's step loop, not two."""
+        self._tasks.put(("acquire_copy", job))
+
     def release(self, job: LoadJob) -> None:
         if job.lease:
             self._tasks.put(("release", job.lease))
@@ -224,6 +229,16 @@ class WorkerStoreIO:
                     elif kind == "acquire":
                         item.lease, item.slots, item.shm_path = link.acquire(item.namespace, item.block_hashes)
                         self._results.put(("acquired", item))
+                    elif kind == "acquire_copy":
+                        item.lease, item.slots, item.shm_path = link.acquire(item.namespace, item.block_hashes)
+                        if item.slots:
+                            started = time.perf_counter()
+                            self._copy(link, item)
+                            self.copy_in_s += time.perf_counter() - started
+                            link.release(item.lease)
+                            item.lease = 0
+                            self.num_loaded_blocks += len(item.slots)
+                        self._results.put(("copied", item))
                     elif kind == "copy":
                         started = time.perf_counter()
                         self._copy(link, item)
@@ -235,7 +250,7 @@ class WorkerStoreIO:
                     elif kind == "release":
                         link.release(item)
                 except (StoreUnavailable, OSError, ValueError) as exc:
-                    if kind in ("acquire", "copy"):
+                    if kind in ("acquire", "copy", "acquire_copy"):
                         item.error = str(exc)
                         self.num_failed_loads += 1
                         self._results.put(("failed", item))

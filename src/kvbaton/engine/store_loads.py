@@ -3,7 +3,9 @@ requests keep stepping (the engine's side of `kvbaton.engine.store_io`).
 
 A request whose prompt has at least `min_load_blocks` full blocks past its device prefix does not enter the
 scheduler at once. Its device prefix is locked (so the blocks loaded can hang below it), and the store IO thread
-asks the store node for the rest. Between steps the engine calls `poll`:
+asks the store node for the rest. When the pool has a free block for each block asked for, the request takes them
+at once and the IO thread copies the leading k the node has straight after its answer (one trip, step 2);
+otherwise between steps the engine calls `poll`:
 
 1. **acquired**: the node pinned the leading k blocks (k may be 0). The engine takes k device blocks (evicting
    unlocked cached ones if short; fewer if it cannot) and the IO thread copies the blocks into them.
@@ -76,7 +78,11 @@ class StoreLoads:
         first = match.num_blocks
         job = LoadJob(request.request_id, namespace_of(key), list(hashed.block_hashes[first:]))
         self._loading[request.request_id] = _Loading(request, job, match.node, list(hashed.token_blocks[first:]))
-        self.io.acquire(job)
+        if self.pool.num_free_blocks >= len(job.block_hashes):  # room without evicting: one trip
+            job.device_block_ids = self.pool.allocate(len(job.block_hashes))
+            self.io.acquire_and_copy(job)
+        else:
+            self.io.acquire(job)
         return True
 
     def abort(self, request_id: str) -> bool:
@@ -100,8 +106,7 @@ class StoreLoads:
                     self.io.copy_in(job)
                     continue
             if kind == "copied" and not entry.aborted:
-                self._adopt(entry)
-                self.num_loaded_requests += 1
+                self.num_loaded_requests += self._adopt(entry)
             elif kind == "failed":
                 self.num_failed_requests += 1
             self._end(entry)
@@ -118,15 +123,19 @@ class StoreLoads:
             self.cache.evict(shortfall)  # unlocked cached blocks only: the prefix below is locked
         return self.pool.allocate(min(num_blocks, self.pool.num_free_blocks))
 
-    def _adopt(self, entry: _Loading) -> None:
+    def _adopt(self, entry: _Loading) -> bool:
+        """Cache the blocks copied below the locked prefix; False when there were none."""
         job = entry.job
-        num = len(job.device_block_ids)
+        num = min(len(job.slots), len(job.device_block_ids))  # the blocks copied (the rest are released unused)
+        if not num:
+            return False
         self.io.skip_saves = set(job.block_hashes[:num])  # the store has them: caching them writes nothing
         try:
-            self.cache.insert_from_blocks(entry.node, entry.token_blocks[:num], job.device_block_ids,
+            self.cache.insert_from_blocks(entry.node, entry.token_blocks[:num], job.device_block_ids[:num],
                                           job.block_hashes[:num])
         finally:
             self.io.skip_saves = set()
+        return True
 
     def _end(self, entry: _Loading) -> None:
         """Let go of everything the load holds: its device blocks (the cache keeps its own reference on those it

@@ -11,7 +11,7 @@ and projects to the vocabulary.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor
 
@@ -104,8 +104,6 @@ def shard_state_dict(config: ModelConfig, state_dict: Mapping[str, Tensor], shar
 
 def shard_config(config: ModelConfig, shard: ModelShard) -> ModelConfig:
     """The shapes one rank's modules have: its heads, its MLP rows, its layers."""
-    from dataclasses import replace
-
     return replace(config, num_layers=len(shard.layer_range(config.num_layers)),
                    num_heads=config.num_heads // shard.tp_size, num_kv_heads=config.num_kv_heads // shard.tp_size,
                    intermediate_size=config.intermediate_size // shard.tp_size)

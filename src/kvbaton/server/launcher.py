@@ -41,6 +41,8 @@ from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 from kvbaton.server.ray_workers import RayPlacement, RayWorkerProcess
+from kvbaton.transfer.store_slots import SHM_DIRECTORY as STORE_SHM_DIRECTORY
+from kvbaton.transfer.store_slots import SHM_PREFIX as STORE_SHM_PREFIX
 from kvbaton.server.responses_store import DEFAULT_MAX_NUM_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from kvbaton.router.admission import AdmissionPolicy, AdmissionSLO, CalibratedTimeModel, create_admission
 from kvbaton.router.pools import PoolBalancer
@@ -481,6 +483,9 @@ class Launcher:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=5)
+        # A node killed before it could unlink its DRAM slots leaves their file: it is named by the node's pid.
+        for path in Path(STORE_SHM_DIRECTORY).glob(f"{STORE_SHM_PREFIX}-{process.pid}-*"):
+            path.unlink(missing_ok=True)
 
     def _let_go_of_ray(self) -> None:
         if self.placement is not None:

@@ -87,7 +87,7 @@ def test_copies_are_charged_to_the_next_general_step_at_the_host_link_rate() -> 
     worker = sim.workers["w0"]
     link = worker.host_link
     assert link is not None and link.num_loaded_blocks > 0 and link.num_saved_blocks > 0
-    assert link.take_copy_s() == 0.0  # everything copied was charged to a step
+    assert link.take_copy_s(0.0) == 0.0  # everything copied was charged to a step
     # Each step is 0.01 s of compute plus the copies made before it: each copy 10 us, and 16 kB per block at 25 GB/s.
     num_blocks = link.num_loaded_blocks + link.num_saved_blocks
     assert link.copy_s == pytest.approx(link.num_copies * 10e-6 + num_blocks * 16_000 / 25e9, rel=1e-12)
@@ -106,8 +106,8 @@ def test_host_link_prices_copies_by_bytes_gpus_and_latency() -> None:
     link.save([0, 1, 2], [5, 6, 7])
     link.load([5], [9])
     assert (link.num_saved_blocks, link.num_loaded_blocks) == (3, 1)
-    assert link.take_copy_s() == pytest.approx(2 * 10e-6 + 4 * 2_000_000 / (2 * 50e9))
-    assert link.take_copy_s() == 0.0
+    assert link.take_copy_s(0.0) == pytest.approx(2 * 10e-6 + 4 * 2_000_000 / (2 * 50e9))
+    assert link.take_copy_s(0.0) == 0.0
 
 
 def test_host_kv_gb_needs_kv_bytes_and_a_prefix_cache() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from kvbaton.bench.records import RequestRecord
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.sim.catalog import GPUS, MODELS
+from kvbaton.sim.config import StoreNodeLoss
 from kvbaton.sim.costs import COST_MODELS
 from kvbaton.sim.run import SimResult, SimSetup, check_setup, simulate
 
@@ -63,6 +64,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                              "conductor to place by predicted TTFT with the loads)")
     parser.add_argument("--kv-store-disk-gb", type=float, default=0.0, metavar="D",
                         help="cluster KV store: local disk per node (GB), below its DRAM")
+    parser.add_argument("--lose-store-node", action="append", default=[], metavar="NODE@T[:BACK]",
+                        help="cluster KV store: the store node of worker NODE's host is lost at T simulated seconds "
+                             "with all it holds (and back, empty, at BACK); repeatable")
     parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                         help="speculative decoding by prompt lookup, K drafts per decode (the live scheduler's); "
                              "drafts find something only with --output-copy-fraction > 0")
@@ -120,6 +124,7 @@ def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
                     admission_slo=(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None,
                     reserve_ahead_tokens=args.reserve_ahead_tokens, host_kv_gb=args.host_kv_gb,
                     kv_store_gb=args.kv_store_gb, kv_store_disk_gb=args.kv_store_disk_gb,
+                    store_node_losses=tuple(StoreNodeLoss.parse(text) for text in args.lose_store_node),
                     num_speculative_tokens=args.speculative_tokens, spec_max_running=args.spec_max_running,
                     output_copy_fraction=args.output_copy_fraction, output_copy_span=args.output_copy_span)
 
@@ -178,6 +183,8 @@ def run_sim(args: argparse.Namespace) -> int:
         "workload": args.workload, "params": {k: str(v) for k, v in params.items()}, "seed": args.seed,
         "workers": {name: [asdict(w) for w in r.workers] for name, r in results.items()},
     }
+    if any(r.store is not None for r in results.values()):
+        extra["store"] = {name: asdict(r.store) if r.store is not None else None for name, r in results.items()}
     if args.out:
         write_report(args.out, runs, slo=slo, num_gpus=num_gpus, sweeps=sweeps or None,
                      title=f"kvbaton sim: {args.workload} on {args.cluster} x {args.gpu} ({args.model})", extra=extra)

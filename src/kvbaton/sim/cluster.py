@@ -34,8 +34,9 @@ from dataclasses import replace
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.cache.kv_store import KVStore, StoreConfig
+from kvbaton.cache.store_tier import StoreTier
 from kvbaton.core.config import CacheConfig, SchedulerConfig
-from kvbaton.core.errors import KvbatonError
+from kvbaton.core.errors import InvalidRequestError, KvbatonError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import StepPlan
@@ -47,17 +48,18 @@ from kvbaton.router.pools import PoolBalancer
 from kvbaton.router.state import RouterState
 from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.flight import Flight
-from kvbaton.sim.config import SimConfig, WorkerHardware, WorkerReport
+from kvbaton.sim.config import SimConfig, StoreReport, WorkerHardware, WorkerReport
 from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs, check_same_layout
 from kvbaton.sim.links import LinkSpec, get_link
 from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import ClusterSpec, WorkerSpec
-from kvbaton.sim.store_io import kv_read_s_per_token, router_prefill_model
+from kvbaton.sim.store_io import StoreLinks, kv_read_s_per_token, router_prefill_model
 from kvbaton.sim.worker import SimWorker, TokenFn
 from kvbaton.transfer import AdoptedKV
 from kvbaton.transfer.source import num_due_to_reserve
 
-_ARRIVAL, _STEP_DONE, DELIVERY, RETRY = 0, 1, 2, 3  # the kinds of heap events (a protocol message; a retry)
+# The kinds of heap events: arrival, step end, a protocol message, a retry, a store node lost or back.
+_ARRIVAL, _STEP_DONE, DELIVERY, RETRY, _STORE_NODE = 0, 1, 2, 3, 4
 
 
 class ClusterSim:
@@ -94,9 +96,22 @@ class ClusterSim:
         # The cluster KV store: one node per front worker's host, named by the worker's id.
         self.store = (KVStore(StoreConfig(config.store_dram_blocks, config.store_disk_blocks), self.front_ids)
                       if config.store_prices is not None else None)
+        # Its links (each node's NIC and disk), which loads from every worker share: they queue for them.
+        self.store_links = StoreLinks(config.store_prices) if config.store_prices is not None else None
+        back_at: dict[str, float | None] = {}  # per node, when its last loss so far ends
+        for loss in sorted(config.store_node_losses, key=lambda loss: loss.at_s):
+            if self.store is None or loss.node_id not in self.front_ids:
+                raise InvalidRequestError(f"no store node {loss.node_id!r} to lose: the store's nodes are the mixed "
+                                          f"and prefill workers' hosts ({', '.join(self.front_ids)})"
+                                          if self.store is not None else "a store node loss needs a KV store")
+            if loss.node_id in back_at and (back_at[loss.node_id] is None or back_at[loss.node_id] >= loss.at_s):
+                raise InvalidRequestError(f"store node {loss.node_id} is lost at {loss.at_s} s while lost already")
+            back_at[loss.node_id] = loss.back_at_s
+        self.num_store_node_losses = 0
         self.workers = {w.worker_id: SimWorker(w, sched, cache_of(w), config.cache_key, costs[w.worker_id], token_for,
                                                random.Random(f"{config.seed}:{w.worker_id}"), host_link_of(w),
-                                               self.store if w.role != "decode" else None, config.store_prices)
+                                               self.store if w.role != "decode" else None, config.store_prices,
+                                               self.store_links)
                         for w in spec.workers}
         self.decode_ids = [w.worker_id for w in spec.workers if w.role == "decode"]
         # The live router's placement object: it hears what a live router hears (heartbeats, KV events, routed calls
@@ -172,6 +187,10 @@ class ClusterSim:
             arrivals.append((request.arrival_s, self._seq, _ARRIVAL, request))
         arrivals.sort(key=lambda event: event[:2])
         arrivals.reverse()  # popped from the end
+        for loss in self.config.store_node_losses:
+            self._push(loss.at_s, _STORE_NODE, (loss.node_id, False))
+            if loss.back_at_s is not None:
+                self._push(loss.back_at_s, _STORE_NODE, (loss.node_id, True))
         # The loop makes no reference cycles (`test_event_loop_makes_no_reference_cycles`): everything it drops is
         # freed by reference counting, so the cyclic collector, which would otherwise scan the young objects of
         # every ~700 allocations (~5-10 % of a run), is paused while it runs and restored as it was after.
@@ -206,8 +225,10 @@ class ClusterSim:
                 self._on_arrival(payload, now)  # type: ignore[arg-type]
             elif kind == DELIVERY:
                 self._on_delivery(payload, now)  # type: ignore[arg-type]
-            else:
+            elif kind == RETRY:
                 self._start_handoff(self._flights.get(payload), now)  # type: ignore[arg-type]
+            else:
+                self._on_store_node(*payload, now)  # type: ignore[misc]
             if handoffs is not None and now >= self._next_expiry_at:
                 self._next_expiry_at = now + self.config.handoff_lease_s / 10
                 self._on_handoff_events(self.handoffs.expire(now), now)
@@ -295,6 +316,19 @@ class ClusterSim:
             self._reserve_in_turn(worker.worker_id, now)
         self._kick(worker, now)
 
+    def _on_store_node(self, node_id: str, back: bool, now: float) -> None:
+        """The store node of `node_id`'s host is lost with all it holds (its worker serves on, and recomputes what it
+        would have loaded; writes go to other nodes), or back, empty. The router hears it with the heartbeat that
+        follows at once, as the node's CLEARED event."""
+        store = self.store
+        assert store is not None
+        if back:
+            store.add_node(node_id)
+        else:
+            store.remove_node(node_id)
+            self.num_store_node_losses += 1
+        self._heartbeat(self.workers[node_id], now, force=True)
+
     def _on_first_token(self, worker: SimWorker, request_id: str, token_id: int, now: float) -> None:
         flight = self._flights[request_id]
         flight.first_token_id = token_id
@@ -371,6 +405,17 @@ class ClusterSim:
                 worker.cache.close()
         self.handoffs = None
         self.placement.state.index.close()
+
+    def store_report(self) -> StoreReport | None:
+        """What the cluster KV store did over the run (None: no store)."""
+        store, links = self.store, self.store_links
+        if store is None or links is None:
+            return None
+        tiers = [w.cache.tier for w in self.workers.values()
+                 if w.cache is not None and isinstance(w.cache.tier, StoreTier)]
+        return StoreReport(sum(t.num_loaded_blocks for t in tiers), sum(t.num_remote_loaded_blocks for t in tiers),
+                           sum(t.num_saved_blocks for t in tiers), store.num_dropped_puts, links.num_waits,
+                           links.wait_s, self.num_store_node_losses)
 
     def worker_reports(self) -> list[WorkerReport]:
         reports = []

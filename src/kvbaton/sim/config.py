@@ -1,8 +1,9 @@
-"""What a simulated cluster run is configured with (`SimConfig`, per-pool `WorkerHardware`) and reports per worker
-(`WorkerReport`)."""
+"""What a simulated cluster run is configured with (`SimConfig`, per-pool `WorkerHardware`, store node losses
+`StoreNodeLoss`) and reports (`WorkerReport` per worker, `StoreReport` for the cluster KV store)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvbaton.cache.hashing import CacheKey
@@ -11,6 +12,35 @@ from kvbaton.core.config import CacheConfig, SchedulerConfig
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 from kvbaton.sim.costs.base import CostModel
+
+
+@dataclass(frozen=True, slots=True)
+class StoreNodeLoss:
+    """The store node of worker `node_id`'s host lost at `at_s` of simulated time with everything it holds, as a
+    killed live store node is (the worker keeps serving, recomputing what it would have loaded); back, empty, at
+    `back_at_s` (None: never)."""
+
+    node_id: str
+    at_s: float
+    back_at_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.at_s) and self.at_s >= 0):
+            raise InvalidRequestError(f"a store node loss needs a finite time >= 0, got {self.at_s}")
+        if self.back_at_s is not None and not (math.isfinite(self.back_at_s) and self.back_at_s > self.at_s):
+            raise InvalidRequestError(f"store node {self.node_id} must come back after it is lost at {self.at_s} s, "
+                                      f"not at {self.back_at_s}")
+
+    @classmethod
+    def parse(cls, text: str) -> StoreNodeLoss:
+        """`NODE@SECONDS` or `NODE@SECONDS:BACK_SECONDS` (the CLI's form)."""
+        node_id, at, rest = text.partition("@")
+        lost, _, back = rest.partition(":")
+        try:
+            at_s, back_at_s = float(lost), float(back) if back else None
+        except ValueError:
+            raise InvalidRequestError(f"a store node loss is NODE@SECONDS[:BACK_SECONDS], got {text!r}") from None
+        return cls(node_id.strip(), at_s, back_at_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +76,7 @@ class SimConfig:
     store_prices: StorePrices | None = None
     store_dram_blocks: int = 0
     store_disk_blocks: int = 0
+    store_node_losses: tuple[StoreNodeLoss, ...] = ()  # store nodes lost mid-run (and back, empty)
 
     def __post_init__(self) -> None:
         if self.first_token_at not in ("decode", "prefill"):
@@ -77,3 +108,18 @@ class WorkerReport:
     host_saved_blocks: int = 0  # device -> host KV tier copies (demotions), in blocks
     num_draft_tokens: int = 0  # speculative decoding: drafts proposed
     num_accepted_tokens: int = 0  # and accepted
+
+
+@dataclass(frozen=True, slots=True)
+class StoreReport:
+    """The cluster KV store over a run: blocks loaded (of which from another node), written through, and puts no
+    node had room for; load paths that queued for a NIC or disk another load held, and the seconds they waited;
+    store nodes lost."""
+
+    loaded_blocks: int
+    remote_loaded_blocks: int
+    saved_blocks: int
+    dropped_puts: int
+    link_waits: int
+    link_wait_s: float
+    nodes_lost: int

@@ -45,8 +45,9 @@ class HostLink:
         self.num_copies += 1
         self.num_loaded_blocks += len(host_block_ids)
 
-    def take_copy_s(self) -> float:
-        """Seconds the copies made since the last call take, one after another; they count as charged."""
+    def take_copy_s(self, now: float) -> float:
+        """Seconds the copies made since the last call take, one after another, over this worker's own link
+        (`now` does not matter: nothing else shares it); they count as charged."""
         if not self._num_pending_copies:
             return 0.0
         copy_s = self._num_pending_copies * self._latency_s + self._num_pending_blocks * self._s_per_block

@@ -31,7 +31,7 @@ from kvbaton.router.policies import local_queue_policy
 from kvbaton.router.pools import PoolBalancer, PoolConfig
 from kvbaton.sim.catalog import MODELS, get_gpu
 from kvbaton.sim.cluster import ClusterSim
-from kvbaton.sim.config import SimConfig, WorkerHardware, WorkerReport
+from kvbaton.sim.config import SimConfig, StoreNodeLoss, StoreReport, WorkerHardware, WorkerReport
 from kvbaton.sim.outputs import CopyingOutputs
 from kvbaton.sim.stage_loads import stage_time_models
 from kvbaton.sim.costs import CostModel, create_cost_model
@@ -80,6 +80,7 @@ class SimSetup:
     kv_store_disk_gb: float = 0.0
     store_nic: str = "infiniband"
     store_disk_gb_per_s: float = 5.0
+    store_node_losses: tuple[StoreNodeLoss, ...] = ()  # store nodes lost mid-run (and back, empty)
     # The live router's placement settings (SimConfig): conditional disaggregation's threshold, and the limit on
     # calls waiting for a first token (0: none; the live router's default is 256).
     local_prefill_threshold_tokens: int = DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
@@ -93,6 +94,7 @@ class SimResult:
     num_gpus: int
     num_blocks_per_worker: int
     cost_model: str
+    store: StoreReport | None = None  # with a cluster KV store
 
 
 def check_setup(setup: SimSetup) -> None:
@@ -118,6 +120,8 @@ def check_setup(setup: SimSetup) -> None:
     if (setup.kv_store_gb or setup.kv_store_disk_gb) and (setup.host_kv_gb or not setup.enable_prefix_cache):
         raise InvalidRequestError("the KV store needs the prefix cache and takes the host tier's place: "
                                   "give kv_store_gb or host_kv_gb, not both")
+    if setup.store_node_losses and not (setup.kv_store_gb or setup.kv_store_disk_gb):
+        raise InvalidRequestError("a store node loss needs a KV store (kv_store_gb or kv_store_disk_gb)")
     if setup.kv_store_disk_gb and not setup.store_disk_gb_per_s > 0:
         raise InvalidRequestError("a store disk needs store_disk_gb_per_s > 0")
     if setup.host_kv_gb and not setup.enable_prefix_cache:
@@ -194,7 +198,8 @@ def store_settings(setup: SimSetup, cost_model: CostModel) -> dict[str, Any]:
     prices = StorePrices(block_bytes, host.bytes_per_s, nic.bytes_per_s, setup.store_disk_gb_per_s * 1e9,
                          max(host.latency_s, nic.latency_s))
     return {"store_prices": prices, "store_dram_blocks": capacity_blocks(setup.kv_store_gb, block_bytes),
-            "store_disk_blocks": capacity_blocks(setup.kv_store_disk_gb, block_bytes)}
+            "store_disk_blocks": capacity_blocks(setup.kv_store_disk_gb, block_bytes),
+            "store_node_losses": setup.store_node_losses}
 
 
 def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
@@ -272,7 +277,8 @@ def _simulate_and_drop(requests: Sequence[WorkloadRequest], setup: SimSetup,
     """The run; the sim is closed, and freed as this returns."""
     sim, spec, num_blocks = build_sim(setup)
     records = sim.run(requests, on_record)
-    result = SimResult(records, sim.worker_reports(), spec.num_gpus, num_blocks, sim.cost_model.name)
+    result = SimResult(records, sim.worker_reports(), spec.num_gpus, num_blocks, sim.cost_model.name,
+                       sim.store_report())
     sim.close()
     return result
 

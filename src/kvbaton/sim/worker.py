@@ -12,7 +12,8 @@ With a host KV tier (`CacheConfig.host_num_blocks`), the radix cache demotes wha
 `HostTier` whose copies a `HostLink` prices (`kvbaton.sim.host_link`); they are charged to the next
 step, serial with its compute (the step-time noise scales the whole step). With the cluster KV store
 (`store`), a `StoreTier` takes the host tier's place: new blocks are written through, prefix hits past the
-device are loaded from the store, priced by `SimStoreIO` and charged the same way. Only
+device are loaded from the store, priced by `SimStoreIO` over the links all workers share (`store_links`) and
+charged the same way. Only
 `scheduler.schedule` copies: its admissions promote blocks and its evictions demote them; a handoff
 is adopted into blocks its reservation holds, with no eviction; any copy made elsewhere waits for
 the next step.
@@ -42,7 +43,7 @@ from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.host_link import HostLink
 from kvbaton.sim.links import LinkSpec
 from kvbaton.sim.spec import WorkerSpec
-from kvbaton.sim.store_io import SimStoreIO
+from kvbaton.sim.store_io import SimStoreIO, StoreLinks
 
 TokenFn = Callable[[str, int], int]  # (request id, output index) -> token id
 FIRST_SIM_TOKEN = 100
@@ -70,7 +71,8 @@ class SimWorker:
     def __init__(self, spec: WorkerSpec, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  cache_key: CacheKey, cost_model: CostModel, token_for: TokenFn | None = None,
                  rng: random.Random | None = None, host_link: LinkSpec | None = None,
-                 store: KVStore | None = None, store_prices: StorePrices | None = None) -> None:
+                 store: KVStore | None = None, store_prices: StorePrices | None = None,
+                 store_links: StoreLinks | None = None) -> None:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.pool = BlockPool(cache_config.num_blocks)
@@ -86,7 +88,7 @@ class SimWorker:
         elif cache_config.enable_prefix_cache and store is not None:
             # The cluster KV store in the host tier's place; this worker's host is the store node of its id.
             assert store_prices is not None, "a store needs the prices of its links"
-            self.host_link = SimStoreIO(store_prices, spec.worker_id, spec.parallel.num_gpus)
+            self.host_link = SimStoreIO(store_prices, spec.worker_id, spec.parallel.num_gpus, store_links)
             tier = StoreTier(store, spec.worker_id, self.host_link, _recompute_pricer(cost_model, spec,
                                                                                        cache_config.block_size))
         self.cache = (RadixCache(self.pool, cache_config.block_size, tier=tier) if cache_config.enable_prefix_cache
@@ -143,7 +145,7 @@ class SimWorker:
         else:
             step_s = self.cost_model.plan_s(plan, self.spec.parallel)
         if self.host_link is not None:  # the host tier's copies since the last step, before this one's compute
-            step_s += self.host_link.take_copy_s()
+            step_s += self.host_link.take_copy_s(now)
         self.busy = True
         if self._rng is not None:
             step_s *= self._noise()

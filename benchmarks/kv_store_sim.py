@@ -96,6 +96,9 @@ def main() -> None:
                       "ttft_mean_s": round(o.ttft.mean_s, 4), "memory_blocks": capacity,
                       "store_loaded_blocks": sum(w.host_loaded_blocks for w in result.workers),
                       "busy_max_over_mean": round(max(busy) / (sum(busy) / len(busy)), 3) if sum(busy) else None}
+        if result.store is not None:  # loads that queued for a node's NIC or disk another worker's load held
+            runs[name]["store_link_waits"] = result.store.link_waits
+            runs[name]["store_link_wait_s"] = round(result.store.link_wait_s, 3)
         print(f"{name}: {json.dumps(runs[name])} ({time.process_time() - started:.0f} CPU-s)", file=sys.stderr)
     base = runs["round_robin"]
     for run in runs.values():

@@ -145,6 +145,10 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
                    help="the RPC address of a router of the cluster (its /cluster router_address, e.g. "
                         "tcp://127.0.0.1:5557); needs the cluster secret (--cluster-secret-file or "
                         "KVBATON_CLUSTER_SECRET)")
+    p.add_argument("--kv-store", default="", metavar="ADDRESS",
+                   help="the KV store node this router reads (its events price store hits, as the first router's "
+                        "do): the address `kvbaton serve --kv-store-gb` printed or its /cluster kv_store shows; "
+                        "`serve --routers N` hands it to its other routers; empty = none")
     _add_router_options(p)
 
 
@@ -315,10 +319,10 @@ def _run_router(args: argparse.Namespace) -> int:
         raise KvbatonError("kvbaton router starts no worker: --ray is for kvbaton serve")
     if args.kv_store_gb or args.kv_store_disk_gb:
         raise KvbatonError("kvbaton router starts no KV store node: the host's one comes with kvbaton serve "
-                           "--kv-store-gb (a joined router does not price store hits)")
+                           "--kv-store-gb; give its address with --kv-store to price store hits")
     args.model = args.model or "smollm2-135m"
     return serve(_serve_config(args, num_workers=0, num_prefill=0, num_decode=0, join_address=args.join,
-                               rpc_address=args.rpc_address))
+                               rpc_address=args.rpc_address, kv_store_address=args.kv_store))
 
 
 def _serve_config(args: argparse.Namespace, **fields: object) -> ServeConfig:

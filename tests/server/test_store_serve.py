@@ -1,16 +1,18 @@
 """`kvbaton serve --kv-store-gb`: the launcher starts this host's store node, and a prompt one worker computed is
-served by the other from the store (usage reports the cached tokens), with the same text; flags are checked first."""
+served by the other from the store (usage reports the cached tokens), with the same text; every router of
+`--routers N` reads the store's events; flags are checked first."""
 
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import httpx
 import pytest
 
 from kvbaton.cli import main
-from tests.server.serve_helpers import serve_process
+from tests.server.serve_helpers import read_banner, serve_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,3 +55,35 @@ def test_bad_store_flags_are_refused_before_anything_starts(monkeypatch: pytest.
     monkeypatch.setattr("kvbaton.server.launcher.serve", lambda config: started.append(config) or 0)
     assert main(["serve", "--model", "tiny-random", *extra]) == 2
     assert started == [] and error in capsys.readouterr().err
+
+
+def test_every_router_of_serve_routers_reads_the_store() -> None:
+    """`serve --routers 2 --kv-store-gb`: the second router reads the store node too (its /cluster directory counts the
+    blocks the first router's request wrote through), so either router prices store hits."""
+    prompt = [random.Random(1).randrange(1, 200) for _ in range(300)]
+    args = ["--model", "tiny-random", "--workers", "2", "--policy", "conductor", "--kv-store-gb", "0.05",
+            "--threads-per-worker", "1", "--routers", "2"]
+    with serve_process(args, 240.0) as served, httpx.Client() as http:
+        # After the banner: the store's line, and the second router's banner and store line beside the launcher's
+        # note on that router, in any order.
+        lines: list[str] = []
+        router = None
+        while router is None and len(lines) < 6:
+            lines.append(read_banner(served.process, 120.0))
+            router = re.search(r"router at (http://127\.0\.0\.1:\d+) \(pid \d+\)", lines[-1])
+        store = next((m for m in (re.search(r"KV store node at (tcp://\S+) \(pid \d+\)", line) for line in lines)
+                      if m), None)
+        assert store and router, lines
+        assert any("KV store node at " + store.group(1) + " (read by this router)" in line for line in lines), lines
+        _complete(http, served.url, prompt)
+        deadline = time.monotonic() + 30
+        while True:  # write-through and the routers' event polls are asynchronous
+            infos = [http.get(url + "/cluster", timeout=10).json()["kv_store"] for url in (served.url, router.group(1))]
+            if all(info["num_blocks"] >= 19 for info in infos) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert [info["address"] for info in infos] == [store.group(1)] * 2
+        # 19 full blocks of 16 tokens: the prompt's 300 and 4 of the output's 5 (its last token is not computed)
+        assert [info["num_blocks"] for info in infos] == [19, 19], infos
+        second = _complete(http, router.group(1), prompt)
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 288

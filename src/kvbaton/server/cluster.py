@@ -561,6 +561,10 @@ class ClusterManager:
             "num_in_flight": len(self._calls),
             "num_waiting": self.num_waiting,
             "index_blocks": self.state.index.num_blocks,
+            # the store node this router reads, and the blocks its directory holds there
+            "kv_store": {"address": self.config.kv_store_address, "node": self.config.kv_store_node,
+                         "num_blocks": self.state.store.num_blocks(self.config.kv_store_node)}
+            if self.config.kv_store_address and self.state.store is not None else None,
             "lent_workers": {} if self.pools is None else dict(sorted(self.pools.lent.items())),
             "pool_switches": 0 if self.pools is None else len(self.pools.switches),
             "router_decisions": dict(sorted(self.router_decisions.items())),

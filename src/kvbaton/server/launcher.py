@@ -74,7 +74,9 @@ class ServeConfig:
     # This host's KV store node (kvbaton.server.store_server): DRAM in GB (0 = none) and its disk tier "DIR:GB".
     kv_store_gb: float = 0.0
     kv_store_disk: str = ""
-    kv_store_address: str = ""  # set by the launcher once the store node listens; handed to every worker
+    # set by the launcher once the store node listens, and handed to every worker and router; a joined router's is
+    # the node it reads (`kvbaton router --kv-store`)
+    kv_store_address: str = ""
     max_num_batched_tokens: int = 512
     num_speculative_tokens: int = 0  # prompt-lookup drafts per decode on every worker (0: off)
     warm_up: bool = False  # workers build every linear shape before serving (Worker: WorkerConfig.warm_up)
@@ -347,6 +349,9 @@ class Launcher:
             pids = " ".join(str(p.pid) for p in self.processes.values())
             print(f"kvbaton: serving {config.model} at {self.url} with {pools}{nodes}, policy {config.policy}"
                   + (f" (pids {pids})" if pids else ""), flush=True)
+            if config.kv_store_address:  # what `kvbaton router --join ... --kv-store` takes to price store hits too
+                owner = f"pid {self.store_process.pid}" if self.store_process is not None else "read by this router"
+                print(f"kvbaton: KV store node at {config.kv_store_address} ({owner})", flush=True)
             if config.num_routers > 1:
                 await self._start_routers(address, port)
             if self._stop.is_set():  # a signal arrived while the server was starting
@@ -387,7 +392,8 @@ class Launcher:
         for index in range(1, config.num_routers):
             router_port = config.port + index if config.port else _free_port(config.host)
             command = [sys.executable, "-m", "kvbaton.cli", "router", "--join", rpc_address, "--port",
-                       str(router_port), *config.router_args]
+                       str(router_port), *config.router_args,
+                       *(["--kv-store", config.kv_store_address] if config.kv_store_address else [])]
             self.routers[f"http://{host}:{router_port}"] = subprocess.Popen(command, start_new_session=True,
                                                                              env=environment)
         deadline = time.monotonic() + config.startup_timeout_s

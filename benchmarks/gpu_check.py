@@ -16,8 +16,9 @@ failure recorded in the report without stopping the others:
    and TCP in turn (their authenticated links, the pinned host staging of `engine/kv_staging.py`): greedy tokens after the handoff
    against one engine's, the bytes moved, the time, and no block left held.
 
-`--small` runs the same sections on the CPU with tiny models (tiny-random and a small Llama-shaped random model)
-in well under two minutes: `tests/bench/test_gpu_check_script.py` runs it so the script cannot rot. Prints one
+`--small` runs the same sections on the CPU with tiny models (tiny-random, or SmolLM2 where `--smollm2-gguf` is
+given, and a small Llama-shaped random model) in well under two minutes: `tests/bench/test_gpu_check_script.py`
+runs it so the script cannot rot (and `test_gpu_check_carry.py` through gpu_check.sh's two calls). Prints one
 JSON line; `--out FILE` writes it too.
 
     python3 benchmarks/gpu_check.py --smollm2-gguf PATH --out gpu_check.json     # on the GPU machine
@@ -178,10 +179,10 @@ def compare(cpu_tokens: list[list[int]], device_tokens: list[list[int]]) -> dict
 
 
 def parity_smollm2(shapes: Shapes, device: torch.device, gguf: str) -> dict[str, Any]:
-    if shapes.small:
-        source: ModelSource = resolve_model_source("tiny-random")
-    elif gguf and Path(gguf).is_file():
-        source = ModelSource("smollm2-135m", "gguf", Path(gguf))
+    if gguf and Path(gguf).is_file():  # --small with a GGUF given: the one gpu_check.sh joined, read on the CPU
+        source: ModelSource = ModelSource("smollm2-135m", "gguf", Path(gguf))
+    elif shapes.small:
+        source = resolve_model_source("tiny-random")
     else:
         return {"skipped": f"no SmolLM2 GGUF at {gguf!r} (benchmarks/gpu_check.sh carries it)"}
     config, state, tokenizer = read_model_source(source)

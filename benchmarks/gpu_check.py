@@ -16,8 +16,9 @@ failure recorded in the report without stopping the others:
    and TCP in turn (their authenticated links, the pinned host staging of `engine/kv_staging.py`): greedy tokens after the handoff
    against one engine's, the bytes moved, the time, and no block left held.
 
-`--small` runs the same sections on the CPU with tiny models (tiny-random and a small Llama-shaped random model)
-in well under two minutes: `tests/bench/test_gpu_check_script.py` runs it so the script cannot rot. Prints one
+`--small` runs the same sections on the CPU with tiny models (tiny-random, or SmolLM2 where `--smollm2-gguf` is
+given, and a small Llama-shaped random model) in well under two minutes: `tests/bench/test_gpu_check_script.py`
+runs it so the script cannot rot (and `test_gpu_check_carry.py` through gpu_check.sh's two calls). Prints one
 JSON line; `--out FILE` writes it too.
 
     python3 benchmarks/gpu_check.py --smollm2-gguf PATH --out gpu_check.json     # on the GPU machine
@@ -178,10 +179,10 @@ def compare(cpu_tokens: list[list[int]], device_tokens: list[list[int]]) -> dict
 
 
 def parity_smollm2(shapes: Shapes, device: torch.device, gguf: str) -> dict[str, Any]:
-    if shapes.small:
-        source: ModelSource = resolve_model_source("tiny-random")
-    elif gguf and Path(gguf).is_file():
-        source = ModelSource("smollm2-135m", "gguf", Path(gguf))
+    if gguf and Path(gguf).is_file():  # --small with a GGUF given: the one gpu_check.sh joined, read on the CPU
+        source: ModelSource = ModelSource("smollm2-135m", "gguf", Path(gguf))
+    elif shapes.small:
+        source = resolve_model_source("tiny-random")
     else:
         return {"skipped": f"no SmolLM2 GGUF at {gguf!r} (benchmarks/gpu_check.sh carries it)"}
     config, state, tokenizer = read_model_source(source)
@@ -325,6 +326,19 @@ def speed_kvbaton(shapes: Shapes, device: torch.device, loaded: LoadedModel) -> 
     return out
 
 
+def hf_generate_s(model: Any, shapes: Shapes, batch: int, new_tokens: int, device: torch.device) -> float:
+    """Seconds of transformers' greedy `generate()` of `new_tokens` for `batch` prompts of the decode length."""
+    ids = torch.tensor(prompt_ids(shapes.big_config.vocab_size, [shapes.decode_prompt_tokens] * batch, seed=batch),
+                       device=device)
+    synchronize(device)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    synchronize(device)
+    return time.perf_counter() - started
+
+
 def speed_transformers(shapes: Shapes, device: torch.device, state: dict[str, torch.Tensor]) -> dict[str, Any]:
     try:
         import transformers
@@ -344,22 +358,10 @@ def speed_transformers(shapes: Shapes, device: torch.device, state: dict[str, to
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.eval()  # built in bfloat16 already; a .to() would cast the float32 rotary buffers too
     out: dict[str, Any] = {"transformers": transformers.__version__, "decode": {}, "prefill": {}}
-
-    def generate(batch: int, new_tokens: int) -> float:
-        ids = torch.tensor(prompt_ids(config.vocab_size, [shapes.decode_prompt_tokens] * batch, seed=batch),
-                           device=device)
-        synchronize(device)
-        started = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        synchronize(device)
-        return time.perf_counter() - started
-
-    generate(1, 4)  # warm-up
+    hf_generate_s(model, shapes, 1, 4, device)  # warm-up
     for batch in shapes.decode_batches:
-        first_s = generate(batch, 1)
-        full_s = generate(batch, shapes.decode_new_tokens)
+        first_s = hf_generate_s(model, shapes, batch, 1, device)
+        full_s = hf_generate_s(model, shapes, batch, shapes.decode_new_tokens, device)
         tok_s = batch * (shapes.decode_new_tokens - 1) / max(full_s - first_s, 1e-9)
         context = shapes.decode_prompt_tokens + shapes.decode_new_tokens / 2
         out["decode"][str(batch)] = {"tok_s": round(tok_s, 1), **decode_fractions(config, batch, context, tok_s, peak)}
@@ -466,11 +468,13 @@ def pair_check(shapes: Shapes, device: torch.device, loaded: LoadedModel, transp
 # -- the run --------------------------------------------------------------------------------------------------------
 
 
-def section(report: dict[str, Any], name: str, run: Callable[[], Any]) -> Any:
+def section(report: dict[str, Any], name: str, run: Callable[..., Any], *args: Any) -> Any:
+    """`run(*args)` as report[name], timed; the arguments are passed, not captured in a closure, so that the caller
+    can `del` a model or its weights as soon as the sections that need them are done."""
     started = time.perf_counter()
     log(f"{name} ...")
     try:
-        report[name] = run()
+        report[name] = run(*args)
     except Exception as exc:  # one section's failure is a finding; the others still run
         report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
     if isinstance(report[name], dict):
@@ -525,9 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.smollm2_gguf = str(resolve_model_source("smollm2-135m").path)
         except Exception:  # noqa: BLE001 - the package is absent: the section says so
             pass
-    section(report, "parity_smollm2", lambda: parity_smollm2(shapes, device, args.smollm2_gguf))
+    section(report, "parity_smollm2", parity_smollm2, shapes, device, args.smollm2_gguf)
     state = random_state_dict(shapes.big_config, seed=0, device=device)
-    section(report, "parity_big", lambda: parity_big(shapes, device, state))
+    section(report, "parity_big", parity_big, shapes, device, state)
     state_bf16 = {name: tensor.to(torch.bfloat16) for name, tensor in state.items()}
     del state
     gc.collect()
@@ -535,10 +539,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.empty_cache()
     tokenizer = read_model_source(resolve_model_source("tiny-random"))[2]
     big = loaded_model(shapes.big_name, shapes.big_config, state_bf16, tokenizer, "speed", torch.bfloat16, device)
-    ours = section(report, "speed_kvbaton", lambda: speed_kvbaton(shapes, device, big))
+    ours = section(report, "speed_kvbaton", speed_kvbaton, shapes, device, big)
     del big
     gc.collect()
-    theirs = section(report, "speed_transformers", lambda: speed_transformers(shapes, device, state_bf16))
+    theirs = section(report, "speed_transformers", speed_transformers, shapes, device, state_bf16)
     if "error" not in ours and "error" not in theirs:
         report["speed_ratio_kvbaton_over_transformers"] = ratios(ours, theirs)
     del state_bf16
@@ -558,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config, pair_state, pair_tokenizer = SMOLLM2_SHAPE, random_state_dict(SMOLLM2_SHAPE, 1, device), tokenizer
             name = "smollm2-shaped-random"
         loaded = loaded_model(name, config, pair_state, pair_tokenizer, "pair", torch.bfloat16, device)
-        return {transport: section({}, transport, lambda: pair_check(shapes, device, loaded, transport))
+        return {transport: section({}, transport, pair_check, shapes, device, loaded, transport)
                 for transport in ("shm", "tcp")}
 
     section(report, "pair", pair)

@@ -187,8 +187,8 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
                    help="place the workers on a Ray cluster: 'auto' (the one running here), HOST:PORT, or 'local' "
                         "(start a single-node one on 127.0.0.1); needs pip install 'kvbaton[ray]'")
     p.add_argument("--gpus-per-worker", type=float, default=0.0,
-                   help="with --ray: GPUs each worker holds (Ray narrows CUDA_VISIBLE_DEVICES to them; the workers run "
-                        "on them: --device cuda)")
+                   help="with --ray: GPUs each worker holds, for each of its -tp x -pp rank processes (Ray narrows "
+                        "CUDA_VISIBLE_DEVICES to them; the workers run on them: --device cuda)")
     p.add_argument("--device", default=None, help=DEVICE_HELP + " for every worker (default cpu, or cuda with "
                    "--gpus-per-worker); several local workers on cuda share that one device")
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
@@ -411,6 +411,11 @@ def _serve_device(args: argparse.Namespace) -> str:
     if args.gpus_per_worker and device != "cuda" and int(device.partition(":")[2]) >= math.ceil(args.gpus_per_worker):
         raise KvbatonError(f"--device {device}: Ray narrows each worker's CUDA_VISIBLE_DEVICES to its "
                            f"{args.gpus_per_worker:g} GPU(s), numbered from 0")
+    parallel = (args.tensor_parallel_size, args.pipeline_parallel_size, args.prefill_tp, args.decode_tp,
+                args.prefill_pp, args.decode_pp)
+    if device != "cpu" and max(parallel) > 1:  # refused here, before Ray reserves GPUs for ranks that would refuse
+        raise KvbatonError(f"tensor/pipeline parallel workers run on CPU only so far (their KV is host shared "
+                           f"memory), not on {device!r}")
     if device != "cpu" and not args.ray:
         resolve_device(device)
     return device

@@ -28,8 +28,9 @@ LAYOUT = "llama-L2-kvh2-hd16-float32-bs4"
 
 
 def register(worker_id: str, kv_layout: str = LAYOUT, probe: str = "probe", block_size: int = 4, role: str = "mixed",
-             model: str = "tiny-random", revision: str = "rev1") -> rpc.Register:
-    return rpc.Register(worker_id, role, model, revision, kv_layout, block_size, 64, probe, 4321)
+             model: str = "tiny-random", revision: str = "rev1", tp: int = 1, pp: int = 1) -> rpc.Register:
+    return rpc.Register(worker_id, role, model, revision, kv_layout, block_size, 64, probe, 4321,
+                        tensor_parallel_size=tp, pipeline_parallel_size=pp)
 
 
 class ScriptedWorker:
@@ -116,6 +117,7 @@ def test_register_ack_carries_the_local_queue_policy() -> None:
     ({"model": "smollm2-135m"}, "model 'smollm2-135m' differs"),
     ({"role": "verifier"}, "role 'verifier' is not served"),
     ({"role": "decode"}, "a decode worker must offer a KV address"),
+    ({"tp": 0}, "tensor and pipeline parallel sizes must be >= 1, got 0 x 1"),
 ])
 def test_incompatible_worker_is_refused_with_the_reason(kwargs: dict[str, object], reason: str) -> None:
     async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
@@ -126,6 +128,20 @@ def test_incompatible_worker_is_refused_with_the_reason(kwargs: dict[str, object
         refuse = await second.expect(rpc.RegisterRefuse)
         assert isinstance(refuse, rpc.RegisterRefuse) and reason in refuse.reason
         assert sorted(cluster.workers) == ["w0"]
+
+    run_cluster(body)
+
+
+def test_cluster_view_shows_each_workers_parallelism_as_it_registered() -> None:
+    async def body(cluster: ClusterManager, context: zmq.asyncio.Context) -> None:
+        for worker_id, tp, pp in (("w0", 1, 1), ("w1", 2, 1), ("w2", 1, 2)):
+            worker = ScriptedWorker(context, cluster, worker_id)
+            await worker.send(register(worker_id, tp=tp, pp=pp))
+            await worker.expect(rpc.RegisterAck)
+            await worker.heartbeat()
+        workers = cluster.cluster_info()["workers"]
+        assert [(w["worker_id"], w["tensor_parallel_size"], w["pipeline_parallel_size"])  # type: ignore[index]
+                for w in workers] == [("w0", 1, 1), ("w1", 2, 1), ("w2", 1, 2)]  # type: ignore[union-attr]
 
     run_cluster(body)
 

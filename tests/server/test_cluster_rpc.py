@@ -45,6 +45,7 @@ MESSAGES: list[rpc.Message] = [
     rpc.HandoffEnded("p0", "r3", "d0", "refused", "need 4 KV blocks, 1 free"),
     rpc.HandoffFailed("r3", "lost the link to d0", False),
     rpc.Register("d0", "decode", "tiny-random", "rev1", "llama-L2-bs16", 16, 512, "abcd", 99, "shm://127.0.0.1:5601"),
+    rpc.Register("p1", "prefill", "tiny-random", "rev1", "llama-L2-bs16", 16, 512, "abcd", 98, "", "host-a", 2, 3),
     rpc.Stats("p0", 0, 0, 0, 8, 56, 8, 0, 0, 0, 0, 0.0, "", 3, 2, 1, 1, 0, 0, 4096, 0.25, 0.01, 1, 4),
     rpc.Abort(("r1", "r2")),
     rpc.SnapshotRequest("kv event seq gap"),

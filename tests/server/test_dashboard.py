@@ -27,12 +27,14 @@ def test_the_page_is_open_and_its_data_needs_an_admin_key(cluster: FakeCluster, 
     (worker,) = data["workers"]
     assert worker["worker_id"] == "fake-0" and worker["role"] == worker["pool"] == "mixed"
     assert worker["num_waiting"] == 1 and worker["kv_cache_usage"] == 0.25
+    assert (worker["tensor_parallel_size"], worker["pipeline_parallel_size"]) == (1, 1)  # none reported: one rank
     assert data["recent"]["num_finished"] == 1 and data["recent"]["ttft_s"]["p50"] is not None
     assert data["recent"]["itl_s"]["p99"] is not None and data["model"] == "tiny-random"
 
 
 def test_a_lent_worker_shows_the_pool_it_serves() -> None:
     info = {"workers": [{"worker_id": "p0", "role": "prefill", "num_used_blocks": 4, "num_blocks": 8,
+                         "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
                          "prefix_cache_queries_tokens": 40, "prefix_cache_hits_tokens": 10,
                          "transfers": {"num_live": 2}, "spec_decode": {"num_draft_tokens": 9, "num_accepted_tokens": 3},
                          "host_kv_cache": {"num_cached_blocks": 5}, "num_cached_blocks": 4}],
@@ -42,6 +44,7 @@ def test_a_lent_worker_shows_the_pool_it_serves() -> None:
     assert (row["pool"], row["prefix_hit_ratio"], row["num_transfers_in_flight"]) == ("mixed", 0.25, 2)
     assert (row["num_device_cached_blocks"], row["num_host_cached_blocks"]) == (4, 5)
     assert (row["num_accepted_tokens"], row["num_draft_tokens"], data["num_rejected"]) == (3, 9, 2)
+    assert (row["tensor_parallel_size"], row["pipeline_parallel_size"]) == (2, 1)
 
 
 def test_the_window_forgets_what_is_older_and_ranks_the_rest() -> None:

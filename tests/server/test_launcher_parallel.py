@@ -65,6 +65,8 @@ def test_serve_with_a_tp2_prefill_pool_hands_off_to_a_tp1_decode_worker() -> Non
         assert answer["choices"][0]["text"] == want
         _, workers = wait_pd_idle(http, served.url)
         assert workers["p0"]["transfers"]["num_completed"] == 1
+        parallelism = {w: (workers[w]["tensor_parallel_size"], workers[w]["pipeline_parallel_size"]) for w in workers}
+        assert parallelism == {"p0": (2, 1), "d0": (1, 1)}  # as each registered: /cluster shows it
         ranks = {pid: _children(pid) for pid in served.worker_pids}
         assert sorted(len(children) for children in ranks.values()) == [0, 2]  # the prefill worker's two ranks
     for pid in (child for children in ranks.values() for child in children):

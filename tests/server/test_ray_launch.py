@@ -1,6 +1,7 @@
 """Regressions of `kvbaton serve --ray`: an address where no Ray cluster answers is refused in seconds
 (Ray itself retries it for many minutes); `--ray local` starts its own instance even where RAY_ADDRESS names
-another cluster; workers no single node can hold are refused at once, not waited for until the startup timeout;
+another cluster; workers no single node can hold (a parallel worker's ranks counted) are refused at once, not
+waited for until the startup timeout;
 and a stop signal while Ray is still placing the workers ends the launch promptly, removing its own actors only.
 
 One Ray instance at a time: the serve under RAY_ADDRESS starts (and stops) its own, then a two-node cluster (two
@@ -123,6 +124,16 @@ def test_workers_no_single_node_can_hold_are_refused_at_once(two_nodes: Any) -> 
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(45)  # the startup timeout is 300 s
         assert process.poll() == 2, f"still waiting after {time.monotonic() - began:.0f} s"
+        stderr = process.stderr.read()  # type: ignore[union-attr]
+    assert "nodes can hold 0 of the 1 workers with 2 CPUs each" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_a_parallel_worker_holds_a_cpu_per_rank_and_one_no_node_can_hold_is_refused(two_nodes: Any) -> None:
+    # One thread per rank, but a TP2 worker has two ranks: two CPUs, on one node (each node has one).
+    with _serving(["--ray", two_nodes.address, "--workers", "1", "-tp", "2", "--threads-per-worker", "1"]) as process:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(45)
+        assert process.poll() == 2, "still waiting for a node that can hold the TP2 worker"
         stderr = process.stderr.read()  # type: ignore[union-attr]
     assert "nodes can hold 0 of the 1 workers with 2 CPUs each" in stderr and "Traceback" not in stderr, stderr
 

@@ -6,7 +6,8 @@ instance bound to 127.0.0.1, KV over TCP as between two nodes. Checks: greedy ou
 the actor and dropped with its exit code; SIGTERM stops the router, the workers and the whole Ray
 instance (every process the launcher started, found by walking /proc, is gone). Then the actor handle
 alone: a worker's exit code, and an actor killed under its worker; and a two-node Ray cluster (two
-raylets on this host) that gets one worker per node and KV over TCP unasked. ~50 s (three Ray starts).
+raylets on this host) that gets one worker per node and KV over TCP unasked; and a TP2 prefill worker whose
+actor holds a CPU per rank. ~80 s (four Ray starts).
 """
 
 from __future__ import annotations
@@ -129,14 +130,14 @@ def test_worker_killed_under_its_actor_is_dropped_then_sigterm_stops_everything(
 
 def test_actor_handle_reports_the_exit_code_and_an_actor_killed_under_its_worker() -> None:
     from kvbaton.core.cluster_secret import ClusterSecret
-    from kvbaton.server.ray_workers import LOCAL, RayPlacement
+    from kvbaton.server.ray_workers import LOCAL, RayPlacement, RayWorker
 
     async def start(placement: RayPlacement) -> dict[str, object]:
         # `kvbaton worker --help` exits 0 at once; a bad flag exits 2 (argparse); a worker whose router never
         # answers runs until its register timeout (60 s), long after this test killed its actor.
-        return await placement.start([("ok", ["--help"]), ("bad", ["--no-such-flag"]),
-                                      ("hung", ["--router", "tcp://127.0.0.1:9", "--model", "tiny-random"])],
-                                     num_cpus=0, num_gpus=0, timeout_s=120, secret=ClusterSecret.generate())
+        return await placement.start([RayWorker("ok", ("--help",)), RayWorker("bad", ("--no-such-flag",)),
+                                      RayWorker("hung", ("--router", "tcp://127.0.0.1:9", "--model", "tiny-random"))],
+                                     timeout_s=120, secret=ClusterSecret.generate())
 
     before = _descendants(os.getpid())
     placement = RayPlacement(LOCAL)
@@ -202,6 +203,53 @@ def test_two_node_ray_cluster_spreads_the_workers_and_moves_kv_over_tcp() -> Non
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
     finally:
+        cluster.shutdown()
+
+
+def test_a_tp2_prefill_worker_on_ray_holds_a_cpu_per_rank_and_hands_off_to_a_tp1_decode_worker() -> None:
+    """One 3-CPU Ray node, joined here as a driver to watch what is held: the TP2 prefill worker's actor holds two
+    CPUs (one thread per rank), the decode worker's one; the ranks run under the actor's worker, the handoff from
+    TP2 to TP1 gives `LLM`'s float32 output, and /cluster shows each worker's degrees."""
+    from kvbaton import LLM, SamplingParams
+    from kvbaton.server.ray_workers import LOCAL, import_ray
+
+    ray = import_ray(LOCAL)  # loopback binding, set before Ray is first imported
+    from ray.cluster_utils import Cluster
+
+    prompt = PROMPTS[1]
+    with LLM("tiny-random", dtype="float32", num_blocks=64) as llm:
+        want = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    try:
+        ray.init(address=cluster.address)
+        with serve_process(["--ray", cluster.address, "--model", "tiny-random", "--dtype", "float32", "--prefill", "1",
+                            "--decode", "1", "--prefill-tp", "2", "--threads-per-worker", "1", "--num-blocks", "128",
+                            "--drain-timeout", "5", "--local-prefill-threshold", "0"],
+                           startup_timeout_s=240.0) as server:
+            deadline = time.monotonic() + 30
+            while ray.available_resources().get("CPU", 0.0) != 0.0:  # 2 + 1 of the 3 (1 + 1 before: one was free)
+                assert time.monotonic() < deadline, ray.available_resources()
+                time.sleep(0.1)
+            with httpx.Client(timeout=300) as http:
+                got = http.post(server.url + "/v1/completions", json={"model": "tiny-random", "prompt": prompt,
+                                                                       "max_tokens": 8, "temperature": 0}).json()
+                _, workers = wait_pd_idle(http, server.url)
+            assert got["choices"][0]["text"] == want
+            assert workers["p0"]["transfers"]["num_completed"] == 1
+            assert {w: (workers[w]["tensor_parallel_size"], workers[w]["pipeline_parallel_size"])
+                    for w in workers} == {"p0": (2, 1), "d0": (1, 1)}
+            prefill_pid = workers["p0"]["pid"]
+            assert _cmdline(_parent(prefill_pid)).startswith("ray::WorkerHost")  # the worker runs under its actor
+            ranks = {pid for pid in _descendants(prefill_pid) if "kvbaton.engine.rank_process" in _cmdline(pid)}
+            assert len(ranks) == 2, [_cmdline(pid) for pid in _descendants(prefill_pid)]
+            server.process.send_signal(signal.SIGTERM)
+            assert server.process.wait(60) == 0
+            deadline = time.monotonic() + 20
+            while any(_alive(pid) for pid in {*server.worker_pids, *ranks}):  # workers and ranks gone with them
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        ray.shutdown()
         cluster.shutdown()
 
 

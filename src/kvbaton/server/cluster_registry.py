@@ -54,6 +54,9 @@ def registration_refusal(message: rpc.Register, model_name: str, expected: Clust
     """Why this worker may not join a pool serving `model_name` with identity `expected`; "" when it may."""
     if message.role not in ("mixed", "prefill", "decode"):
         return f"role {message.role!r} is not served by this router (mixed, prefill or decode)"
+    if min(message.tensor_parallel_size, message.pipeline_parallel_size) < 1:
+        return (f"tensor and pipeline parallel sizes must be >= 1, got {message.tensor_parallel_size} x "
+                f"{message.pipeline_parallel_size}")
     if message.role == "decode" and not message.kv_address:
         return "a decode worker must offer a KV address for prefill workers to link to"
     if message.model_name != model_name:
@@ -71,6 +74,8 @@ def worker_info(record: WorkerRecord, state: RouterState, now: float) -> dict[st
         "host": reg.host,
         "model": reg.model_name,
         "kv_layout": reg.kv_layout,
+        "tensor_parallel_size": reg.tensor_parallel_size,
+        "pipeline_parallel_size": reg.pipeline_parallel_size,
         "num_blocks": reg.num_blocks,
         "kv_address": reg.kv_address,
         "last_heartbeat_age_s": round(now - record.last_heard_at, 3),

@@ -5,7 +5,8 @@ The page holds no cluster data, so it is open; the data is an admin route (`auth
 keys, the page takes an admin key from its URL fragment (`/dashboard#key=...`, which no request carries
 to a server or a log), keeps it in the tab's sessionStorage and sends it as a bearer token.
 
-Per worker: role and the pool it serves now (a worker lent to mixed duty shows it), running and waiting
+Per worker: role and the pool it serves now (a worker lent to mixed duty shows it), its parallelism (TP x PP
+rank processes), running and waiting
 requests, KV use (vLLM's: blocks only the prefix cache holds count as free), the prefix cache's hit ratio in
 tokens, its tiers (device blocks cached, host blocks cached), KV transfers in flight, speculative drafts
 accepted of proposed; for the router: recent request rate, TTFT and ITL percentiles, refusals.
@@ -34,6 +35,8 @@ def worker_row(worker: Mapping[str, object], lent: Mapping[str, object]) -> dict
     return {
         "worker_id": worker_id, "role": worker.get("role", ""),
         "pool": "mixed" if worker_id in lent else worker.get("role", ""),
+        "tensor_parallel_size": _int(worker.get("tensor_parallel_size", 1)),
+        "pipeline_parallel_size": _int(worker.get("pipeline_parallel_size", 1)),
         "num_running": _int(worker.get("num_running")), "num_waiting": _int(worker.get("num_waiting")),
         "kv_cache_usage": round(kv_cache_usage(worker), 4), "num_blocks": _int(worker.get("num_blocks")),
         "prefix_hit_ratio": round(_int(worker.get("prefix_cache_hits_tokens")) / queries, 4) if queries else None,
@@ -86,7 +89,8 @@ th { background: #f6f6f6; } .bar { background: #e8eef8; position: relative; min-
   <div class="card">in flight<b id="inflight">-</b></div>
   <div class="card">rejections<b id="rejections">-</b></div>
 </div>
-<table id="workers"><thead><tr><th>worker</th><th>role</th><th>pool</th><th>running</th><th>waiting</th>
+<table id="workers"><thead><tr><th>worker</th><th>role</th><th>pool</th><th>TP x PP</th><th>running</th>
+<th>waiting</th>
 <th>KV use</th><th>hit ratio</th><th>tiers (device / host blocks)</th><th>transfers in flight</th>
 <th>drafts accepted</th><th>preemptions</th></tr></thead><tbody></tbody></table>
 <p id="lost" class="muted"></p>
@@ -120,6 +124,7 @@ function render(data) {
   for (const w of data.workers) {
     const row = body.insertRow(); row.dataset.workerId = w.worker_id;
     cell(row, w.worker_id, "text"); cell(row, w.role, "text"); cell(row, w.pool, "text");
+    cell(row, w.tensor_parallel_size + " x " + w.pipeline_parallel_size);
     cell(row, w.num_running); cell(row, w.num_waiting); bar(row, w.kv_cache_usage);
     cell(row, pct(w.prefix_hit_ratio)); cell(row, w.num_device_cached_blocks + " / " + w.num_host_cached_blocks);
     cell(row, w.num_transfers_in_flight);

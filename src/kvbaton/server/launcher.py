@@ -40,7 +40,7 @@ from kvbaton.server.auth import ApiAuth, ApiKeys, check_exposure
 from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
-from kvbaton.server.ray_workers import RayPlacement, RayWorkerProcess
+from kvbaton.server.ray_workers import RayPlacement, RayWorker, RayWorkerProcess
 from kvbaton.transfer.store_slots import SHM_DIRECTORY as STORE_SHM_DIRECTORY
 from kvbaton.transfer.store_slots import SHM_PREFIX as STORE_SHM_PREFIX
 from kvbaton.server.responses_store import DEFAULT_MAX_NUM_RESPONSES, DEFAULT_TTL_S, ResponseStore
@@ -129,7 +129,7 @@ class ServeConfig:
     reserve_ahead_tokens: int | None = None  # prefill workers' late KV reservation (None: on arrival)
     # Place the workers on a Ray cluster (server/ray_workers.py): "local" | "auto" | its address; "" = local processes.
     ray_address: str = ""
-    gpus_per_worker: float = 0.0  # with Ray: GPUs each worker's actor holds (Ray sets its CUDA_VISIBLE_DEVICES)
+    gpus_per_worker: float = 0.0  # with Ray: GPUs per rank each worker's actor holds (Ray sets its CUDA_VISIBLE_DEVICES)
     # Trust (server/auth.py): API keys (None or empty: none, allowed on loopback only unless allow_unauthenticated);
     # the client's tenant honoured within its key's; /metrics behind a key too.
     api_keys: ApiKeys | None = None
@@ -216,6 +216,14 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
               if config.reserve_ahead_tokens is not None else []),
             *(["--kv-store", config.kv_store_address] if config.kv_store_address else []),
             *_parallel_args(*config.parallelism(role))]
+
+
+def ray_share(config: ServeConfig, role: str) -> tuple[float, float]:
+    """(CPUs, GPUs) the Ray actor of a worker of `role` holds: each of its TP x PP rank processes runs its own torch
+    threads (`num_threads_per_worker` each) and, with `--gpus-per-worker`, holds that many GPUs (one per rank with
+    the usual 1); a worker of one rank is its own only rank."""
+    tp, pp = config.parallelism(role)
+    return float(config.num_threads_per_worker * tp * pp), config.gpus_per_worker * tp * pp
 
 
 def _parallel_args(tp: int, pp: int) -> list[str]:
@@ -441,13 +449,11 @@ class Launcher:
                                            env=environment)
                 self.processes[worker_id] = process
             return
-        workers = [(worker_id, worker_args(config, address, worker_id, role))
+        workers = [RayWorker(worker_id, tuple(worker_args(config, address, worker_id, role)), *ray_share(config, role))
                    for worker_id, role in worker_roles(config)]
         # Ray may wait for resources until the startup timeout: a stop signal ends the wait (closing the placement
         # then ends the actors placed so far and those still pending).
-        placing = asyncio.ensure_future(self.placement.start(workers, config.num_threads_per_worker,
-                                                             config.gpus_per_worker, config.startup_timeout_s,
-                                                             self.secret))
+        placing = asyncio.ensure_future(self.placement.start(workers, config.startup_timeout_s, self.secret))
         stopping = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({placing, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()

@@ -1,8 +1,9 @@
 """`kvbaton serve --ray ADDRESS`: the worker processes placed on the nodes of a Ray cluster.
 
 A local launch starts each worker as a child process of the router. With Ray, each worker gets a Ray
-actor (`WorkerHost`) that holds the worker's CPU share (and GPUs, `--gpus-per-worker`), the actors
-spread over the cluster's nodes; the actor starts the same `kvbaton worker` command as a child process
+actor (`WorkerHost`) that holds the worker's share (`RayWorker`: its torch threads' CPUs and its
+`--gpus-per-worker` GPUs once for each of its TP x PP rank processes), the actors spread over the
+cluster's nodes; the actor starts the same `kvbaton worker` command as a child process
 on its node (with that node's Python, and the node's IP for the KV receiver) and reports its exit.
 Everything after that is the local launch's: the workers connect back to the router's RPC address,
 which the launcher binds on its own node's IP so that every node reaches it, register, and are watched
@@ -24,7 +25,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -60,6 +62,55 @@ def check_answers(address: str) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as exc:
         raise ConnectionError(f"nothing answers at {host}:{port} ({exc.strerror or exc})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RayWorker:
+    """One worker to place: its id, its `kvbaton worker` arguments and what its actor holds on its node (a worker
+    of TP x PP ranks holds each rank's share: the launcher's `ray_share`)."""
+
+    worker_id: str
+    args: tuple[str, ...]
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+
+
+def _shares_text(counts: Mapping[float, int], name: str) -> str:
+    """'2 workers with 2 CPUs each', or '1 worker with 2 CPUs and 1 with 1 CPUs' where the workers differ."""
+    parts = [f"{count} with {each:g} {name}s" for each, count in sorted(counts.items(), reverse=True)]
+    if len(parts) == 1:
+        return parts[0] + " each"
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def placement_refusal(workers: Sequence[RayWorker], nodes: Sequence[Mapping[str, float]]) -> str:
+    """Why the alive nodes (each one's Ray resources) cannot hold `workers` at all; "" when they may. Only what
+    cannot be placed whatever Ray does is refused: more of a resource than the cluster has, or more workers with a
+    share (or more) than the nodes have room for such a share (a worker runs on one node)."""
+    for name, field in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+        need = sum(getattr(worker, field) for worker in workers)
+        have = sum(float(node.get(name, 0.0)) for node in nodes)
+        if need > have + 1e-9:
+            counts: dict[float, int] = {}
+            for worker in workers:
+                counts[getattr(worker, field)] = counts.get(getattr(worker, field), 0) + 1
+            return (f"the Ray cluster has {have:g} {name}s; its {len(workers)} workers ({_shares_text(counts, name)}) "
+                    f"need {need:g} (see --threads-per-worker, --gpus-per-worker, -tp/-pp)")
+    for share in sorted({(worker.num_cpus, worker.num_gpus) for worker in workers}, reverse=True):
+        wanted = [(name, each) for name, each in zip(("CPU", "GPU"), share) if each]
+        if not wanted:
+            continue
+        held = [w for w in workers if w.num_cpus >= share[0] and w.num_gpus >= share[1]]
+        room = sum(min(int(float(node.get(name, 0.0)) / each + 1e-9) for name, each in wanted) for node in nodes)
+        if room < len(held):
+            text = " and ".join(f"{each:g} {name}s" for name, each in wanted)
+            more = "" if all((w.num_cpus, w.num_gpus) == share for w in held) else " or more"
+            have = "; ".join(", ".join(f"{float(node.get(name, 0.0)):g} {name}s" for name, _ in wanted)
+                             for node in nodes)
+            return (f"the Ray cluster's nodes can hold {room} of the {len(held)} workers with {text}{more} each (a "
+                    f"worker runs on one node); its nodes have {have} (see --threads-per-worker, --gpus-per-worker, "
+                    f"-tp/-pp)")
+    return ""
 
 
 class WorkerHost:
@@ -162,42 +213,27 @@ class RayPlacement:
     def num_nodes(self) -> int:
         return sum(1 for node in self.ray.nodes() if node.get("Alive"))
 
-    def check_resources(self, num_workers: int, num_cpus: float, num_gpus: float) -> None:
+    def check_resources(self, workers: Sequence[RayWorker]) -> None:
         """Refuse what the cluster cannot place at all, rather than wait for it until the startup timeout."""
-        resources = self.ray.cluster_resources()
-        for name, each in (("CPU", num_cpus), ("GPU", num_gpus)):
-            have = float(resources.get(name, 0.0))
-            if each and num_workers * each > have:
-                raise KvbatonError(f"the Ray cluster has {have:g} {name}s; {num_workers} workers with {each:g} each "
-                                   f"need {num_workers * each:g} (see --threads-per-worker, --gpus-per-worker)")
-        # A worker's share must fit on one node: the cluster's total can hold workers that no node can.
-        wanted = [(name, each) for name, each in (("CPU", num_cpus), ("GPU", num_gpus)) if each]
-        if not wanted:
-            return
-        nodes = [node.get("Resources", {}) for node in self.ray.nodes() if node.get("Alive")]
-        room = sum(min(int(float(node.get(name, 0.0)) / each + 1e-9) for name, each in wanted) for node in nodes)
-        if room < num_workers:
-            share = " and ".join(f"{each:g} {name}s" for name, each in wanted)
-            have = "; ".join(", ".join(f"{float(node.get(name, 0.0)):g} {name}s" for name, _ in wanted)
-                             for node in nodes)
-            raise KvbatonError(f"the Ray cluster's nodes can hold {room} of the {num_workers} workers with {share} "
-                               f"each (a worker runs on one node); its nodes have {have} (see --threads-per-worker, "
-                               f"--gpus-per-worker)")
+        refusal = placement_refusal(workers, [node.get("Resources", {}) for node in self.ray.nodes()
+                                              if node.get("Alive")])
+        if refusal:
+            raise KvbatonError(refusal)
 
-    async def start(self, workers: Sequence[tuple[str, Sequence[str]]], num_cpus: float, num_gpus: float,
-                    timeout_s: float, secret: ClusterSecret) -> dict[str, RayWorkerProcess]:
-        """One actor per (worker id, worker args), spread over the nodes; returns once every worker process runs.
+    async def start(self, workers: Sequence[RayWorker], timeout_s: float,
+                    secret: ClusterSecret) -> dict[str, RayWorkerProcess]:
+        """One actor per worker, holding its share, spread over the nodes; returns once every worker process runs.
         Each actor hands `secret` to its worker: it travels in the actor call, over Ray's own channel (which
         authenticates with RAY_AUTH_TOKEN where the cluster runs `RAY_AUTH_MODE=token`)."""
-        self.check_resources(len(workers), num_cpus, num_gpus)
+        self.check_resources(workers)
         actors = []
-        for _ in workers:
+        for worker in workers:
             # Threaded: `wait` blocks for the whole life of the worker while `send_signal` still gets through.
-            actor = self._host_class.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy="SPREAD",
-                                             max_concurrency=4).remote()
+            actor = self._host_class.options(num_cpus=worker.num_cpus, num_gpus=worker.num_gpus,
+                                             scheduling_strategy="SPREAD", max_concurrency=4).remote()
             actors.append(actor)
             self._actors.append(actor)
-        refs = [actor.start.remote(list(args), secret.to_hex()) for actor, (_, args) in zip(actors, workers)]
+        refs = [actor.start.remote(list(worker.args), secret.to_hex()) for actor, worker in zip(actors, workers)]
         placed = asyncio.gather(*refs)
         try:
             started = await asyncio.wait_for(placed, timeout_s)
@@ -206,8 +242,8 @@ class RayPlacement:
         finally:
             if placed.done() and not placed.cancelled():
                 placed.exception()  # a gather cancelled (a timeout, a stop) holds a CancelledError asyncio would log
-        return {worker_id: RayWorkerProcess(self.ray, actor, node_ip, pid)
-                for (worker_id, _), actor, (node_ip, pid) in zip(workers, actors, started)}
+        return {worker.worker_id: RayWorkerProcess(self.ray, actor, node_ip, pid)
+                for worker, actor, (node_ip, pid) in zip(workers, actors, started)}
 
     def close(self) -> None:
         """End the actors, killing a worker process still running under one, and disconnect; a local instance

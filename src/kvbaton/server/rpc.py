@@ -58,6 +58,10 @@ class Register:
     pid: int
     kv_address: str = ""  # decode workers: "shm://host:port" or "tcp://host:port" where prefill workers link
     host: str = ""  # the worker's host name (its pid is only unique on it)
+    # Its rank processes (kvbaton.engine.rank_group): heads split over tensor_parallel_size, layers over
+    # pipeline_parallel_size; 1 x 1 is a worker that runs its model itself.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,7 +150,8 @@ class Worker:
         return rpc.Register(cfg.worker_id, cfg.role, cfg.model, self.loaded.revision,
                             kv_layout_of(self.loaded, cfg.block_size), cfg.block_size, cfg.num_blocks,
                             tokenizer_probe_hash(self.loaded.tokenizer), os.getpid(),
-                            self._decode_kv.address if self._decode_kv is not None else "", gethostname())
+                            self._decode_kv.address if self._decode_kv is not None else "", gethostname(),
+                            cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
 
     def run(self) -> str:
         """Serve until told to stop; returns why it stopped. Raises KvbatonError if refused or orphaned."""

@@ -20,6 +20,8 @@ import secrets
 
 import numpy as np
 
+from kvbaton.transfer.transport_shm import map_shared_file
+
 SHM_DIRECTORY = "/dev/shm"
 SHM_PREFIX = "kvbaton-store"
 
@@ -31,20 +33,7 @@ class StoreSlots:
                              f"{block_bytes}, {num_rows}, {num_slots}")
         self.path, self.block_bytes, self.num_slots, self.owner = path, block_bytes, num_slots, owner
         self.num_rows = num_rows
-        num_bytes = block_bytes * num_slots
-        fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if owner else os.O_RDWR, 0o600)
-        try:
-            if owner:
-                os.ftruncate(fd, num_bytes)
-            elif os.fstat(fd).st_size != num_bytes:
-                raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {num_bytes}")
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.close(fd)
-            if owner:
-                os.unlink(path)
-            raise
-        os.close(fd)
+        self._mmap: mmap.mmap | None = map_shared_file(path, block_bytes * num_slots, owner, size_error=ValueError)
         self.buffer = memoryview(self._mmap)
         # [rows, slots, row bytes]
         self.rows = np.frombuffer(self.buffer, dtype=np.uint8).reshape(num_rows, num_slots, block_bytes // num_rows)

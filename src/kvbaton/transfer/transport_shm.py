@@ -30,26 +30,34 @@ _lowest = lru_cache(maxsize=64)(min)
 _highest = lru_cache(maxsize=64)(max)
 
 
+def map_shared_file(path: str, num_bytes: int, owner: bool, *, populate: bool = False,
+                    size_error: type[Exception] = TransportError) -> mmap.mmap:
+    """`num_bytes` of the file at `path`, mapped MAP_SHARED. The owner creates it (O_EXCL, mode 0600: only this user
+    maps it) and sizes it; anyone else opens the existing file and must find that size (else `size_error`). The
+    descriptor is closed either way, and an owner that fails removes the file. `populate` faults every page in now
+    (MAP_POPULATE) instead of on first touch."""
+    fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if owner else os.O_RDWR, 0o600)
+    try:
+        if owner:
+            os.ftruncate(fd, num_bytes)
+        elif os.fstat(fd).st_size != num_bytes:
+            raise size_error(f"{path} holds {os.fstat(fd).st_size} bytes, expected {num_bytes}")
+        return mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0))
+    except BaseException:
+        if owner:
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
 class ShmKVRegion:
     """KV storage `[layers, 2, blocks, block_size, kv_heads, head_dim]` in a shared, pre-faulted mapping."""
 
     def __init__(self, path: str, layout: KVLayout, num_blocks: int, owner: bool) -> None:
         self.path, self.layout, self.num_blocks, self.owner = path, layout, num_blocks, owner
-        num_bytes = num_blocks * layout.block_bytes
-        fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if owner else os.O_RDWR, 0o600)
-        try:
-            if owner:
-                os.ftruncate(fd, num_bytes)
-            elif os.fstat(fd).st_size != num_bytes:
-                raise TransportError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {num_bytes}")
-            # MAP_POPULATE faults every page in now, once per link, instead of inside the first handoffs.
-            self._mmap = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        except BaseException:
-            os.close(fd)
-            if owner:
-                os.unlink(path)
-            raise
-        os.close(fd)
+        # Pre-faulted once per link, instead of inside the first handoffs.
+        self._mmap = map_shared_file(path, num_blocks * layout.block_bytes, owner, populate=True)
         self.kv: np.ndarray | None = np.frombuffer(self._mmap, dtype=storage_dtype(layout)).reshape(
             layout.storage_shape(num_blocks))
 

@@ -142,9 +142,9 @@ def test_wrong_kv_loaded_changes_the_output(loaded, make_store, reference: list[
     """The equality above can fail: a load that brings back altered KV changes the greedy output."""
     copy = WorkerStoreIO._copy
 
-    def scaled_copy(self: WorkerStoreIO, link, job) -> None:  # noqa: ANN001
-        copy(self, link, job)
-        for block_id in job.device_block_ids:
+    def scaled_copy(self: WorkerStoreIO, link, lease, slots, shm_path, block_ids) -> None:  # noqa: ANN001
+        copy(self, link, lease, slots, shm_path, block_ids)
+        for block_id in block_ids:
             self.kv_cache[:, :, block_id] *= 3.0
 
     monkeypatch.setattr(WorkerStoreIO, "_copy", scaled_copy)

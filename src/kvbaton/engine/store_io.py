@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,6 +30,7 @@ import torch
 
 from kvbaton.cache.host_tier import EvictedBlock
 from kvbaton.transfer.store_slots import StoreSlots
+from kvbaton.transfer.store_tcp import row_views
 
 
 class StoreUnavailable(RuntimeError):
@@ -39,8 +40,9 @@ class StoreUnavailable(RuntimeError):
 class StoreLink(Protocol):
     """The worker's connection to its store node (`kvbaton.server.store_client.StoreClient`); one thread uses it."""
 
-    def hello(self) -> tuple[str, int, int, int]:
-        """(shared-memory path of the DRAM slots, bytes per block, number of slots, rows per block)."""
+    def hello(self) -> dict:
+        """The node's slots: `shm_path`, `block_bytes`, `num_slots`, `num_rows` (rows per block), and `transport`:
+        "shm" (map the slots and copy them) or "tcp" (read leased slots with `read_into`)."""
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
             payloads: Sequence[memoryview]) -> bool:
@@ -49,6 +51,13 @@ class StoreLink(Protocol):
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
         """(lease, slots, the slots' shared-memory path) of the leading blocks the node holds, pinned; raises
         StoreUnavailable."""
+
+    def acquire_chunks(self, namespace: Sequence[str],
+                       block_hashes: Sequence[int]) -> Iterator[tuple[int, list[int], str, int]]:
+        """`acquire` in pieces sent at once: (lease, slots, shm path, blocks asked) of each, in order."""
+
+    def read_into(self, lease: int, buffers: list[memoryview]) -> None:
+        """The lease's blocks, rows first, into `buffers` over TCP; raises StoreUnavailable."""
 
     def release(self, lease: int) -> bool:
         """Unpin a lease's blocks, not waiting."""
@@ -99,6 +108,7 @@ class WorkerStoreIO:
         self._slots: torch.Tensor | None = None
         self._mapping: StoreSlots | None = None
         self._rows: tuple[np.ndarray, np.ndarray] | None = None
+        self.transport = ""  # "shm" | "tcp", from the node's hello
         self.skip_saves: set[int] = set()  # hashes loaded from the store: caching them saves nothing
         self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
         self.num_loaded_blocks = self.num_failed_loads = 0
@@ -230,21 +240,16 @@ class WorkerStoreIO:
                         item.lease, item.slots, item.shm_path = link.acquire(item.namespace, item.block_hashes)
                         self._results.put(("acquired", item))
                     elif kind == "acquire_copy":
-                        item.lease, item.slots, item.shm_path = link.acquire(item.namespace, item.block_hashes)
-                        if item.slots:
-                            started = time.perf_counter()
-                            self._copy(link, item)
-                            self.copy_in_s += time.perf_counter() - started
-                            link.release(item.lease)
-                            item.lease = 0
-                            self.num_loaded_blocks += len(item.slots)
+                        self._acquire_copy(link, item)
                         self._results.put(("copied", item))
                     elif kind == "copy":
                         started = time.perf_counter()
-                        self._copy(link, item)
-                        self.copy_in_s += time.perf_counter() - started
-                        link.release(item.lease)
-                        item.lease = 0
+                        try:
+                            self._copy(link, item.lease, item.slots, item.shm_path, item.device_block_ids)
+                        finally:
+                            self.copy_in_s += time.perf_counter() - started
+                            link.release(item.lease)
+                            item.lease = 0
                         self.num_loaded_blocks += len(item.device_block_ids)
                         self._results.put(("copied", item))
                     elif kind == "release":
@@ -275,34 +280,83 @@ class WorkerStoreIO:
         else:
             self.num_dropped_saves += len(payloads)
 
-    def _copy(self, link: StoreLink, job: LoadJob) -> None:
-        """Each run of consecutive slots into consecutive device blocks in one copy: the slots are laid out as the
-        pool is (`[layers, 2, slots, ...]`), so that is one memcpy per row. On the CPU through numpy views in 8-byte
-        words (torch's strided bf16 copy runs at a third of memcpy's speed)."""
-        if self._mapping is not None and self._mapping.path != job.shm_path:
+    def _acquire_copy(self, link: StoreLink, job: LoadJob) -> None:
+        """Acquire the chain in pieces sent at once and copy each piece into the job's device blocks as its answer
+        comes (the node pins the next piece meanwhile), releasing each lease once copied. A piece the node holds in
+        part ends the load there; `job.slots` are the slots copied from."""
+        self._attach(link)
+        job.slots = []
+        pieces = link.acquire_chunks(job.namespace, job.block_hashes)
+        try:
+            for lease, slots, shm_path, num_asked in pieces:
+                if slots:
+                    offset = len(job.slots)
+                    started = time.perf_counter()
+                    try:
+                        self._copy(link, lease, slots, shm_path, job.device_block_ids[offset : offset + len(slots)])
+                    finally:
+                        self.copy_in_s += time.perf_counter() - started
+                        link.release(lease)
+                    job.slots += slots
+                    self.num_loaded_blocks += len(slots)
+                if len(slots) < num_asked:
+                    break
+        finally:
+            pieces.close()
+
+    def _copy(self, link: StoreLink, lease: int, slots: list[int], shm_path: str, block_ids: Sequence[int]) -> None:
+        """`slots` (pinned under `lease`) into device blocks `block_ids`. Same host: each run of consecutive slots into
+        consecutive device blocks in one copy from the node's mapping (the slots are laid out as the pool is,
+        `[layers, 2, slots, ...]`, so one memcpy per row; on the CPU through numpy views in 8-byte words: torch's
+        strided bf16 copy runs at a third of memcpy's speed). Over TCP: the node streams the lease's rows and the
+        socket scatters them into the pool's rows (on an accelerator, through a host buffer)."""
+        self._attach(link)
+        if self.transport == "tcp":
+            self._read(link, lease, block_ids)
+            return
+        if self._mapping is not None and self._mapping.path != shm_path:
             self._slots = self._mapping = self._rows = None  # the node restarted: its slots are in a new file
-        slots = self._slot_view(link)
-        if self._mapping.path != job.shm_path:
-            raise StoreUnavailable(f"the store node's slots moved from {job.shm_path} to {self._mapping.path}")
+        slot_view = self._attach(link)
+        if self._mapping.path != shm_path:
+            raise StoreUnavailable(f"the store node's slots moved from {shm_path} to {self._mapping.path}")
         kv = self.kv_cache
         rows = self._rows
-        for slot, block_id, num in block_runs(job.slots, job.device_block_ids):
+        for slot, block_id, num in block_runs(slots, block_ids):
             if rows is not None:
                 np.copyto(rows[0][:, block_id : block_id + num], rows[1][:, slot : slot + num])
             else:
-                kv[:, :, block_id : block_id + num].copy_(slots[:, :, slot : slot + num])
+                kv[:, :, block_id : block_id + num].copy_(slot_view[:, :, slot : slot + num])
 
-    def _slot_view(self, link: StoreLink) -> torch.Tensor:
-        """The store node's DRAM slots as `[layers, 2, slots, block_size, kv_heads, head_dim]` (mapped once)."""
-        if self._slots is None:
-            path, block_bytes, num_slots, num_rows = link.hello()
+    def _read(self, link: StoreLink, lease: int, block_ids: Sequence[int]) -> None:
+        kv = self.kv_cache
+        num_rows = kv.shape[0] * kv.shape[1]
+        pool = kv.view(torch.uint8).view(num_rows, kv.shape[2], -1)
+        if kv.device.type == "cpu":
+            link.read_into(lease, row_views(pool.numpy(), block_ids))
+            return
+        staging = torch.empty((num_rows, len(block_ids), pool.shape[2]), dtype=torch.uint8,
+                              pin_memory=kv.device.type == "cuda")
+        link.read_into(lease, row_views(staging.numpy(), range(len(block_ids))))
+        for start, block_id, num in block_runs(range(len(block_ids)), block_ids):
+            pool[:, block_id : block_id + num].copy_(staging[:, start : start + num])
+
+    def _attach(self, link: StoreLink) -> torch.Tensor | None:
+        """Ask the node once for its slots; on the same host map them, as `[layers, 2, slots, block_size, kv_heads,
+        head_dim]` (None over TCP)."""
+        if self._slots is None and self.transport != "tcp":
+            hello = link.hello()
             kv = self.kv_cache
-            shape = (kv.shape[0], kv.shape[1], num_slots, *kv.shape[3:])
             expected = kv[:, :, 0].numel() * kv.element_size()
-            if block_bytes != expected or num_rows != kv.shape[0] * kv.shape[1]:
-                raise StoreUnavailable(f"the store node's blocks are {block_bytes} bytes in {num_rows} rows, this "
-                                       f"worker's {expected} in {kv.shape[0] * kv.shape[1]}")
-            self._mapping = StoreSlots.attach(path, block_bytes, num_slots, num_rows)
+            if hello["block_bytes"] != expected or hello["num_rows"] != kv.shape[0] * kv.shape[1]:
+                raise StoreUnavailable(f"the store node's blocks are {hello['block_bytes']} bytes in "
+                                       f"{hello['num_rows']} rows, this worker's {expected} in "
+                                       f"{kv.shape[0] * kv.shape[1]}")
+            self.transport = hello["transport"]
+            if self.transport == "tcp":
+                return None
+            shape = (kv.shape[0], kv.shape[1], hello["num_slots"], *kv.shape[3:])
+            self._mapping = StoreSlots.attach(hello["shm_path"], hello["block_bytes"], hello["num_slots"],
+                                              hello["num_rows"])
             self._slots = torch.frombuffer(self._mapping.buffer, dtype=kv.dtype).view(shape)
             self._rows = _word_rows(kv, self._mapping) if kv.device.type == "cpu" else None
         return self._slots

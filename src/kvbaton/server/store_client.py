@@ -6,14 +6,23 @@ and dropped, never queued without bound, when the socket's send queue is full (`
 waits at most `timeout_s` for its answer and raises `StoreUnavailable` otherwise. After a failure the node is
 taken as down for `retry_after_s`: every call in that window fails at once, so a dead store node costs each
 request at most one timeout and then nothing (they recompute).
+
+**Which data path.** `hello` answers the node's host id: a worker on the same host (same id) maps the node's
+shared-memory slots and copies them itself; one on another host reads the leased slots over the node's TCP
+port (`kvbaton.transfer.store_tcp`, `read_into`). `transport` ("auto", "shm" or "tcp"; by default the
+`KVBATON_STORE_TRANSPORT` environment variable, else "auto") forces one, so tests and benchmarks on one host
+run the cross-host path on 127.0.0.1. `acquire_chunks` sends the acquires of a chain's pieces at once and
+yields each answer as it comes, so the worker copies one piece while the node pins the next.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from urllib.parse import urlsplit
 
 import msgpack
 import zmq
@@ -23,12 +32,25 @@ from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.engine.store_io import StoreUnavailable
 from kvbaton.server.rpc_auth import secure_dealer
 from kvbaton.server.store_server import STORE_CHANNEL
+from kvbaton.transfer.store_slots import host_id
+from kvbaton.transfer.store_tcp import StoreLinkError, StoreTcpLink
+
+TRANSPORT_ENV = "KVBATON_STORE_TRANSPORT"
+TRANSPORTS = ("auto", "shm", "tcp")
 
 
 class StoreClient:
     def __init__(self, address: str, secret: ClusterSecret, timeout_s: float = 10.0, retry_after_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, max_queued_messages: int = 256) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_queued_messages: int = 256,
+                 transport: str | None = None) -> None:
+        transport = transport or os.environ.get(TRANSPORT_ENV) or "auto"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"a store transport is one of {TRANSPORTS}, got {transport!r}")
+        self.transport = transport
         self.address = address
+        self._secret = secret
+        self._tcp: StoreTcpLink | None = None
+        self._tcp_port = 0
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self._clock = clock
@@ -39,11 +61,40 @@ class StoreClient:
         secure_dealer(self._socket, secret, STORE_CHANNEL)
         self._socket.connect(address)
         self._ids = itertools.count(1)
+        self._awaited: set[int] = set()  # ids of `acquire_chunks` pieces not answered yet
+        self._early: dict[int, dict] = {}  # their answers that came while another call waited
         self._down_until = 0.0
 
-    def hello(self) -> tuple[str, int, int, int]:
+    def hello(self) -> dict:
+        """The node's slots (`shm_path`, `block_bytes`, `num_slots`, `num_rows`) and `transport`: "shm" when this
+        process maps them, "tcp" when it reads them over the node's TCP port."""
         reply = self._call({"op": "hello"})
-        return reply["shm_path"], int(reply["block_bytes"]), int(reply["num_slots"]), int(reply["num_rows"])
+        self._tcp_port = int(reply.get("tcp_port", 0))
+        same_host = reply.get("host_id") == host_id()
+        transport = self.transport if self.transport != "auto" else ("shm" if same_host else "tcp")
+        if transport == "shm" and not same_host:
+            raise StoreUnavailable(f"store node {self.address} is on another host: its slots cannot be mapped")
+        return {"shm_path": str(reply["shm_path"]), "block_bytes": int(reply["block_bytes"]),
+                "num_slots": int(reply["num_slots"]), "num_rows": int(reply["num_rows"]), "transport": transport}
+
+    def read_into(self, lease: int, buffers: list[memoryview]) -> None:
+        """A lease's blocks over the node's TCP port into `buffers` (wire order, `store_tcp.row_views`). The link is
+        opened on first use and again after a failure; raises StoreUnavailable."""
+        now = self._clock()
+        if now < self._down_until:
+            raise StoreUnavailable(f"store node {self.address} is down (retrying in {self._down_until - now:.1f} s)")
+        try:
+            if self._tcp is None:
+                self.hello()  # the node's TCP port now (a restarted node listens on another)
+                self._tcp = StoreTcpLink(urlsplit(self.address).hostname or "127.0.0.1", self._tcp_port,
+                                         self._secret, self.timeout_s)
+            self._tcp.read_into(lease, buffers)
+        except (StoreLinkError, OSError, StoreUnavailable) as exc:
+            if self._tcp is not None:
+                self._tcp.close()
+                self._tcp = None
+            self._down_until = self._clock() + self.retry_after_s
+            raise StoreUnavailable(str(exc)) from exc
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
             payloads: Sequence[memoryview]) -> bool:
@@ -53,6 +104,52 @@ class StoreClient:
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
         reply = self._call({"op": "acquire", "namespace": list(namespace), "hashes": list(block_hashes)})
         return int(reply["lease"]), [int(slot) for slot in reply["slots"]], str(reply["shm_path"])
+
+    def acquire_chunks(self, namespace: Sequence[str], block_hashes: Sequence[int],
+                       first_chunk: int = 8) -> Iterator[tuple[int, list[int], str, int]]:
+        """`acquire` of the chain in pieces (`first_chunk` blocks, then 4x larger each), all sent at once; yields each
+        piece's (lease, slots, shm_path, blocks asked) in order. A piece the node holds only in part ends the chain: the caller
+        stops there (the rest's leases are released when the generator is closed, as when it fails)."""
+        now = self._clock()
+        if now < self._down_until:
+            raise StoreUnavailable(f"store node {self.address} is down (retrying in {self._down_until - now:.1f} s)")
+        pieces, start, size = [], 0, max(1, first_chunk)
+        while start < len(block_hashes):
+            pieces.append(list(block_hashes[start : start + size]))
+            start, size = start + size, size * 4
+        ids = []
+        for piece in pieces:
+            call_id = next(self._ids)
+            ids.append(call_id)
+            self._awaited.add(call_id)
+            if not self._send([msgpack.packb({"op": "acquire", "namespace": list(namespace), "hashes": piece,
+                                              "id": call_id})]):
+                self._down_until = self._clock() + self.retry_after_s
+                raise StoreUnavailable(f"store node {self.address} takes no messages")
+        taken = 0
+        try:
+            for call_id in ids:
+                reply = self._wait(call_id, self._clock() + self.timeout_s)
+                self._awaited.discard(call_id)
+                taken += 1
+                yield (int(reply["lease"]), [int(slot) for slot in reply["slots"]], str(reply["shm_path"]),
+                       len(pieces[taken - 1]))
+        finally:
+            deadline = self._clock() + min(self.timeout_s, 1.0)
+            for call_id in ids[taken:]:  # answers nobody copies from: let their pins go now
+                try:
+                    reply = self._wait(call_id, deadline)
+                except StoreUnavailable:
+                    break
+                finally:
+                    self._awaited.discard(call_id)
+                if reply.get("lease"):
+                    self.release(int(reply["lease"]))
+            for call_id in ids:  # given up (the node is down): an answer that still comes is released as late
+                self._awaited.discard(call_id)
+                early = self._early.pop(call_id, None)
+                if early is not None and early.get("lease"):
+                    self.release(int(early["lease"]))
 
     def release(self, lease: int) -> bool:
         return self._send([msgpack.packb({"op": "release", "lease": lease})])
@@ -64,6 +161,8 @@ class StoreClient:
         return self._call({"op": "events", "since": seq})
 
     def close(self) -> None:
+        if self._tcp is not None:
+            self._tcp.close()
         self._socket.close()
         self._context.term()
 
@@ -85,12 +184,22 @@ class StoreClient:
         if not self._send([msgpack.packb(header)]):
             self._down_until = self._clock() + self.retry_after_s
             raise StoreUnavailable(f"store node {self.address} takes no messages")
+        return self._wait(call_id, deadline)
+
+    def _wait(self, call_id: int, deadline: float) -> dict:
+        """The answer to `call_id`; answers to other calls still awaited (`acquire_chunks`' pieces, while a `hello`
+        runs between them) are kept for their own `_wait`; answers to calls given up are dropped."""
         while True:
-            left_ms = int((deadline - self._clock()) * 1000)
-            if left_ms <= 0 or not self._socket.poll(left_ms):
-                self._down_until = self._clock() + self.retry_after_s
-                raise StoreUnavailable(f"store node {self.address} did not answer within {self.timeout_s} s")
-            reply = msgpack.unpackb(self._socket.recv(), raw=False)
+            reply = self._early.pop(call_id, None)
+            if reply is None:
+                left_ms = int((deadline - self._clock()) * 1000)
+                if left_ms <= 0 or not self._socket.poll(left_ms):
+                    self._down_until = self._clock() + self.retry_after_s
+                    raise StoreUnavailable(f"store node {self.address} did not answer within {self.timeout_s} s")
+                reply = msgpack.unpackb(self._socket.recv(), raw=False)
+            if isinstance(reply, dict) and reply.get("id") in self._awaited and reply.get("id") != call_id:
+                self._early[reply["id"]] = reply
+                continue
             if isinstance(reply, dict) and reply.get("id") != call_id:  # a late answer to a call given up
                 if reply.get("lease"):
                     self.release(int(reply["lease"]))  # nobody copies what it pinned: let it go now

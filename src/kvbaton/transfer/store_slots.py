@@ -24,6 +24,17 @@ SHM_DIRECTORY = "/dev/shm"
 SHM_PREFIX = "kvbaton-store"
 
 
+def host_id() -> str:
+    """Names this host's shared memory: a worker maps a node's slots only when the node's id equals its own (the
+    kernel's boot id, which every process of one running kernel shares, and the host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            boot = file.read().strip()
+    except OSError:
+        boot = ""
+    return f"{os.uname().nodename}/{boot}"
+
+
 class StoreSlots:
     def __init__(self, path: str, block_bytes: int, num_slots: int, owner: bool, num_rows: int = 1) -> None:
         if block_bytes <= 0 or num_slots <= 0 or num_rows <= 0 or block_bytes % num_rows:

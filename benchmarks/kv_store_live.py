@@ -14,12 +14,20 @@ this process, one after the other, so each timing has the CPU to itself. Figures
   (`load_over_memcpy`, target >= 0.8), for the prefix as one prefill stored it (its slots in order, copied in
   runs), and `scattered_*` for a prefix whose slots churned apart (copied block by block); `*_copy_only_*`
   leaves the RPC out;
+- **cross-host load throughput**: the same load by a worker whose link is forced to the node's TCP data path
+  (`KVBATON_STORE_TRANSPORT=tcp` in effect: 127.0.0.1, one host) over a raw loopback socket sending the same bytes
+  from one buffer into another in the same run (`tcp_load_over_raw_socket`, target >= 0.8), interleaved, medians;
 - **ITL under loads**: a decode stream's p99 inter-token latency while two other requests load their 2,000-token
   prefixes from the store and join its batch, over the same arrivals finding their prefixes on the device already
   (`itl_p99_with_loads_over_device_hits`, target <= 1.2: what the loads cost the stream, their admission into the
-  batch being the same in both), and over the stream alone; and with the arrivals recomputing their prefixes.
+  batch being the same in both), `--itl-repeats` times interleaved: the median ratio and its spread (min, max);
+  and over the stream alone; and with the arrivals recomputing their prefixes.
 
-Cross-host loads over TCP are not built yet (the raw-socket comparison is therefore absent). Prints one JSON line.
+Copies: a load copies a run of blocks as one memcpy per layer and K/V (768 KB each for SmolLM2's 2,000 tokens),
+which glibc does with ordinary stores below its non-temporal threshold (sized from the 105 MB L3 here), at about
+0.6x the speed of one large memcpy; the benchmark, like `kvbaton serve` for its workers with a store, runs with
+the threshold at 256 KiB (`store_slots.STREAMING_COPIES`), so both the load and the memcpy it is compared with
+stream; `--no-streaming-copies` runs with glibc's default. Prints one JSON line.
 Usage: python benchmarks/kv_store_live.py [--model smollm2-135m] [--prefix-tokens 2000] [--threads 1]
 """
 
@@ -29,8 +37,10 @@ import argparse
 import json
 import os
 import random
+import socket
 import statistics
 import subprocess
+import threading
 import sys
 import tempfile
 import time
@@ -47,6 +57,8 @@ from kvbaton.engine.store_io import LoadJob, block_runs, namespace_of
 from kvbaton.cache.hashing import hash_block_tokens
 from kvbaton.model.registry import load_model
 from kvbaton.server.store_client import StoreClient
+from kvbaton.transfer.store_slots import STREAMING_COPIES, with_streaming_copies
+from kvbaton.transfer.store_tcp import SOCKET_BUFFER_BYTES
 
 BLOCK = 16
 
@@ -134,6 +146,52 @@ def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], rep
             "load_runs": len(block_runs(job.slots, device_ids))}
 
 
+def _raw_socket_s(num_bytes: int, repeats: int) -> list[float]:
+    """Seconds to send `num_bytes` from one buffer into another over a loopback TCP connection (one thread each
+    side, the store link's socket buffers), `repeats` times."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    src = np.ones(num_bytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+
+    def send() -> None:
+        peer, _ = listener.accept()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        with peer:
+            for _ in range(repeats):
+                peer.recv(1)
+                peer.sendall(memoryview(src))
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    sock = socket.create_connection(listener.getsockname())
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    with sock:
+        for _ in range(repeats):
+            view = memoryview(dst)
+            started = time.perf_counter()
+            sock.send(b"x")
+            while view:
+                view = view[sock.recv_into(view):]
+            times.append(time.perf_counter() - started)
+    thread.join(10)
+    listener.close()
+    return times
+
+
+def _tcp_throughput(engine: Engine, prompt: list[int], repeats: int) -> dict[str, float]:
+    """The TCP load path (`engine`'s link forced to tcp) against a raw loopback socket, interleaved, medians."""
+    tcp_s, raw_s = [], []
+    for _ in range(repeats):
+        raw_s += _raw_socket_s(len(prompt) // BLOCK * engine.storage.bytes_per_block, 1)
+        one = _load_throughput(engine, None, prompt, 1)
+        tcp_s.append(one["load_bytes"] / one["load_gbps"] / 1e9)
+    num_bytes = one["load_bytes"]
+    tcp, raw = statistics.median(tcp_s), statistics.median(raw_s)
+    return {"tcp_load_gbps": num_bytes / tcp / 1e9, "raw_socket_gbps": num_bytes / raw / 1e9,
+            "tcp_load_over_raw_socket": raw / tcp, "tcp_transport": engine.store_io.transport}
+
+
 def _result(io: Any) -> str:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -169,7 +227,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--stream-tokens", type=int, default=64)
+    parser.add_argument("--itl-repeats", type=int, default=3)
+    parser.add_argument("--no-streaming-copies", action="store_true", help="glibc's default memcpy threshold")
     args = parser.parse_args()
+    if not args.no_streaming_copies and STREAMING_COPIES not in os.environ.get("GLIBC_TUNABLES", ""):
+        # glibc reads its tunables when the process starts: run again with them
+        os.execve(sys.executable, [sys.executable, *sys.argv], with_streaming_copies(dict(os.environ)))
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, "auto", "cpu")
     vocab = loaded.config.vocab_size
@@ -199,6 +262,7 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
 
     a = Engine(config, loaded, create_store_link=link)
     b = Engine(config, loaded, create_store_link=link)
+    c = Engine(config, loaded, create_store_link=lambda: StoreClient(address, secret, transport="tcp"))
     plain = Engine(config, loaded)
     client = StoreClient(address, secret)
     try:
@@ -212,6 +276,9 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
         b_tokens, ttft_store, cached_b = _generate(b, prompt, 8)
         # The prefix as one prefill stored it (its slots in order): the common case of a load.
         throughput = _load_throughput(b, client, prompt[: args.prefix_tokens], args.repeats)
+        # The same prefix by C, whose link reads the node's slots over its TCP port (cross-host path, on loopback).
+        c_tokens, ttft_tcp, cached_c = _generate(c, prompt, 8)
+        tcp = _tcp_throughput(c, prompt[: args.prefix_tokens], args.repeats)
         b.reset_prefix_cache()  # evicted from every device pool: back from the store's DRAM
         a.reset_prefix_cache()
         dram_tokens, ttft_dram, cached_dram = _generate(b, prompt, 8)
@@ -238,33 +305,44 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
         # prefill, and load nothing), then from the store: the difference is what the loads cost the stream.
         for loader in loaders:
             _generate(b, loader, 1)
-        itl_device = _itl_p99(b, stream_prompt, loaders, args.stream_tokens)
-        b.reset_prefix_cache()
-        itl_loads = _itl_p99(b, stream_prompt, loaders, args.stream_tokens)
+        itl_device_runs, itl_loads_runs = [], []
+        for _ in range(args.itl_repeats):  # interleaved: the host's noise falls on both alike
+            itl_device_runs.append(_itl_p99(b, stream_prompt, loaders, args.stream_tokens))
+            b.reset_prefix_cache()
+            itl_loads_runs.append(_itl_p99(b, stream_prompt, loaders, args.stream_tokens))
+            for loader in loaders:  # back on the device for the next device-hit run (loaded from the store)
+                _generate(b, loader, 1)
+        itl_ratios = sorted(x / y for x, y in zip(itl_loads_runs, itl_device_runs))
+        itl_device, itl_loads = statistics.median(itl_device_runs), statistics.median(itl_loads_runs)
         plain.reset_prefix_cache()
         _generate(plain, stream_prompt, 1)  # the stream's own prompt cached, as it is on B after the first run
         itl_recompute = _itl_p99(plain, stream_prompt, loaders, args.stream_tokens)
-        for engine in (a, b, plain):
+        for engine in (a, b, c, plain):
             engine.check_invariants()
         return {
             "model": args.model, "threads": args.threads, "prefix_tokens": args.prefix_tokens,
             "block_bytes": block_bytes, "store_dram_gb": round(dram_gb, 4),
             "ttft_recompute_s": ttft_recompute, "ttft_worker_a_s": ttft_a, "ttft_store_s": ttft_store,
             "ttft_store_over_recompute": ttft_store / ttft_recompute, "cached_tokens_b": cached_b,
-            "same_output": ref_tokens == a_tokens == b_tokens == dram_tokens and disk_tokens == disk_ref,
+            "same_output": ref_tokens == a_tokens == b_tokens == dram_tokens == c_tokens and disk_tokens == disk_ref,
+            "ttft_tcp_s": ttft_tcp, "cached_tokens_tcp": cached_c, **tcp,
+            "streaming_copies": STREAMING_COPIES in os.environ.get("GLIBC_TUNABLES", ""),
             "ttft_dram_reload_s": ttft_dram, "cached_tokens_dram_reload": cached_dram,
             "ttft_disk_reload_s": ttft_disk, "cached_tokens_disk_reload": cached_disk,
             "disk_blocks_read_on_reload": after["num_disk_read_blocks"] - before["num_disk_read_blocks"],
             **throughput, **{f"scattered_{k}": v for k, v in scattered.items()},
             "itl_p99_alone_s": itl_alone, "itl_p99_with_loads_s": itl_loads,
             "itl_p99_with_loads_over_alone": itl_loads / itl_alone, "itl_p99_with_device_hits_s": itl_device,
-            "itl_p99_with_loads_over_device_hits": itl_loads / itl_device, "itl_p99_with_recompute_s": itl_recompute,
+            "itl_p99_with_loads_over_device_hits": statistics.median(itl_ratios),
+            "itl_p99_with_loads_over_device_hits_min": itl_ratios[0],
+            "itl_p99_with_loads_over_device_hits_max": itl_ratios[-1],
+            "itl_p99_with_loads_over_device_hits_runs": itl_ratios, "itl_p99_with_recompute_s": itl_recompute,
             "num_loaded_blocks_b": b.store_io.num_loaded_blocks, "num_dropped_saves_a": a.store_io.num_dropped_saves,
             "store_stats": client.stats(),
         }
     finally:
         client.close()
-        for engine in (a, b):
+        for engine in (a, b, c):
             engine.close()
 
 

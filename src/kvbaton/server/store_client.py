@@ -152,7 +152,9 @@ class StoreClient:
                     self.release(int(early["lease"]))
 
     def release(self, lease: int) -> bool:
-        return self._send([msgpack.packb({"op": "release", "lease": lease})])
+        """Sent even while the node is taken as down (a failed TCP read leaves the control path up): a pin is let
+        go as soon as the node can hear it, not when its lease expires."""
+        return self._send([msgpack.packb({"op": "release", "lease": lease})], even_if_down=True)
 
     def stats(self) -> dict:
         return self._call({"op": "stats"})
@@ -166,8 +168,8 @@ class StoreClient:
         self._socket.close()
         self._context.term()
 
-    def _send(self, frames: list) -> bool:
-        if self._clock() < self._down_until:
+    def _send(self, frames: list, even_if_down: bool = False) -> bool:
+        if self._clock() < self._down_until and not even_if_down:
             return False
         try:
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)

@@ -155,7 +155,11 @@ class StoreTcpServer:
     def _serve(self, sock: socket.socket) -> None:
         try:
             _tune(sock, HANDSHAKE_TIMEOUT_S)
-            if not self._handshake(sock):
+            try:
+                welcomed = self._handshake(sock)
+            except (OSError, ValueError):
+                welcomed = False
+            if not welcomed:  # closed before it could name a lease
                 self.num_refused += 1
                 return
             sock.settimeout(self._timeout_s)

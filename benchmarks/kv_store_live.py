@@ -40,7 +40,6 @@ import random
 import socket
 import statistics
 import subprocess
-import threading
 import sys
 import tempfile
 import time
@@ -146,46 +145,57 @@ def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], rep
             "load_runs": len(block_runs(job.slots, device_ids))}
 
 
-def _raw_socket_s(num_bytes: int, repeats: int) -> list[float]:
-    """Seconds to send `num_bytes` from one buffer into another over a loopback TCP connection (one thread each
-    side, the store link's socket buffers), `repeats` times."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    src = np.ones(num_bytes, dtype=np.uint8)
-    dst = np.zeros_like(src)
+_RAW_SENDER = """
+import socket, sys
+num_bytes, buffer_bytes = int(sys.argv[1]), int(sys.argv[2])
+payload = memoryview(bytearray(b"\\x01" * num_bytes))
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+peer, _ = listener.accept()
+peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while peer.recv(1):
+    peer.sendall(payload)
+"""
 
-    def send() -> None:
-        peer, _ = listener.accept()
-        peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-        with peer:
-            for _ in range(repeats):
-                peer.recv(1)
-                peer.sendall(memoryview(src))
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    sock = socket.create_connection(listener.getsockname())
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    times = []
-    with sock:
-        for _ in range(repeats):
-            view = memoryview(dst)
-            started = time.perf_counter()
-            sock.send(b"x")
-            while view:
-                view = view[sock.recv_into(view):]
-            times.append(time.perf_counter() - started)
-    thread.join(10)
-    listener.close()
-    return times
+
+class _RawSocket:
+    """A raw loopback TCP stream of `num_bytes` from another process (as the store node is), into one buffer here:
+    what the TCP load path is compared with. Same socket buffer sizes as the store's link."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, str(num_bytes), str(SOCKET_BUFFER_BYTES)],
+                                        stdout=subprocess.PIPE, text=True)
+        port = int(self.process.stdout.readline())  # type: ignore[union-attr]
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.dst = np.zeros(num_bytes, dtype=np.uint8)
+
+    def receive_s(self) -> float:
+        view = memoryview(self.dst)
+        started = time.perf_counter()
+        self.sock.send(b"x")
+        while view:
+            view = view[self.sock.recv_into(view):]
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.sock.close()
+        self.process.wait(10)
 
 
 def _tcp_throughput(engine: Engine, prompt: list[int], repeats: int) -> dict[str, float]:
     """The TCP load path (`engine`'s link forced to tcp) against a raw loopback socket, interleaved, medians."""
     tcp_s, raw_s = [], []
-    for _ in range(repeats):
-        raw_s += _raw_socket_s(len(prompt) // BLOCK * engine.storage.bytes_per_block, 1)
-        one = _load_throughput(engine, None, prompt, 1)
-        tcp_s.append(one["load_bytes"] / one["load_gbps"] / 1e9)
+    raw = _RawSocket(len(prompt) // BLOCK * engine.storage.bytes_per_block)
+    try:
+        for _ in range(repeats):
+            raw_s.append(raw.receive_s())
+            one = _load_throughput(engine, None, prompt, 1)
+            tcp_s.append(one["load_bytes"] / one["load_gbps"] / 1e9)
+    finally:
+        raw.close()
     num_bytes = one["load_bytes"]
     tcp, raw = statistics.median(tcp_s), statistics.median(raw_s)
     return {"tcp_load_gbps": num_bytes / tcp / 1e9, "raw_socket_gbps": num_bytes / raw / 1e9,
@@ -325,6 +335,9 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
             "ttft_recompute_s": ttft_recompute, "ttft_worker_a_s": ttft_a, "ttft_store_s": ttft_store,
             "ttft_store_over_recompute": ttft_store / ttft_recompute, "cached_tokens_b": cached_b,
             "same_output": ref_tokens == a_tokens == b_tokens == dram_tokens == c_tokens and disk_tokens == disk_ref,
+            "same_output_each": {"a": a_tokens == ref_tokens, "b_store": b_tokens == ref_tokens,
+                                 "b_dram_reload": dram_tokens == ref_tokens, "c_tcp": c_tokens == ref_tokens,
+                                 "b_disk_reload": disk_tokens == disk_ref},
             "ttft_tcp_s": ttft_tcp, "cached_tokens_tcp": cached_c, **tcp,
             "streaming_copies": STREAMING_COPIES in os.environ.get("GLIBC_TUNABLES", ""),
             "ttft_dram_reload_s": ttft_dram, "cached_tokens_dram_reload": cached_dram,

@@ -11,8 +11,7 @@ request at most one timeout and then nothing (they recompute).
 shared-memory slots and copies them itself; one on another host reads the leased slots over the node's TCP
 port (`kvbaton.transfer.store_tcp`, `read_into`). `transport` ("auto", "shm" or "tcp"; by default the
 `KVBATON_STORE_TRANSPORT` environment variable, else "auto") forces one, so tests and benchmarks on one host
-run the cross-host path on 127.0.0.1. `acquire_chunks` sends the acquires of a chain's pieces at once and
-yields each answer as it comes, so the worker copies one piece while the node pins the next.
+run the cross-host path on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 import msgpack
@@ -61,8 +60,6 @@ class StoreClient:
         secure_dealer(self._socket, secret, STORE_CHANNEL)
         self._socket.connect(address)
         self._ids = itertools.count(1)
-        self._awaited: set[int] = set()  # ids of `acquire_chunks` pieces not answered yet
-        self._early: dict[int, dict] = {}  # their answers that came while another call waited
         self._down_until = 0.0
 
     def hello(self) -> dict:
@@ -105,52 +102,6 @@ class StoreClient:
         reply = self._call({"op": "acquire", "namespace": list(namespace), "hashes": list(block_hashes)})
         return int(reply["lease"]), [int(slot) for slot in reply["slots"]], str(reply["shm_path"])
 
-    def acquire_chunks(self, namespace: Sequence[str], block_hashes: Sequence[int],
-                       first_chunk: int = 8) -> Iterator[tuple[int, list[int], str, int]]:
-        """`acquire` of the chain in pieces (`first_chunk` blocks, then 4x larger each), all sent at once; yields each
-        piece's (lease, slots, shm_path, blocks asked) in order. A piece the node holds only in part ends the chain: the caller
-        stops there (the rest's leases are released when the generator is closed, as when it fails)."""
-        now = self._clock()
-        if now < self._down_until:
-            raise StoreUnavailable(f"store node {self.address} is down (retrying in {self._down_until - now:.1f} s)")
-        pieces, start, size = [], 0, max(1, first_chunk)
-        while start < len(block_hashes):
-            pieces.append(list(block_hashes[start : start + size]))
-            start, size = start + size, size * 4
-        ids = []
-        for piece in pieces:
-            call_id = next(self._ids)
-            ids.append(call_id)
-            self._awaited.add(call_id)
-            if not self._send([msgpack.packb({"op": "acquire", "namespace": list(namespace), "hashes": piece,
-                                              "id": call_id})]):
-                self._down_until = self._clock() + self.retry_after_s
-                raise StoreUnavailable(f"store node {self.address} takes no messages")
-        taken = 0
-        try:
-            for call_id in ids:
-                reply = self._wait(call_id, self._clock() + self.timeout_s)
-                self._awaited.discard(call_id)
-                taken += 1
-                yield (int(reply["lease"]), [int(slot) for slot in reply["slots"]], str(reply["shm_path"]),
-                       len(pieces[taken - 1]))
-        finally:
-            deadline = self._clock() + min(self.timeout_s, 1.0)
-            for call_id in ids[taken:]:  # answers nobody copies from: let their pins go now
-                try:
-                    reply = self._wait(call_id, deadline)
-                except StoreUnavailable:
-                    break
-                finally:
-                    self._awaited.discard(call_id)
-                if reply.get("lease"):
-                    self.release(int(reply["lease"]))
-            for call_id in ids:  # given up (the node is down): an answer that still comes is released as late
-                self._awaited.discard(call_id)
-                early = self._early.pop(call_id, None)
-                if early is not None and early.get("lease"):
-                    self.release(int(early["lease"]))
-
     def release(self, lease: int) -> bool:
         """Sent even while the node is taken as down (a failed TCP read leaves the control path up): a pin is let
         go as soon as the node can hear it, not when its lease expires."""
@@ -189,19 +140,12 @@ class StoreClient:
         return self._wait(call_id, deadline)
 
     def _wait(self, call_id: int, deadline: float) -> dict:
-        """The answer to `call_id`; answers to other calls still awaited (`acquire_chunks`' pieces, while a `hello`
-        runs between them) are kept for their own `_wait`; answers to calls given up are dropped."""
         while True:
-            reply = self._early.pop(call_id, None)
-            if reply is None:
-                left_ms = int((deadline - self._clock()) * 1000)
-                if left_ms <= 0 or not self._socket.poll(left_ms):
-                    self._down_until = self._clock() + self.retry_after_s
-                    raise StoreUnavailable(f"store node {self.address} did not answer within {self.timeout_s} s")
-                reply = msgpack.unpackb(self._socket.recv(), raw=False)
-            if isinstance(reply, dict) and reply.get("id") in self._awaited and reply.get("id") != call_id:
-                self._early[reply["id"]] = reply
-                continue
+            left_ms = int((deadline - self._clock()) * 1000)
+            if left_ms <= 0 or not self._socket.poll(left_ms):
+                self._down_until = self._clock() + self.retry_after_s
+                raise StoreUnavailable(f"store node {self.address} did not answer within {self.timeout_s} s")
+            reply = msgpack.unpackb(self._socket.recv(), raw=False)
             if isinstance(reply, dict) and reply.get("id") != call_id:  # a late answer to a call given up
                 if reply.get("lease"):
                     self.release(int(reply["lease"]))  # nobody copies what it pinned: let it go now

@@ -8,7 +8,8 @@
   admin's reset, not a step) copies the pending blocks out itself instead, so a reset loses no save.
 - **Loads.** `acquire` asks the store node for the leading blocks of a chain (pinned under a lease, in its DRAM
   slots); `copy_in` copies them from the node's shared-memory slots straight into device blocks the engine
-  allocated, then releases the lease. Results come back through `take_results`, read by the engine between steps
+  allocated (or, when the link says the node is on another host, reads them over its TCP port into those
+  blocks: `kvbaton.transfer.store_tcp`), then releases the lease. Results come back through `take_results`, read by the engine between steps
   (`kvbaton.engine.store_loads`). A store that does not answer (`StoreUnavailable`) fails the load: the request
   recomputes.
 - **Not a tier of its own.** Matching past the device cache is not done here (`match` finds nothing): loads are

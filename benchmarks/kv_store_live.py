@@ -137,7 +137,7 @@ def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], rep
         io.acquire_and_copy(job)  # the path a load takes when the pool has room: one trip
         kind = _result(io)
         load_s.append(time.perf_counter() - started)
-        assert kind == "copied" and len(job.slots) == num_blocks, (kind, len(job.slots), num_blocks)
+        assert kind == "copied" and job.num_copied == num_blocks, (kind, job.num_copied, num_blocks)
         copy_s.append(io.copy_in_s - copied_before)
     engine.pool.release(device_ids)
     num_bytes = num_blocks * block_bytes

@@ -151,14 +151,14 @@ def test_a_prompt_computed_on_a_is_loaded_by_b(loaded, make_store, reference: li
 def test_wrong_kv_loaded_changes_the_output(loaded, make_store, reference: list[int],  # noqa: ANN001
                                            monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
     """The equality above can fail: a load that brings back altered KV changes the greedy output."""
-    copy = WorkerStoreIO._copy
+    load = WorkerStoreIO._acquire_copy  # the path of a load with room in the pool, over shm and tcp alike
 
-    def scaled_copy(self: WorkerStoreIO, link, lease, slots, shm_path, block_ids) -> None:  # noqa: ANN001
-        copy(self, link, lease, slots, shm_path, block_ids)
-        for block_id in block_ids:
+    def scaled_load(self: WorkerStoreIO, link, job) -> None:  # noqa: ANN001
+        load(self, link, job)
+        for block_id in job.device_block_ids[: job.num_copied]:
             self.kv_cache[:, :, block_id] *= 3.0
 
-    monkeypatch.setattr(WorkerStoreIO, "_copy", scaled_copy)
+    monkeypatch.setattr(WorkerStoreIO, "_acquire_copy", scaled_load)
     store = make_store()
     a = Engine(_config(), loaded, create_store_link=store.link())
     b = Engine(_config(), loaded, create_store_link=store.link(transport=transport))

@@ -151,3 +151,33 @@ def test_the_transport_follows_the_node_host_id(server: StoreServer, monkeypatch
     finally:
         for client in clients:
             client.close()
+
+
+def test_a_load_acquires_streams_and_releases_in_one_trip(server: StoreServer) -> None:
+    hashes = _put(server, 3)
+    client = StoreClient(server.address, SECRET, transport="tcp", retry_after_s=0.0)
+    try:
+        client.hello()
+        pool = np.zeros((ROWS, 8, ROW_BYTES), dtype=np.uint8)
+        asked = []
+
+        def buffers_for(num: int) -> list[memoryview]:
+            asked.append(num)
+            return row_views(pool, [6, 7, 1][:num])
+        # The chain goes on past what the node holds: the leading three come, nothing else is written.
+        assert client.load_into(NS, [*hashes, 77, 78], buffers_for) == 3 and asked == [3]
+        for block, device_id in enumerate([6, 7, 1]):
+            assert pool[:, device_id].tobytes() == _payload(block)
+        assert not pool[:, [0, 2, 3, 4, 5]].any()
+        assert client.load_into(("rev", "layout", "tenant-b"), hashes, buffers_for) == 0  # another tenant: none
+        with pytest.raises(StoreUnavailable, match="refused the load"):
+            client.load_into(["not", "a namespace"], hashes, buffers_for)
+        assert client.stats()["num_loaded_blocks"] == 3
+        deadline = time.monotonic() + 5
+        while server.state.num_leases:  # the node lets the load's pin go itself once the bytes are sent
+            assert time.monotonic() < deadline, "a load's lease is left pinned"
+            time.sleep(0.01)
+        with server.locked():
+            server.state.check_invariants()
+    finally:
+        client.close()

@@ -56,6 +56,10 @@ class StoreLink(Protocol):
     def read_into(self, lease: int, buffers: list[memoryview]) -> None:
         """The lease's blocks, rows first, into `buffers` over TCP; raises StoreUnavailable."""
 
+    def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
+                  buffers_for: Callable[[int], list[memoryview]]) -> int:
+        """Acquire, read (rows first, into `buffers_for(n)`) and release over TCP in one trip; returns n."""
+
     def release(self, lease: int) -> bool:
         """Unpin a lease's blocks, not waiting."""
 
@@ -73,6 +77,7 @@ class LoadJob:
     slots: list[int] = field(default_factory=list)  # of the leading blocks the node holds
     shm_path: str = ""  # the file those slots are in
     device_block_ids: list[int] = field(default_factory=list)
+    num_copied: int = 0  # leading blocks copied into device_block_ids (set with the "copied" result)
     error: str = ""
 
 
@@ -106,6 +111,7 @@ class WorkerStoreIO:
         self._mapping: StoreSlots | None = None
         self._rows: tuple[np.ndarray, np.ndarray] | None = None
         self.transport = ""  # "shm" | "tcp", from the node's hello
+        self._staging: torch.Tensor | None = None  # a TCP read's host buffer on an accelerator
         self.skip_saves: set[int] = set()  # hashes loaded from the store: caching them saves nothing
         self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
         self.num_loaded_blocks = self.num_failed_loads = 0
@@ -248,6 +254,7 @@ class WorkerStoreIO:
                             link.release(item.lease)
                             item.lease = 0
                         self.num_loaded_blocks += len(item.device_block_ids)
+                        item.num_copied = len(item.device_block_ids)
                         self._results.put(("copied", item))
                     elif kind == "release":
                         link.release(item)
@@ -283,7 +290,18 @@ class WorkerStoreIO:
         slower here (each piece's rows fall under glibc's streaming-copy threshold, and the first answer's round
         trip, which no pipelining hides, stays)."""
         self._attach(link)
+        if self.transport == "tcp":  # one trip on the node's TCP port: it acquires, streams and releases
+            started = time.perf_counter()
+            try:
+                job.num_copied = link.load_into(job.namespace, job.block_hashes,
+                                                lambda num: self._receive_buffers(job.device_block_ids[:num]))
+                self._finish_receive(job.device_block_ids[: job.num_copied])
+            finally:
+                self.copy_in_s += time.perf_counter() - started
+            self.num_loaded_blocks += job.num_copied
+            return
         job.lease, job.slots, job.shm_path = link.acquire(job.namespace, job.block_hashes)
+        job.num_copied = 0
         if not job.slots:
             return
         started = time.perf_counter()
@@ -294,6 +312,7 @@ class WorkerStoreIO:
             link.release(job.lease)
             job.lease = 0
         self.num_loaded_blocks += len(job.slots)
+        job.num_copied = len(job.slots)
 
     def _copy(self, link: StoreLink, lease: int, slots: list[int], shm_path: str, block_ids: Sequence[int]) -> None:
         """`slots` (pinned under `lease`) into device blocks `block_ids`. Same host: each run of consecutive slots into
@@ -319,15 +338,26 @@ class WorkerStoreIO:
                 kv[:, :, block_id : block_id + num].copy_(slot_view[:, :, slot : slot + num])
 
     def _read(self, link: StoreLink, lease: int, block_ids: Sequence[int]) -> None:
+        link.read_into(lease, self._receive_buffers(block_ids))
+        self._finish_receive(block_ids)
+
+    def _receive_buffers(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """Where a TCP read of `block_ids` lands, in wire order: the pool's rows themselves on the CPU, else a host
+        buffer (`_finish_receive` copies it to the device)."""
         kv = self.kv_cache
         num_rows = kv.shape[0] * kv.shape[1]
-        pool = kv.view(torch.uint8).view(num_rows, kv.shape[2], -1)
         if kv.device.type == "cpu":
-            link.read_into(lease, row_views(pool.numpy(), block_ids))
+            return row_views(kv.view(torch.uint8).view(num_rows, kv.shape[2], -1).numpy(), block_ids)
+        self._staging = torch.empty((num_rows, len(block_ids), kv[0, 0, 0].numel() * kv.element_size()),
+                                    dtype=torch.uint8, pin_memory=kv.device.type == "cuda")
+        return row_views(self._staging.numpy(), range(len(block_ids)))
+
+    def _finish_receive(self, block_ids: Sequence[int]) -> None:
+        kv = self.kv_cache
+        if kv.device.type == "cpu" or not block_ids:
             return
-        staging = torch.empty((num_rows, len(block_ids), pool.shape[2]), dtype=torch.uint8,
-                              pin_memory=kv.device.type == "cuda")
-        link.read_into(lease, row_views(staging.numpy(), range(len(block_ids))))
+        pool = kv.view(torch.uint8).view(kv.shape[0] * kv.shape[1], kv.shape[2], -1)
+        staging, self._staging = self._staging, None
         for start, block_id, num in block_runs(range(len(block_ids)), block_ids):
             pool[:, block_id : block_id + num].copy_(staging[:, start : start + num])
 

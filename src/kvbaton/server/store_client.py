@@ -77,6 +77,15 @@ class StoreClient:
     def read_into(self, lease: int, buffers: list[memoryview]) -> None:
         """A lease's blocks over the node's TCP port into `buffers` (wire order, `store_tcp.row_views`). The link is
         opened on first use and again after a failure; raises StoreUnavailable."""
+        self._over_tcp(lambda link: link.read_into(lease, buffers))
+
+    def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
+                  buffers_for: Callable[[int], list[memoryview]]) -> int:
+        """Acquire, read and release over the node's TCP port in one trip (`StoreTcpLink.load_into`): the leading
+        blocks held into `buffers_for(n)`; returns n. Raises StoreUnavailable."""
+        return self._over_tcp(lambda link: link.load_into(namespace, block_hashes, buffers_for))
+
+    def _over_tcp(self, call: Callable[[StoreTcpLink], object]) -> object:
         now = self._clock()
         if now < self._down_until:
             raise StoreUnavailable(f"store node {self.address} is down (retrying in {self._down_until - now:.1f} s)")
@@ -85,7 +94,7 @@ class StoreClient:
                 self.hello()  # the node's TCP port now (a restarted node listens on another)
                 self._tcp = StoreTcpLink(urlsplit(self.address).hostname or "127.0.0.1", self._tcp_port,
                                          self._secret, self.timeout_s)
-            self._tcp.read_into(lease, buffers)
+            return call(self._tcp)
         except (StoreLinkError, OSError, StoreUnavailable) as exc:
             if self._tcp is not None:
                 self._tcp.close()

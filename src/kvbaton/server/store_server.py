@@ -66,7 +66,7 @@ class StoreServer:
         self.num_errors = 0
         self.host_id = host_id()
         self.tcp = StoreTcpServer(lambda: self.state.slots, state.begin_read, state.end_read, self.locked, secret,
-                                  host).start()
+                                  host, acquire=self._tcp_acquire, release=state.release).start()
 
     def serve(self, poll_ms: int = 100) -> None:
         socket = self._socket
@@ -96,6 +96,13 @@ class StoreServer:
 
     def locked(self) -> threading.Lock:
         return self._lock
+
+    def _tcp_acquire(self, request: dict) -> int:
+        """A TCP `load`'s acquire (under the lock): the lease of the leading blocks held, 0 for none."""
+        try:
+            return self.state.acquire(_namespace(request), _hashes(request), self._clock())[0]
+        except KvbatonError as exc:
+            raise ValueError(str(exc)) from exc
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes

@@ -15,8 +15,14 @@ proof is no use here). The node checks the worker's proof before it reads anythi
 secret never names a lease; the worker checks the node's, so it writes only a real node's bytes into its pool.
 Every message is `framing.py`'s `u32 length | msgpack map` (never pickle); then
 
-    worker -> {id, lease}
+    worker -> {id, lease}                                read a lease acquired over the control path
     node   -> {id, num_bytes} + the lease's blocks, row by row | {id, error}
+    worker -> {id, op: "load", namespace, hashes}         acquire, read and release in one trip
+    node   -> {id, num_blocks, num_bytes} + those blocks, row by row | {id, error}
+
+A `load` is what a worker with room for the whole chain sends: the node pins the leading blocks it holds
+(`acquire`, promoting disk blocks), streams them and lets the pin go itself when the last byte is sent (or the
+send failed), so the load costs one round trip on this link and none on the control path.
 
 The payload is the lease's blocks as the slots hold them, rows first (`[rows, blocks, row bytes]`: each layer's
 K, then V, of every block in lease order), so the node sends each run of consecutive slots of a row with one
@@ -107,8 +113,12 @@ class StoreTcpServer:
 
     def __init__(self, slots: Callable[[], StoreSlots], begin_read: Callable[[int], list[int] | None],
                  end_read: Callable[[int], None], locked: Callable[[], threading.Lock], secret: ClusterSecret,
-                 host: str = "127.0.0.1", port: int = 0, timeout_s: float = 10.0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, timeout_s: float = 10.0,
+                 acquire: Callable[[dict], int] | None = None, release: Callable[[int], None] | None = None) -> None:
+        """`acquire(request)`: a `load`'s lease (0: nothing held; raises ValueError on a bad request), and
+        `release(lease)`, both the node's, called under `locked`."""
         self._slots, self._begin_read, self._end_read, self._locked = slots, begin_read, end_read, locked
+        self._acquire, self._release = acquire, release
         self._key = LinkKey(secret, STORE_LINK_PURPOSE)
         self._timeout_s = timeout_s
         self._listener = socket.create_server((host, port))
@@ -187,7 +197,34 @@ class StoreTcpServer:
         send_message(sock, {"proof": self._key.proof("welcome", nonce_r, nonce_s, [])})
         return True
 
+    def _load(self, sock: socket.socket, request: dict) -> None:
+        if self._acquire is None or self._release is None:
+            send_message(sock, {"id": request.get("id"), "error": "this node serves no loads"})
+            return
+        try:
+            with self._locked():
+                lease = self._acquire(request)
+                slots = self._begin_read(lease) if lease else []
+        except (ValueError, TypeError, KeyError) as exc:
+            send_message(sock, {"id": request.get("id"), "error": str(exc)[:200]})
+            return
+        try:
+            mapping = self._slots()
+            num_bytes = len(slots or []) * mapping.block_bytes
+            send_message(sock, {"id": request.get("id"), "num_blocks": len(slots or []), "num_bytes": num_bytes},
+                         row_views(mapping.rows, slots or []))
+            self.num_reads += 1
+            self.num_sent_bytes += num_bytes
+        finally:
+            if lease:
+                with self._locked():
+                    self._end_read(lease)
+                    self._release(lease)
+
     def _read(self, sock: socket.socket, request: dict) -> None:
+        if request.get("op") == "load":
+            self._load(sock, request)
+            return
         lease = request.get("lease")
         if not isinstance(lease, int):
             send_message(sock, {"id": request.get("id"), "error": "a read names a lease"})
@@ -255,6 +292,33 @@ class StoreTcpLink:
         except OSError as exc:
             raise StoreLinkError(f"the store link failed: {exc}") from exc
         self.num_read_bytes += expected
+
+    def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
+                  buffers_for: Callable[[int], list[memoryview]]) -> int:
+        """Acquire, read and release in one trip: the leading blocks the node holds of `block_hashes` into
+        `buffers_for(n)` (their wire order); returns n. Raises StoreLinkError as `read_into` does."""
+        self._ids += 1
+        try:
+            send_message(self._sock, {"id": self._ids, "op": "load", "namespace": list(namespace),
+                                      "hashes": list(block_hashes)})
+            reply = recv_message(self._sock)
+            if reply is None or reply.get("id") != self._ids:
+                raise StoreLinkError("the store node closed the link or answered out of turn")
+            if "error" in reply:
+                raise StoreLinkError(f"the store node refused the load: {str(reply['error'])[:200]}")
+            num_blocks = reply.get("num_blocks")
+            if not isinstance(num_blocks, int) or not 0 <= num_blocks <= len(block_hashes):
+                raise StoreLinkError(f"the store node answers {num_blocks!r} blocks of {len(block_hashes)}")
+            buffers = buffers_for(num_blocks) if num_blocks else []
+            expected = sum(len(buffer) for buffer in buffers)
+            if reply.get("num_bytes") != expected:
+                raise StoreLinkError(f"the store node sends {reply.get('num_bytes')} bytes, {expected} expected")
+            if not recv_into_buffers(self._sock, buffers):
+                raise StoreLinkError("the store node closed the link mid-load")
+        except OSError as exc:
+            raise StoreLinkError(f"the store link failed: {exc}") from exc
+        self.num_read_bytes += expected
+        return num_blocks
 
     def close(self) -> None:
         self._sock.close()

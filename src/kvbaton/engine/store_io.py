@@ -9,9 +9,10 @@
 - **Loads.** `acquire` asks the store node for the leading blocks of a chain (pinned under a lease, in its DRAM
   slots); `copy_in` copies them from the node's shared-memory slots straight into device blocks the engine
   allocated (or, when the link says the node is on another host, reads them over its TCP port into those
-  blocks: `kvbaton.transfer.store_tcp`), then releases the lease. Results come back through `take_results`, read by the engine between steps
-  (`kvbaton.engine.store_loads`). A store that does not answer (`StoreUnavailable`) fails the load: the request
-  recomputes.
+  blocks: `kvbaton.transfer.store_tcp`; with room for the whole chain, acquire, read and release are one
+  `load_into` there), then releases the lease. Results come back through `take_results`, read by the engine
+  between steps (`kvbaton.engine.store_loads`). A store that does not answer (`StoreUnavailable`) fails the
+  load: the request recomputes.
 - **Not a tier of its own.** Matching past the device cache is not done here (`match` finds nothing): loads are
   asynchronous, started by the engine before admission, so the scheduler only ever sees device hits. The host
   tier (`kvbaton.cache.host_tier`) stays as it was, for workers without a store; a worker has one or the other.

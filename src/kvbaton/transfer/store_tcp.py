@@ -1,4 +1,4 @@
-"""The KV store's cross-host data path: a worker reads the blocks a load lease pinned over plain TCP, straight into its KV pool.
+"""The KV store's cross-host data path: a worker reads a load's blocks over plain TCP, straight into its KV pool.
 
 A same-host worker maps the node's DRAM slots (`kvbaton.transfer.store_slots`) and copies them itself; a
 worker on another host (or one told to, `KVBATON_STORE_TRANSPORT=tcp`) cannot, so the node also listens on a

@@ -14,12 +14,20 @@ this process, one after the other, so each timing has the CPU to itself. Figures
   (`load_over_memcpy`, target >= 0.8), for the prefix as one prefill stored it (its slots in order, copied in
   runs), and `scattered_*` for a prefix whose slots churned apart (copied block by block); `*_copy_only_*`
   leaves the RPC out;
+- **cross-host load throughput**: the same load by a worker whose link is forced to the node's TCP data path
+  (`KVBATON_STORE_TRANSPORT=tcp` in effect: 127.0.0.1, one host) over a raw loopback socket sending the same bytes
+  from one buffer into another in the same run (`tcp_load_over_raw_socket`, target >= 0.8), interleaved, medians;
 - **ITL under loads**: a decode stream's p99 inter-token latency while two other requests load their 2,000-token
   prefixes from the store and join its batch, over the same arrivals finding their prefixes on the device already
   (`itl_p99_with_loads_over_device_hits`, target <= 1.2: what the loads cost the stream, their admission into the
-  batch being the same in both), and over the stream alone; and with the arrivals recomputing their prefixes.
+  batch being the same in both), `--itl-repeats` times interleaved: the median ratio and its spread (min, max);
+  and over the stream alone; and with the arrivals recomputing their prefixes.
 
-Cross-host loads over TCP are not built yet (the raw-socket comparison is therefore absent). Prints one JSON line.
+Copies: a load copies a run of blocks as one memcpy per layer and K/V (768 KB each for SmolLM2's 2,000 tokens),
+which glibc does with ordinary stores below its non-temporal threshold (sized from the 105 MB L3 here), at about
+0.6x the speed of one large memcpy; the benchmark, like `kvbaton serve` for its workers with a store, runs with
+the threshold at 256 KiB (`store_slots.STREAMING_COPIES`), so both the load and the memcpy it is compared with
+stream; `--no-streaming-copies` runs with glibc's default. Prints one JSON line.
 Usage: python benchmarks/kv_store_live.py [--model smollm2-135m] [--prefix-tokens 2000] [--threads 1]
 """
 
@@ -29,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +56,8 @@ from kvbaton.engine.store_io import LoadJob, block_runs, namespace_of
 from kvbaton.cache.hashing import hash_block_tokens
 from kvbaton.model.registry import load_model
 from kvbaton.server.store_client import StoreClient
+from kvbaton.transfer.store_slots import STREAMING_COPIES, with_streaming_copies
+from kvbaton.transfer.store_tcp import SOCKET_BUFFER_BYTES
 
 BLOCK = 16
 
@@ -103,7 +114,9 @@ def _settle(engine: Engine, client: StoreClient, timeout_s: float = 60.0) -> dic
 
 
 def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], repeats: int) -> dict[str, float]:
-    """The worker's load path against a single-thread memcpy of the same bytes, interleaved, medians."""
+    """The worker's load path against a single-thread memcpy of the same bytes, interleaved: medians of each, and the
+    ratios as the median (and min, max) of each adjacent pair's ratio, so a burst of the host's other load falls on
+    both sides of a pair."""
     io = engine.store_io
     hashes = hash_block_tokens(engine.cache_key, prompt, BLOCK)
     num_blocks = len(hashes)
@@ -112,6 +125,7 @@ def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], rep
     block_bytes = engine.storage.bytes_per_block
     src = np.ones(num_blocks * block_bytes, dtype=np.uint8)
     dst = np.zeros_like(src)
+    np.copyto(dst, src)  # its pages touched before any timing
     load_s, memcpy_s, copy_s = [], [], []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -123,15 +137,87 @@ def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], rep
         io.acquire_and_copy(job)  # the path a load takes when the pool has room: one trip
         kind = _result(io)
         load_s.append(time.perf_counter() - started)
-        assert kind == "copied" and len(job.slots) == num_blocks, (kind, len(job.slots), num_blocks)
+        assert kind == "copied" and job.num_copied == num_blocks, (kind, job.num_copied, num_blocks)
         copy_s.append(io.copy_in_s - copied_before)
     engine.pool.release(device_ids)
     num_bytes = num_blocks * block_bytes
     load, memcpy, copy = statistics.median(load_s), statistics.median(memcpy_s), statistics.median(copy_s)
+    ratios = sorted(m / x for m, x in zip(memcpy_s, load_s))
+    copy_ratios = sorted(m / x for m, x in zip(memcpy_s, copy_s))
     return {"load_blocks": num_blocks, "load_bytes": num_bytes, "load_gbps": num_bytes / load / 1e9,
-            "memcpy_gbps": num_bytes / memcpy / 1e9, "load_over_memcpy": memcpy / load,
-            "load_copy_only_gbps": num_bytes / copy / 1e9, "load_copy_only_over_memcpy": memcpy / copy,
-            "load_runs": len(block_runs(job.slots, device_ids))}
+            "memcpy_gbps": num_bytes / memcpy / 1e9, "load_over_memcpy": statistics.median(ratios),
+            "load_over_memcpy_min": ratios[0], "load_over_memcpy_max": ratios[-1],
+            "load_copy_only_gbps": num_bytes / copy / 1e9,
+            "load_copy_only_over_memcpy": statistics.median(copy_ratios),
+            "load_runs": len(block_runs(job.slots, device_ids)), "repeats": repeats}
+
+
+_RAW_SENDER = """
+import socket, sys
+num_bytes, buffer_bytes = int(sys.argv[1]), int(sys.argv[2])
+payload = memoryview(bytearray(b"\\x01" * num_bytes))
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+peer, _ = listener.accept()
+peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while peer.recv(1):
+    peer.sendall(payload)
+"""
+
+
+class _RawSocket:
+    """A raw loopback TCP stream of `num_bytes` from another process (as the store node is), into one buffer here:
+    what the TCP load path is compared with. Same socket buffer sizes as the store's link."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", _RAW_SENDER, str(num_bytes), str(SOCKET_BUFFER_BYTES)],
+                                        stdout=subprocess.PIPE, text=True)
+        port = int(self.process.stdout.readline())  # type: ignore[union-attr]
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.dst = np.zeros(num_bytes, dtype=np.uint8)
+
+    def receive_s(self) -> float:
+        view = memoryview(self.dst)
+        started = time.perf_counter()
+        self.sock.send(b"x")
+        while view:
+            view = view[self.sock.recv_into(view):]
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.sock.close()
+        self.process.wait(10)
+
+
+def _tcp_throughput(engine: Engine, prompt: list[int], repeats: int) -> dict[str, float]:
+    """The TCP load path (`engine`'s link forced to tcp) against a raw loopback socket, interleaved, medians."""
+    io = engine.store_io
+    hashes = hash_block_tokens(engine.cache_key, prompt, BLOCK)
+    num_bytes = len(hashes) * engine.storage.bytes_per_block
+    engine.reset_prefix_cache()
+    device_ids = engine.pool.allocate(len(hashes))  # timing only: no request runs meanwhile
+    tcp_s, raw_s = [], []
+    raw = _RawSocket(num_bytes)
+    try:
+        for _ in range(repeats):
+            raw_s.append(raw.receive_s())
+            job = LoadJob("bench", namespace_of(engine.cache_key), list(hashes), device_block_ids=device_ids)
+            started = time.perf_counter()
+            io.acquire_and_copy(job)  # one trip on the node's TCP port
+            kind = _result(io)
+            tcp_s.append(time.perf_counter() - started)
+            assert kind == "copied" and job.num_copied == len(hashes), (kind, job.num_copied, len(hashes))
+    finally:
+        raw.close()
+        engine.pool.release(device_ids)
+    tcp, raw = statistics.median(tcp_s), statistics.median(raw_s)
+    ratios = sorted(r / t for r, t in zip(raw_s, tcp_s))
+    return {"tcp_load_gbps": num_bytes / tcp / 1e9, "raw_socket_gbps": num_bytes / raw / 1e9,
+            "tcp_load_over_raw_socket": statistics.median(ratios), "tcp_load_over_raw_socket_min": ratios[0],
+            "tcp_load_over_raw_socket_max": ratios[-1], "tcp_transport": engine.store_io.transport}
 
 
 def _result(io: Any) -> str:
@@ -167,9 +253,14 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prefix-tokens", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--stream-tokens", type=int, default=64)
+    parser.add_argument("--itl-repeats", type=int, default=3)
+    parser.add_argument("--no-streaming-copies", action="store_true", help="glibc's default memcpy threshold")
     args = parser.parse_args()
+    if not args.no_streaming_copies and STREAMING_COPIES not in os.environ.get("GLIBC_TUNABLES", ""):
+        # glibc reads its tunables when the process starts: run again with them
+        os.execve(sys.executable, [sys.executable, *sys.argv], with_streaming_copies(dict(os.environ)))
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, "auto", "cpu")
     vocab = loaded.config.vocab_size
@@ -199,6 +290,7 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
 
     a = Engine(config, loaded, create_store_link=link)
     b = Engine(config, loaded, create_store_link=link)
+    c = Engine(config, loaded, create_store_link=lambda: StoreClient(address, secret, transport="tcp"))
     plain = Engine(config, loaded)
     client = StoreClient(address, secret)
     try:
@@ -208,10 +300,17 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
         _generate(plain, _prompt(0, 64, vocab), 2)
         ref_tokens, ttft_recompute, _ = _generate(plain, prompt, 8)
         a_tokens, ttft_a, _ = _generate(a, prompt, 8)
+        # A again, its prefix a device hit: bf16 numerics of a prefill over a cached prefix (one short chunk after
+        # 2,000 cached tokens) may differ from the full prefill's chunks, with or without a store: the loads must
+        # match this exactly (same bytes in the pool as the hit's), and match recomputing where numerics allow.
+        hit_tokens, _, cached_hit = _generate(a, prompt, 8)
         _settle(a, client)
         b_tokens, ttft_store, cached_b = _generate(b, prompt, 8)
         # The prefix as one prefill stored it (its slots in order): the common case of a load.
         throughput = _load_throughput(b, client, prompt[: args.prefix_tokens], args.repeats)
+        # The same prefix by C, whose link reads the node's slots over its TCP port (cross-host path, on loopback).
+        c_tokens, ttft_tcp, cached_c = _generate(c, prompt, 8)
+        tcp = _tcp_throughput(c, prompt[: args.prefix_tokens], args.repeats)
         b.reset_prefix_cache()  # evicted from every device pool: back from the store's DRAM
         a.reset_prefix_cache()
         dram_tokens, ttft_dram, cached_dram = _generate(b, prompt, 8)
@@ -238,33 +337,48 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
         # prefill, and load nothing), then from the store: the difference is what the loads cost the stream.
         for loader in loaders:
             _generate(b, loader, 1)
-        itl_device = _itl_p99(b, stream_prompt, loaders, args.stream_tokens)
-        b.reset_prefix_cache()
-        itl_loads = _itl_p99(b, stream_prompt, loaders, args.stream_tokens)
+        itl_device_runs, itl_loads_runs = [], []
+        for _ in range(args.itl_repeats):  # interleaved: the host's noise falls on both alike
+            itl_device_runs.append(_itl_p99(b, stream_prompt, loaders, args.stream_tokens))
+            b.reset_prefix_cache()
+            itl_loads_runs.append(_itl_p99(b, stream_prompt, loaders, args.stream_tokens))
+            for loader in loaders:  # back on the device for the next device-hit run (loaded from the store)
+                _generate(b, loader, 1)
+        itl_ratios = sorted(x / y for x, y in zip(itl_loads_runs, itl_device_runs))
+        itl_device, itl_loads = statistics.median(itl_device_runs), statistics.median(itl_loads_runs)
         plain.reset_prefix_cache()
         _generate(plain, stream_prompt, 1)  # the stream's own prompt cached, as it is on B after the first run
         itl_recompute = _itl_p99(plain, stream_prompt, loaders, args.stream_tokens)
-        for engine in (a, b, plain):
+        for engine in (a, b, c, plain):
             engine.check_invariants()
         return {
             "model": args.model, "threads": args.threads, "prefix_tokens": args.prefix_tokens,
             "block_bytes": block_bytes, "store_dram_gb": round(dram_gb, 4),
             "ttft_recompute_s": ttft_recompute, "ttft_worker_a_s": ttft_a, "ttft_store_s": ttft_store,
             "ttft_store_over_recompute": ttft_store / ttft_recompute, "cached_tokens_b": cached_b,
-            "same_output": ref_tokens == a_tokens == b_tokens == dram_tokens and disk_tokens == disk_ref,
+            "same_output": ref_tokens == a_tokens == b_tokens == dram_tokens == c_tokens and disk_tokens == disk_ref,
+            "same_output_each": {"a": a_tokens == ref_tokens, "b_store": b_tokens == ref_tokens,
+                                 "b_dram_reload": dram_tokens == ref_tokens, "c_tcp": c_tokens == ref_tokens,
+                                 "b_disk_reload": disk_tokens == disk_ref, "a_device_hit": hit_tokens == ref_tokens},
+            "same_output_as_device_hit": b_tokens == dram_tokens == c_tokens == hit_tokens and cached_hit > 0,
+            "ttft_tcp_s": ttft_tcp, "cached_tokens_tcp": cached_c, **tcp,
+            "streaming_copies": STREAMING_COPIES in os.environ.get("GLIBC_TUNABLES", ""),
             "ttft_dram_reload_s": ttft_dram, "cached_tokens_dram_reload": cached_dram,
             "ttft_disk_reload_s": ttft_disk, "cached_tokens_disk_reload": cached_disk,
             "disk_blocks_read_on_reload": after["num_disk_read_blocks"] - before["num_disk_read_blocks"],
             **throughput, **{f"scattered_{k}": v for k, v in scattered.items()},
             "itl_p99_alone_s": itl_alone, "itl_p99_with_loads_s": itl_loads,
             "itl_p99_with_loads_over_alone": itl_loads / itl_alone, "itl_p99_with_device_hits_s": itl_device,
-            "itl_p99_with_loads_over_device_hits": itl_loads / itl_device, "itl_p99_with_recompute_s": itl_recompute,
+            "itl_p99_with_loads_over_device_hits": statistics.median(itl_ratios),
+            "itl_p99_with_loads_over_device_hits_min": itl_ratios[0],
+            "itl_p99_with_loads_over_device_hits_max": itl_ratios[-1],
+            "itl_p99_with_loads_over_device_hits_runs": itl_ratios, "itl_p99_with_recompute_s": itl_recompute,
             "num_loaded_blocks_b": b.store_io.num_loaded_blocks, "num_dropped_saves_a": a.store_io.num_dropped_saves,
             "store_stats": client.stats(),
         }
     finally:
         client.close()
-        for engine in (a, b):
+        for engine in (a, b, c):
             engine.close()
 
 

@@ -5,8 +5,10 @@ aborts mid-load and a dead store node end with every block accounted for."""
 from __future__ import annotations
 
 import random
+import socket
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from kvbaton.model.registry import load_model
 from kvbaton.server.store_client import StoreClient
 from kvbaton.server.store_node import StoreNodeState
 from kvbaton.server.store_server import StoreServer
+from kvbaton.transfer import store_tcp
 from kvbaton.transfer.store_disk import DiskBlockFiles
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
@@ -53,8 +56,11 @@ class _Store:
         self.server = StoreServer(self.state, SECRET)
         self.thread = self.server.start_thread()
 
-    def link(self, timeout_s: float = 2.0) -> Callable[[], StoreClient]:
-        return lambda: StoreClient(self.server.address, SECRET, timeout_s=timeout_s, retry_after_s=0.5)
+    def link(self, timeout_s: float = 2.0, transport: str = "auto") -> Callable[[], StoreClient]:
+        """A worker's link: "auto" maps the node's slots (same host), "tcp" reads them over the node's TCP port, as
+        a worker on another host does."""
+        return lambda: StoreClient(self.server.address, SECRET, timeout_s=timeout_s, retry_after_s=0.5,
+                                   transport=transport)
 
     def check(self) -> None:
         with self.server.locked():
@@ -116,10 +122,12 @@ def reference(loaded) -> list[int]:  # noqa: ANN001
     return _tokens(_run(engine, _prompt()))
 
 
-def test_a_prompt_computed_on_a_is_loaded_by_b(loaded, make_store, reference: list[int]) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_prompt_computed_on_a_is_loaded_by_b(loaded, make_store, reference: list[int],  # noqa: ANN001
+                                               transport: str) -> None:
     store = make_store()
     a = Engine(_config(), loaded, create_store_link=store.link())
-    b = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link(transport=transport))
     try:
         out_a = _run(a, _prompt())
         assert _tokens(out_a) == reference and out_a[-1].num_cached_tokens == 0
@@ -128,6 +136,8 @@ def test_a_prompt_computed_on_a_is_loaded_by_b(loaded, make_store, reference: li
         assert _tokens(out_b) == reference
         assert out_b[-1].num_cached_tokens == (199 // BLOCK) * BLOCK  # all but the last token's block
         assert b.store_io.num_loaded_blocks == 199 // BLOCK and b.store_io.num_saved_blocks == 0
+        assert b.store_io.transport == ("tcp" if transport == "tcp" else "shm")
+        assert store.server.tcp.num_reads == (1 if transport == "tcp" else 0)
         for engine in (a, b):
             engine.check_invariants()
         store.check()
@@ -137,20 +147,21 @@ def test_a_prompt_computed_on_a_is_loaded_by_b(loaded, make_store, reference: li
         b.close()
 
 
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_wrong_kv_loaded_changes_the_output(loaded, make_store, reference: list[int],  # noqa: ANN001
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                           monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
     """The equality above can fail: a load that brings back altered KV changes the greedy output."""
-    copy = WorkerStoreIO._copy
+    load = WorkerStoreIO._acquire_copy  # the path of a load with room in the pool, over shm and tcp alike
 
-    def scaled_copy(self: WorkerStoreIO, link, job) -> None:  # noqa: ANN001
-        copy(self, link, job)
-        for block_id in job.device_block_ids:
+    def scaled_load(self: WorkerStoreIO, link, job) -> None:  # noqa: ANN001
+        load(self, link, job)
+        for block_id in job.device_block_ids[: job.num_copied]:
             self.kv_cache[:, :, block_id] *= 3.0
 
-    monkeypatch.setattr(WorkerStoreIO, "_copy", scaled_copy)
+    monkeypatch.setattr(WorkerStoreIO, "_acquire_copy", scaled_load)
     store = make_store()
     a = Engine(_config(), loaded, create_store_link=store.link())
-    b = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link(transport=transport))
     try:
         _run(a, _prompt())
         _wait_saved(store, 12)
@@ -240,9 +251,11 @@ def test_abort_during_a_load_frees_every_block(loaded, make_store, abort_after_s
         b.close()
 
 
-def test_a_dead_store_node_fails_over_to_recompute(loaded, make_store, reference: list[int]) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_dead_store_node_fails_over_to_recompute(loaded, make_store, reference: list[int],  # noqa: ANN001
+                                                   transport: str) -> None:
     store = make_store()
-    a = Engine(_config(), loaded, create_store_link=store.link(timeout_s=0.5))
+    a = Engine(_config(), loaded, create_store_link=store.link(timeout_s=0.5, transport=transport))
     try:
         _run(a, _prompt(seed=3))
         store.stop()
@@ -253,6 +266,46 @@ def test_a_dead_store_node_fails_over_to_recompute(loaded, make_store, reference
         a.check_invariants()
     finally:
         a.close()
+
+
+@pytest.mark.parametrize("fault", ["dies", "stalls"])
+def test_a_store_node_that_dies_or_stalls_mid_tcp_read_fails_over_to_recompute(  # noqa: ANN001
+        loaded, make_store, reference: list[int], monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """The node sends a read's header and part of its bytes, then its link closes (the node died) or nothing more
+    comes (it hangs): the load fails within the link's timeout, the request recomputes with the same output, and
+    its device blocks and the lease all go back."""
+    store = make_store()
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link(timeout_s=0.5, transport="tcp"))
+    stalled = threading.Event()
+    send = store_tcp.send_message
+
+    def broken_send(sock: socket.socket, message: dict, payload: Sequence[memoryview] = ()) -> None:
+        send(sock, message, payload[:1])  # a read's header and its first run only
+        if payload and fault == "dies":
+            sock.shutdown(socket.SHUT_RDWR)
+        elif payload:
+            stalled.wait(5)
+
+    try:
+        _run(a, _prompt())
+        _wait_saved(store, 12)
+        monkeypatch.setattr(store_tcp, "send_message", broken_send)
+        started = time.monotonic()
+        out = _run(b, _prompt())
+        assert _tokens(out) == reference and out[-1].num_cached_tokens == 0 and time.monotonic() - started < 10
+        assert b.store_loads.num_failed_requests == 1 and b.store_io.num_failed_loads == 1
+        b.check_invariants()
+        stalled.set()
+        deadline = time.monotonic() + 10
+        while store.state.num_leases:  # released by the worker; the read's end lets the node unpin it
+            assert time.monotonic() < deadline, "a lease is left pinned"
+            time.sleep(0.01)
+        store.check()
+    finally:
+        stalled.set()
+        a.close()
+        b.close()
 
 
 def test_leases_of_a_dead_worker_expire(loaded, make_store) -> None:  # noqa: ANN001
@@ -327,17 +380,18 @@ def test_a_restarted_store_node_is_remapped_never_read_stale(loaded, tmp_path: P
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=st.lists(st.tuples(st.integers(0, 3), st.one_of(st.none(), st.integers(0, 4))), min_size=1, max_size=5),
-       kill_store_at=st.one_of(st.none(), st.integers(0, 6)))
+       kill_store_at=st.one_of(st.none(), st.integers(0, 6)), transport=st.sampled_from(["auto", "tcp"]))
 def test_random_loads_aborts_and_a_store_death_keep_every_block_accounted(loaded, tmp_path: Path,  # noqa: ANN001
                                                                            plan: list[tuple[int, int | None]],
-                                                                           kill_store_at: int | None) -> None:
+                                                                           kill_store_at: int | None,
+                                                                           transport: str) -> None:
     """Requests over four prompts some other worker computed, some aborted at a random step, the store node maybe
     killed mid-way: every step keeps the engine's invariants, and at the end only the cache holds blocks."""
     kv = loaded.config
     block_bytes = kv.num_layers * 2 * BLOCK * kv.num_kv_heads * kv.head_dim * 4
     store = _Store(block_bytes, tmp_path, 48, 0, 30.0)
     a = Engine(_config(), loaded, create_store_link=store.link(timeout_s=0.5))
-    b = Engine(_config(num_blocks=64), loaded, create_store_link=store.link(timeout_s=0.5))
+    b = Engine(_config(num_blocks=64), loaded, create_store_link=store.link(timeout_s=0.5, transport=transport))
     try:
         for seed in range(4):
             _run(a, _prompt(seed, 120))
@@ -367,13 +421,14 @@ def test_random_loads_aborts_and_a_store_death_keep_every_block_accounted(loaded
         store.stop()
 
 
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_a_load_short_of_free_blocks_takes_them_from_the_cache(loaded, make_store,  # noqa: ANN001
-                                                               reference: list[int]) -> None:
+                                                               reference: list[int], transport: str) -> None:
     """With fewer free blocks than the prefix needs, the load asks first and then evicts cached blocks for what the
     node has (the two-trip path): same output, the load counted, every block accounted for."""
     store = make_store()
     a = Engine(_config(), loaded, create_store_link=store.link())
-    b = Engine(_config(num_blocks=20), loaded, create_store_link=store.link())
+    b = Engine(_config(num_blocks=20), loaded, create_store_link=store.link(transport=transport))
     try:
         _run(a, _prompt())
         _wait_saved(store, 12)

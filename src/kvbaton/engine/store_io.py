@@ -8,9 +8,11 @@
   admin's reset, not a step) copies the pending blocks out itself instead, so a reset loses no save.
 - **Loads.** `acquire` asks the store node for the leading blocks of a chain (pinned under a lease, in its DRAM
   slots); `copy_in` copies them from the node's shared-memory slots straight into device blocks the engine
-  allocated, then releases the lease. Results come back through `take_results`, read by the engine between steps
-  (`kvbaton.engine.store_loads`). A store that does not answer (`StoreUnavailable`) fails the load: the request
-  recomputes.
+  allocated (or, when the link says the node is on another host, reads them over its TCP port into those
+  blocks: `kvbaton.transfer.store_tcp`; with room for the whole chain, acquire, read and release are one
+  `load_into` there), then releases the lease. Results come back through `take_results`, read by the engine
+  between steps (`kvbaton.engine.store_loads`). A store that does not answer (`StoreUnavailable`) fails the
+  load: the request recomputes.
 - **Not a tier of its own.** Matching past the device cache is not done here (`match` finds nothing): loads are
   asynchronous, started by the engine before admission, so the scheduler only ever sees device hits. The host
   tier (`kvbaton.cache.host_tier`) stays as it was, for workers without a store; a worker has one or the other.
@@ -30,6 +32,7 @@ import torch
 
 from kvbaton.cache.host_tier import EvictedBlock
 from kvbaton.transfer.store_slots import StoreSlots
+from kvbaton.transfer.store_tcp import row_views
 
 
 class StoreUnavailable(RuntimeError):
@@ -39,8 +42,9 @@ class StoreUnavailable(RuntimeError):
 class StoreLink(Protocol):
     """The worker's connection to its store node (`kvbaton.server.store_client.StoreClient`); one thread uses it."""
 
-    def hello(self) -> tuple[str, int, int, int]:
-        """(shared-memory path of the DRAM slots, bytes per block, number of slots, rows per block)."""
+    def hello(self) -> dict:
+        """The node's slots: `shm_path`, `block_bytes`, `num_slots`, `num_rows` (rows per block), and `transport`:
+        "shm" (map the slots and copy them) or "tcp" (read leased slots with `read_into`)."""
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
             payloads: Sequence[memoryview]) -> bool:
@@ -49,6 +53,13 @@ class StoreLink(Protocol):
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
         """(lease, slots, the slots' shared-memory path) of the leading blocks the node holds, pinned; raises
         StoreUnavailable."""
+
+    def read_into(self, lease: int, buffers: list[memoryview]) -> None:
+        """The lease's blocks, rows first, into `buffers` over TCP; raises StoreUnavailable."""
+
+    def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
+                  buffers_for: Callable[[int], list[memoryview]]) -> int:
+        """Acquire, read (rows first, into `buffers_for(n)`) and release over TCP in one trip; returns n."""
 
     def release(self, lease: int) -> bool:
         """Unpin a lease's blocks, not waiting."""
@@ -67,6 +78,7 @@ class LoadJob:
     slots: list[int] = field(default_factory=list)  # of the leading blocks the node holds
     shm_path: str = ""  # the file those slots are in
     device_block_ids: list[int] = field(default_factory=list)
+    num_copied: int = 0  # leading blocks copied into device_block_ids (set with the "copied" result)
     error: str = ""
 
 
@@ -99,6 +111,8 @@ class WorkerStoreIO:
         self._slots: torch.Tensor | None = None
         self._mapping: StoreSlots | None = None
         self._rows: tuple[np.ndarray, np.ndarray] | None = None
+        self.transport = ""  # "shm" | "tcp", from the node's hello
+        self._staging: torch.Tensor | None = None  # a TCP read's host buffer on an accelerator
         self.skip_saves: set[int] = set()  # hashes loaded from the store: caching them saves nothing
         self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
         self.num_loaded_blocks = self.num_failed_loads = 0
@@ -230,22 +244,18 @@ class WorkerStoreIO:
                         item.lease, item.slots, item.shm_path = link.acquire(item.namespace, item.block_hashes)
                         self._results.put(("acquired", item))
                     elif kind == "acquire_copy":
-                        item.lease, item.slots, item.shm_path = link.acquire(item.namespace, item.block_hashes)
-                        if item.slots:
-                            started = time.perf_counter()
-                            self._copy(link, item)
-                            self.copy_in_s += time.perf_counter() - started
-                            link.release(item.lease)
-                            item.lease = 0
-                            self.num_loaded_blocks += len(item.slots)
+                        self._acquire_copy(link, item)
                         self._results.put(("copied", item))
                     elif kind == "copy":
                         started = time.perf_counter()
-                        self._copy(link, item)
-                        self.copy_in_s += time.perf_counter() - started
-                        link.release(item.lease)
-                        item.lease = 0
+                        try:
+                            self._copy(link, item.lease, item.slots, item.shm_path, item.device_block_ids)
+                        finally:
+                            self.copy_in_s += time.perf_counter() - started
+                            link.release(item.lease)
+                            item.lease = 0
                         self.num_loaded_blocks += len(item.device_block_ids)
+                        item.num_copied = len(item.device_block_ids)
                         self._results.put(("copied", item))
                     elif kind == "release":
                         link.release(item)
@@ -275,34 +285,100 @@ class WorkerStoreIO:
         else:
             self.num_dropped_saves += len(payloads)
 
-    def _copy(self, link: StoreLink, job: LoadJob) -> None:
-        """Each run of consecutive slots into consecutive device blocks in one copy: the slots are laid out as the
-        pool is (`[layers, 2, slots, ...]`), so that is one memcpy per row. On the CPU through numpy views in 8-byte
-        words (torch's strided bf16 copy runs at a third of memcpy's speed)."""
-        if self._mapping is not None and self._mapping.path != job.shm_path:
+    def _acquire_copy(self, link: StoreLink, job: LoadJob) -> None:
+        """Acquire the chain and copy what the node holds into the job's first device blocks, then release the lease.
+        One acquire for the whole chain: acquiring it in pieces, to copy one while the node pins the next, measured
+        slower here (each piece's rows fall under glibc's streaming-copy threshold, and the first answer's round
+        trip, which no pipelining hides, stays)."""
+        self._attach(link)
+        if self.transport == "tcp":  # one trip on the node's TCP port: it acquires, streams and releases
+            started = time.perf_counter()
+            try:
+                job.num_copied = link.load_into(job.namespace, job.block_hashes,
+                                                lambda num: self._receive_buffers(job.device_block_ids[:num]))
+                self._finish_receive(job.device_block_ids[: job.num_copied])
+            finally:
+                self.copy_in_s += time.perf_counter() - started
+            self.num_loaded_blocks += job.num_copied
+            return
+        job.lease, job.slots, job.shm_path = link.acquire(job.namespace, job.block_hashes)
+        job.num_copied = 0
+        if not job.slots:
+            return
+        started = time.perf_counter()
+        try:
+            self._copy(link, job.lease, job.slots, job.shm_path, job.device_block_ids[: len(job.slots)])
+        finally:
+            self.copy_in_s += time.perf_counter() - started
+            link.release(job.lease)
+            job.lease = 0
+        self.num_loaded_blocks += len(job.slots)
+        job.num_copied = len(job.slots)
+
+    def _copy(self, link: StoreLink, lease: int, slots: list[int], shm_path: str, block_ids: Sequence[int]) -> None:
+        """`slots` (pinned under `lease`) into device blocks `block_ids`. Same host: each run of consecutive slots into
+        consecutive device blocks in one copy from the node's mapping (the slots are laid out as the pool is,
+        `[layers, 2, slots, ...]`, so one memcpy per row; on the CPU through numpy views in 8-byte words: torch's
+        strided bf16 copy runs at a third of memcpy's speed). Over TCP: the node streams the lease's rows and the
+        socket scatters them into the pool's rows (on an accelerator, through a host buffer)."""
+        self._attach(link)
+        if self.transport == "tcp":
+            self._read(link, lease, block_ids)
+            return
+        if self._mapping is not None and self._mapping.path != shm_path:
             self._slots = self._mapping = self._rows = None  # the node restarted: its slots are in a new file
-        slots = self._slot_view(link)
-        if self._mapping.path != job.shm_path:
-            raise StoreUnavailable(f"the store node's slots moved from {job.shm_path} to {self._mapping.path}")
+        slot_view = self._attach(link)
+        if self._mapping.path != shm_path:
+            raise StoreUnavailable(f"the store node's slots moved from {shm_path} to {self._mapping.path}")
         kv = self.kv_cache
         rows = self._rows
-        for slot, block_id, num in block_runs(job.slots, job.device_block_ids):
+        for slot, block_id, num in block_runs(slots, block_ids):
             if rows is not None:
                 np.copyto(rows[0][:, block_id : block_id + num], rows[1][:, slot : slot + num])
             else:
-                kv[:, :, block_id : block_id + num].copy_(slots[:, :, slot : slot + num])
+                kv[:, :, block_id : block_id + num].copy_(slot_view[:, :, slot : slot + num])
 
-    def _slot_view(self, link: StoreLink) -> torch.Tensor:
-        """The store node's DRAM slots as `[layers, 2, slots, block_size, kv_heads, head_dim]` (mapped once)."""
-        if self._slots is None:
-            path, block_bytes, num_slots, num_rows = link.hello()
+    def _read(self, link: StoreLink, lease: int, block_ids: Sequence[int]) -> None:
+        link.read_into(lease, self._receive_buffers(block_ids))
+        self._finish_receive(block_ids)
+
+    def _receive_buffers(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """Where a TCP read of `block_ids` lands, in wire order: the pool's rows themselves on the CPU, else a host
+        buffer (`_finish_receive` copies it to the device)."""
+        kv = self.kv_cache
+        num_rows = kv.shape[0] * kv.shape[1]
+        if kv.device.type == "cpu":
+            return row_views(kv.view(torch.uint8).view(num_rows, kv.shape[2], -1).numpy(), block_ids)
+        self._staging = torch.empty((num_rows, len(block_ids), kv[0, 0, 0].numel() * kv.element_size()),
+                                    dtype=torch.uint8, pin_memory=kv.device.type == "cuda")
+        return row_views(self._staging.numpy(), range(len(block_ids)))
+
+    def _finish_receive(self, block_ids: Sequence[int]) -> None:
+        kv = self.kv_cache
+        if kv.device.type == "cpu" or not block_ids:
+            return
+        pool = kv.view(torch.uint8).view(kv.shape[0] * kv.shape[1], kv.shape[2], -1)
+        staging, self._staging = self._staging, None
+        for start, block_id, num in block_runs(range(len(block_ids)), block_ids):
+            pool[:, block_id : block_id + num].copy_(staging[:, start : start + num])
+
+    def _attach(self, link: StoreLink) -> torch.Tensor | None:
+        """Ask the node once for its slots; on the same host map them, as `[layers, 2, slots, block_size, kv_heads,
+        head_dim]` (None over TCP)."""
+        if self._slots is None and self.transport != "tcp":
+            hello = link.hello()
             kv = self.kv_cache
-            shape = (kv.shape[0], kv.shape[1], num_slots, *kv.shape[3:])
             expected = kv[:, :, 0].numel() * kv.element_size()
-            if block_bytes != expected or num_rows != kv.shape[0] * kv.shape[1]:
-                raise StoreUnavailable(f"the store node's blocks are {block_bytes} bytes in {num_rows} rows, this "
-                                       f"worker's {expected} in {kv.shape[0] * kv.shape[1]}")
-            self._mapping = StoreSlots.attach(path, block_bytes, num_slots, num_rows)
+            if hello["block_bytes"] != expected or hello["num_rows"] != kv.shape[0] * kv.shape[1]:
+                raise StoreUnavailable(f"the store node's blocks are {hello['block_bytes']} bytes in "
+                                       f"{hello['num_rows']} rows, this worker's {expected} in "
+                                       f"{kv.shape[0] * kv.shape[1]}")
+            self.transport = hello["transport"]
+            if self.transport == "tcp":
+                return None
+            shape = (kv.shape[0], kv.shape[1], hello["num_slots"], *kv.shape[3:])
+            self._mapping = StoreSlots.attach(hello["shm_path"], hello["block_bytes"], hello["num_slots"],
+                                              hello["num_rows"])
             self._slots = torch.frombuffer(self._mapping.buffer, dtype=kv.dtype).view(shape)
             self._rows = _word_rows(kv, self._mapping) if kv.device.type == "cpu" else None
         return self._slots

@@ -126,7 +126,7 @@ class StoreLoads:
     def _adopt(self, entry: _Loading) -> bool:
         """Cache the blocks copied below the locked prefix; False when there were none."""
         job = entry.job
-        num = min(len(job.slots), len(job.device_block_ids))  # the blocks copied (the rest are released unused)
+        num = job.num_copied  # the leading blocks copied (the rest are released unused)
         if not num:
             return False
         self.io.skip_saves = set(job.block_hashes[:num])  # the store has them: caching them writes nothing

@@ -31,6 +31,7 @@ import uvicorn
 import uvloop
 
 from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret, worker_environment
+from kvbaton.transfer.store_slots import with_streaming_copies
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.config import ModelConfig
 from kvbaton.model.registry import read_model_header, resolve_dtype, resolve_model_source
@@ -444,6 +445,8 @@ class Launcher:
         config = self.config
         if self.placement is None:
             environment = worker_environment(self.secret, dict(os.environ))
+            if config.kv_store_gb:  # store loads copy a row of blocks per memcpy: let those stream
+                environment = with_streaming_copies(environment)
             for worker_id, role in worker_roles(config):
                 process = subprocess.Popen(worker_command(config, address, worker_id, role), start_new_session=True,
                                            env=environment)

@@ -6,14 +6,22 @@ and dropped, never queued without bound, when the socket's send queue is full (`
 waits at most `timeout_s` for its answer and raises `StoreUnavailable` otherwise. After a failure the node is
 taken as down for `retry_after_s`: every call in that window fails at once, so a dead store node costs each
 request at most one timeout and then nothing (they recompute).
+
+**Which data path.** `hello` answers the node's host id: a worker on the same host (same id) maps the node's
+shared-memory slots and copies them itself; one on another host reads the leased slots over the node's TCP
+port (`kvbaton.transfer.store_tcp`, `read_into`). `transport` ("auto", "shm" or "tcp"; by default the
+`KVBATON_STORE_TRANSPORT` environment variable, else "auto") forces one, so tests and benchmarks on one host
+run the cross-host path on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
 
 import msgpack
 import zmq
@@ -23,12 +31,25 @@ from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.engine.store_io import StoreUnavailable
 from kvbaton.server.rpc_auth import secure_dealer
 from kvbaton.server.store_server import STORE_CHANNEL
+from kvbaton.transfer.store_slots import host_id
+from kvbaton.transfer.store_tcp import StoreLinkError, StoreTcpLink
+
+TRANSPORT_ENV = "KVBATON_STORE_TRANSPORT"
+TRANSPORTS = ("auto", "shm", "tcp")
 
 
 class StoreClient:
     def __init__(self, address: str, secret: ClusterSecret, timeout_s: float = 10.0, retry_after_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, max_queued_messages: int = 256) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_queued_messages: int = 256,
+                 transport: str | None = None) -> None:
+        transport = transport or os.environ.get(TRANSPORT_ENV) or "auto"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"a store transport is one of {TRANSPORTS}, got {transport!r}")
+        self.transport = transport
         self.address = address
+        self._secret = secret
+        self._tcp: StoreTcpLink | None = None
+        self._tcp_port = 0
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self._clock = clock
@@ -41,9 +62,45 @@ class StoreClient:
         self._ids = itertools.count(1)
         self._down_until = 0.0
 
-    def hello(self) -> tuple[str, int, int, int]:
+    def hello(self) -> dict:
+        """The node's slots (`shm_path`, `block_bytes`, `num_slots`, `num_rows`) and `transport`: "shm" when this
+        process maps them, "tcp" when it reads them over the node's TCP port."""
         reply = self._call({"op": "hello"})
-        return reply["shm_path"], int(reply["block_bytes"]), int(reply["num_slots"]), int(reply["num_rows"])
+        self._tcp_port = int(reply.get("tcp_port", 0))
+        same_host = reply.get("host_id") == host_id()
+        transport = self.transport if self.transport != "auto" else ("shm" if same_host else "tcp")
+        if transport == "shm" and not same_host:
+            raise StoreUnavailable(f"store node {self.address} is on another host: its slots cannot be mapped")
+        return {"shm_path": str(reply["shm_path"]), "block_bytes": int(reply["block_bytes"]),
+                "num_slots": int(reply["num_slots"]), "num_rows": int(reply["num_rows"]), "transport": transport}
+
+    def read_into(self, lease: int, buffers: list[memoryview]) -> None:
+        """A lease's blocks over the node's TCP port into `buffers` (wire order, `store_tcp.row_views`). The link is
+        opened on first use and again after a failure; raises StoreUnavailable."""
+        self._over_tcp(lambda link: link.read_into(lease, buffers))
+
+    def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
+                  buffers_for: Callable[[int], list[memoryview]]) -> int:
+        """Acquire, read and release over the node's TCP port in one trip (`StoreTcpLink.load_into`): the leading
+        blocks held into `buffers_for(n)`; returns n. Raises StoreUnavailable."""
+        return self._over_tcp(lambda link: link.load_into(namespace, block_hashes, buffers_for))
+
+    def _over_tcp(self, call: Callable[[StoreTcpLink], object]) -> object:
+        now = self._clock()
+        if now < self._down_until:
+            raise StoreUnavailable(f"store node {self.address} is down (retrying in {self._down_until - now:.1f} s)")
+        try:
+            if self._tcp is None:
+                self.hello()  # the node's TCP port now (a restarted node listens on another)
+                self._tcp = StoreTcpLink(urlsplit(self.address).hostname or "127.0.0.1", self._tcp_port,
+                                         self._secret, self.timeout_s)
+            return call(self._tcp)
+        except (StoreLinkError, OSError, StoreUnavailable) as exc:
+            if self._tcp is not None:
+                self._tcp.close()
+                self._tcp = None
+            self._down_until = self._clock() + self.retry_after_s
+            raise StoreUnavailable(str(exc)) from exc
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
             payloads: Sequence[memoryview]) -> bool:
@@ -55,7 +112,9 @@ class StoreClient:
         return int(reply["lease"]), [int(slot) for slot in reply["slots"]], str(reply["shm_path"])
 
     def release(self, lease: int) -> bool:
-        return self._send([msgpack.packb({"op": "release", "lease": lease})])
+        """Sent even while the node is taken as down (a failed TCP read leaves the control path up): a pin is let
+        go as soon as the node can hear it, not when its lease expires."""
+        return self._send([msgpack.packb({"op": "release", "lease": lease})], even_if_down=True)
 
     def stats(self) -> dict:
         return self._call({"op": "stats"})
@@ -64,11 +123,13 @@ class StoreClient:
         return self._call({"op": "events", "since": seq})
 
     def close(self) -> None:
+        if self._tcp is not None:
+            self._tcp.close()
         self._socket.close()
         self._context.term()
 
-    def _send(self, frames: list) -> bool:
-        if self._clock() < self._down_until:
+    def _send(self, frames: list, even_if_down: bool = False) -> bool:
+        if self._clock() < self._down_until and not even_if_down:
             return False
         try:
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -85,6 +146,9 @@ class StoreClient:
         if not self._send([msgpack.packb(header)]):
             self._down_until = self._clock() + self.retry_after_s
             raise StoreUnavailable(f"store node {self.address} takes no messages")
+        return self._wait(call_id, deadline)
+
+    def _wait(self, call_id: int, deadline: float) -> dict:
         while True:
             left_ms = int((deadline - self._clock()) * 1000)
             if left_ms <= 0 or not self._socket.poll(left_ms):

@@ -43,7 +43,9 @@ def nominal_recompute_s(block_tokens: int) -> Callable[[int], float]:
 @dataclass(slots=True)
 class _Lease:
     block_hashes: list[int]
+    slots: list[int]
     expires_at: float
+    num_reads: int = 0  # TCP reads streaming its slots right now (`begin_read`): it does not expire meanwhile
 
 
 class StoreNodeState:
@@ -111,20 +113,43 @@ class StoreNodeState:
         if not num:
             return 0, []
         lease = next(self._lease_ids)
-        self._leases[lease] = _Lease(run[:num], now + self.lease_s)
+        slots = [self._slot_of[h] for h in run[:num]]
+        self._leases[lease] = _Lease(run[:num], slots, now + self.lease_s)
         self.num_loaded_blocks += num
-        return lease, [self._slot_of[h] for h in run[:num]]
+        return lease, slots
 
     def release(self, lease: int) -> bool:
-        held = self._leases.pop(lease, None)
+        held = self._leases.get(lease)
         if held is None:
             return False
+        if held.num_reads:  # a TCP read still streams its slots: the last `end_read` lets it go
+            held.expires_at = float("-inf")
+            return True
+        del self._leases[lease]
         self.store.unpin(held.block_hashes)
         return True
 
+    def begin_read(self, lease: int) -> list[int] | None:
+        """A TCP read of the lease's slots starts (`kvbaton.transfer.store_tcp`): its slots, or None when there is no
+        such lease (expired, released, never given). Until `end_read` neither expiry nor a release unpins it."""
+        held = self._leases.get(lease)
+        if held is None or held.expires_at == float("-inf"):
+            return None
+        held.num_reads += 1
+        return list(held.slots)
+
+    def end_read(self, lease: int) -> None:
+        held = self._leases.get(lease)
+        if held is None:
+            return
+        held.num_reads -= 1
+        if not held.num_reads and held.expires_at == float("-inf"):
+            self.release(lease)
+
     def expire(self, now: float) -> int:
-        """Drop the leases whose time is up (their worker died or hung mid-load); returns how many."""
-        expired = [lease for lease, held in self._leases.items() if held.expires_at <= now]
+        """Drop the leases whose time is up (their worker died or hung mid-load); returns how many. A lease a TCP
+        read is streaming waits for the read's end (the read's socket timeout bounds it)."""
+        expired = [lease for lease, held in self._leases.items() if held.expires_at <= now and not held.num_reads]
         for lease in expired:
             self.release(lease)
         self.num_expired_leases += len(expired)

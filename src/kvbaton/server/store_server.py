@@ -4,7 +4,9 @@ Only holders of the cluster secret connect (`kvbaton.server.rpc_auth`, with the 
 channel "store"). A message is `header | payload...`: a msgpack map (never pickle) with `op`, and for a put one
 raw frame per block. Ops:
 
-- `hello` -> the DRAM slots' shared-memory path, block bytes and slot count (a same-host worker maps them);
+- `hello` -> the DRAM slots' shared-memory path, block bytes and slot count (a same-host worker maps them), the
+  node's host id (`store_slots.host_id`: a worker whose own differs is on another host) and the port of its TCP
+  data path (`kvbaton.transfer.store_tcp`: a worker on another host reads leased slots over it);
 - `put` (namespace, parent hash, block hashes; the blocks' bytes as frames): write-through, no answer (a
   worker never waits on a save);
 - `acquire` (namespace, block hashes) -> a lease and the slots of the leading blocks held, pinned;
@@ -37,6 +39,8 @@ from kvbaton.core.errors import KvbatonError
 from kvbaton.server.rpc_auth import secure_router
 from kvbaton.server.store_node import StoreNodeState
 from kvbaton.transfer.store_disk import DiskBlockFiles
+from kvbaton.transfer.store_slots import host_id
+from kvbaton.transfer.store_tcp import StoreTcpServer
 
 log = logging.getLogger("kvbaton.store")
 
@@ -58,8 +62,11 @@ class StoreServer:
             port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # tests read the state between messages
+        self._lock = threading.Lock()  # tests read the state between messages; the TCP reads take it too
         self.num_errors = 0
+        self.host_id = host_id()
+        self.tcp = StoreTcpServer(lambda: self.state.slots, state.begin_read, state.end_read, self.locked, secret,
+                                  host, acquire=self._tcp_acquire, release=state.release).start()
 
     def serve(self, poll_ms: int = 100) -> None:
         socket = self._socket
@@ -73,6 +80,7 @@ class StoreServer:
                 with self._lock:
                     self.state.expire(self._clock())
         finally:
+            self.tcp.stop()
             socket.close()
             self._auth.stop()
             self._context.term()
@@ -88,6 +96,13 @@ class StoreServer:
 
     def locked(self) -> threading.Lock:
         return self._lock
+
+    def _tcp_acquire(self, request: dict) -> int:
+        """A TCP `load`'s acquire (under the lock): the lease of the leading blocks held, 0 for none."""
+        try:
+            return self.state.acquire(_namespace(request), _hashes(request), self._clock())[0]
+        except KvbatonError as exc:
+            raise ValueError(str(exc)) from exc
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
@@ -120,7 +135,7 @@ class StoreServer:
             reply["shm_path"] = state.slots.path
         elif op == "hello":
             reply.update(shm_path=state.slots.path, block_bytes=state.block_bytes, num_slots=state.slots.num_slots,
-                         num_rows=state.slots.num_rows)
+                         num_rows=state.slots.num_rows, host_id=self.host_id, tcp_port=self.tcp.port)
         elif op == "events":
             events, snapshot = state.events_since(int(header.get("since", 0)))
             reply["snapshot"] = snapshot
@@ -133,7 +148,8 @@ class StoreServer:
                          num_corrupt_blocks=state.disk.num_corrupt_blocks if state.disk is not None else 0,
                          num_disk_read_blocks=state.disk.num_read_blocks if state.disk is not None else 0,
                          num_disk_blocks=state.num_disk_blocks, num_dram_blocks=state.num_dram_blocks,
-                         num_errors=self.num_errors)
+                         num_errors=self.num_errors, num_tcp_reads=self.tcp.num_reads,
+                         num_tcp_sent_bytes=self.tcp.num_sent_bytes, num_tcp_refused=self.tcp.num_refused)
         else:
             raise KvbatonError(f"unknown store op {op!r}")
         return reply

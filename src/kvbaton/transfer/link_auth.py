@@ -32,12 +32,13 @@ _PURPOSE = "kv-link"
 
 
 class LinkKey:
-    """The KV links' key, derived once from the cluster secret."""
+    """The KV links' key, derived once from the cluster secret (another `purpose`, another key: the KV store's
+    TCP links use their own, `kvbaton.transfer.store_tcp`)."""
 
     __slots__ = ("_key",)
 
-    def __init__(self, secret: ClusterSecret) -> None:
-        self._key = secret.derive(_PURPOSE)
+    def __init__(self, secret: ClusterSecret, purpose: str = _PURPOSE) -> None:
+        self._key = secret.derive(purpose)
 
     def __repr__(self) -> str:
         return "LinkKey(...)"

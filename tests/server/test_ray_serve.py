@@ -7,7 +7,7 @@ the actor and dropped with its exit code; SIGTERM stops the router, the workers 
 instance (every process the launcher started, found by walking /proc, is gone). Then the actor handle
 alone: a worker's exit code, and an actor killed under its worker; and a two-node Ray cluster (two
 raylets on this host) that gets one worker per node and KV over TCP unasked; and a TP2 prefill worker whose
-actor holds a CPU per rank. ~80 s (four Ray starts).
+actor holds a CPU per rank; and the KV store on Ray, read over its TCP path. ~100 s (five Ray starts).
 """
 
 from __future__ import annotations
@@ -273,3 +273,43 @@ def test_ray_config_binds_the_router_on_its_node_and_moves_kv_over_tcp_between_n
     assert Launcher.placed_on_ray(given, _Nodes("10.1.2.3", 2)).rpc_address == "tcp://10.9.9.9:5557"  # type: ignore[arg-type]
     mixed = replace(pd, num_workers=2, num_prefill=0, num_decode=0)  # no handoff: nothing to move
     assert Launcher.placed_on_ray(mixed, _Nodes("10.1.2.3", 2)).kv_transport == "shm"  # type: ignore[arg-type]
+
+
+def test_the_kv_store_on_ray_serves_workers_over_its_tcp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """`--ray local --kv-store-gb`: the launcher's node holds the store node, on its IP; with the transport forced to
+    TCP (as for workers on another node) the second worker loads the prompt the first computed over the node's TCP
+    data path, with the same text, and the node counts the reads."""
+    import random
+
+    from kvbaton.core.cluster_secret import ClusterSecret
+    from kvbaton.server.store_client import TRANSPORT_ENV, StoreClient
+    from tests.server.serve_helpers import read_banner
+
+    monkeypatch.setenv(TRANSPORT_ENV, "tcp")  # the launcher hands it to the actors, as it does the streaming copies
+    secret_file = tmp_path / "secret"
+    prompt = [random.Random(0).randrange(1, 200) for _ in range(300)]
+    body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    with serve_process(["--ray", "local", "--model", "tiny-random", "--workers", "2", "--policy", "round_robin",
+                        "--threads-per-worker", "1", "--kv-store-gb", "0.05", "--cluster-secret-file",
+                        str(secret_file), "--drain-timeout", "5"], startup_timeout_s=240.0) as server:
+        store_line = read_banner(server.process, 60.0)
+        assert "KV store node at tcp://127.0.0.1:" in store_line, store_line
+        store_address = store_line.split(" at ")[1].split()[0]
+        with httpx.Client(timeout=120) as http:
+            first = http.post(server.url + "/v1/completions", json=body).json()
+            deadline = time.monotonic() + 60
+            while True:  # the write-through is asynchronous: ask again, on the other worker, until it has landed
+                second = http.post(server.url + "/v1/completions", json=body).json()
+                cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+                if cached == 288 or time.monotonic() > deadline:
+                    break
+                http.post(server.url + "/v1/completions", json={**body, "prompt": [7] * 20})  # keep the turn
+        assert cached == 288 and second["choices"][0]["text"] == first["choices"][0]["text"]
+        client = StoreClient(store_address, ClusterSecret.read_file(str(secret_file)), timeout_s=10.0)
+        try:
+            assert client.stats()["num_tcp_reads"] >= 1
+        finally:
+            client.close()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0

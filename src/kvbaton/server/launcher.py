@@ -32,6 +32,7 @@ import uvloop
 
 from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret, worker_environment
 from kvbaton.transfer.store_slots import with_streaming_copies
+from kvbaton.server.store_client import TRANSPORT_ENV as STORE_TRANSPORT_ENV
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.config import ModelConfig
 from kvbaton.model.registry import read_model_header, resolve_dtype, resolve_model_source
@@ -288,13 +289,16 @@ class Launcher:
         admission, pools = admission_policy(config, time_model), pool_balancer(config, time_model)
         http_socket = _bind_http(config.host, config.port)  # fail on a taken port before starting any worker
         try:
-            if config.kv_store_gb > 0:  # before the router: it reads the store node's events
-                config = self.config = replace(config, kv_store_address=self._start_store(model_config))
             if config.ray_address:
                 self.placement = RayPlacement(config.ray_address)
                 for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init replaced them with its own (sys.exit)
                     loop.add_signal_handler(sig, self.request_stop)
                 config = self.config = self.placed_on_ray(config, self.placement)
+            if config.kv_store_gb > 0:  # before the router: it reads the store node's events
+                # With Ray, on this node's IP: workers on other nodes read it over TCP (store_tcp), this node's over
+                # shared memory.
+                host = self.placement.node_ip if self.placement is not None else "127.0.0.1"
+                config = self.config = replace(config, kv_store_address=self._start_store(model_config, host))
             cluster = ClusterManager(ClusterConfig(
                 bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
                 block_size=config.block_size, tokenizer_probe_hash=tokenizer_probe_hash(tokenizer), seed=config.seed,
@@ -454,9 +458,17 @@ class Launcher:
             return
         workers = [RayWorker(worker_id, tuple(worker_args(config, address, worker_id, role)), *ray_share(config, role))
                    for worker_id, role in worker_roles(config)]
+        # What a local worker's environment gets beyond the secret, for the actors to hand on: streaming copies for
+        # store loads, and a store transport forced here (tests run the cross-host path on one host).
+        environment: dict[str, str] = {}
+        if config.kv_store_gb:
+            environment = with_streaming_copies({})
+            if STORE_TRANSPORT_ENV in os.environ:
+                environment[STORE_TRANSPORT_ENV] = os.environ[STORE_TRANSPORT_ENV]
         # Ray may wait for resources until the startup timeout: a stop signal ends the wait (closing the placement
         # then ends the actors placed so far and those still pending).
-        placing = asyncio.ensure_future(self.placement.start(workers, config.startup_timeout_s, self.secret))
+        placing = asyncio.ensure_future(self.placement.start(workers, config.startup_timeout_s, self.secret,
+                                                             environment))
         stopping = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({placing, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
@@ -465,15 +477,14 @@ class Launcher:
         with contextlib.suppress(asyncio.CancelledError):
             self.processes.update(await placing)
 
-    def _start_store(self, model_config: ModelConfig) -> str:
-        """Start this host's KV store node (its own process, sized for the workers' blocks); returns its address."""
+    def _start_store(self, model_config: ModelConfig, host: str) -> str:
+        """Start this host's KV store node (its own process, sized for the workers' blocks, listening on `host`);
+        returns its address. One node serves the whole cluster: with Ray, the launcher's node holds it."""
         config = self.config
-        if config.ray_address:
-            raise KvbatonError("--kv-store-gb runs one store node on the launcher's host: not with --ray yet")
         block_bytes = self._store_block_bytes(model_config)
         command = [sys.executable, "-m", "kvbaton.server.store_server", "--block-bytes", str(block_bytes),
                    "--block-tokens", str(config.block_size), "--block-rows", str(2 * model_config.num_layers),
-                   "--kv-store-gb", str(config.kv_store_gb),
+                   "--kv-store-gb", str(config.kv_store_gb), "--host", host,
                    *(["--kv-store-disk-gb", config.kv_store_disk] if config.kv_store_disk else [])]
         self.store_process = process = subprocess.Popen(
             command, stdout=subprocess.PIPE, text=True, start_new_session=True,

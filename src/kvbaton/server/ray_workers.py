@@ -8,7 +8,8 @@ on its node (with that node's Python, and the node's IP for the KV receiver) and
 Everything after that is the local launch's: the workers connect back to the router's RPC address,
 which the launcher binds on its own node's IP so that every node reaches it, register, and are watched
 through `RayWorkerProcess`, the `ProcessHandle` of the actor's child. Between nodes KV moves over TCP
-(shared memory reaches one host only).
+(shared memory reaches one host only). With `--kv-store-gb` the one store node runs on the launcher's node, on
+its IP: workers there map its slots, workers on other nodes read them over its TCP data path.
 
 `--ray local` starts a single-node Ray instance on the loopback interface (to try it on one machine,
 and for the tests); `--ray auto` joins the cluster running on this machine (`ray start --head`), and
@@ -119,15 +120,17 @@ class WorkerHost:
     def __init__(self) -> None:
         self._process: subprocess.Popen[bytes] | None = None
 
-    def start(self, worker_args: Sequence[str], secret_hex: str) -> tuple[str, int]:
+    def start(self, worker_args: Sequence[str], secret_hex: str, extra_environment: Mapping[str, str] | None = None
+              ) -> tuple[str, int]:
         """Start the worker with `worker_args` (after `kvbaton worker`), this node's IP for its KV receiver and the
         cluster secret in its environment (never on its command line); returns (node IP, worker pid). That
         environment is the actor's, with the CUDA_VISIBLE_DEVICES Ray set to the actor's GPUs (`--gpus-per-worker`):
-        the worker's `--device cuda` is the first of them."""
+        the worker's `--device cuda` is the first of them; `extra_environment` (the launcher's, e.g. the store's
+        streaming copies) replaces what it names."""
         import ray
 
         node_ip = ray.util.get_node_ip_address()
-        environment = worker_environment(ClusterSecret.from_hex(secret_hex), dict(os.environ))
+        environment = worker_environment(ClusterSecret.from_hex(secret_hex), {**os.environ, **(extra_environment or {})})
         self._process = subprocess.Popen([sys.executable, "-m", "kvbaton.cli", "worker", *worker_args,
                                           "--kv-host", node_ip], env=environment)
         return node_ip, self._process.pid
@@ -220,8 +223,8 @@ class RayPlacement:
         if refusal:
             raise KvbatonError(refusal)
 
-    async def start(self, workers: Sequence[RayWorker], timeout_s: float,
-                    secret: ClusterSecret) -> dict[str, RayWorkerProcess]:
+    async def start(self, workers: Sequence[RayWorker], timeout_s: float, secret: ClusterSecret,
+                    environment: Mapping[str, str] | None = None) -> dict[str, RayWorkerProcess]:
         """One actor per worker, holding its share, spread over the nodes; returns once every worker process runs.
         Each actor hands `secret` to its worker: it travels in the actor call, over Ray's own channel (which
         authenticates with RAY_AUTH_TOKEN where the cluster runs `RAY_AUTH_MODE=token`)."""
@@ -233,7 +236,8 @@ class RayPlacement:
                                              scheduling_strategy="SPREAD", max_concurrency=4).remote()
             actors.append(actor)
             self._actors.append(actor)
-        refs = [actor.start.remote(list(worker.args), secret.to_hex()) for actor, worker in zip(actors, workers)]
+        refs = [actor.start.remote(list(worker.args), secret.to_hex(), dict(environment or {}))
+                for actor, worker in zip(actors, workers)]
         placed = asyncio.gather(*refs)
         try:
             started = await asyncio.wait_for(placed, timeout_s)

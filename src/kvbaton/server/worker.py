@@ -1,9 +1,9 @@
 """One worker process: registers with its router(s), then runs the engine loop and streams results back.
 
 Several routers may share the worker (`server/worker_links.py`): it registers with each, sends each its heartbeats
-and KV events, takes requests from all, and answers each request to the router that sent it. One of several routers
-silent for `router_link_timeout_s` is given up (its requests aborted, their blocks freed) and retried; a router that
-shuts down ends only its own requests.
+and KV events, takes requests from all, and answers each request to the router that sent it. A router silent for
+`router_link_timeout_s` (a lone one too) is given up (its requests aborted, their blocks freed) and registered with
+again until it answers; a router that shuts down ends only its own requests.
 
 Loop invariant: while the engine has work, messages are drained without blocking between steps
 (a prefill worker also looks between the layers of a step, and sends a new handoff's KV reservation
@@ -235,6 +235,8 @@ class Worker:
                 elif isinstance(message, rpc.Shutdown):
                     raise KvbatonError(f"router shut down before registering worker {self.config.worker_id} "
                                        f"(router {link.address})")
+                elif isinstance(message, rpc.AddRouter):  # a router sends its peers right after its acknowledgement
+                    self._links.add(message.address)
         if first is not None:
             return first
         addresses = ", ".join(link.address for link in self._links.links)
@@ -329,23 +331,21 @@ class Worker:
         return self._stopping
 
     def _check_links(self, now: float) -> None:
-        """Give up a router silent past `router_link_timeout_s` while another is heard (its requests are aborted, so
-        their blocks are freed); close a link whose router shut down once its requests have ended."""
+        """Give up a router silent past `router_link_timeout_s` (its requests are aborted, so their blocks are freed)
+        and register with it again until it answers: a router restarted at its address, or one only slow, gets this
+        worker back with a snapshot. That holds for a lone router too, and while every router is silent: then the
+        worker still exits once none has been heard for `router_timeout_s`. Close a link whose router shut down once
+        its requests have ended."""
         links = self._links
         for link in links.links:
             if link.leaving and not link.request_ids:
                 link.send(rpc.Goodbye(self.config.worker_id, "its router shut down; serving the others"))
                 links.close_link(link)
-        if len(links.links) < 2:
-            return  # a lone router keeps the old rule: the worker waits router_timeout_s for it, then exits
         timeout_s = self.config.router_link_timeout_s
         registered = links.registered
         if not any(now - link.last_heard_at > timeout_s for link in registered):
             return
         self._drain()  # after a long step, the pings are still unread
-        heard = [link for link in registered if now - link.last_heard_at <= timeout_s]
-        if not heard:
-            return  # every router silent: the worker-wide router_timeout_s decides
         for link in registered:
             if now - link.last_heard_at > timeout_s:
                 log.warning("worker %s gives up router %s (silent for %.1f s); %d request(s) aborted",

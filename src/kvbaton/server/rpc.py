@@ -244,8 +244,8 @@ class Ping:
 @dataclass(frozen=True, slots=True)
 class AddRouter:
     """Another router serves this cluster at `address` (a zmq address): router -> worker, connect and register there
-    too; a joining router -> a router of the cluster (`kvbaton router --join`), tell your workers (and the workers
-    that register later) about me."""
+    too; a router -> another router of the cluster (`kvbaton router --join`, and the routers' gossip: each passes on
+    an address it hears of the first time), tell your workers (and the workers that register later) about it."""
 
     TAG: ClassVar[str] = "add_router"
     address: str

@@ -269,6 +269,10 @@ _BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEve
 _WIRE_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
 _FIELD_TYPES: dict[type, tuple[tuple[str, tuple[type, ...]], ...]] = {
     cls: tuple((f.name, _WIRE_TYPES[str(f.type)]) for f in fields(cls)) for cls in _PLAIN}
+# The same types alone, for one `map(isinstance, ...)` over a message's fields (in C: a heartbeat's 30 fields cost a
+# router ~1 µs instead of ~8 through a Python loop); the loop runs only to name the field of a frame that fails it.
+_TYPES_OF: dict[type, tuple[tuple[type, ...], ...]] = {
+    cls: tuple(types for _, types in spec) for cls, spec in _FIELD_TYPES.items()}
 
 
 # -- nested values ------------------------------------------------------------------------------
@@ -411,12 +415,13 @@ def from_wire(raw: object) -> Message:
             if not isinstance(request_ids, list) or not all(isinstance(r, str) for r in request_ids):
                 raise ProtocolError("abort: request ids must be an array of strings")
             return Abort(tuple(request_ids))
-        expected = _FIELD_TYPES[cls]
-        if len(body) != len(expected):
-            raise ProtocolError(f"{raw[0]} has {len(body)} fields, expected {len(expected)}")
-        for value, (name, types) in zip(body, expected):
-            if not isinstance(value, types):
-                raise ProtocolError(f"{raw[0]}.{name} must be {types[-1].__name__}, got {type(value).__name__}")
+        types_of = _TYPES_OF[cls]
+        if len(body) != len(types_of):
+            raise ProtocolError(f"{raw[0]} has {len(body)} fields, expected {len(types_of)}")
+        if not all(map(isinstance, body, types_of)):
+            for value, (name, types) in zip(body, _FIELD_TYPES[cls]):
+                if not isinstance(value, types):
+                    raise ProtocolError(f"{raw[0]}.{name} must be {types[-1].__name__}, got {type(value).__name__}")
         return cls(*body)
     except ProtocolError as exc:
         if add_id and not exc.request_id:

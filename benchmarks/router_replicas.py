@@ -108,7 +108,7 @@ def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summar
     """`num_workers` fake workers, each registered with every router; see the module docstring. With
     `service_us_per_token`, each worker serves its requests one at a time, each taking that long per uncached prompt
     token, and its heartbeats report the queue (waiting requests, their uncached tokens) as a real worker's do.
-    `kv_events`: "heartbeat" sends a worker's new KV events in one frame just before each heartbeat, as
+    `kv_events`: "heartbeat" sends a worker's new KV events in its heartbeat's frame (`rpc.Heartbeat`), as
     `kvbaton worker` does (server/worker.py `_send_heartbeat`); "immediate" sends one frame per request at once."""
     context = zmq.Context()
     secret = cluster_secret()
@@ -190,16 +190,16 @@ def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summar
         now = time.monotonic()
         if now >= next_heartbeat_at:
             next_heartbeat_at = now + heartbeat_s
+            frames: dict[str, bytes] = {}
             for worker_id, events in pending_events.items():
-                if events:
-                    frame = rpc.encode(rpc.KVEvents(worker_id, tuple(events)))
-                    for peer in by_worker[worker_id]:
-                        peer.send(frame)
-                    events.clear()
+                stats = rpc.Stats(worker_id, len(queues[worker_id]), 0, queued_tokens[worker_id], 0, 100_000,
+                                  len(tallies[worker_id].cached), 0, 0, 0, tallies[worker_id].num_requests, now)
+                # The new KV events travel in the heartbeat's frame (rpc.Heartbeat), as kvbaton worker sends them.
+                frames[worker_id] = rpc.encode(rpc.Heartbeat(rpc.KVEvents(worker_id, tuple(events)), stats)
+                                               if events else stats)
+                events.clear()
             for socket, worker_id in sockets.items():
-                socket.send(rpc.encode(rpc.Stats(worker_id, len(queues[worker_id]), 0, queued_tokens[worker_id], 0,
-                                                 100_000, len(tallies[worker_id].cached), 0, 0, 0,
-                                                 tallies[worker_id].num_requests, now)))
+                socket.send(frames[worker_id])
         if now >= next_summary_at:
             next_summary_at = now + 0.2
             _write_summary(summary_path, tallies)
@@ -381,8 +381,8 @@ def main() -> None:
                         help="kvbaton's fake workers take this long per uncached prompt token, one request at a time, "
                              "and report their queue in heartbeats (0: instant, as router_overhead.py's)")
     parser.add_argument("--kv-events", default="heartbeat", choices=("heartbeat", "immediate"),
-                        help="when kvbaton's fake workers send new KV events: with each heartbeat, as kvbaton worker "
-                             "does, or one frame per request at once")
+                        help="when kvbaton's fake workers send new KV events: in each heartbeat's frame, as kvbaton "
+                             "worker does, or one frame per request at once")
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds over every system, interleaved (each round runs each system once); medians and "
                              "the spread (min, max) over the rounds are reported")

@@ -205,3 +205,34 @@ def test_routers_gossip_new_routers_so_a_worker_of_any_router_hears_of_every_one
             assert not w.thread.is_alive() and w.error is None, repr(w.error)
 
     asyncio.run(main())
+
+
+def test_a_workers_kv_events_ride_in_its_heartbeat_frame(tiny: LoadedModel) -> None:
+    """One frame per heartbeat, events and stats together (rpc.Heartbeat): a router reads one frame where it read
+    two, and applies the events."""
+    async def main() -> None:
+        cluster = router(tiny)
+        kinds: list[str] = []
+        handle = cluster.pool.handle
+
+        def recording(sender: str, message: object) -> None:
+            kinds.append(type(message).__name__)
+            handle(sender, message)  # type: ignore[arg-type]
+
+        cluster.pool.handle = recording  # type: ignore[method-assign]
+        await cluster.start()
+        worker = start(tiny, cluster.address, "w0", "mixed")
+        try:
+            await cluster.wait_for_workers(1, 20.0)
+            deltas = await collect(cluster, GenerateCall("a-0", tuple(PROMPT), greedy(4), 0.0))
+            assert deltas[-1].finish_reason == "length"
+            # The stored blocks' events applied (the index's seq for the worker moved), from a heartbeat's frame.
+            await until(lambda: cluster.state.index.last_seq("w0") > 0, 10.0, "the prompt's KV events")
+            assert "Heartbeat" in kinds and "Stats" in kinds  # with events, and without
+            assert "KVEvents" not in kinds, kinds
+        finally:
+            await cluster.shutdown(timeout_s=5.0)
+            await asyncio.to_thread(worker.thread.join, 10.0)
+        assert not worker.thread.is_alive() and worker.error is None, repr(worker.error)
+
+    asyncio.run(main())

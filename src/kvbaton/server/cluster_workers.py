@@ -109,25 +109,13 @@ class WorkerPool:
         if isinstance(message, rpc.TokenDeltas):
             for delta in message.deltas:
                 self._on_delta(delta)
+        elif isinstance(message, rpc.Heartbeat):
+            self._on_kv_events(sender, record, message.events)
+            self._on_stats(sender, record, message.stats)
         elif isinstance(message, rpc.Stats):
-            if record.stats is None:  # its first heartbeat: it serves from now on
-                register = record.register
-                self.placement.add_worker(sender, register.role, register.kv_address.partition("://")[0])
-            record.stats = message
-            self.placement.on_stats(WorkerStats(
-                sender, message.num_queued_prefill_tokens, message.num_used_blocks, message.num_free_blocks,
-                message.num_running, message.num_waiting, message.num_cached_blocks, self.config.block_size),
-                record.last_heard_at)
-            dirty_at = record.index_dirty_at
-            if dirty_at is not None and (not record.in_flight or record.last_heard_at - dirty_at > INDEX_RESYNC_S):
-                record.index_dirty_at = None
-                if not record.snapshot_pending:
-                    self._request_snapshot(record, "a call ended before its first token")
+            self._on_stats(sender, record, message)
         elif isinstance(message, rpc.KVEvents):
-            if record.snapshot_pending:
-                return  # the snapshot on its way covers these
-            if not self.placement.on_kv_events(sender, (KVEvent.from_wire(e) for e in message.events)):
-                self._request_snapshot(record, "kv event seq gap")
+            self._on_kv_events(sender, record, message)
         elif isinstance(message, rpc.SnapshotResponse):
             record.snapshot_pending = False
             # A leading CLEARED at the snapshot's seq makes the index resume from there even when the cache is empty.
@@ -137,6 +125,27 @@ class WorkerPool:
             self._on_handoff_ended(message)
         elif isinstance(message, rpc.Goodbye):
             self.remove(sender, f"left: {message.reason}")
+
+    def _on_stats(self, sender: str, record: WorkerRecord, message: rpc.Stats) -> None:
+        if record.stats is None:  # its first heartbeat: it serves from now on
+            register = record.register
+            self.placement.add_worker(sender, register.role, register.kv_address.partition("://")[0])
+        record.stats = message
+        self.placement.on_stats(WorkerStats(
+            sender, message.num_queued_prefill_tokens, message.num_used_blocks, message.num_free_blocks,
+            message.num_running, message.num_waiting, message.num_cached_blocks, self.config.block_size),
+            record.last_heard_at)
+        dirty_at = record.index_dirty_at
+        if dirty_at is not None and (not record.in_flight or record.last_heard_at - dirty_at > INDEX_RESYNC_S):
+            record.index_dirty_at = None
+            if not record.snapshot_pending:
+                self._request_snapshot(record, "a call ended before its first token")
+
+    def _on_kv_events(self, sender: str, record: WorkerRecord, message: rpc.KVEvents) -> None:
+        if record.snapshot_pending:
+            return  # the snapshot on its way covers these
+        if not self.placement.on_kv_events(sender, (KVEvent.from_wire(e) for e in message.events)):
+            self._request_snapshot(record, "kv event seq gap")
 
     def _on_register(self, sender: str, message: rpc.Register) -> None:
         if sender != message.worker_id:

@@ -119,6 +119,17 @@ class KVEvents:
 
 
 @dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """A heartbeat with the prefix-cache events since the last one, in one frame (a worker sends plain `Stats` when
+    there are none). The router applies the events, then the stats. One frame where there were two: what a router
+    pays per frame (its socket's wakeup, the read, the decode) is most of what the other routers' KV events cost it."""
+
+    TAG: ClassVar[str] = "heartbeat"
+    events: KVEvents
+    stats: Stats
+
+
+@dataclass(frozen=True, slots=True)
 class SnapshotResponse:
     """The whole prefix cache as STORED events; events with seq <= `seq` are already included."""
 
@@ -257,13 +268,13 @@ class Shutdown:
     reason: str
 
 
-Message = (Register | TokenDeltas | Stats | KVEvents | SnapshotResponse | HandoffEnded | Alive | Goodbye
+Message = (Register | TokenDeltas | Stats | KVEvents | Heartbeat | SnapshotResponse | HandoffEnded | Alive | Goodbye
            | RegisterAck | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | ResetPrefixCache | Ping | AddRouter | Shutdown)
 
 _PLAIN = (Register, Stats, HandoffEnded, Alive, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed,
           SnapshotRequest, ResetPrefixCache, Ping, AddRouter, Shutdown)
-_BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, SnapshotResponse, AddRequest,
-                                                       Abort)}
+_BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, Heartbeat, SnapshotResponse,
+                                                       AddRequest, Abort)}
 # What each field of a plain message must be on the wire (a float field takes an int too): a dataclass does not
 # check its fields, so a wrong type read here would reach the router's state and fail later, far from the frame.
 _WIRE_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
@@ -372,6 +383,9 @@ def delta_from_wire(raw: list[object]) -> TokenDelta:
 def to_wire(message: Message) -> list[object]:
     if isinstance(message, TokenDeltas):
         return [message.TAG, message.worker_id, [delta_to_wire(d) for d in message.deltas]]
+    if isinstance(message, Heartbeat):
+        return [message.TAG, message.events.worker_id, [list(e) for e in message.events.events],
+                list(astuple(message.stats))]
     if isinstance(message, (KVEvents, SnapshotResponse)):
         head = [message.TAG, message.worker_id] + ([message.seq] if isinstance(message, SnapshotResponse) else [])
         return [*head, [list(e) for e in message.events]]
@@ -401,6 +415,13 @@ def from_wire(raw: object) -> Message:
         if cls is KVEvents:
             worker_id, events = body
             return KVEvents(worker_id, _events_from_wire(events))
+        if cls is Heartbeat:
+            worker_id, events, stats = body
+            if not isinstance(stats, list):
+                raise ProtocolError("heartbeat: stats must be an array")
+            decoded = from_wire([Stats.TAG, *stats])
+            assert isinstance(decoded, Stats)
+            return Heartbeat(KVEvents(worker_id, _events_from_wire(events)), decoded)
         if cls is SnapshotResponse:
             worker_id, seq, events = body
             return SnapshotResponse(worker_id, int(seq), _events_from_wire(events))

@@ -9,7 +9,8 @@ Loop invariant: while the engine has work, messages are drained without blocking
 (a prefill worker also looks between the layers of a step, and sends a new handoff's KV reservation
 at once; other messages wait for the step's end) and every step's outputs go out as one
 `TokenDeltas` frame; while idle the worker blocks on the socket for at most `idle_poll_s`. A
-heartbeat (`Stats`, plus new `KVEvents`) goes out every `heartbeat_interval_s` either way, between steps;
+heartbeat (`Stats`, with the new KV events in the same frame: `rpc.Heartbeat`) goes out every
+`heartbeat_interval_s` either way, between steps;
 the router's liveness check does not wait for those: a thread with a socket of its own sends `Alive` every
 `rpc.ALIVE_INTERVAL_S` from registration on, so a step longer than the router's worker timeout (a long
 prefill of a real model on a loaded host) does not get the worker removed. The
@@ -557,18 +558,26 @@ class Worker:
 
     def _flush_events(self) -> None:
         """The prefix cache's new KV events, to every registered router (each keeps its own index from them)."""
+        events = self._take_events()
+        if events is not None:
+            self._links.broadcast(events)
+
+    def _take_events(self) -> rpc.KVEvents | None:
+        """The prefix cache's new KV events as one message (None when there are none)."""
         engine = self.engine
         if engine is None or engine.prefix_cache is None:
-            return
+            return None
         events = engine.prefix_cache.take_events()
-        if events:
-            self._last_event_seq = events[-1].seq
-            self._links.broadcast(rpc.KVEvents(self.config.worker_id, tuple(e.to_wire() for e in events)))
+        if not events:
+            return None
+        self._last_event_seq = events[-1].seq
+        return rpc.KVEvents(self.config.worker_id, tuple(e.to_wire() for e in events))
 
     def _send_heartbeat(self, now: float) -> None:
+        """Stats to every registered router, with the new KV events in the same frame (`rpc.Heartbeat`)."""
         engine = self.engine
         assert engine is not None
-        self._flush_events()
+        events = self._take_events()
         if not self._has_work() and self._checked_at_step_call != self._num_step_calls:
             self._checked_at_step_call = self._num_step_calls
             try:
@@ -580,12 +589,13 @@ class Worker:
             except AssertionError as exc:
                 self._invariant_error = str(exc) or "check_invariants failed"
         s = engine.stats()
-        self._links.broadcast(rpc.Stats(
+        stats = rpc.Stats(
             self.config.worker_id, s.num_waiting, s.num_running, s.num_queued_prefill_tokens, s.num_used_blocks,
             s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens,
             s.num_preemptions, s.num_steps, now, self._invariant_error, *self._transfer_stats(),
             engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens, s.num_host_cached_blocks,
-            s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks))
+            s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks)
+        self._links.broadcast(stats if events is None else rpc.Heartbeat(events, stats))
 
     def _has_work(self) -> bool:
         """Anything running or in a handoff, including a reservation made before the router's expect arrived (or

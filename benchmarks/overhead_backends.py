@@ -5,7 +5,8 @@
   every request at once with one fixed delta (4 tokens, finished).
 - `run_fake_http_workers`: N OpenAI-style HTTP servers (raw asyncio, keep-alive) for sglang-router:
   `POST /v1/completions` gets a fixed completion at once; any GET (`/health`, `/get_model_info`,
-  `/get_server_info`, `/v1/models`, ...) gets 200 with a small JSON body.
+  `/get_server_info`, `/v1/models`, ...) gets 200 with a small JSON body (`serve_http_worker`: one of them, with a
+  callback per completion request).
 - `serve_fastapi_floor`: the router's HTTP stack (FastAPI + uvicorn) with an endpoint that does nothing.
 - `serve_relay_floor`: uvicorn (a bare ASGI app, no FastAPI) relaying each request to the fake kvbaton
   workers over kvbaton's own zmq + msgpack RPC socket, round-robin: HTTP in, one RPC out, one back,
@@ -22,6 +23,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Callable
 
 import zmq
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
@@ -138,7 +140,10 @@ def _completion(model: str, body: bytes) -> dict[str, object]:
                       "total_tokens": len(prompt) // 4 + len(REPLY_TOKEN_IDS)}}
 
 
-async def _serve_http_worker(port: int, model: str) -> asyncio.Server:
+async def serve_http_worker(port: int, model: str,
+                            on_completion: Callable[[bytes], None] | None = None) -> asyncio.Server:
+    """One fake OpenAI-style worker on `port`; `on_completion(body)` is called with each completion request's body
+    before it is answered (router_replicas.py keeps a prefix cache tally there)."""
     info = {"model_path": model, "tokenizer_path": model, "is_generation": True, "served_model_name": model,
             "status": "ok", "data": [{"id": model, "object": "model"}], "max_total_num_tokens": 1_000_000}
 
@@ -150,6 +155,8 @@ async def _serve_http_worker(port: int, model: str) -> asyncio.Server:
                     break
                 method, path, body = request
                 if method == "POST" and path.startswith("/v1/completions"):
+                    if on_completion is not None:
+                        on_completion(body)
                     writer.write(_response("200 OK", _completion(model, body)))
                 elif method == "POST":
                     writer.write(_response("200 OK", {"status": "ok"}))
@@ -166,7 +173,7 @@ async def _serve_http_worker(port: int, model: str) -> asyncio.Server:
 
 def run_fake_http_workers(ports: list[int], model: str) -> None:
     async def main() -> None:
-        servers = [await _serve_http_worker(port, model) for port in ports]
+        servers = [await serve_http_worker(port, model) for port in ports]
         await asyncio.gather(*(s.serve_forever() for s in servers))
 
     asyncio.run(main())

@@ -49,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -59,7 +60,7 @@ from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
 from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.rpc_auth import secure_dealer
-from overhead_backends import REPLY_TEXT, REPLY_TOKEN_IDS, _completion, _read_request, _response, cluster_secret
+from overhead_backends import REPLY_TEXT, REPLY_TOKEN_IDS, cluster_secret, serve_http_worker
 from router_overhead import MODEL, _body, _spawn, _stop, _wait_ready, free_port, make_prompts, process_tree_cpu_s
 
 BLOCK_SIZE = 16
@@ -103,10 +104,12 @@ def _write_summary(path: str, tallies: dict[str, WorkerTally]) -> None:
 
 
 def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summary_path: str,
-                           service_us_per_token: float = 0.0) -> None:
+                           service_us_per_token: float = 0.0, kv_events: str = "heartbeat") -> None:
     """`num_workers` fake workers, each registered with every router; see the module docstring. With
     `service_us_per_token`, each worker serves its requests one at a time, each taking that long per uncached prompt
-    token, and its heartbeats report the queue (waiting requests, their uncached tokens) as a real worker's do."""
+    token, and its heartbeats report the queue (waiting requests, their uncached tokens) as a real worker's do.
+    `kv_events`: "heartbeat" sends a worker's new KV events in its heartbeat's frame (`rpc.Heartbeat`), as
+    `kvbaton worker` does (server/worker.py `_send_heartbeat`); "immediate" sends one frame per request at once."""
     context = zmq.Context()
     secret = cluster_secret()
     sockets: dict[zmq.Socket, str] = {}
@@ -128,6 +131,7 @@ def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summar
     queues: dict[str, collections.deque[tuple[float, zmq.Socket, bytes, int]]] = {w: collections.deque()
                                                                               for w in by_worker}
     busy_until = dict.fromkeys(by_worker, 0.0)
+    pending_events: dict[str, list[list[object]]] = {w: [] for w in by_worker}  # for the next heartbeat
     queued_tokens = dict.fromkeys(by_worker, 0)
     poller = zmq.Poller()
     for socket in sockets:
@@ -160,9 +164,12 @@ def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summar
                         parent = hashes[len(hashes) - len(new) - 1] if len(new) < len(hashes) else \
                             KEY.with_tenant(message.tenant).root_hash
                         event = KVEvent(tally.seq, KVEventKind.STORED, tuple(new), parent, BLOCK_SIZE).to_wire()
-                        frame = rpc.encode(rpc.KVEvents(worker_id, (event,)))
-                        for peer in by_worker[worker_id]:
-                            peer.send(frame)
+                        if kv_events == "heartbeat":
+                            pending_events[worker_id].append(event)
+                        else:
+                            frame = rpc.encode(rpc.KVEvents(worker_id, (event,)))
+                            for peer in by_worker[worker_id]:
+                                peer.send(frame)
                     delta = TokenDelta(message.request_id, REPLY_TOKEN_IDS, REPLY_TEXT, True, "length", len(prompt),
                                        cached, worker_id=worker_id)
                     frame = rpc.encode(rpc.TokenDeltas(worker_id, (delta,)))
@@ -183,10 +190,16 @@ def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summar
         now = time.monotonic()
         if now >= next_heartbeat_at:
             next_heartbeat_at = now + heartbeat_s
+            frames: dict[str, bytes] = {}
+            for worker_id, events in pending_events.items():
+                stats = rpc.Stats(worker_id, len(queues[worker_id]), 0, queued_tokens[worker_id], 0, 100_000,
+                                  len(tallies[worker_id].cached), 0, 0, 0, tallies[worker_id].num_requests, now)
+                # The new KV events travel in the heartbeat's frame (rpc.Heartbeat), as kvbaton worker sends them.
+                frames[worker_id] = rpc.encode(rpc.Heartbeat(rpc.KVEvents(worker_id, tuple(events)), stats)
+                                               if events else stats)
+                events.clear()
             for socket, worker_id in sockets.items():
-                socket.send(rpc.encode(rpc.Stats(worker_id, len(queues[worker_id]), 0, queued_tokens[worker_id], 0,
-                                                 100_000, len(tallies[worker_id].cached), 0, 0, 0,
-                                                 tallies[worker_id].num_requests, now)))
+                socket.send(frames[worker_id])
         if now >= next_summary_at:
             next_summary_at = now + 0.2
             _write_summary(summary_path, tallies)
@@ -197,45 +210,23 @@ def run_cached_rpc_workers(router_addresses: list[str], num_workers: int, summar
 
 
 def run_cached_http_workers(ports: list[int], summary_path: str) -> None:
-    """OpenAI-style fake workers (router_overhead.py's) that keep a cache of 64-character text blocks."""
+    """OpenAI-style fake workers (overhead_backends.py's `serve_http_worker`) that keep a cache of 64-character text
+    blocks: each completion's prompt is tallied against its worker's cache before it is answered."""
     tallies = {f"http{port}": WorkerTally() for port in ports}
 
-    async def serve(port: int) -> asyncio.Server:
-        tally = tallies[f"http{port}"]
-        info = {"model_path": MODEL, "tokenizer_path": MODEL, "is_generation": True, "served_model_name": MODEL,
-                "status": "ok", "data": [{"id": MODEL, "object": "model"}], "max_total_num_tokens": 1_000_000}
+    def tally_completion(tally: WorkerTally) -> Callable[[bytes], None]:
+        def on_completion(body: bytes) -> None:
+            prompt = str(json.loads(body).get("prompt", ""))
+            hashes, parent = [], 0
+            for i in range(0, len(prompt) - TEXT_BLOCK_CHARS + 1, TEXT_BLOCK_CHARS):
+                parent = hash((parent, prompt[i:i + TEXT_BLOCK_CHARS]))
+                hashes.append(parent)
+            tally.serve(hashes, len(prompt), TEXT_BLOCK_CHARS)
 
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while True:
-                    request = await _read_request(reader)
-                    if request is None:
-                        break
-                    method, path, body = request
-                    if method == "POST" and path.startswith("/v1/completions"):
-                        prompt = str(json.loads(body).get("prompt", ""))
-                        blocks = [prompt[i:i + TEXT_BLOCK_CHARS] for i in range(0, len(prompt) - TEXT_BLOCK_CHARS + 1,
-                                                                                  TEXT_BLOCK_CHARS)]
-                        hashes, parent = [], 0
-                        for block in blocks:
-                            parent = hash((parent, block))
-                            hashes.append(parent)
-                        tally.serve(hashes, len(prompt), TEXT_BLOCK_CHARS)
-                        writer.write(_response("200 OK", _completion(MODEL, body)))
-                    elif method == "POST":
-                        writer.write(_response("200 OK", {"status": "ok"}))
-                    else:
-                        writer.write(_response("200 OK", info))
-                    await writer.drain()
-            except ConnectionError:
-                pass
-            finally:
-                writer.close()
-
-        return await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+        return on_completion
 
     async def main() -> None:
-        servers = [await serve(port) for port in ports]
+        servers = [await serve_http_worker(port, MODEL, tally_completion(tallies[f"http{port}"])) for port in ports]
         stopped = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
         while not stopped.is_set():
@@ -300,7 +291,7 @@ def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str
         rpc_ports = [free_port() for _ in range(int(variant))]
         workers = _spawn([script, "--role", "cached-rpc-workers", "--rpc-ports", ",".join(map(str, rpc_ports)),
                           "--num-workers", str(args.num_workers), "--summary", summary_path,
-                          "--service-us-per-token", str(args.service_us_per_token)])
+                          "--service-us-per-token", str(args.service_us_per_token), "--kv-events", args.kv_events])
         for rpc_port in rpc_ports:
             http_port = free_port()
             routers.append(_spawn([str(Path(script).with_name("router_overhead.py")), "--role", "kvbaton-router",
@@ -389,6 +380,12 @@ def main() -> None:
     parser.add_argument("--service-us-per-token", type=float, default=0.0,
                         help="kvbaton's fake workers take this long per uncached prompt token, one request at a time, "
                              "and report their queue in heartbeats (0: instant, as router_overhead.py's)")
+    parser.add_argument("--kv-events", default="heartbeat", choices=("heartbeat", "immediate"),
+                        help="when kvbaton's fake workers send new KV events: in each heartbeat's frame, as kvbaton "
+                             "worker does, or one frame per request at once")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds over every system, interleaved (each round runs each system once); medians and "
+                             "the spread (min, max) over the rounds are reported")
     parser.add_argument("--startup-timeout-s", type=float, default=120.0)
     parser.add_argument("--load-timeout-s", type=float, default=120.0)
     # Internal roles.
@@ -402,7 +399,7 @@ def main() -> None:
     script = os.path.abspath(__file__)
     if args.role == "cached-rpc-workers":
         run_cached_rpc_workers([f"tcp://127.0.0.1:{p}" for p in args.rpc_ports.split(",")], args.num_workers,
-                               args.summary, args.service_us_per_token)
+                               args.summary, args.service_us_per_token, args.kv_events)
         return
     if args.role == "cached-http-workers":
         run_cached_http_workers([int(p) for p in args.ports.split(",")], args.summary)
@@ -418,41 +415,85 @@ def main() -> None:
     os.environ.setdefault(SECRET_ENV, ClusterSecret.generate().to_hex())  # the routers' and workers' (children)
     num_prompts = args.num_warmup + args.num_requests
     prompts = make_prompts(num_prompts, args.prompt_chars, args.shared_fraction, args.num_groups, args.seed)
+    systems = [s for s in args.systems.split(",") if s]
+    runs: dict[str, list[dict[str, object]]] = {system: [] for system in systems}
     results: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         bodies_path = os.path.join(tmp, "text.json")
         Path(bodies_path).write_text(json.dumps([_body(p) for p in prompts]))
-        for system in [s for s in args.systems.split(",") if s]:
+        for system in systems:
             if system.startswith("sglang:"):
                 try:
                     import sglang_router  # noqa: F401 - only whether it is installed
                 except ImportError:
                     results[system] = "not installed (pip install sglang-router)"
-                    continue
-            results[system] = measure(system, args, script, bodies_path, tmp)
+        for _ in range(args.repeats):  # interleaved: a drift in the machine's load spreads over every system
+            for system in systems:
+                if system not in results:
+                    runs[system].append(measure(system, args, script, bodies_path, tmp))
+    for system, measured in runs.items():
+        if measured:
+            results[system] = summarize(measured)
     out: dict[str, object] = {
         "setup": {"num_workers": args.num_workers, "concurrency": args.concurrency,
                   "num_requests": args.num_requests, "num_warmup": args.num_warmup, "prompt_chars": args.prompt_chars,
                   "shared_fraction": args.shared_fraction, "num_groups": args.num_groups, "policy": args.policy,
-                  "max_tokens": 4, "service_us_per_token": args.service_us_per_token},
+                  "max_tokens": 4, "service_us_per_token": args.service_us_per_token, "kv_events": args.kv_events,
+                  "repeats": args.repeats},
         "systems": results}
-    one, half, two = results.get("kvbaton:1"), results.get("kvbaton:1:half"), results.get("kvbaton:2")
-    if isinstance(half, dict) and isinstance(two, dict):
-        lone_at_share = half["router_cpu_us_per_request_above_idle"][0]  # type: ignore[index]
-        out["replica_cpu_above_idle_over_lone_at_a_replicas_share"] = [
-            round(c / lone_at_share, 3) for c in two["router_cpu_us_per_request_above_idle"]]  # type: ignore[union-attr]
-    if isinstance(one, dict) and isinstance(two, dict):
-        lone = one["router_cpu_us_per_request"][0]  # type: ignore[index]
-        lone_above_idle = one["router_cpu_us_per_request_above_idle"][0]  # type: ignore[index]
+    # Each ratio is taken within one round (same machine load), then its median and spread over the rounds.
+    ones, halves, twos = runs.get("kvbaton:1", []), runs.get("kvbaton:1:half", []), runs.get("kvbaton:2", [])
+    if halves and twos:
+        out["replica_cpu_above_idle_over_lone_at_a_replicas_share"] = _ratio_summary([
+            [c / h["router_cpu_us_per_request_above_idle"][0]  # type: ignore[index]
+             for c in t["router_cpu_us_per_request_above_idle"]] for h, t in zip(halves, twos)])  # type: ignore[attr-defined]
+    if ones and twos:
         out["targets"] = {
-            "replica_cpu_over_lone": [round(c / lone, 3) for c in two["router_cpu_us_per_request"]],  # type: ignore[union-attr]
-            "replica_cpu_above_idle_over_lone": [round(c / lone_above_idle, 3)
-                                                 for c in two["router_cpu_us_per_request_above_idle"]],  # type: ignore[union-attr]
+            "replica_cpu_over_lone": _ratio_summary([
+                [c / o["router_cpu_us_per_request"][0] for c in t["router_cpu_us_per_request"]]  # type: ignore[index,attr-defined]
+                for o, t in zip(ones, twos)]),
+            "replica_cpu_above_idle_over_lone": _ratio_summary([
+                [c / o["router_cpu_us_per_request_above_idle"][0]  # type: ignore[index]
+                 for c in t["router_cpu_us_per_request_above_idle"]] for o, t in zip(ones, twos)]),  # type: ignore[attr-defined]
             "replica_cpu_target": 1.1,
-            "hit_ratio_two_over_one": round(float(two["hit_ratio"]) / max(float(one["hit_ratio"]), 1e-9), 3),  # type: ignore[arg-type]
+            "hit_ratio_two_over_one": _ratio_summary([
+                [float(t["hit_ratio"]) / max(float(o["hit_ratio"]), 1e-9)] for o, t in zip(ones, twos)]),  # type: ignore[arg-type]
             "hit_ratio_target": 0.95,
-            "busiest_over_mean_two": two["busiest_over_mean"], "busiest_over_mean_target": 1.15}
+            "busiest_over_mean_two": _ratio_summary([[float(t["busiest_over_mean"] or 0)] for t in twos]),  # type: ignore[arg-type]
+            "busiest_over_mean_target": 1.15}
     print(json.dumps(out))
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def summarize(measured: list[dict[str, object]]) -> dict[str, object]:
+    """One system's rounds: the median of each figure (of each element, for a list of figures), with its spread
+    [min, max] as `<figure>_spread`; other values (statuses, cores) as the last round had them."""
+    out: dict[str, object] = {}
+    for key, last in measured[-1].items():
+        values = [run[key] for run in measured]
+        if all(_is_number(v) for v in values):
+            out[key] = round(statistics.median(values), 4)  # type: ignore[arg-type]
+            out[f"{key}_spread"] = [min(values), max(values)]  # type: ignore[type-var]
+        elif (isinstance(last, list) and last and all(isinstance(v, list) and len(v) == len(last) for v in values)
+              and all(_is_number(x) for v in values for x in v)):  # type: ignore[union-attr]
+            columns = list(zip(*values))  # type: ignore[misc]
+            out[key] = [round(statistics.median(c), 4) for c in columns]
+            out[f"{key}_spread"] = [[min(c), max(c)] for c in columns]
+        else:
+            out[key] = last
+    out["num_rounds"] = len(measured)
+    return out
+
+
+def _ratio_summary(per_round: list[list[float]]) -> dict[str, object]:
+    """Per-round ratios (one per router): each round's, their median and spread per router."""
+    columns = list(zip(*per_round))
+    return {"median": [round(statistics.median(c), 3) for c in columns],
+            "spread": [[round(min(c), 3), round(max(c), 3)] for c in columns],
+            "rounds": [[round(x, 3) for x in r] for r in per_round]}
 
 
 if __name__ == "__main__":

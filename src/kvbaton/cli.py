@@ -140,11 +140,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _add_router(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("router", help="run one more router (HTTP API) for a running cluster: its workers register "
-                                      "with it too")
-    p.add_argument("--join", required=True, metavar="ADDRESS",
+                                      "with it too; or, without --join, restart a router at its old --rpc-address")
+    p.add_argument("--join", default="", metavar="ADDRESS",
                    help="the RPC address of a router of the cluster (its /cluster router_address, e.g. "
                         "tcp://127.0.0.1:5557); needs the cluster secret (--cluster-secret-file or "
-                        "KVBATON_CLUSTER_SECRET)")
+                        "KVBATON_CLUSTER_SECRET). Without it, --rpc-address names the address of a router that died: "
+                        "its workers, which keep registering there, come back (it serves once one has)")
     p.add_argument("--kv-store", default="", metavar="ADDRESS",
                    help="the KV store node this router reads (its events price store hits, as the first router's "
                         "do): the address `kvbaton serve --kv-store-gb` printed or its /cluster kv_store shows; "
@@ -221,7 +222,8 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
                        help=f"pipeline parallel size of the {pool} pool's workers (0 = --pipeline-parallel-size)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
     p.add_argument("--router-link-timeout", type=float, default=5.0,
-                   help="workers give up one of several routers silent this long (aborting its requests)")
+                   help="workers give up a router silent this long (aborting its requests) and register with it "
+                        "again until it answers")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to another worker when its worker dies mid-request (0 = off)")
     p.add_argument("--admission", default="none", choices=ADMISSION_POLICIES,
@@ -320,6 +322,9 @@ def _run_router(args: argparse.Namespace) -> int:
     if args.kv_store_gb or args.kv_store_disk_gb:
         raise KvbatonError("kvbaton router starts no KV store node: the host's one comes with kvbaton serve "
                            "--kv-store-gb; give its address with --kv-store to price store hits")
+    if not args.join and args.rpc_address.endswith(":*"):
+        raise KvbatonError("kvbaton router needs --join ADDRESS (a router of the cluster), or --rpc-address ADDRESS "
+                           "with a port: the address of a router that died, whose workers register there again")
     args.model = args.model or "smollm2-135m"
     return serve(_serve_config(args, num_workers=0, num_prefill=0, num_decode=0, join_address=args.join,
                                rpc_address=args.rpc_address, kv_store_address=args.kv_store))
@@ -443,8 +448,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = all cores)")
     p.add_argument("--router-timeout", type=float, default=15.0, help="exit after this long without a word from any router")
     p.add_argument("--router-link-timeout", type=float, default=5.0,
-                   help="give up one of several routers silent this long while another is heard: abort its requests "
-                        "(and keep registering with it, so it gets this worker again if it comes back)")
+                   help="give up a router silent this long: abort its requests (and keep registering with it, so "
+                        "it gets this worker again if it comes back, until --router-timeout with none heard)")
     _add_parallel(p)
     p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"),
                    help="decode role: how prefill workers write KV")

@@ -28,6 +28,7 @@ MESSAGES: list[rpc.Message] = [
     rpc.Stats("w0", 1, 2, 30, 40, 50, 6, 700, 300, 0, 99, 12.5, ""),
     rpc.Stats("w1", 0, 0, 0, 8, 56, 8, 0, 0, 0, 0, 0.0, "idle engine holds 9 blocks"),
     rpc.KVEvents("w0", (STORED, EVICTED)),
+    rpc.Heartbeat(rpc.KVEvents("w0", (STORED, EVICTED)), rpc.Stats("w0", 1, 2, 30, 40, 50, 6, 700, 300, 0, 99, 12.5)),
     rpc.SnapshotResponse("w0", 4, (STORED,)),
     rpc.SnapshotResponse("w0", 0, ()),
     rpc.Goodbye("w0", "shutdown: bye"),

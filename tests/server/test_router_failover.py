@@ -1,6 +1,7 @@
 """Router failover with real processes: `kvbaton serve` and a `kvbaton router --join` over the same two workers; the
 joined router is SIGKILLed (by pid) mid-stream. Its client's stream breaks, the other router's stream completes, the
-workers stay and free the dead router's blocks, and a new router that joins routes to the prefixes they cached."""
+workers stay and free the dead router's blocks, and a new router that joins routes to the prefixes they cached. A lone
+router SIGKILLed and started again at its RPC address gets its worker back, with the index rebuilt from a snapshot."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvbaton.core.cluster_secret import load_or_create_secret
 from tests.server.serve_helpers import kill_pid, read_banner, serve_process
 
 URL = re.compile(r"serving tiny-random at (http://127\.0\.0\.1:\d+) ")
@@ -155,3 +158,94 @@ def test_serve_with_two_routers_answers_on_both_and_stops_every_process() -> Non
     for pid in (second_pid, *served.worker_pids):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def restart_router(rpc_address: str, secret_file: Path) -> tuple[subprocess.Popen[str], str]:
+    """`kvbaton router` without --join at `rpc_address`: it serves once a worker (re-)registered there."""
+    command = [sys.executable, "-m", "kvbaton.cli", "router", "--rpc-address", rpc_address, "--port", "0", "--model",
+               "tiny-random", "--num-blocks", "256", "--cluster-secret-file", str(secret_file), "--drain-timeout", "2"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               start_new_session=True)
+    banner = read_banner(process, 120.0)
+    match = URL.search(banner)
+    assert match and f"came back to {rpc_address}" in banner, banner
+    return process, match.group(1)
+
+
+@pytest.mark.timeout(300)
+def test_a_lone_router_killed_and_restarted_at_its_address_gets_its_worker_and_index_back(tmp_path: Path) -> None:
+    secret_file = tmp_path / "secret"
+    load_or_create_secret(str(secret_file))
+    rpc_address = f"tcp://127.0.0.1:{free_port()}"
+    processes: list[subprocess.Popen[str]] = []
+    log_path = tmp_path / "worker.log"
+    try:
+        with open(log_path, "wb") as log:
+            # Its own process, not the launcher's child: it outlives the router; a long --router-timeout leaves the
+            # restart time on a loaded host (the worker exits when no router is heard for that long).
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "kvbaton.cli", "worker", "--router", rpc_address, "--model", "tiny-random",
+                 "--worker-id", "w0", "--num-blocks", "256", "--threads", "1", "--router-link-timeout", "1",
+                 "--router-timeout", "60", "--cluster-secret-file", str(secret_file)],
+                stdout=subprocess.DEVNULL, stderr=log.fileno(), text=True, start_new_session=True)
+        processes.append(worker)
+        first_router, url = restart_router(rpc_address, secret_file)  # a router that starts with no worker of its own
+        processes.append(first_router)
+        first = httpx.post(url + "/v1/completions", timeout=60.0, json={
+            "model": "tiny-random", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).json()
+        assert first["choices"][0]["finish_reason"] == "length"
+        indexed = int(cluster(url)["index_blocks"])  # type: ignore[call-overload]
+        assert indexed >= 2
+
+        lines: list[str] = []
+        errors: list[BaseException] = []
+        lost = threading.Thread(target=stream, args=(url, "a stream that breaks", 1900, lines, errors))
+        lost.start()
+        deadline = time.monotonic() + 60.0
+        while len(lines) < 5 and time.monotonic() < deadline and lost.is_alive():
+            time.sleep(0.02)
+        assert len(lines) >= 5, (lines, errors)
+        kill_pid(first_router.pid)  # SIGKILL: no goodbye, no drain
+        first_router.wait(10)
+        lost.join(30.0)
+        assert not lost.is_alive() and (errors or lines[-1] != "data: [DONE]")
+
+        # A router started again at the same address, with the same secret: the worker (which gave the silent
+        # router up, aborting its stream, and kept registering there) comes back and sends its snapshot.
+        back, back_url = restart_router(rpc_address, secret_file)
+        processes.append(back)
+        assert worker.poll() is None
+        deadline = time.monotonic() + 30.0
+        while True:  # its index holds the prompt's blocks before any call ran through it: the snapshot's
+            info = cluster(back_url)
+            (w,) = info["workers"]  # type: ignore[misc]
+            if (int(info["index_blocks"]) >= indexed and w["num_running"] == 0  # type: ignore[call-overload]
+                    and w["num_waiting"] == 0 and w["num_used_blocks"] == w["num_cached_blocks"]):
+                break
+            assert time.monotonic() < deadline, info
+            time.sleep(0.2)
+        assert w["invariant_error"] == ""
+        log_text = log_path.read_text(errors="replace")
+        assert re.search(rf"gives up router {re.escape(rpc_address)} .*; 1 request", log_text), log_text
+        again = httpx.post(back_url + "/v1/completions", timeout=60.0, json={
+            "model": "tiny-random", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).json()
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
+        (w,) = cluster(back_url)["workers"]  # type: ignore[misc]
+        assert w["num_running"] == 0 and w["num_used_blocks"] == w["num_cached_blocks"], w
+
+        # Its last router stopping stops the worker.
+        back.send_signal(signal.SIGTERM)
+        assert back.wait(60) == 0
+        assert worker.wait(60) == 0
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                kill_pid(process.pid)
+                process.wait(10)

@@ -168,3 +168,71 @@ def test_a_router_that_comes_back_at_its_address_gets_the_workers_and_their_cach
         assert not worker.thread.is_alive() and worker.error is None, repr(worker.error)
 
     asyncio.run(main())
+
+
+def test_routers_gossip_new_routers_so_a_worker_of_any_router_hears_of_every_one(tiny: LoadedModel) -> None:
+    async def main() -> None:
+        first, second, third = router(tiny), router(tiny), router(tiny)
+        first_address = await first.start()
+        second_address, third_address = await second.start(), await third.start()
+        options = {"router_link_timeout_s": 1.0, "router_timeout_s": 10.0}
+        workers = [start(tiny, first_address, "w0", "mixed", **options)]
+        try:
+            await first.wait_for_workers(1, 20.0)
+            await second.join(first_address, 20.0)
+            await third.join(second_address, 20.0)  # through the second: the first hears of it from the second
+            everyone = {first_address, second_address, third_address}
+            await until(lambda: all(set(c.pool.peer_routers) == everyone - {c.address}
+                                    for c in (first, second, third)), 10.0, "every router to know every other")
+            # The router the third joined through dies; a worker that knows only the first still reaches the third,
+            # which it hears of from the first.
+            die(second)
+            workers.append(start(tiny, first_address, "w1", "mixed", **options))
+            await until(lambda: "w1" in third.workers, 20.0, "the new worker to register with the third router")
+            await third.wait_for_workers(2, 20.0)
+            deltas = await collect(third, GenerateCall("c-0", tuple(PROMPT), greedy(4), 0.0))
+            assert deltas[-1].finish_reason == "length"
+            # (A worker leaves a router that shuts down while another may still come back: the dead one is given up
+            # first, so the first router's shutdown below is the last and stops the workers.)
+            await until(lambda: not any(link.registered for w in workers for link in w.worker._links.links
+                                        if link.address == second_address), 10.0, "the dead router to be given up")
+        finally:
+            await third.shutdown(timeout_s=5.0)
+            await first.shutdown(timeout_s=5.0)  # the last live router: its shutdown stops the workers
+            for w in workers:
+                await asyncio.to_thread(w.thread.join, 10.0)
+        for w in workers:
+            assert not w.thread.is_alive() and w.error is None, repr(w.error)
+
+    asyncio.run(main())
+
+
+def test_a_workers_kv_events_ride_in_its_heartbeat_frame(tiny: LoadedModel) -> None:
+    """One frame per heartbeat, events and stats together (rpc.Heartbeat): a router reads one frame where it read
+    two, and applies the events."""
+    async def main() -> None:
+        cluster = router(tiny)
+        kinds: list[str] = []
+        handle = cluster.pool.handle
+
+        def recording(sender: str, message: object) -> None:
+            kinds.append(type(message).__name__)
+            handle(sender, message)  # type: ignore[arg-type]
+
+        cluster.pool.handle = recording  # type: ignore[method-assign]
+        await cluster.start()
+        worker = start(tiny, cluster.address, "w0", "mixed")
+        try:
+            await cluster.wait_for_workers(1, 20.0)
+            deltas = await collect(cluster, GenerateCall("a-0", tuple(PROMPT), greedy(4), 0.0))
+            assert deltas[-1].finish_reason == "length"
+            # The stored blocks' events applied (the index's seq for the worker moved), from a heartbeat's frame.
+            await until(lambda: cluster.state.index.last_seq("w0") > 0, 10.0, "the prompt's KV events")
+            assert "Heartbeat" in kinds and "Stats" in kinds  # with events, and without
+            assert "KVEvents" not in kinds, kinds
+        finally:
+            await cluster.shutdown(timeout_s=5.0)
+            await asyncio.to_thread(worker.thread.join, 10.0)
+        assert not worker.thread.is_alive() and worker.error is None, repr(worker.error)
+
+    asyncio.run(main())

@@ -28,5 +28,6 @@ class KVEvent:
     @staticmethod
     def from_wire(raw: list[object]) -> KVEvent:
         seq, kind, hashes, parent, block_size = raw
-        return KVEvent(int(seq), KVEventKind(kind), tuple(int(h) for h in hashes), parent, int(block_size))  # type: ignore[arg-type]
+        # map(int, ...) converts in C: a router applies every worker's events (each router of several does).
+        return KVEvent(int(seq), KVEventKind(kind), tuple(map(int, hashes)), parent, int(block_size))  # type: ignore[arg-type,call-overload]
 

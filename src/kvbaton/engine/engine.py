@@ -161,9 +161,9 @@ class Engine:
         """A migrated request's output so far (streamed by the worker it left) becomes its output here, as a
         preempted request's does: the scheduler recomputes prompt + output and samples the next token. The text,
         the stop-string window and the grammar take those tokens exactly as they did there (nothing is emitted:
-        the client has them), so they count toward max_tokens, stop rules and penalties. A seeded request's
-        generator moves past one draw per token (the sampler draws once per sampled token; speculative decoding
-        draws more, so a seeded stream resumes exactly only without it)."""
+        the client has them), so they count toward max_tokens, stop rules and penalties. A seeded request's next
+        draw is at the position after them: each output position has its own seeded stream (`Sampler`), so its
+        tokens from here are those the lost worker would have drawn, with speculative decoding or without."""
         request = tracked.request
         vocab = self.loaded.config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in output_token_ids):
@@ -178,8 +178,7 @@ class Engine:
             output = self._on_token(tracked, SampledToken(token_id), None)
             if output.finished:
                 raise InvalidRequestError(f"resumed output already ends the request ({output.finish_reason})")
-        for _ in output_token_ids:
-            self.sampler.skip_draw(request.request_id, request.sampling, vocab)
+        self.sampler.skip_draws(request.request_id, request.sampling, len(output_token_ids))
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
@@ -231,7 +230,7 @@ class Engine:
         if not self.scheduler.admit_prefilled(request, len(token_ids), now, block_ids=block_ids):
             return None
         request.first_token_at = now
-        self.sampler.skip_draw(request_id, params, self.loaded.config.vocab_size)  # the prefill worker's draw
+        self.sampler.skip_draws(request_id, params, 1)  # the prefill worker drew the first token
         tracked = _Tracked(request, self._detokenizer(params), grammar=grammar)
         self._tracked[request_id] = tracked
         reason = self.scheduler.stop_reason(request, first_token.token_id)

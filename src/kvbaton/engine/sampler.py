@@ -13,6 +13,7 @@ any adjustment, temperature, top-k or top-p, but after the grammar mask), as vLL
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -43,20 +44,34 @@ def adjust_logits(row: torch.Tensor, p: SamplingParams, prompt_token_ids: Sequen
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's output token at `position` (0 = its first): a hash of both, so every
+    position has a stream of its own, whatever was drawn before it and wherever."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # below 2**63: any torch generator takes it
+
+
 class Sampler:
+    """Draws the engine's tokens. A seeded request's token at output position i is drawn from a generator seeded by
+    (seed, i) alone (`position_seed`): the same token wherever it is drawn (a handoff's prefill worker draws the
+    first, a migrated request's new worker the ones after those it was given) and however (a plain decode, or a
+    speculative chunk's verification, which draws each position's token and keeps the draft only when it is that
+    token). An unseeded request draws from the engine's generator."""
+
     def __init__(self, seed: int) -> None:
         self._generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self._positions: dict[str, int] = {}  # a seeded request's next output position
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
+        self._positions.pop(request_id, None)
 
-    def skip_draw(self, request_id: str, p: SamplingParams, vocab_size: int) -> None:
-        """A token of this request was drawn elsewhere (a handoff's first token, on the prefill worker): a seeded
-        request's generator moves past that draw, so the tokens drawn here are those one engine would draw. A draw
-        takes the same generator state whatever the distribution (one exponential per vocabulary entry)."""
+    def skip_draws(self, request_id: str, p: SamplingParams, num_tokens: int) -> None:
+        """`num_tokens` tokens of this request were drawn elsewhere (a handoff's first token, on the prefill worker;
+        a migrated request's output so far): a seeded request's next draw is at the position after them."""
         if p.seed is not None and not p.greedy:
-            torch.multinomial(torch.ones(vocab_size), 1, generator=self._generator_for(request_id, p))
+            self._positions[request_id] = self._positions.get(request_id, 0) + num_tokens
 
     def sample(
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
@@ -116,19 +131,14 @@ class Sampler:
                 tokens.append(draft)
             tokens.append(best[len(tokens)])
         else:
-            generator = self._generator_for(request_id, p)
-            for i, draft in enumerate(drafts):
-                probs = self._probs(rows[i], p)
-                if float(torch.rand((), generator=generator)) < float(probs[draft]):
-                    tokens.append(draft)
-                    continue
-                residual = probs.clone()
-                residual[draft] = 0.0  # p(draft) < 1 here, so something else is left to draw
-                tokens.append(int(torch.multinomial(residual, 1, generator=generator).item()))
-                break
-            else:
-                probs = self._probs(rows[len(drafts)], p)
-                tokens.append(int(torch.multinomial(probs, 1, generator=generator).item()))
+            # Each position's token is drawn from p as a plain decode would draw it (the same draw: see the class);
+            # a draft is kept when it is that token, with probability p(draft), and the chunk ends at the first
+            # that is not. Every token is distributed as p, and a seeded request's tokens do not depend on drafts.
+            for i in range(len(drafts) + 1):
+                tokens.append(int(torch.multinomial(self._probs(rows[i], p), 1,
+                                                    generator=self._generator_for(request_id, p)).item()))
+                if i == len(drafts) or tokens[-1] != drafts[i]:
+                    break
         return [_sampled(t, None if logprobs is None else logprobs[i], p) for i, t in enumerate(tokens)]
 
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
@@ -160,13 +170,16 @@ class Sampler:
         return probs
 
     def _generator_for(self, request_id: str, p: SamplingParams) -> torch.Generator:
+        """The generator of the request's next draw: a seeded one's is seeded for its next output position (which
+        this draw takes)."""
         if p.seed is None:
             return self._generator
         gen = self._request_generators.get(request_id)
         if gen is None:
-            gen = torch.Generator().manual_seed(p.seed)
-            self._request_generators[request_id] = gen
-        return gen
+            gen = self._request_generators[request_id] = torch.Generator()
+        position = self._positions.get(request_id, 0)
+        self._positions[request_id] = position + 1
+        return gen.manual_seed(position_seed(p.seed, position))
 
 
 def _sampled(token_id: int, row_logprobs: torch.Tensor | None, p: SamplingParams) -> SampledToken:

@@ -102,15 +102,17 @@ class ClusterConfig:
     kv_store_disk_bytes_per_s: float = 1e9
 
 
-def send_add_router(router_address: str, own_address: str, secret: ClusterSecret, timeout_s: float = 5.0) -> None:
-    """Tell the router at `router_address` that a router now serves at `own_address` (blocking: run it off the loop)."""
+def send_add_router(router_address: str, addresses: tuple[str, ...], secret: ClusterSecret,
+                    timeout_s: float = 5.0) -> None:
+    """Tell the router at `router_address` that routers serve at `addresses` (blocking: run it off the loop)."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     try:
         secure_dealer(socket, secret)
-        socket.setsockopt(zmq.LINGER, int(timeout_s * 1000))  # close waits (this long at most) for the frame to go
+        socket.setsockopt(zmq.LINGER, int(timeout_s * 1000))  # close waits (this long at most) for the frames to go
         socket.connect(router_address)
-        socket.send(rpc.encode(rpc.AddRouter(own_address)))
+        for address in addresses:
+            socket.send(rpc.encode(rpc.AddRouter(address)))
     finally:
         socket.close()
         context.term()
@@ -205,7 +207,8 @@ class ClusterManager:
     async def start(self) -> str:
         """Bind the socket, start reading it and start the monitor loop; returns the bound address."""
         socket = self.pool.socket = RouterSocket(self.config.bind_address, self.secret)
-        self.address = socket.address
+        self.address = self.pool.own_address = socket.address
+        self.pool.tell_router = self._tell_router
         socket.start(self.pool.handle)
         self._tasks = [asyncio.create_task(self._monitor_loop())]
         if self.config.kv_store_address:
@@ -215,13 +218,17 @@ class ClusterManager:
                 lambda events, snapshot: loop.call_soon_threadsafe(self._on_store_events, events, snapshot)).start()
         return self.address
 
+    def _tell_router(self, router_address: str, addresses: tuple[str, ...]) -> None:
+        """The pool's gossip to another router: on a thread, as connecting and sending may wait (on the loop)."""
+        asyncio.get_running_loop().run_in_executor(None, send_add_router, router_address, addresses, self.secret)
+
     async def join(self, address: str, timeout_s: float) -> None:
         """Join the cluster whose router listens (RPC) at `address`: tell it this router's address, which it passes on
         to its workers; they register here and send their prefix caches' snapshots, so this router's index starts
         whole. Returns once a worker serves here; TimeoutError when none does within `timeout_s`."""
         if address not in self.pool.peer_routers:
             self.pool.peer_routers.append(address)
-        await asyncio.to_thread(send_add_router, address, self.address, self.secret)
+        await asyncio.to_thread(send_add_router, address, (self.address,), self.secret)
         try:
             await self.wait_for_workers(1, timeout_s)
         except TimeoutError as exc:

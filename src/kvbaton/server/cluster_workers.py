@@ -59,9 +59,13 @@ class WorkerPool:
         self.num_snapshots_requested = 0
         self.retired_spec_decode_tokens = [0, 0]  # (draft, accepted) of workers that left: keeps totals monotone
         self.socket: RouterSocket | None = None  # set by the manager's start, cleared by its shutdown
-        # The other routers of this cluster that this one knows (those that joined through it, the one it joined):
-        # every worker that registers here is told to register with them too.
+        # The other routers of this cluster that this one knows (those that joined through it, the one it joined, and
+        # those the others told it of): every worker that registers here is told to register with them too.
         self.peer_routers: list[str] = list(config.peer_routers)
+        self.own_address = ""  # this router's RPC address (set by the manager's start): never a peer of its own
+        # Sends AddRouter(each of the addresses) to the router at the first address, off the event loop (set by the
+        # manager's start); None: this router tells no other router of new ones.
+        self.tell_router: Callable[[str, tuple[str, ...]], None] | None = None
         self._last_check_at = clock()
 
     @property
@@ -105,25 +109,13 @@ class WorkerPool:
         if isinstance(message, rpc.TokenDeltas):
             for delta in message.deltas:
                 self._on_delta(delta)
+        elif isinstance(message, rpc.Heartbeat):
+            self._on_kv_events(sender, record, message.events)
+            self._on_stats(sender, record, message.stats)
         elif isinstance(message, rpc.Stats):
-            if record.stats is None:  # its first heartbeat: it serves from now on
-                register = record.register
-                self.placement.add_worker(sender, register.role, register.kv_address.partition("://")[0])
-            record.stats = message
-            self.placement.on_stats(WorkerStats(
-                sender, message.num_queued_prefill_tokens, message.num_used_blocks, message.num_free_blocks,
-                message.num_running, message.num_waiting, message.num_cached_blocks, self.config.block_size),
-                record.last_heard_at)
-            dirty_at = record.index_dirty_at
-            if dirty_at is not None and (not record.in_flight or record.last_heard_at - dirty_at > INDEX_RESYNC_S):
-                record.index_dirty_at = None
-                if not record.snapshot_pending:
-                    self._request_snapshot(record, "a call ended before its first token")
+            self._on_stats(sender, record, message)
         elif isinstance(message, rpc.KVEvents):
-            if record.snapshot_pending:
-                return  # the snapshot on its way covers these
-            if not self.placement.on_kv_events(sender, (KVEvent.from_wire(e) for e in message.events)):
-                self._request_snapshot(record, "kv event seq gap")
+            self._on_kv_events(sender, record, message)
         elif isinstance(message, rpc.SnapshotResponse):
             record.snapshot_pending = False
             # A leading CLEARED at the snapshot's seq makes the index resume from there even when the cache is empty.
@@ -133,6 +125,27 @@ class WorkerPool:
             self._on_handoff_ended(message)
         elif isinstance(message, rpc.Goodbye):
             self.remove(sender, f"left: {message.reason}")
+
+    def _on_stats(self, sender: str, record: WorkerRecord, message: rpc.Stats) -> None:
+        if record.stats is None:  # its first heartbeat: it serves from now on
+            register = record.register
+            self.placement.add_worker(sender, register.role, register.kv_address.partition("://")[0])
+        record.stats = message
+        self.placement.on_stats(WorkerStats(
+            sender, message.num_queued_prefill_tokens, message.num_used_blocks, message.num_free_blocks,
+            message.num_running, message.num_waiting, message.num_cached_blocks, self.config.block_size),
+            record.last_heard_at)
+        dirty_at = record.index_dirty_at
+        if dirty_at is not None and (not record.in_flight or record.last_heard_at - dirty_at > INDEX_RESYNC_S):
+            record.index_dirty_at = None
+            if not record.snapshot_pending:
+                self._request_snapshot(record, "a call ended before its first token")
+
+    def _on_kv_events(self, sender: str, record: WorkerRecord, message: rpc.KVEvents) -> None:
+        if record.snapshot_pending:
+            return  # the snapshot on its way covers these
+        if not self.placement.on_kv_events(sender, (KVEvent.from_wire(e) for e in message.events)):
+            self._request_snapshot(record, "kv event seq gap")
 
     def _on_register(self, sender: str, message: rpc.Register) -> None:
         if sender != message.worker_id:
@@ -163,13 +176,24 @@ class WorkerPool:
 
     def _on_router_joined(self, address: str) -> None:
         """Another router serves this cluster from now on: every worker registers with it too (a worker that knows
-        it already ignores the news). Only a holder of the cluster secret gets this far."""
-        if not address or address in self.peer_routers:
+        it already ignores the news). Only a holder of the cluster secret gets this far.
+
+        The routers gossip: the news goes on to every other router this one knows, and the new router is told of
+        them and of this one. Each router passes an address on only the first time it hears of it, so the news
+        stops once every router knows every other, and a worker registered with any of them hears of every one
+        (not only of those that joined through its own router)."""
+        if not address or address == self.own_address or address in self.peer_routers:
             return
+        others = tuple(self.peer_routers)
         self.peer_routers.append(address)
-        log.info("router %s joined the cluster; telling %d worker(s)", address, len(self.workers))
+        log.info("router %s joined the cluster; telling %d worker(s) and %d router(s)", address, len(self.workers),
+                 len(others))
         for worker_id in sorted(self.workers):
             self.send(worker_id, rpc.AddRouter(address))
+        if self.tell_router is not None:
+            for peer in others:
+                self.tell_router(peer, (address,))
+            self.tell_router(address, tuple(a for a in (self.own_address, *others) if a))
 
     def _send_raw(self, identity: str, message: rpc.Message) -> None:
         """Send to a peer that is not (or no longer) a pool member; errors are ignored."""

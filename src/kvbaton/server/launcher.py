@@ -111,7 +111,7 @@ class ServeConfig:
     startup_timeout_s: float = 300.0  # every worker registered within this
     drain_timeout_s: float = 30.0  # in-flight requests may finish within this after a stop signal
     migration_limit: int = 3  # times a call may move to another worker after losing one (0: it fails)
-    router_link_timeout_s: float = 5.0  # workers give up one of several routers silent this long
+    router_link_timeout_s: float = 5.0  # workers give up a router silent this long
     worker_exit_timeout_s: float = 10.0  # then stragglers are killed
     # SLO admission (kvbaton.router.admission): none | baseline | early | predicted. The others price each
     # arrival with the step times of `cost_profile` (a `kvbaton profile` file) against the SLOs.
@@ -355,6 +355,8 @@ class Launcher:
             pools = f"{config.num_workers} mixed + {config.num_prefill} prefill + {config.num_decode} decode worker(s)"
             if config.join_address:
                 pools = f"the {cluster.num_serving_workers} worker(s) of the cluster it joined at {config.join_address}"
+            elif not self.processes:
+                pools = f"the {cluster.num_serving_workers} worker(s) that came back to {address}"
             nodes = ""
             if self.placement is not None:
                 ips = sorted({p.node_ip for p in self.processes.values() if isinstance(p, RayWorkerProcess)})
@@ -520,7 +522,9 @@ class Launcher:
 
     async def _wait_for_workers(self, cluster: ClusterManager) -> bool:
         """True once every worker registered; False on a stop signal; raises if a worker died or timed out."""
-        num_workers = self.config.num_workers + self.config.num_prefill + self.config.num_decode
+        # None to start: a router restarted at its RPC address (`kvbaton router` without --join) waits for one of the
+        # cluster's workers, which keep registering there, to come back.
+        num_workers = self.config.num_workers + self.config.num_prefill + self.config.num_decode or 1
         waiting = asyncio.ensure_future(cluster.wait_for_workers(num_workers,
                                                                  self.config.startup_timeout_s))
         try:

@@ -1,15 +1,16 @@
 """One worker process: registers with its router(s), then runs the engine loop and streams results back.
 
 Several routers may share the worker (`server/worker_links.py`): it registers with each, sends each its heartbeats
-and KV events, takes requests from all, and answers each request to the router that sent it. One of several routers
-silent for `router_link_timeout_s` is given up (its requests aborted, their blocks freed) and retried; a router that
-shuts down ends only its own requests.
+and KV events, takes requests from all, and answers each request to the router that sent it. A router silent for
+`router_link_timeout_s` (a lone one too) is given up (its requests aborted, their blocks freed) and registered with
+again until it answers; a router that shuts down ends only its own requests.
 
 Loop invariant: while the engine has work, messages are drained without blocking between steps
 (a prefill worker also looks between the layers of a step, and sends a new handoff's KV reservation
 at once; other messages wait for the step's end) and every step's outputs go out as one
 `TokenDeltas` frame; while idle the worker blocks on the socket for at most `idle_poll_s`. A
-heartbeat (`Stats`, plus new `KVEvents`) goes out every `heartbeat_interval_s` either way, between steps;
+heartbeat (`Stats`, with the new KV events in the same frame: `rpc.Heartbeat`) goes out every
+`heartbeat_interval_s` either way, between steps;
 the router's liveness check does not wait for those: a thread with a socket of its own sends `Alive` every
 `rpc.ALIVE_INTERVAL_S` from registration on, so a step longer than the router's worker timeout (a long
 prefill of a real model on a loaded host) does not get the worker removed. The
@@ -236,6 +237,8 @@ class Worker:
                 elif isinstance(message, rpc.Shutdown):
                     raise KvbatonError(f"router shut down before registering worker {self.config.worker_id} "
                                        f"(router {link.address})")
+                elif isinstance(message, rpc.AddRouter):  # a router sends its peers right after its acknowledgement
+                    self._links.add(message.address)
         if first is not None:
             return first
         addresses = ", ".join(link.address for link in self._links.links)
@@ -330,23 +333,21 @@ class Worker:
         return self._stopping
 
     def _check_links(self, now: float) -> None:
-        """Give up a router silent past `router_link_timeout_s` while another is heard (its requests are aborted, so
-        their blocks are freed); close a link whose router shut down once its requests have ended."""
+        """Give up a router silent past `router_link_timeout_s` (its requests are aborted, so their blocks are freed)
+        and register with it again until it answers: a router restarted at its address, or one only slow, gets this
+        worker back with a snapshot. That holds for a lone router too, and while every router is silent: then the
+        worker still exits once none has been heard for `router_timeout_s`. Close a link whose router shut down once
+        its requests have ended."""
         links = self._links
         for link in links.links:
             if link.leaving and not link.request_ids:
                 link.send(rpc.Goodbye(self.config.worker_id, "its router shut down; serving the others"))
                 links.close_link(link)
-        if len(links.links) < 2:
-            return  # a lone router keeps the old rule: the worker waits router_timeout_s for it, then exits
         timeout_s = self.config.router_link_timeout_s
         registered = links.registered
         if not any(now - link.last_heard_at > timeout_s for link in registered):
             return
         self._drain()  # after a long step, the pings are still unread
-        heard = [link for link in registered if now - link.last_heard_at <= timeout_s]
-        if not heard:
-            return  # every router silent: the worker-wide router_timeout_s decides
         for link in registered:
             if now - link.last_heard_at > timeout_s:
                 log.warning("worker %s gives up router %s (silent for %.1f s); %d request(s) aborted",
@@ -558,18 +559,26 @@ class Worker:
 
     def _flush_events(self) -> None:
         """The prefix cache's new KV events, to every registered router (each keeps its own index from them)."""
+        events = self._take_events()
+        if events is not None:
+            self._links.broadcast(events)
+
+    def _take_events(self) -> rpc.KVEvents | None:
+        """The prefix cache's new KV events as one message (None when there are none)."""
         engine = self.engine
         if engine is None or engine.prefix_cache is None:
-            return
+            return None
         events = engine.prefix_cache.take_events()
-        if events:
-            self._last_event_seq = events[-1].seq
-            self._links.broadcast(rpc.KVEvents(self.config.worker_id, tuple(e.to_wire() for e in events)))
+        if not events:
+            return None
+        self._last_event_seq = events[-1].seq
+        return rpc.KVEvents(self.config.worker_id, tuple(e.to_wire() for e in events))
 
     def _send_heartbeat(self, now: float) -> None:
+        """Stats to every registered router, with the new KV events in the same frame (`rpc.Heartbeat`)."""
         engine = self.engine
         assert engine is not None
-        self._flush_events()
+        events = self._take_events()
         if not self._has_work() and self._checked_at_step_call != self._num_step_calls:
             self._checked_at_step_call = self._num_step_calls
             try:
@@ -581,12 +590,13 @@ class Worker:
             except AssertionError as exc:
                 self._invariant_error = str(exc) or "check_invariants failed"
         s = engine.stats()
-        self._links.broadcast(rpc.Stats(
+        stats = rpc.Stats(
             self.config.worker_id, s.num_waiting, s.num_running, s.num_queued_prefill_tokens, s.num_used_blocks,
             s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens,
             s.num_preemptions, s.num_steps, now, self._invariant_error, *self._transfer_stats(),
             engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens, s.num_host_cached_blocks,
-            s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks))
+            s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks)
+        self._links.broadcast(stats if events is None else rpc.Heartbeat(events, stats))
 
     def _has_work(self) -> bool:
         """Anything running or in a handoff, including a reservation made before the router's expect arrived (or

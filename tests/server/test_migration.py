@@ -116,7 +116,10 @@ def test_killed_mixed_worker_mid_decode_the_stream_completes_as_if_uninterrupted
         deltas, victim = await kill_mid_decode(cluster, processes, GenerateCall("m-0", tuple(PROMPT), params, 0.0),
                                                sig=sig)
         reason = cluster.lost_workers[victim]
-        assert reason == "left: stopped by a signal" if sig == signal.SIGTERM else "exited with code -9" in reason, reason
+        # A drained worker says goodbye, then exits; its exit code joins the reason once the monitor sees it go
+        # (`_note_late_exits`), which may come before this line or after.
+        assert (reason.startswith("left: stopped by a signal") if sig == signal.SIGTERM
+                else "exited with code -9" in reason), reason
         assert deltas[-1].finish_reason == "length" and not any(d.error for d in deltas)
         assert tokens_of(deltas) == expected  # none lost, none repeated
         assert cluster.num_migrations == 1 and cluster.num_failed_by_worker_loss == 0

@@ -276,49 +276,44 @@ class StoreTcpLink:
     def read_into(self, lease: int, buffers: list[memoryview]) -> None:
         """The lease's blocks into `buffers` (their wire order: `row_views` of the destination); raises
         StoreLinkError (the link is then unusable) when the node refuses, closes or stalls."""
-        self._ids += 1
         try:
-            send_message(self._sock, {"id": self._ids, "lease": lease})
-            reply = recv_message(self._sock)
-            if reply is None or reply.get("id") != self._ids:
-                raise StoreLinkError("the store node closed the link or answered out of turn")
-            if "error" in reply:
-                raise StoreLinkError(f"the store node refused the read: {str(reply['error'])[:200]}")
-            expected = sum(len(buffer) for buffer in buffers)
-            if reply.get("num_bytes") != expected:
-                raise StoreLinkError(f"the store node sends {reply.get('num_bytes')} bytes, {expected} expected")
-            if not recv_into_buffers(self._sock, buffers):
-                raise StoreLinkError("the store node closed the link mid-read")
+            self._receive(buffers, self._ask({"lease": lease}, "read"), "read")
         except OSError as exc:
             raise StoreLinkError(f"the store link failed: {exc}") from exc
-        self.num_read_bytes += expected
 
     def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
                   buffers_for: Callable[[int], list[memoryview]]) -> int:
         """Acquire, read and release in one trip: the leading blocks the node holds of `block_hashes` into
         `buffers_for(n)` (their wire order); returns n. Raises StoreLinkError as `read_into` does."""
-        self._ids += 1
         try:
-            send_message(self._sock, {"id": self._ids, "op": "load", "namespace": list(namespace),
-                                      "hashes": list(block_hashes)})
-            reply = recv_message(self._sock)
-            if reply is None or reply.get("id") != self._ids:
-                raise StoreLinkError("the store node closed the link or answered out of turn")
-            if "error" in reply:
-                raise StoreLinkError(f"the store node refused the load: {str(reply['error'])[:200]}")
+            reply = self._ask({"op": "load", "namespace": list(namespace), "hashes": list(block_hashes)}, "load")
             num_blocks = reply.get("num_blocks")
             if not isinstance(num_blocks, int) or not 0 <= num_blocks <= len(block_hashes):
                 raise StoreLinkError(f"the store node answers {num_blocks!r} blocks of {len(block_hashes)}")
-            buffers = buffers_for(num_blocks) if num_blocks else []
-            expected = sum(len(buffer) for buffer in buffers)
-            if reply.get("num_bytes") != expected:
-                raise StoreLinkError(f"the store node sends {reply.get('num_bytes')} bytes, {expected} expected")
-            if not recv_into_buffers(self._sock, buffers):
-                raise StoreLinkError("the store node closed the link mid-load")
+            self._receive(buffers_for(num_blocks) if num_blocks else [], reply, "load")
         except OSError as exc:
             raise StoreLinkError(f"the store link failed: {exc}") from exc
-        self.num_read_bytes += expected
         return num_blocks
+
+    def _ask(self, request: dict, what: str) -> dict:
+        """Send `request` under the next id and return the node's answer to it (its header: the bytes follow)."""
+        self._ids += 1
+        send_message(self._sock, {"id": self._ids, **request})
+        reply = recv_message(self._sock)
+        if reply is None or reply.get("id") != self._ids:
+            raise StoreLinkError("the store node closed the link or answered out of turn")
+        if "error" in reply:
+            raise StoreLinkError(f"the store node refused the {what}: {str(reply['error'])[:200]}")
+        return reply
+
+    def _receive(self, buffers: list[memoryview], reply: dict, what: str) -> None:
+        """The bytes `reply` announced into `buffers`, which must hold exactly that many."""
+        expected = sum(len(buffer) for buffer in buffers)
+        if reply.get("num_bytes") != expected:
+            raise StoreLinkError(f"the store node sends {reply.get('num_bytes')} bytes, {expected} expected")
+        if not recv_into_buffers(self._sock, buffers):
+            raise StoreLinkError(f"the store node closed the link mid-{what}")
+        self.num_read_bytes += expected
 
     def close(self) -> None:
         self._sock.close()

@@ -218,7 +218,9 @@ class ClusterManager:
             loop = asyncio.get_running_loop()
             self._store_feed = StoreEventFeed(
                 self.config.kv_store_address, self.secret,
-                lambda events, snapshot: loop.call_soon_threadsafe(self._on_store_events, events, snapshot)).start()
+                lambda events, snapshot: loop.call_soon_threadsafe(self._on_store_events, events, snapshot),
+                on_disk_reads=lambda num_bytes, seconds: loop.call_soon_threadsafe(
+                    self._on_store_disk_reads, num_bytes, seconds)).start()
         return self.address
 
     def _tell_router(self, router_address: str, addresses: tuple[str, ...]) -> None:
@@ -243,6 +245,12 @@ class ClusterManager:
             self.placement.apply_store_snapshot(node, events)
         elif not self.placement.on_store_events(node, events) and self._store_feed is not None:
             self._store_feed.resync()
+
+    def _on_store_disk_reads(self, num_bytes: int, seconds: float) -> None:
+        """The store node's disk reads so far: they price its disk from the first measurement on."""
+        speeds = self.pool.store_speeds
+        if speeds is not None and speeds.observe("disk", self.config.kv_store_node, num_bytes, seconds, self.clock()):
+            self.placement.state.store_prices = speeds.prices()
 
     async def _monitor_loop(self) -> None:
         while True:

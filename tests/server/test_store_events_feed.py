@@ -69,3 +69,40 @@ def test_the_feed_keeps_a_directory_of_the_node(tmp_path: Path) -> None:
         feed.stop()
         server.stop()
         thread.join(timeout=10)
+
+
+def test_the_feed_hands_on_the_node_s_disk_reads(tmp_path: Path) -> None:
+    """A node with a disk answers each poll with what its disk reads moved and took so far; the feed hands each new
+    pair to `on_disk_reads` (the router prices the node's disk from them)."""
+    state = StoreNodeState(4096, 16, dram_blocks=2, disk=DiskBlockFiles(tmp_path / "d", 8))
+    server = StoreServer(state, SECRET)
+    thread = server.start_thread()
+    reads: list[tuple[int, float]] = []
+    with server.locked():
+        state.put(NS, 0, [1, 2], [b"x" * 4096] * 2)
+        state.put(NS, 0, [11, 12], [b"y" * 4096] * 2)  # DRAM holds 2: the first chain moves to disk
+    feed = StoreEventFeed(server.address, SECRET, lambda events, snapshot: None, interval_s=0.02,
+                          on_disk_reads=lambda num_bytes, seconds: reads.append((num_bytes, seconds))).start()
+    try:
+        deadline = time.monotonic() + 20
+        while not reads:  # nothing read yet: (0, 0.0), which is what the feed starts from, is not handed on
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+            if feed.num_polls >= 3:
+                break
+        assert reads == []
+        with server.locked():
+            assert state.disk.num_files() == 2
+            lease, slots = state.acquire(NS, [1, 2], now=0.0)  # the chain comes back from disk: two file reads
+            state.release(lease)
+            expected = (state.disk.num_read_bytes, state.disk.read_s)
+        assert len(slots) == 2 and expected[0] > 2 * 4096 and expected[1] > 0
+        while not reads:
+            assert time.monotonic() < deadline, "the feed never handed on the disk read"
+            time.sleep(0.02)
+        time.sleep(0.1)
+        assert reads == [expected]  # handed on once: later polls answer the same pair
+    finally:
+        feed.stop()
+        server.stop()
+        thread.join(timeout=10)

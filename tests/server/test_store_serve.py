@@ -87,3 +87,39 @@ def test_every_router_of_serve_routers_reads_the_store() -> None:
         assert [info["num_blocks"] for info in infos] == [19, 19], infos
         second = _complete(http, router.group(1), prompt)
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
+
+
+def test_the_router_prices_store_loads_at_the_speed_it_measured() -> None:
+    """/cluster's kv_store shows the nominal DRAM speed until a worker's loads from the store add up to a MiB, then
+    the speed the router measured from the workers' heartbeats (their bytes loaded and the seconds it took)."""
+    args = ["--model", "tiny-random", "--workers", "2", "--policy", "round_robin", "--kv-store-gb", "0.05",
+            "--threads-per-worker", "1"]
+    rng = random.Random(2)
+    with serve_process(args) as served, httpx.Client() as http:
+        def kv_store() -> dict:
+            return http.get(f"{served.url}/cluster", timeout=10).json()["kv_store"]
+
+        info = kv_store()
+        assert info["host_speed"] == "nominal" and info["host_bytes_per_s"] == 3e9, info
+        assert info["disk_speed"] == "nominal"
+        num_loaded = 0
+        for _ in range(10):  # each prompt's load moves ~0.4-0.8 MiB (93 blocks), so a few add up to a MiB
+            prompt = [rng.randrange(1, 200) for _ in range(1500)]
+            num_blocks = kv_store()["num_blocks"]
+            assert _complete(http, served.url, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            deadline = time.monotonic() + 30
+            while kv_store()["num_blocks"] < num_blocks + 93 and time.monotonic() < deadline:
+                time.sleep(0.05)  # the write-through has landed in the store, and the router heard of it
+            second = _complete(http, served.url, prompt)  # round robin's turn: the worker that did not compute it
+            num_loaded += second["usage"]["prompt_tokens_details"]["cached_tokens"] == 1488
+            deadline = time.monotonic() + 5
+            while kv_store()["host_speed"] == "nominal" and time.monotonic() < deadline:
+                time.sleep(0.05)  # its heartbeat carries the load's counters
+            info = kv_store()
+            if info["host_speed"] == "measured":
+                break
+        assert num_loaded >= 2, num_loaded
+        assert info["host_speed"] == "measured", info
+        assert info["host_bytes_per_s"] != 3e9 and info["host_bytes_per_s"] == info["links"]["shm"]["bytes_per_s"]
+        assert info["links"]["shm"]["num_samples"] >= 1 and info["links"]["tcp"]["num_samples"] == 0
+        print(f"measured DRAM load speed: {info['host_bytes_per_s'] / 1e9:.3f} GB/s after {num_loaded} loads")

@@ -12,7 +12,8 @@
   blocks: `kvbaton.transfer.store_tcp`; with room for the whole chain, acquire, read and release are one
   `load_into` there), then releases the lease. Results come back through `take_results`, read by the engine
   between steps (`kvbaton.engine.store_loads`). A store that does not answer (`StoreUnavailable`) fails the
-  load: the request recomputes.
+  load: the request recomputes. `load_totals` counts the bytes every load brought and the seconds it took (acquire +
+  copy, or the one TCP trip); the worker's heartbeat carries them, and the router measures the link's speed from them.
 - **Not a tier of its own.** Matching past the device cache is not done here (`match` finds nothing): loads are
   asynchronous, started by the engine before admission, so the scheduler only ever sees device hits. The host
   tier (`kvbaton.cache.host_tier`) stays as it was, for workers without a store; a worker has one or the other.
@@ -79,6 +80,7 @@ class LoadJob:
     shm_path: str = ""  # the file those slots are in
     device_block_ids: list[int] = field(default_factory=list)
     num_copied: int = 0  # leading blocks copied into device_block_ids (set with the "copied" result)
+    acquire_s: float = 0.0  # seconds its acquire took (a load's time is its acquire's plus its copy's)
     error: str = ""
 
 
@@ -117,6 +119,9 @@ class WorkerStoreIO:
         self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
         self.num_loaded_blocks = self.num_failed_loads = 0
         self.copy_in_s = 0.0  # seconds the IO thread spent copying loads into the KV pool
+        # (bytes, seconds) of every load that brought blocks, acquire + copy (over shm) or the one TCP trip; one
+        # tuple, swapped whole, so a heartbeat never reads one counter of a load without the other.
+        self.load_totals: tuple[int, float] = (0, 0.0)
         self._thread = threading.Thread(target=self._run, name="kv-store-io", daemon=True)
         self._thread.start()
 
@@ -241,7 +246,9 @@ class WorkerStoreIO:
                     if kind == "save":
                         self._save(link, item)
                     elif kind == "acquire":
+                        started = time.perf_counter()
                         item.lease, item.slots, item.shm_path = link.acquire(item.namespace, item.block_hashes)
+                        item.acquire_s = time.perf_counter() - started
                         self._results.put(("acquired", item))
                     elif kind == "acquire_copy":
                         self._acquire_copy(link, item)
@@ -254,6 +261,7 @@ class WorkerStoreIO:
                             self.copy_in_s += time.perf_counter() - started
                             link.release(item.lease)
                             item.lease = 0
+                        self._count_load(len(item.device_block_ids), item.acquire_s + time.perf_counter() - started)
                         self.num_loaded_blocks += len(item.device_block_ids)
                         item.num_copied = len(item.device_block_ids)
                         self._results.put(("copied", item))
@@ -266,6 +274,12 @@ class WorkerStoreIO:
                         self._results.put(("failed", item))
         finally:
             link.close()
+
+    def _count_load(self, num_blocks: int, seconds: float) -> None:
+        if num_blocks:
+            kv = self.kv_cache
+            num_bytes, total_s = self.load_totals
+            self.load_totals = (num_bytes + num_blocks * kv[:, :, 0].numel() * kv.element_size(), total_s + seconds)
 
     def _payloads(self, job: _SaveJob) -> list:
         kv = self.kv_cache
@@ -299,8 +313,10 @@ class WorkerStoreIO:
                 self._finish_receive(job.device_block_ids[: job.num_copied])
             finally:
                 self.copy_in_s += time.perf_counter() - started
+            self._count_load(job.num_copied, time.perf_counter() - started)
             self.num_loaded_blocks += job.num_copied
             return
+        acquired = time.perf_counter()  # after `_attach`: mapping the node's slots once is no load's time
         job.lease, job.slots, job.shm_path = link.acquire(job.namespace, job.block_hashes)
         job.num_copied = 0
         if not job.slots:
@@ -312,6 +328,7 @@ class WorkerStoreIO:
             self.copy_in_s += time.perf_counter() - started
             link.release(job.lease)
             job.lease = 0
+        self._count_load(len(job.slots), time.perf_counter() - acquired)
         self.num_loaded_blocks += len(job.slots)
         job.num_copied = len(job.slots)
 

@@ -40,7 +40,7 @@ import zmq
 
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.cache.kv_store import StoreEvent
-from kvbaton.cache.store_prices import StorePrices
+from kvbaton.cache.store_prices import MeasuredStorePrices, StorePrices
 from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.router.admission import AdmissionPolicy
 from kvbaton.router.base import RouteRequest
@@ -96,8 +96,9 @@ class ClusterConfig:
     kv_store_address: str = ""
     kv_store_node: str = "local"
     kv_store_block_bytes: int = 0
-    # What the router prices a store load at: a worker's copy from the node's shared memory (a CPU memcpy's speed
-    # by default; a GPU's host link would be ~50e9), and the node's disk.
+    # What the router prices a store load at until it has measured the link (`MeasuredStorePrices`: the workers'
+    # loads, the node's disk reads): a worker's copy from the node's shared memory (a CPU memcpy's speed; a GPU's
+    # host link would be ~50e9), and the node's disk.
     kv_store_host_bytes_per_s: float = 3e9
     kv_store_disk_bytes_per_s: float = 1e9
 
@@ -144,6 +145,8 @@ class ClusterManager:
         self.queue_policy = config.scheduling_policy or local_queue_policy(config.policy)
         self.pool = WorkerPool(config, clock, self.placement, self.queue_policy, self._on_delta,
                                self._on_handoff_ended, self._on_worker_removed)
+        if self.state.store_prices is not None:
+            self.pool.store_speeds = MeasuredStorePrices(self.state.store_prices)
         self._calls: dict[str, CallRecord] = {}
         # Counters for /metrics (the HTTP layer renders them).
         self.router_decisions: dict[str, int] = {}  # decision reason -> count
@@ -215,7 +218,9 @@ class ClusterManager:
             loop = asyncio.get_running_loop()
             self._store_feed = StoreEventFeed(
                 self.config.kv_store_address, self.secret,
-                lambda events, snapshot: loop.call_soon_threadsafe(self._on_store_events, events, snapshot)).start()
+                lambda events, snapshot: loop.call_soon_threadsafe(self._on_store_events, events, snapshot),
+                on_disk_reads=lambda num_bytes, seconds: loop.call_soon_threadsafe(
+                    self._on_store_disk_reads, num_bytes, seconds)).start()
         return self.address
 
     def _tell_router(self, router_address: str, addresses: tuple[str, ...]) -> None:
@@ -240,6 +245,12 @@ class ClusterManager:
             self.placement.apply_store_snapshot(node, events)
         elif not self.placement.on_store_events(node, events) and self._store_feed is not None:
             self._store_feed.resync()
+
+    def _on_store_disk_reads(self, num_bytes: int, seconds: float) -> None:
+        """The store node's disk reads so far: they price its disk from the first measurement on."""
+        speeds = self.pool.store_speeds
+        if speeds is not None and speeds.observe("disk", self.config.kv_store_node, num_bytes, seconds, self.clock()):
+            self.placement.state.store_prices = speeds.prices()
 
     async def _monitor_loop(self) -> None:
         while True:
@@ -568,9 +579,11 @@ class ClusterManager:
             "num_in_flight": len(self._calls),
             "num_waiting": self.num_waiting,
             "index_blocks": self.state.index.num_blocks,
-            # the store node this router reads, and the blocks its directory holds there
+            # the store node this router reads, the blocks its directory holds there, and the speeds loads from it
+            # are priced at (measured, or nominal before the first measurement)
             "kv_store": {"address": self.config.kv_store_address, "node": self.config.kv_store_node,
-                         "num_blocks": self.state.store.num_blocks(self.config.kv_store_node)}
+                         "num_blocks": self.state.store.num_blocks(self.config.kv_store_node),
+                         **(self.pool.store_speeds.info() if self.pool.store_speeds is not None else {})}
             if self.config.kv_store_address and self.state.store is not None else None,
             "lent_workers": {} if self.pools is None else dict(sorted(self.pools.lent.items())),
             "pool_switches": 0 if self.pools is None else len(self.pools.switches),

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvbaton.cache.events import KVEvent, KVEventKind
+from kvbaton.cache.store_prices import MeasuredStorePrices
 from kvbaton.router.load import WorkerStats
 from kvbaton.router.placement import ClusterPlacement
 from kvbaton.server import rpc
@@ -67,6 +68,9 @@ class WorkerPool:
         # manager's start); None: this router tells no other router of new ones.
         self.tell_router: Callable[[str, tuple[str, ...]], None] | None = None
         self._last_check_at = clock()
+        # With a KV store: the link speeds measured from the workers' load counters, which price the placement's
+        # store loads (`RouterState.store_prices`) from the first measurement on (set by the manager).
+        self.store_speeds: MeasuredStorePrices | None = None
 
     @property
     def num_serving(self) -> int:
@@ -131,6 +135,10 @@ class WorkerPool:
             register = record.register
             self.placement.add_worker(sender, register.role, register.kv_address.partition("://")[0])
         record.stats = message
+        speeds = self.store_speeds
+        if speeds is not None and message.store_transport and speeds.observe(
+                message.store_transport, sender, message.store_load_bytes, message.store_load_s, record.last_heard_at):
+            self.placement.state.store_prices = speeds.prices()
         self.placement.on_stats(WorkerStats(
             sender, message.num_queued_prefill_tokens, message.num_used_blocks, message.num_free_blocks,
             message.num_running, message.num_waiting, message.num_cached_blocks, self.config.block_size),
@@ -281,4 +289,6 @@ class WorkerPool:
             self.retired_spec_decode_tokens[0] += record.stats.num_draft_tokens
             self.retired_spec_decode_tokens[1] += record.stats.num_accepted_tokens
         self.placement.remove_worker(worker_id)
+        if self.store_speeds is not None:
+            self.store_speeds.forget(worker_id)  # one that registers again counts its loads from 0
         self._on_removed(worker_id, record, reason)

@@ -111,6 +111,13 @@ class Stats:
     num_host_loaded_blocks: int = 0
     num_host_saved_blocks: int = 0
     num_evictable_blocks: int = 0  # of num_used_blocks, those only the prefix cache holds (no request)
+    # Loads from the cluster KV store, cumulative (kvbaton.engine.store_io `load_totals`): bytes brought into the
+    # KV pool and seconds they took (acquire + copy), over the transport the worker reaches its node by ("shm" |
+    # "tcp"; "" without a store). The router measures the link's speed from their deltas. A worker that sends
+    # none of the three (older) reads as no loads.
+    store_load_bytes: int = 0
+    store_load_s: float = 0.0
+    store_transport: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +295,8 @@ _FIELD_TYPES: dict[type, tuple[tuple[str, tuple[type, ...]], ...]] = {
 # router ~1 µs instead of ~8 through a Python loop); the loop runs only to name the field of a frame that fails it.
 _TYPES_OF: dict[type, tuple[tuple[type, ...], ...]] = {
     cls: tuple(types for _, types in spec) for cls, spec in _FIELD_TYPES.items()}
+# Trailing fields a sender may leave out (it predates them): they take their defaults.
+_OPTIONAL_TAIL: dict[type, int] = {Stats: 3}
 
 
 # -- nested values ------------------------------------------------------------------------------
@@ -441,6 +450,8 @@ def from_wire(raw: object) -> Message:
                 raise ProtocolError("abort: request ids must be an array of strings")
             return Abort(tuple(request_ids))
         types_of = _TYPES_OF[cls]
+        if len(types_of) - _OPTIONAL_TAIL.get(cls, 0) <= len(body) < len(types_of):
+            types_of = types_of[: len(body)]  # fields added since, left out by an older sender: their defaults
         if len(body) != len(types_of):
             raise ProtocolError(f"{raw[0]} has {len(body)} fields, expected {len(types_of)}")
         if not all(map(isinstance, body, types_of)):

@@ -170,11 +170,16 @@ class StoreEventFeed:
     """A router's reader of one store node's events, on a thread of its own (its calls may wait on a dead node):
     every `interval_s` it asks for what came after the last seq it had, and hands the events (or a snapshot, when
     the node's log no longer reaches back) to `deliver(events, is_snapshot)`, which the caller runs on its own
-    thread (the router's event loop: `loop.call_soon_threadsafe`). Any number of routers may each run one."""
+    thread (the router's event loop: `loop.call_soon_threadsafe`). Any number of routers may each run one. A node with
+    a disk also answers its disk reads' cumulative (bytes, seconds): each time they move they go to `on_disk_reads`
+    (called the same way), which the router measures the disk's speed from."""
 
     def __init__(self, address: str, secret: ClusterSecret,
-                 deliver: Callable[[list[StoreEvent], bool], None], interval_s: float = 0.05) -> None:
+                 deliver: Callable[[list[StoreEvent], bool], None], interval_s: float = 0.05,
+                 on_disk_reads: Callable[[int, float], None] | None = None) -> None:
         self._address, self._secret, self._deliver, self._interval_s = address, secret, deliver, interval_s
+        self._on_disk_reads = on_disk_reads
+        self._disk_reads: tuple[int, float] = (0, 0.0)
         self._stop = threading.Event()
         self._seq = 0
         self.num_polls = 0
@@ -205,5 +210,10 @@ class StoreEventFeed:
                 if events:
                     self._seq = max(event.seq for event in events)
                     self._deliver(events, bool(reply["snapshot"]))
+                disk_bytes, disk_s = reply.get("disk_read_bytes"), reply.get("disk_read_s")
+                if (self._on_disk_reads is not None and type(disk_bytes) is int and isinstance(disk_s, (int, float))
+                        and (disk_bytes, disk_s) != self._disk_reads):
+                    self._disk_reads = (disk_bytes, float(disk_s))
+                    self._on_disk_reads(disk_bytes, float(disk_s))
         finally:
             client.close()

@@ -140,6 +140,8 @@ class StoreServer:
             events, snapshot = state.events_since(int(header.get("since", 0)))
             reply["snapshot"] = snapshot
             reply["events"] = [[e.seq, e.kind, list(e.block_hashes), e.tier] for e in events]
+            if state.disk is not None:  # what its disk reads moved and took, cumulative: the router's disk speed
+                reply["disk_read_bytes"], reply["disk_read_s"] = state.disk.num_read_bytes, state.disk.read_s
         elif op == "stats":
             store = state.store
             reply.update(num_blocks=store.num_blocks, num_put_blocks=state.num_put_blocks,

@@ -595,8 +595,16 @@ class Worker:
             s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens,
             s.num_preemptions, s.num_steps, now, self._invariant_error, *self._transfer_stats(),
             engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens, s.num_host_cached_blocks,
-            s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks)
+            s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks, *self._store_load_stats())
         self._links.broadcast(stats if events is None else rpc.Heartbeat(events, stats))
+
+    def _store_load_stats(self) -> tuple[int, float, str]:
+        """(bytes, seconds, transport) of the loads from the KV store so far (zeros without one)."""
+        io = self.engine.store_io if self.engine is not None else None
+        if io is None:
+            return 0, 0.0, ""
+        num_bytes, seconds = io.load_totals
+        return num_bytes, seconds, io.transport
 
     def _has_work(self) -> bool:
         """Anything running or in a handoff, including a reservation made before the router's expect arrived (or

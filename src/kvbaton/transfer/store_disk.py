@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import time
 from pathlib import Path
 
 _MAGIC = b"KVB1"
@@ -43,6 +44,7 @@ class DiskBlockFiles:
         self.capacity_blocks = capacity_blocks
         self.num_written_bytes = 0
         self.num_read_bytes = 0
+        self.read_s = 0.0  # seconds spent reading block files (what the router measures the disk's speed by)
         self.num_read_blocks = 0  # reads that passed every check
         self.num_corrupt_blocks = 0  # reads refused: checksum, length, key or magic wrong, or file missing
 
@@ -74,11 +76,13 @@ class DiskBlockFiles:
     def read(self, block_hash: int, namespace: tuple[str, ...], num_bytes: int) -> bytes | None:
         """The block's payload of `num_bytes`, or None (and the file gone) if it is missing or fails a check."""
         path = self.path_of(block_hash)
+        started = time.perf_counter()
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             self.num_corrupt_blocks += 1
             return None
+        self.read_s += time.perf_counter() - started
         self.num_read_bytes += len(data)
         if len(data) == HEADER_BYTES + num_bytes:
             magic, length, digest, check = _HEADER.unpack_from(data)

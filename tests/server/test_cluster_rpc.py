@@ -35,6 +35,7 @@ MESSAGES: list[rpc.Message] = [
     rpc.AddRouter("tcp://127.0.0.1:5599"),
     rpc.RegisterAck("w0", "preble", 0.05),
     rpc.RegisterRefuse("w0", "KV layout differs"),
+    rpc.RegisterAgain("w0"),
     rpc.AddRequest("r1", (1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, stop=("x",), seed=7, logprobs=2),
                    "tenant-a", "gold"),
     rpc.AddRequest("r2", (9,), SamplingParams()),

@@ -63,6 +63,7 @@ class WorkerPool:
         # The other routers of this cluster that this one knows (those that joined through it, the one it joined, and
         # those the others told it of): every worker that registers here is told to register with them too.
         self.peer_routers: list[str] = list(config.peer_routers)
+        self._asked_again: dict[str, float] = {}  # unknown senders told to register again, and when
         self.own_address = ""  # this router's RPC address (set by the manager's start): never a peer of its own
         # Sends AddRouter(each of the addresses) to the router at the first address, off the event loop (set by the
         # manager's start); None: this router tells no other router of new ones.
@@ -108,7 +109,15 @@ class WorkerPool:
             return
         record = self.workers.get(sender)
         if record is None:
-            return  # a worker we already dropped (or never accepted): ignore until it registers again
+            # A worker this router does not know (it restarted at its address, or dropped the worker) that still
+            # reports to it: ask it to register again, at most once a second (a refused one never gets this far:
+            # its link is closed).
+            now = self.clock()
+            if (isinstance(message, (rpc.Heartbeat, rpc.Stats, rpc.KVEvents, rpc.TokenDeltas))
+                    and now - self._asked_again.get(sender, float("-inf")) >= 1.0):
+                self._asked_again[sender] = now
+                self._send_raw(sender, rpc.RegisterAgain(sender))
+            return
         record.last_heard_at = self.clock()
         if isinstance(message, rpc.TokenDeltas):
             for delta in message.deltas:

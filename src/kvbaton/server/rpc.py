@@ -207,6 +207,15 @@ class RegisterRefuse:
 
 
 @dataclass(frozen=True, slots=True)
+class RegisterAgain:
+    """A router heard from a worker it does not know (it restarted at its address, or dropped the worker): the
+    worker's requests there are gone with it, and the worker registers again."""
+
+    TAG: ClassVar[str] = "register_again"
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class AddRequest:
     TAG: ClassVar[str] = "add"
     request_id: str
@@ -280,10 +289,11 @@ class Shutdown:
 
 
 Message = (Register | TokenDeltas | Stats | KVEvents | Heartbeat | SnapshotResponse | HandoffEnded | Alive | Goodbye
-           | RegisterAck | RegisterRefuse | AddRequest | HandoffFailed | Abort | SnapshotRequest | ResetPrefixCache | Ping | AddRouter | Shutdown)
+           | RegisterAck | RegisterRefuse | RegisterAgain | AddRequest | HandoffFailed | Abort | SnapshotRequest
+           | ResetPrefixCache | Ping | AddRouter | Shutdown)
 
 _PLAIN = (Register, Stats, HandoffEnded, Alive, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed,
-          SnapshotRequest, ResetPrefixCache, Ping, AddRouter, Shutdown)
+          SnapshotRequest, ResetPrefixCache, Ping, AddRouter, Shutdown, RegisterAgain)
 _BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, Heartbeat, SnapshotResponse,
                                                        AddRequest, Abort)}
 # What each field of a plain message must be on the wire (a float field takes an int too): a dataclass does not

@@ -2,8 +2,11 @@
 
 Several routers may share the worker (`server/worker_links.py`): it registers with each, sends each its heartbeats
 and KV events, takes requests from all, and answers each request to the router that sent it. A router silent for
-`router_link_timeout_s` (a lone one too) is given up (its requests aborted, their blocks freed) and registered with
-again until it answers; a router that shuts down ends only its own requests.
+`router_link_timeout_s` while another is heard is given up (its requests aborted, their blocks freed) and registered
+with again until it answers; while every router is silent nothing is given up (they may only be slow). A router that
+does not know the worker (restarted at its address, a lone one too) answers its heartbeat with `RegisterAgain`: its
+requests there are aborted and the worker registers again, with a snapshot. A router that shuts down ends only its
+own requests.
 
 Loop invariant: while the engine has work, messages are drained without blocking between steps
 (a prefill worker also looks between the layers of a step, and sends a new handoff's KV reservation
@@ -333,11 +336,10 @@ class Worker:
         return self._stopping
 
     def _check_links(self, now: float) -> None:
-        """Give up a router silent past `router_link_timeout_s` (its requests are aborted, so their blocks are freed)
-        and register with it again until it answers: a router restarted at its address, or one only slow, gets this
-        worker back with a snapshot. That holds for a lone router too, and while every router is silent: then the
-        worker still exits once none has been heard for `router_timeout_s`. Close a link whose router shut down once
-        its requests have ended."""
+        """Give up a router silent past `router_link_timeout_s` while another is heard (its requests are aborted, so
+        their blocks are freed) and register with it again until it answers. While every router is silent nothing is
+        given up (they may only be slow); the worker exits once none has been heard for `router_timeout_s`. Close a
+        link whose router shut down once its requests have ended."""
         links = self._links
         for link in links.links:
             if link.leaving and not link.request_ids:
@@ -348,6 +350,11 @@ class Worker:
         if not any(now - link.last_heard_at > timeout_s for link in registered):
             return
         self._drain()  # after a long step, the pings are still unread
+        if not any(now - link.last_heard_at <= timeout_s for link in registered):
+            # Every router silent: perhaps only slow (a loaded host), so nothing is given up; the worker-wide
+            # router_timeout_s decides. A router restarted at its address tells this worker to register again
+            # (`rpc.RegisterAgain`) as soon as it hears its heartbeat.
+            return
         for link in registered:
             if now - link.last_heard_at > timeout_s:
                 log.warning("worker %s gives up router %s (silent for %.1f s); %d request(s) aborted",
@@ -443,6 +450,13 @@ class Worker:
                 log.info("worker %s: router %s joined; registering", self.config.worker_id, message.address)
         elif isinstance(message, rpc.RegisterAck):
             self._on_registered(link)
+        elif isinstance(message, rpc.RegisterAgain):
+            if link.registered:  # the router restarted (or dropped this worker): what it sent here is gone with it
+                log.warning("worker %s: router %s does not know it; registering again, %d request(s) aborted",
+                            self.config.worker_id, link.address, len(link.request_ids))
+                link.registered = False
+                link.register_sent_at = float("-inf")
+                self._abort(sorted(link.request_ids))
         elif isinstance(message, rpc.RegisterRefuse):
             log.error("router %s refused worker %s: %s", link.address, self.config.worker_id, message.reason)
             link.refused = message.reason

@@ -253,17 +253,8 @@ class WorkerStoreIO:
                     elif kind == "acquire_copy":
                         self._acquire_copy(link, item)
                         self._results.put(("copied", item))
-                    elif kind == "copy":
-                        started = time.perf_counter()
-                        try:
-                            self._copy(link, item.lease, item.slots, item.shm_path, item.device_block_ids)
-                        finally:
-                            self.copy_in_s += time.perf_counter() - started
-                            link.release(item.lease)
-                            item.lease = 0
-                        self._count_load(len(item.device_block_ids), item.acquire_s + time.perf_counter() - started)
-                        self.num_loaded_blocks += len(item.device_block_ids)
-                        item.num_copied = len(item.device_block_ids)
+                    elif kind == "copy":  # its load's time counts from its acquire's start
+                        self._copy_leased(link, item, item.device_block_ids, time.perf_counter() - item.acquire_s)
                         self._results.put(("copied", item))
                     elif kind == "release":
                         link.release(item)
@@ -321,16 +312,21 @@ class WorkerStoreIO:
         job.num_copied = 0
         if not job.slots:
             return
+        self._copy_leased(link, job, job.device_block_ids[: len(job.slots)], acquired)
+
+    def _copy_leased(self, link: StoreLink, job: LoadJob, block_ids: Sequence[int], since: float) -> None:
+        """The job's leased slots into `block_ids`, then its lease released (whatever happened); the load is counted
+        with the seconds from `since` (its acquire's start) to the copy's end."""
         started = time.perf_counter()
         try:
-            self._copy(link, job.lease, job.slots, job.shm_path, job.device_block_ids[: len(job.slots)])
+            self._copy(link, job.lease, job.slots, job.shm_path, block_ids)
         finally:
             self.copy_in_s += time.perf_counter() - started
             link.release(job.lease)
             job.lease = 0
-        self._count_load(len(job.slots), time.perf_counter() - acquired)
-        self.num_loaded_blocks += len(job.slots)
-        job.num_copied = len(job.slots)
+        self._count_load(len(block_ids), time.perf_counter() - since)
+        self.num_loaded_blocks += len(block_ids)
+        job.num_copied = len(block_ids)
 
     def _copy(self, link: StoreLink, lease: int, slots: list[int], shm_path: str, block_ids: Sequence[int]) -> None:
         """`slots` (pinned under `lease`) into device blocks `block_ids`. Same host: each run of consecutive slots into

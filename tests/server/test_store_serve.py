@@ -65,12 +65,12 @@ def test_every_router_of_serve_routers_reads_the_store() -> None:
             "--threads-per-worker", "1", "--routers", "2"]
     with serve_process(args, 240.0) as served, httpx.Client() as http:
         # After the banner: the store's line, and the second router's banner and store line beside the launcher's
-        # note on that router, in any order.
+        # note on that router, in any order (the note may come before the second router's store line).
         lines: list[str] = []
         router = None
-        while router is None and len(lines) < 6:
+        while (router is None or not any("(read by this router)" in line for line in lines)) and len(lines) < 6:
             lines.append(read_banner(served.process, 120.0))
-            router = re.search(r"router at (http://127\.0\.0\.1:\d+) \(pid \d+\)", lines[-1])
+            router = router or re.search(r"router at (http://127\.0\.0\.1:\d+) \(pid \d+\)", lines[-1])
         store = next((m for m in (re.search(r"KV store node at (tcp://\S+) \(pid \d+\)", line) for line in lines)
                       if m), None)
         assert store and router, lines

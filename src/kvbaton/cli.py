@@ -222,8 +222,8 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
                        help=f"pipeline parallel size of the {pool} pool's workers (0 = --pipeline-parallel-size)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after Ctrl-C")
     p.add_argument("--router-link-timeout", type=float, default=5.0,
-                   help="workers give up a router silent this long (aborting its requests) and register with it "
-                        "again until it answers")
+                   help="workers give up a router silent this long while another is heard (aborting its "
+                        "requests) and register with it again until it answers")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to another worker when its worker dies mid-request (0 = off)")
     p.add_argument("--admission", default="none", choices=ADMISSION_POLICIES,
@@ -448,8 +448,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = all cores)")
     p.add_argument("--router-timeout", type=float, default=15.0, help="exit after this long without a word from any router")
     p.add_argument("--router-link-timeout", type=float, default=5.0,
-                   help="give up a router silent this long: abort its requests (and keep registering with it, so "
-                        "it gets this worker again if it comes back, until --router-timeout with none heard)")
+                   help="give up a router silent this long while another is heard: abort its requests (and keep "
+                        "registering with it, so it gets this worker again if it comes back); with every router "
+                        "silent nothing is given up until --router-timeout")
     _add_parallel(p)
     p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"),
                    help="decode role: how prefill workers write KV")

@@ -111,7 +111,7 @@ class ServeConfig:
     startup_timeout_s: float = 300.0  # every worker registered within this
     drain_timeout_s: float = 30.0  # in-flight requests may finish within this after a stop signal
     migration_limit: int = 3  # times a call may move to another worker after losing one (0: it fails)
-    router_link_timeout_s: float = 5.0  # workers give up a router silent this long
+    router_link_timeout_s: float = 5.0  # workers give up a router silent this long while another is heard
     worker_exit_timeout_s: float = 10.0  # then stragglers are killed
     # SLO admission (kvbaton.router.admission): none | baseline | early | predicted. The others price each
     # arrival with the step times of `cost_profile` (a `kvbaton profile` file) against the SLOs.

@@ -251,6 +251,9 @@ def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str
             "runs": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in runs]}
 
 
+PROFILE_ENV = "KVBATON_BENCH_ROUTER_PROFILE"  # a directory: the kvbaton-router role runs under cProfile
+
+
 def serve_kvbaton_router(args: argparse.Namespace) -> None:
     """The real router process: ClusterManager + the OpenAI app under uvicorn, until SIGTERM."""
     import uvicorn
@@ -264,6 +267,8 @@ def serve_kvbaton_router(args: argparse.Namespace) -> None:
     model_config, tokenizer = read_model_header(resolve_model_source(MODEL))
     auth = ApiAuth(ApiKeys([(args.api_key, Principal("", ADMIN))] if args.api_key else []))
 
+    profile_dir = os.environ.get(PROFILE_ENV, "")  # see router_replicas.py --profile-dir
+
     async def main() -> None:
         cluster = ClusterManager(ClusterConfig(bind_address=f"tcp://127.0.0.1:{args.rpc_port}", model_name=MODEL,
                                                policy=args.policy, max_num_waiting=4096,
@@ -275,6 +280,17 @@ def serve_kvbaton_router(args: argparse.Namespace) -> None:
             freeze_startup_heap()  # as `kvbaton serve` does
             config = uvicorn.Config(app, host="127.0.0.1", port=args.http_port, log_level="warning",
                                     access_log=False, backlog=1024)
+            if profile_dir:  # the whole serving life, start-up excluded, into <dir>/router-<rpc port>.prof
+                import cProfile
+
+                profiler = cProfile.Profile(time.process_time)  # CPU, not the wall time of a shared machine
+
+                def dump(*_: object) -> None:  # uvicorn re-raises the SIGTERM it caught once it has stopped
+                    profiler.disable()
+                    profiler.dump_stats(os.path.join(profile_dir, f"router-{args.rpc_port}.prof"))
+
+                signal.signal(signal.SIGTERM, dump)
+                profiler.enable()
             await uvicorn.Server(config).serve()  # returns on SIGTERM
         finally:
             await cluster.shutdown(timeout_s=2.0)

@@ -61,7 +61,7 @@ from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.rpc_auth import secure_dealer
 from overhead_backends import REPLY_TEXT, REPLY_TOKEN_IDS, cluster_secret, serve_http_worker
-from router_overhead import MODEL, _body, _spawn, _stop, _wait_ready, free_port, make_prompts, process_tree_cpu_s
+from router_overhead import MODEL, PROFILE_ENV, _body, _spawn, _stop, _wait_ready, free_port, make_prompts, process_tree_cpu_s
 
 BLOCK_SIZE = 16
 TEXT_BLOCK_CHARS = 64
@@ -386,6 +386,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds over every system, interleaved (each round runs each system once); medians and "
                              "the spread (min, max) over the rounds are reported")
+    parser.add_argument("--profile-dir", default="",
+                        help="run each kvbaton router under cProfile and write <dir>/router-<rpc port>.prof when it "
+                             "stops (its CPU figures then include the profiler's own)")
     parser.add_argument("--startup-timeout-s", type=float, default=120.0)
     parser.add_argument("--load-timeout-s", type=float, default=120.0)
     # Internal roles.
@@ -412,6 +415,9 @@ def main() -> None:
         result = run_load(args.url, bodies, args.num_requests, args.concurrency, args.load_timeout_s, args.first_body)
         print(json.dumps({**result, "cpu_s": time.process_time() - cpu_before_s}))
         return
+    if args.profile_dir:
+        os.makedirs(args.profile_dir, exist_ok=True)
+        os.environ[PROFILE_ENV] = os.path.abspath(args.profile_dir)  # the routers (children) read it
     os.environ.setdefault(SECRET_ENV, ClusterSecret.generate().to_hex())  # the routers' and workers' (children)
     num_prompts = args.num_warmup + args.num_requests
     prompts = make_prompts(num_prompts, args.prompt_chars, args.shared_fraction, args.num_groups, args.seed)

@@ -306,7 +306,7 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
 
 
 async def _load(host: str, port: int, path: str, bodies: list[bytes], num_requests: int, concurrency: int,
-                timeout_s: float, first_body: int, api_key: str) -> dict[str, object]:
+                timeout_s: float, first_body: int, api_key: str, rate_per_s: float = 0.0) -> dict[str, object]:
     counter = iter(range(first_body, first_body + num_requests))
     authorization = f"authorization: Bearer {api_key}\r\n" if api_key else ""
     statuses: dict[int, int] = {}
@@ -316,6 +316,10 @@ async def _load(host: str, port: int, path: str, bodies: list[bytes], num_reques
         reader, writer = await asyncio.open_connection(host, port)
         try:
             for i in counter:
+                if rate_per_s > 0:  # paced: the k-th request starts no sooner than k / rate after the first
+                    delay_s = started_s + (i - first_body) / rate_per_s - time.perf_counter()
+                    if delay_s > 0:
+                        await asyncio.sleep(delay_s)
                 body = bodies[i % len(bodies)]
                 writer.write((f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
                               f"{authorization}content-length: {len(body)}\r\n\r\n").encode() + body)
@@ -334,11 +338,12 @@ async def _load(host: str, port: int, path: str, bodies: list[bytes], num_reques
 
 
 def run_load(url: str, bodies: list[bytes], num_requests: int, concurrency: int, timeout_s: float,
-             first_body: int = 0, api_key: str = "") -> dict[str, object]:
+             first_body: int = 0, api_key: str = "", rate_per_s: float = 0.0) -> dict[str, object]:
     """Send `num_requests` POSTs to `url` (http://host:port/path) over `concurrency` keep-alive connections,
-    bodies `first_body`, `first_body + 1`, ... (wrapping around the list)."""
+    bodies `first_body`, `first_body + 1`, ... (wrapping around the list); with `rate_per_s`, no faster than that
+    (the k-th request starts k / rate_per_s after the first at the soonest)."""
     rest = url.removeprefix("http://")
     hostport, _, path = rest.partition("/")
     host, _, port = hostport.partition(":")
     return asyncio.run(_load(host, int(port), "/" + path, bodies, num_requests, concurrency, timeout_s, first_body,
-                             api_key))
+                             api_key, rate_per_s))

@@ -17,6 +17,11 @@ the concurrency and half the requests (what a load balancer spreading connection
 - kvbaton:1:half: one router with the load one of the two replicas gets, the baseline that isolates the sync's cost
   (a router with half the connections handles fewer requests per event-loop wakeup, which costs CPU per request of
   itself).
+- kvbaton:1:paced: the like-with-like baseline of a replica: one router with a replica's share of requests and
+  connections, its client paced to the requests per second each replica of this round's kvbaton:2 served (median of
+  the two), so the lone router and a replica run at one rate over one length of time; a replica's CPU per request over
+  this one (`replica_cpu_over_lone_at_the_replicas_rate`) leaves the sync's cost and the other router's share of the
+  machine. `targets.replica_cpu_over_lone` keeps the first figure: the lone router at full load (twice a replica's rate).
 - kvbaton:2:one: two routers, all the load on the first; the second only keeps up with the workers (heartbeats, the
   KV events of the first's requests), so its CPU over the run's requests is the sync's cost per request, measured
   directly rather than as the difference of two noisy figures.
@@ -250,13 +255,14 @@ def _read_summary(path: str) -> dict[str, dict[str, int]]:
 
 
 def _run_clients(script: str, urls: list[str], bodies_path: str, num_requests: int, concurrency: int,
-                 first_body: int, timeout_s: float) -> tuple[list[dict[str, object]], float]:
-    """One closed-loop client per URL at once (its share of requests and connections); their results and the CPU
-    seconds the clients used."""
+                 first_body: int, timeout_s: float, rate_per_s: float = 0.0) -> tuple[list[dict[str, object]], float]:
+    """One closed-loop client per URL at once (its share of requests and connections; each paced to `rate_per_s`
+    when given); their results and the CPU seconds the clients used."""
     share, connections = num_requests // len(urls), max(1, concurrency // len(urls))
     processes = [subprocess.Popen([sys.executable, script, "--role", "load", "--url", f"{url}/v1/completions",
                                    "--bodies", bodies_path, "--num-requests", str(share),
-                                   "--first-body", str(first_body + i * share), "--concurrency", str(connections)],
+                                   "--first-body", str(first_body + i * share), "--concurrency", str(connections),
+                                   "--rate", str(rate_per_s)],
                                   stdout=subprocess.PIPE, text=True)
                  for i, url in enumerate(urls)]
     results = []
@@ -281,7 +287,15 @@ def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str
     # a replica adds over it is the sync alone, not the smaller batches a half-loaded event loop handles per wakeup.
     # ":one": two routers, all the load on the first: the second does nothing but keep up with the workers (their
     # heartbeats and the KV events of the first router's requests), so its CPU is the sync's cost alone.
-    share = 0.5 if rest == ["half"] else 1.0
+    # ":paced": as ":half", and its client is paced to the per-router rate of this round's kvbaton:2 (each replica's
+    # requests per second): a lone router at a replica's rate, concurrency and number of requests, so that what a
+    # replica costs more per request is the sync (and sharing the machine with the other router), not the load.
+    share = 0.5 if rest in (["half"], ["paced"]) else 1.0
+    rate_per_s = 0.0
+    if rest == ["paced"]:
+        rate_per_s = float(getattr(args, "replica_rps", 0.0))
+        if rate_per_s <= 0:
+            raise SystemExit(f"{system} needs kvbaton:2 earlier in --systems (its replicas' rate)")
     loaded_routers = 1 if rest == ["one"] else int(variant) if kind == "kvbaton" else 1
     num_requests, concurrency = int(args.num_requests * share), int(args.concurrency * share)
     summary_path = os.path.join(tmp, f"{kind}-{variant}-{share}.summary.json")
@@ -322,7 +336,7 @@ def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str
         idle_cpu_s_per_s = [(process_tree_cpu_s(r.pid) - b) / IDLE_S for r, b in zip(routers, idle_before)]
         before, cpu_before = _read_summary(summary_path), [process_tree_cpu_s(r.pid) for r in routers]
         results, client_cpu_s = _run_clients(script, urls[:loaded_routers], bodies_path, num_requests, concurrency,
-                                             args.num_warmup, args.load_timeout_s)
+                                             args.num_warmup, args.load_timeout_s, rate_per_s)
         cpu_after = [process_tree_cpu_s(r.pid) for r in routers]
         time.sleep(0.5)  # the summary is written every 0.2 s
         after = _read_summary(summary_path)
@@ -337,6 +351,8 @@ def measure(system: str, args: argparse.Namespace, script: str, bodies_path: str
     cached = sum(after[w]["cached_units"] - before.get(w, {}).get("cached_units", 0) for w in after)
     figures: dict[str, object] = {
         "rps": round(sum(num_ok) / elapsed_s, 1),
+        "rps_per_router": [round(int(r["num_ok"]) / float(r["elapsed_s"]), 1) for r in results],  # type: ignore[call-overload,arg-type]
+        "paced_to_rps": rate_per_s or None,
         "router_cpu_us_per_request": [round(1e6 * (a - b) / max(n, 1), 1)
                                       for a, b, n in zip(cpu_after, cpu_before, num_ok)],
         # The same less what the router burns idle over the run's length: the per-request work alone.
@@ -366,8 +382,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", default="main", choices=("main", "cached-rpc-workers", "cached-http-workers",
                                                            "load"))
-    parser.add_argument("--systems", default="kvbaton:1,kvbaton:1:half,kvbaton:2,kvbaton:2:one,sglang:cache_aware",
-                        help="kvbaton:<number of routers>[:half|:one] | sglang:<policy>, comma-separated")
+    parser.add_argument("--systems",
+                        default="kvbaton:1,kvbaton:1:half,kvbaton:2,kvbaton:1:paced,kvbaton:2:one,sglang:cache_aware",
+                        help="kvbaton:<number of routers>[:half|:paced|:one] | sglang:<policy>, comma-separated "
+                             "(kvbaton:1:paced after kvbaton:2)")
     parser.add_argument("--policy", default="preble", help="the kvbaton routers' policy")
     parser.add_argument("--num-workers", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=2000, help="measured, over all routers")
@@ -398,6 +416,7 @@ def main() -> None:
     parser.add_argument("--url", default="")
     parser.add_argument("--bodies", default="")
     parser.add_argument("--first-body", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=0.0)
     args = parser.parse_args()
     script = os.path.abspath(__file__)
     if args.role == "cached-rpc-workers":
@@ -412,7 +431,8 @@ def main() -> None:
 
         bodies = [b.encode() for b in json.loads(Path(args.bodies).read_text())]
         cpu_before_s = time.process_time()  # the load alone: not this process's start-up
-        result = run_load(args.url, bodies, args.num_requests, args.concurrency, args.load_timeout_s, args.first_body)
+        result = run_load(args.url, bodies, args.num_requests, args.concurrency, args.load_timeout_s, args.first_body,
+                          rate_per_s=args.rate)
         print(json.dumps({**result, "cpu_s": time.process_time() - cpu_before_s}))
         return
     if args.profile_dir:
@@ -437,6 +457,8 @@ def main() -> None:
             for system in systems:
                 if system not in results:
                     runs[system].append(measure(system, args, script, bodies_path, tmp))
+                    if system == "kvbaton:2":  # the pace of this round's kvbaton:1:paced: a replica's own rate
+                        args.replica_rps = statistics.median(runs[system][-1]["rps_per_router"])  # type: ignore[arg-type]
     for system, measured in runs.items():
         if measured:
             results[system] = summarize(measured)
@@ -449,12 +471,24 @@ def main() -> None:
         "systems": results}
     # Each ratio is taken within one round (same machine load), then its median and spread over the rounds.
     ones, halves, twos = runs.get("kvbaton:1", []), runs.get("kvbaton:1:half", []), runs.get("kvbaton:2", [])
+    paced = runs.get("kvbaton:1:paced", [])
+    if paced and twos:  # like with like: the lone router at a replica's rate, concurrency and number of requests
+        out["replica_cpu_over_lone_at_the_replicas_rate"] = _ratio_summary([
+            [c / p["router_cpu_us_per_request"][0] for c in t["router_cpu_us_per_request"]]  # type: ignore[index,attr-defined]
+            for p, t in zip(paced, twos)])
+        out["replica_cpu_above_idle_over_lone_at_the_replicas_rate"] = _ratio_summary([
+            [c / p["router_cpu_us_per_request_above_idle"][0]  # type: ignore[index]
+             for c in t["router_cpu_us_per_request_above_idle"]] for p, t in zip(paced, twos)])  # type: ignore[attr-defined]
     if halves and twos:
         out["replica_cpu_above_idle_over_lone_at_a_replicas_share"] = _ratio_summary([
             [c / h["router_cpu_us_per_request_above_idle"][0]  # type: ignore[index]
              for c in t["router_cpu_us_per_request_above_idle"]] for h, t in zip(halves, twos)])  # type: ignore[attr-defined]
     if ones and twos:
         out["targets"] = {
+            # The issue's figure as first measured: the lone router at full load, twice a replica's requests per
+            # second (its fixed per-second costs spread over twice the requests); see
+            # replica_cpu_over_lone_at_the_replicas_rate for the like-with-like one.
+            "replica_cpu_over_lone_basis": "lone router at full load (2x a replica's request rate)",
             "replica_cpu_over_lone": _ratio_summary([
                 [c / o["router_cpu_us_per_request"][0] for c in t["router_cpu_us_per_request"]]  # type: ignore[index,attr-defined]
                 for o, t in zip(ones, twos)]),

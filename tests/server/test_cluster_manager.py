@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -425,3 +426,56 @@ def test_many_concurrent_calls_with_an_instant_worker_never_stall_the_receive_lo
         assert not thread.is_alive()
 
     run_cluster(body, max_num_waiting=1000, worker_timeout_s=3.0)
+
+
+def test_an_unknown_worker_is_asked_to_register_again_at_most_once_a_second() -> None:
+    """A worker the router does not know (it restarted, or dropped the worker) that still heartbeats gets one
+    RegisterAgain per second of the router's clock, however often it reports; registering ends them."""
+    now: list[float | None] = [100.0]  # the router's clock, until None: the real one (the shutdown waits on it)
+
+    async def main() -> None:
+        cluster = ClusterManager(ClusterConfig(model_name="tiny-random", block_size=4, tokenizer_probe_hash="probe"),
+                                 clock=lambda: time.monotonic() if now[0] is None else now[0])
+        await cluster.start()
+        context = zmq.asyncio.Context()
+        worker = ScriptedWorker(context, cluster, "w-unknown")
+        stats = rpc.Stats("w-unknown", 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, 0.0)
+
+        async def asked_again() -> int:
+            """RegisterAgain frames that arrive within 0.3 s (pings skipped)."""
+            count = 0
+            deadline = asyncio.get_running_loop().time() + 0.3
+            while True:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    return count
+                try:
+                    message = rpc.decode(await asyncio.wait_for(worker.socket.recv(), left))
+                except TimeoutError:
+                    return count
+                if isinstance(message, rpc.RegisterAgain):
+                    assert message.worker_id == "w-unknown"
+                    count += 1
+
+        try:
+            for _ in range(5):  # five reports within the same second: one answer
+                await worker.send(stats)
+            assert await asked_again() == 1
+            now[0] = 100.99
+            await worker.send(stats)
+            assert await asked_again() == 0
+            now[0] = 101.01  # a second after the first answer
+            await worker.send(rpc.Heartbeat(rpc.KVEvents("w-unknown", ()), stats))
+            await worker.send(stats)
+            assert await asked_again() == 1
+            now[0] = 106.0
+            await worker.join()  # known now: its reports are taken, not answered
+            await worker.send(stats)
+            assert await asked_again() == 0
+        finally:
+            worker.close()
+            now[0] = None
+            await cluster.shutdown(timeout_s=0.1)
+            context.destroy(linger=0)
+
+    asyncio.run(asyncio.wait_for(main(), 20.0))

@@ -26,15 +26,22 @@ URL = re.compile(r"serving tiny-random at (http://127\.0\.0\.1:\d+) ")
 PROMPT = "the router keeps a prefix index of every worker " * 6
 
 
-def join(rpc_address: str, secret_file: Path) -> tuple[subprocess.Popen[str], str]:
-    command = [sys.executable, "-m", "kvbaton.cli", "router", "--join", rpc_address, "--port", "0", "--model",
-               "tiny-random", "--num-blocks", "256", "--cluster-secret-file", str(secret_file), "--drain-timeout", "2"]
+def start_router(mode: list[str], secret_file: Path) -> tuple[subprocess.Popen[str], str, str]:
+    """`kvbaton router` with `mode` (`--join ADDRESS`, or `--rpc-address ADDRESS` to restart one there) on tiny-random;
+    returns the process, its HTTP URL and its banner."""
+    command = [sys.executable, "-m", "kvbaton.cli", "router", *mode, "--port", "0", "--model", "tiny-random",
+               "--num-blocks", "256", "--cluster-secret-file", str(secret_file), "--drain-timeout", "2"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                start_new_session=True)
     banner = read_banner(process, 120.0)
     match = URL.search(banner)
     assert match, banner
-    return process, match.group(1)
+    return process, match.group(1), banner
+
+
+def join(rpc_address: str, secret_file: Path) -> tuple[subprocess.Popen[str], str]:
+    process, url, _ = start_router(["--join", rpc_address], secret_file)
+    return process, url
 
 
 def stream(url: str, prompt: str, max_tokens: int, lines: list[str], errors: list[BaseException], n: int = 1) -> None:
@@ -168,14 +175,9 @@ def free_port() -> int:
 
 def restart_router(rpc_address: str, secret_file: Path) -> tuple[subprocess.Popen[str], str]:
     """`kvbaton router` without --join at `rpc_address`: it serves once a worker (re-)registered there."""
-    command = [sys.executable, "-m", "kvbaton.cli", "router", "--rpc-address", rpc_address, "--port", "0", "--model",
-               "tiny-random", "--num-blocks", "256", "--cluster-secret-file", str(secret_file), "--drain-timeout", "2"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               start_new_session=True)
-    banner = read_banner(process, 120.0)
-    match = URL.search(banner)
-    assert match and f"came back to {rpc_address}" in banner, banner
-    return process, match.group(1)
+    process, url, banner = start_router(["--rpc-address", rpc_address], secret_file)
+    assert f"came back to {rpc_address}" in banner, banner
+    return process, url
 
 
 @pytest.mark.timeout(300)
@@ -238,8 +240,13 @@ def test_a_lone_router_killed_and_restarted_at_its_address_gets_its_worker_and_i
             "model": "tiny-random", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).json()
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
-        (w,) = cluster(back_url)["workers"]  # type: ignore[misc]
-        assert w["num_running"] == 0 and w["num_used_blocks"] == w["num_cached_blocks"], w
+        deadline = time.monotonic() + 10.0
+        while True:  # the router hears the call's end with the worker's next heartbeat
+            (w,) = cluster(back_url)["workers"]  # type: ignore[misc]
+            if w["num_running"] == 0 and w["num_used_blocks"] == w["num_cached_blocks"]:
+                break
+            assert time.monotonic() < deadline, w
+            time.sleep(0.1)
 
         # Its last router stopping stops the worker.
         back.send_signal(signal.SIGTERM)

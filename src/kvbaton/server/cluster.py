@@ -91,6 +91,10 @@ class ClusterConfig:
     migration_limit: int = 3  # times one call may move to another worker after losing one; 0: it fails instead
     # Other routers of the cluster (zmq RPC addresses) the workers registering here are told about (`join`).
     peer_routers: tuple[str, ...] = ()
+    # Each peer router is probed this often (an AddRouter of this router's own address, ignored by a peer that knows
+    # it); one no probe reached for `peer_router_timeout_s` is dropped from the peers until it is heard of again.
+    peer_probe_interval_s: float = 2.0
+    peer_router_timeout_s: float = 10.0
     # This host's KV store node (kvbaton.server.store_server), read for the placement's store directory: its
     # address, its name (the host's) and its block bytes. "" = no store.
     kv_store_address: str = ""
@@ -103,20 +107,33 @@ class ClusterConfig:
     kv_store_disk_bytes_per_s: float = 1e9
 
 
+PEER_SEND_TIMEOUT_S = 1.0  # how long telling another router waits for its connection (then again for the frames)
+
+
 def send_add_router(router_address: str, addresses: tuple[str, ...], secret: ClusterSecret,
-                    timeout_s: float = 5.0) -> None:
-    """Tell the router at `router_address` that routers serve at `addresses` (blocking: run it off the loop)."""
+                    timeout_s: float = PEER_SEND_TIMEOUT_S) -> bool:
+    """Tell the router at `router_address` that routers serve at `addresses`. True once the frames went out over a
+    connection that completed its CurveZMQ handshake; False when none did within `timeout_s` (nothing listens there,
+    or not a router holding this cluster's secret): the frames are dropped. Blocks for at most about twice
+    `timeout_s` (the connection, then the frames' flush): run it off the loop."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
+    sent = False
     try:
         secure_dealer(socket, secret)
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connection whose handshake completed: POLLOUT waits
         socket.setsockopt(zmq.LINGER, int(timeout_s * 1000))  # close waits (this long at most) for the frames to go
         socket.connect(router_address)
-        for address in addresses:
-            socket.send(rpc.encode(rpc.AddRouter(address)))
+        if socket.poll(int(timeout_s * 1000), zmq.POLLOUT):
+            for address in addresses:
+                socket.send(rpc.encode(rpc.AddRouter(address)), zmq.NOBLOCK)
+            sent = True
+    except zmq.Again:  # the connection went between the poll and a send
+        sent = False
     finally:
-        socket.close()
+        socket.close(linger=None if sent else 0)
         context.term()
+    return sent
 
 
 class ClusterManager:
@@ -142,6 +159,8 @@ class ClusterManager:
                             store_node=config.kv_store_node if config.kv_store_address else ""),
             admission, pools)
         self._store_feed: StoreEventFeed | None = None
+        # Peers with a gossip send under way, each with the addresses to tell it next (`_tell_router`).
+        self._gossip_pending: dict[str, dict[str, None]] = {}
         self.queue_policy = config.scheduling_policy or local_queue_policy(config.policy)
         self.pool = WorkerPool(config, clock, self.placement, self.queue_policy, self._on_delta,
                                self._on_handoff_ended, self._on_worker_removed)
@@ -224,8 +243,28 @@ class ClusterManager:
         return self.address
 
     def _tell_router(self, router_address: str, addresses: tuple[str, ...]) -> None:
-        """The pool's gossip to another router: on a thread, as connecting and sending may wait (on the loop)."""
-        asyncio.get_running_loop().run_in_executor(None, send_add_router, router_address, addresses, self.secret)
+        """The pool's gossip to another router (and its probes): on an executor thread, as connecting waits (bounded:
+        `send_add_router`), and at most one send at a time per peer: news for a peer whose send is under way is
+        sent after it, merged, so a dead peer holds one thread for about a second, not one per message. The outcome
+        tells the pool whether the peer is reachable (`WorkerPool.on_peer_told`)."""
+        pending = self._gossip_pending.get(router_address)
+        if pending is not None:  # a send to it is under way: this goes next
+            pending.update(dict.fromkeys(addresses))
+            return
+        self._gossip_pending[router_address] = {}
+        self._send_to_peer(router_address, addresses)
+
+    def _send_to_peer(self, peer: str, addresses: tuple[str, ...]) -> None:
+        future = asyncio.get_running_loop().run_in_executor(None, send_add_router, peer, addresses, self.secret)
+        future.add_done_callback(lambda done: self._told_peer(peer, done))
+
+    def _told_peer(self, peer: str, done: asyncio.Future[bool]) -> None:
+        reached = not done.cancelled() and done.exception() is None and bool(done.result())
+        self.pool.on_peer_told(peer, reached)
+        pending = self._gossip_pending.pop(peer, {})
+        if pending and not self._shutting_down:
+            self._gossip_pending[peer] = {}
+            self._send_to_peer(peer, tuple(pending))
 
     async def join(self, address: str, timeout_s: float) -> None:
         """Join the cluster whose router listens (RPC) at `address`: tell it this router's address, which it passes on
@@ -233,7 +272,7 @@ class ClusterManager:
         whole. Returns once a worker serves here; TimeoutError when none does within `timeout_s`."""
         if address not in self.pool.peer_routers:
             self.pool.peer_routers.append(address)
-        await asyncio.to_thread(send_add_router, address, (self.address,), self.secret)
+        await asyncio.to_thread(send_add_router, address, (self.address,), self.secret, 5.0)  # it may be starting
         try:
             await self.wait_for_workers(1, timeout_s)
         except TimeoutError as exc:
@@ -257,6 +296,7 @@ class ClusterManager:
             await asyncio.sleep(min(self.config.ping_interval_s, 0.1))
             try:
                 self.pool.check_workers()
+                self.pool.check_peers()
             except Exception:  # keep detecting dead workers whatever went wrong once
                 log.exception("worker check failed")
 

@@ -64,6 +64,10 @@ class WorkerPool:
         # those the others told it of): every worker that registers here is told to register with them too.
         self.peer_routers: list[str] = list(config.peer_routers)
         self._asked_again: dict[str, float] = {}  # unknown senders told to register again, and when
+        # Per peer router: when it was last reached (a probe or gossip got through, or it told this router of itself;
+        # from when it became a peer until then), and when it was last probed (`check_peers`).
+        self._peer_heard_at: dict[str, float] = {}
+        self._peer_probed_at: dict[str, float] = {}
         self.own_address = ""  # this router's RPC address (set by the manager's start): never a peer of its own
         # Sends AddRouter(each of the addresses) to the router at the first address, off the event loop (set by the
         # manager's start); None: this router tells no other router of new ones.
@@ -199,10 +203,14 @@ class WorkerPool:
         them and of this one. Each router passes an address on only the first time it hears of it, so the news
         stops once every router knows every other, and a worker registered with any of them hears of every one
         (not only of those that joined through its own router)."""
-        if not address or address == self.own_address or address in self.peer_routers:
+        if not address or address == self.own_address:
+            return
+        if address in self.peer_routers:  # a peer's probe (or news already heard): it is alive
+            self._peer_heard_at[address] = self.clock()
             return
         others = tuple(self.peer_routers)
         self.peer_routers.append(address)
+        self._peer_heard_at[address] = self.clock()
         log.info("router %s joined the cluster; telling %d worker(s) and %d router(s)", address, len(self.workers),
                  len(others))
         for worker_id in sorted(self.workers):
@@ -211,6 +219,30 @@ class WorkerPool:
             for peer in others:
                 self.tell_router(peer, (address,))
             self.tell_router(address, tuple(a for a in (self.own_address, *others) if a))
+
+    def check_peers(self) -> None:
+        """Probe each peer router every `peer_probe_interval_s` (AddRouter of this router's own address: a peer
+        that knows it ignores it, one restarted at its address learns of this router again), and drop a peer no
+        probe has reached for `peer_router_timeout_s`: gossip stops going to it. It is a peer again as soon as it
+        tells this router of itself (its own probe, `kvbaton router --join`) or another router gossips it."""
+        if self.tell_router is None or not self.own_address:
+            return
+        now = self.clock()
+        for peer in list(self.peer_routers):
+            heard_at = self._peer_heard_at.setdefault(peer, now)
+            if now - heard_at > self.config.peer_router_timeout_s:
+                self.peer_routers.remove(peer)
+                self._peer_heard_at.pop(peer, None)
+                self._peer_probed_at.pop(peer, None)
+                log.warning("router %s dropped from the peers: not reached for %.1f s", peer, now - heard_at)
+            elif now - self._peer_probed_at.get(peer, float("-inf")) >= self.config.peer_probe_interval_s:
+                self._peer_probed_at[peer] = now
+                self.tell_router(peer, (self.own_address,))
+
+    def on_peer_told(self, peer: str, reached: bool) -> None:
+        """How a send to a peer router ended (`tell_router`'s outcome, on the loop)."""
+        if reached and peer in self.peer_routers:
+            self._peer_heard_at[peer] = self.clock()
 
     def _send_raw(self, identity: str, message: rpc.Message) -> None:
         """Send to a peer that is not (or no longer) a pool member; errors are ignored."""

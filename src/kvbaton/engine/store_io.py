@@ -251,11 +251,11 @@ class WorkerStoreIO:
                         item.acquire_s = time.perf_counter() - started
                         self._results.put(("acquired", item))
                     elif kind == "acquire_copy":
-                        self._acquire_copy(link, item)
-                        self._results.put(("copied", item))
+                        self._finish(link, item, self._acquire_copy)
                     elif kind == "copy":  # its load's time counts from its acquire's start
-                        self._copy_leased(link, item, item.device_block_ids, time.perf_counter() - item.acquire_s)
-                        self._results.put(("copied", item))
+                        since = time.perf_counter() - item.acquire_s
+                        self._finish(link, item, lambda link, job: self._copy_leased(link, job, job.device_block_ids,
+                                                                                   since))
                     elif kind == "release":
                         link.release(item)
                 except (StoreUnavailable, OSError, ValueError) as exc:
@@ -265,6 +265,22 @@ class WorkerStoreIO:
                         self._results.put(("failed", item))
         finally:
             link.close()
+
+    def _finish(self, link: StoreLink, job: LoadJob, copy: Callable[[StoreLink, LoadJob], None]) -> None:
+        """Run a load's copy step, hand its result to the engine, and only then release its lease (whatever happened):
+        the release is a message not waited for, but the first send after a pause costs this host ~0.5 ms (the zmq
+        IO thread's wake-up and encryption run before the sender goes on), which no load should wait on."""
+        try:
+            copy(link, job)
+        except BaseException:
+            lease, job.lease = job.lease, 0
+            if lease:
+                link.release(lease)
+            raise
+        lease, job.lease = job.lease, 0  # before the engine sees the job: it releases nothing twice
+        self._results.put(("copied", job))
+        if lease:
+            link.release(lease)
 
     def _count_load(self, num_blocks: int, seconds: float) -> None:
         if num_blocks:
@@ -291,7 +307,8 @@ class WorkerStoreIO:
             self.num_dropped_saves += len(payloads)
 
     def _acquire_copy(self, link: StoreLink, job: LoadJob) -> None:
-        """Acquire the chain and copy what the node holds into the job's first device blocks, then release the lease.
+        """Acquire the chain and copy what the node holds into the job's first device blocks (`_finish` releases the
+        lease).
         One acquire for the whole chain: acquiring it in pieces, to copy one while the node pins the next, measured
         slower here (each piece's rows fall under glibc's streaming-copy threshold, and the first answer's round
         trip, which no pipelining hides, stays)."""
@@ -315,15 +332,13 @@ class WorkerStoreIO:
         self._copy_leased(link, job, job.device_block_ids[: len(job.slots)], acquired)
 
     def _copy_leased(self, link: StoreLink, job: LoadJob, block_ids: Sequence[int], since: float) -> None:
-        """The job's leased slots into `block_ids`, then its lease released (whatever happened); the load is counted
-        with the seconds from `since` (its acquire's start) to the copy's end."""
+        """The job's leased slots into `block_ids` (the lease stays with the job: `_finish` releases it); the load is
+        counted with the seconds from `since` (its acquire's start) to the copy's end."""
         started = time.perf_counter()
         try:
             self._copy(link, job.lease, job.slots, job.shm_path, block_ids)
         finally:
             self.copy_in_s += time.perf_counter() - started
-            link.release(job.lease)
-            job.lease = 0
         self._count_load(len(block_ids), time.perf_counter() - since)
         self.num_loaded_blocks += len(block_ids)
         job.num_copied = len(block_ids)

@@ -80,7 +80,8 @@ def test_measured_prices_replace_the_nominal_host_and_disk_speeds_only() -> None
     assert (prices.block_bytes, prices.nic_bytes_per_s, prices.latency_s) == (8192, 25e9, 1e-5)
     info = speeds.info()
     assert info["host_speed"] == info["disk_speed"] == "measured"
-    assert info["links"]["tcp"] == {"bytes_per_s": pytest.approx(10 * MIB / 0.01), "num_samples": 1}
+    assert info["links"]["tcp"] == {"bytes_per_s": pytest.approx(10 * MIB / 0.01), "latency_s": None,
+                                    "num_samples": 1, "num_loads": 0}  # counters without round trips: no latency
 
 
 def test_the_conductor_prices_a_load_at_the_measured_speed() -> None:
@@ -111,16 +112,22 @@ def test_heartbeat_stats_carry_the_store_counters_and_an_older_worker_s_stats_st
     assert rpc.decode(rpc.encode(stats)) == stats
     heartbeat_frame = rpc.Heartbeat(rpc.KVEvents("w0", ()), stats)
     assert rpc.decode(rpc.encode(heartbeat_frame)) == heartbeat_frame
-    old = rpc.to_wire(stats)[:-3]  # a worker from before the store counters
+    old = rpc.to_wire(stats)[:-5]  # a worker from before the store counters
     decoded = rpc.from_wire(old)
     assert isinstance(decoded, rpc.Stats)
     assert (decoded.store_load_bytes, decoded.store_load_s, decoded.store_transport) == (0, 0.0, "")
+    counted = rpc.Stats("w0", 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, 1.5, store_load_bytes=3 * MIB, store_load_s=0.25,
+                        store_transport="shm", store_load_count=2, store_load_round_trip_s=0.002)
+    assert rpc.decode(rpc.encode(counted)) == counted
+    no_round_trips = rpc.from_wire(rpc.to_wire(counted)[:-2])  # a worker from before the round-trip counters
+    assert (no_round_trips.store_load_bytes, no_round_trips.store_load_count,
+            no_round_trips.store_load_round_trip_s) == (3 * MIB, 0, 0.0)
     wrong = rpc.to_wire(stats)
-    wrong[-3] = "many"
+    wrong[-5] = "many"
     with pytest.raises(rpc.ProtocolError, match="store_load_bytes must be int"):
         rpc.from_wire(wrong)
     with pytest.raises(rpc.ProtocolError, match="fields"):
-        rpc.from_wire(rpc.to_wire(stats)[:-4])  # an older field missing is still a malformed frame
+        rpc.from_wire(rpc.to_wire(stats)[:-6])  # an older field missing is still a malformed frame
 
 
 def test_the_router_pool_replaces_the_store_prices_from_its_workers_heartbeats() -> None:
@@ -170,3 +177,42 @@ def test_the_store_node_s_disk_reads_price_its_disk() -> None:
     assert prices.host_bytes_per_s == config.kv_store_host_bytes_per_s  # the DRAM link not measured yet
     info = cluster.cluster_info()["kv_store"]
     assert info["disk_speed"] == "measured" and info["host_speed"] == "nominal"
+
+
+def test_the_round_trip_is_measured_apart_from_the_bytes_speed() -> None:
+    """A source that counts its loads' round trips: the speed is the bytes over the time left after them, the
+    latency their time per load, so small loads measured do not price a big one slow."""
+    meter = LinkMeter(alpha=1.0)
+    # ten small loads: 2 MiB in 30 ms, 20 ms of it round trips (2 ms each)
+    assert meter.observe("w0", 2 * MIB, 0.030, now=1.0, num_loads=10, round_trip_s=0.020)
+    assert meter.bytes_per_s == pytest.approx(2 * MIB / 0.010) and meter.latency_s == pytest.approx(0.002)
+    assert meter.num_loads == 10
+    prices = MeasuredStorePrices(StorePrices(block_bytes=MIB), alpha=1.0)
+    assert prices.prices().load_latency_s == 0.0 and prices.info()["load_latency"] == "nominal"
+    prices.observe("shm", "w0", 2 * MIB, 0.030, 1.0, 10, 0.020)
+    measured = prices.prices()
+    assert measured.load_latency_s == pytest.approx(0.002) and prices.info()["load_latency"] == "measured"
+    # a 64-block (64 MiB) load: one round trip and its bytes, not 64 MiB at the small loads' 67 MB/s
+    big = measured.load_s([("local", "dram")] * 64, "local")
+    assert big == pytest.approx(0.002 + measured.latency_s + 64 * MIB / (2 * MIB / 0.010))
+    assert measured.load_s([], "local") == 0.0
+    # a source that counts no round trips: bytes over all its seconds, latency untouched
+    assert meter.observe("w1", 4 * MIB, 0.004, now=2.0)
+    assert meter.bytes_per_s == pytest.approx(MIB / 0.001) and meter.latency_s == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize(("num_loads", "round_trip_s"), [(-1, 0.0), (1, -0.001), (1, 2.0), (1, math.nan)])
+def test_round_trip_counters_that_are_not_counters_never_reach_the_figures(num_loads: int,
+                                                                          round_trip_s: float) -> None:
+    meter = LinkMeter()
+    assert not meter.observe("w0", 4 * MIB, 1.0, now=0.0, num_loads=num_loads, round_trip_s=round_trip_s)
+    assert meter.bytes_per_s is None and meter.latency_s is None
+
+
+def test_the_simulator_s_prices_are_unchanged_without_a_round_trip() -> None:
+    """`load_latency_s` 0 (the nominal): a load costs its paths alone, as before the field existed."""
+    prices = StorePrices(block_bytes=MIB)
+    sources = [("n0", "dram")] * 3 + [("n1", "disk")] * 2
+    assert prices.load_s(sources, "n0") == pytest.approx(prices.path_s(3, False, False) + prices.path_s(2, True, True))
+    priced = StorePrices(block_bytes=MIB, load_latency_s=0.001)
+    assert priced.load_s(sources, "n0") == pytest.approx(prices.load_s(sources, "n0") + 0.001)

@@ -138,11 +138,13 @@ def test_a_prompt_computed_on_a_is_loaded_by_b(loaded, make_store, reference: li
         assert b.store_io.num_loaded_blocks == 199 // BLOCK and b.store_io.num_saved_blocks == 0
         assert b.store_io.transport == ("tcp" if transport == "tcp" else "shm")
         assert store.server.tcp.num_reads == (1 if transport == "tcp" else 0)
-        # what the router measures the link from: the bytes loaded, and the time they took (acquire + copy)
-        loaded_bytes, load_s = b.store_io.load_totals
+        # what the router measures the link from: the bytes loaded, the time they took (acquire + copy, or the TCP
+        # trip), the loads, and of that time their round trips' (the acquire's answer, or the TCP header's)
+        loaded_bytes, load_s, num_loads, round_trip_s = b.store_io.load_totals
         kv = b.store_io.kv_cache
-        assert loaded_bytes == (199 // BLOCK) * kv[:, :, 0].numel() * kv.element_size() and load_s > 0
-        assert a.store_io.load_totals == (0, 0.0)
+        assert loaded_bytes == (199 // BLOCK) * kv[:, :, 0].numel() * kv.element_size() and num_loads == 1
+        assert 0 < round_trip_s < load_s
+        assert a.store_io.load_totals == (0, 0.0, 0, 0.0)
         for engine in (a, b):
             engine.check_invariants()
         store.check()

@@ -147,3 +147,37 @@ def test_random_operations_keep_every_invariant(tmp_path: Path, ops: list[tuple[
         assert all(entry.num_pins == 0 for entry in state.store.nodes[state.NODE].entries.values())
     finally:
         state.close()
+
+
+def test_an_acquire_whose_uses_wait_for_settle_ends_as_an_eager_one(tmp_path: Path) -> None:
+    """The server answers an all-DRAM acquire before counting its uses (`defer_uses`): once settled, the core's
+    uses, events and later choices (which block goes to disk) are those of eager acquires; a disk block is
+    promoted at once either way, as its slot must exist before the answer."""
+    states = [StoreNodeState(BLOCK_BYTES, 16, dram_blocks=4, disk=DiskBlockFiles(tmp_path / f"disk{i}", 8),
+                             lease_s=5.0) for i in range(2)]
+    try:
+        for state in states:
+            _put(state, _chain(10, 4))
+        eager, deferred = states
+        for first, num in ((10, 2), (10, 4), (12, 1)):
+            lease_e, slots_e = eager.acquire(NS, _chain(first, num), now=0.0)
+            lease_d, slots_d = deferred.acquire(NS, _chain(first, num), now=0.0, defer_uses=True)
+            assert slots_d == slots_e and _read(deferred, slots_d) == _read(eager, slots_e)
+            assert deferred._unsettled  # its uses not counted yet, its pins taken
+            assert all(deferred.store.nodes["local"].entries[h].num_pins for h in _chain(first, num))
+            deferred.settle()
+            assert eager.release(lease_e) and deferred.release(lease_d)
+        entries = [{h: (e.uses, e.tier) for h, e in s.store.nodes["local"].entries.items()} for s in states]
+        assert entries[0] == entries[1]
+        for state in states:  # a new chain pushes out the block GDSF values least: the same one on both
+            _put(state, _chain(20, 2), parent=13)
+            state.check_invariants()
+        assert eager._on_disk == deferred._on_disk and eager._on_disk
+        lease_e, slots_e = eager.acquire(NS, _chain(10, 4), now=1.0)  # disk blocks among them: promoted at once
+        lease_d, slots_d = deferred.acquire(NS, _chain(10, 4), now=1.0, defer_uses=True)
+        assert not deferred._unsettled and _read(deferred, slots_d) == _read(eager, slots_e)
+        for state in states:
+            state.check_invariants()
+    finally:
+        for state in states:
+            state.close()

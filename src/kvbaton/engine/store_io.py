@@ -12,8 +12,10 @@
   blocks: `kvbaton.transfer.store_tcp`; with room for the whole chain, acquire, read and release are one
   `load_into` there), then releases the lease. Results come back through `take_results`, read by the engine
   between steps (`kvbaton.engine.store_loads`). A store that does not answer (`StoreUnavailable`) fails the
-  load: the request recomputes. `load_totals` counts the bytes every load brought and the seconds it took (acquire +
-  copy, or the one TCP trip); the worker's heartbeat carries them, and the router measures the link's speed from them.
+  load: the request recomputes. `load_totals` counts the bytes every load brought, the seconds it took (acquire +
+  copy, or the one TCP trip), the loads, and of those seconds the round trips' (the acquire's answer, or the TCP
+  load's header); the worker's heartbeat carries them, and the router prices a load's fixed round trip apart from
+  its bytes' speed from them (`kvbaton.cache.store_prices.LinkMeter`).
 - **Not a tier of its own.** Matching past the device cache is not done here (`match` finds nothing): loads are
   asynchronous, started by the engine before admission, so the scheduler only ever sees device hits. The host
   tier (`kvbaton.cache.host_tier`) stays as it was, for workers without a store; a worker has one or the other.
@@ -119,9 +121,10 @@ class WorkerStoreIO:
         self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
         self.num_loaded_blocks = self.num_failed_loads = 0
         self.copy_in_s = 0.0  # seconds the IO thread spent copying loads into the KV pool
-        # (bytes, seconds) of every load that brought blocks, acquire + copy (over shm) or the one TCP trip; one
-        # tuple, swapped whole, so a heartbeat never reads one counter of a load without the other.
-        self.load_totals: tuple[int, float] = (0, 0.0)
+        # (bytes, seconds, loads, round-trip seconds) of every load that brought blocks: acquire + copy (over shm) or
+        # the one TCP trip, and of that the acquire's answer (or the TCP header's); one tuple, swapped whole, so a
+        # heartbeat never reads one counter of a load without the others.
+        self.load_totals: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
         self._thread = threading.Thread(target=self._run, name="kv-store-io", daemon=True)
         self._thread.start()
 
@@ -251,11 +254,11 @@ class WorkerStoreIO:
                         item.acquire_s = time.perf_counter() - started
                         self._results.put(("acquired", item))
                     elif kind == "acquire_copy":
-                        self._acquire_copy(link, item)
-                        self._results.put(("copied", item))
+                        self._finish(link, item, self._acquire_copy)
                     elif kind == "copy":  # its load's time counts from its acquire's start
-                        self._copy_leased(link, item, item.device_block_ids, time.perf_counter() - item.acquire_s)
-                        self._results.put(("copied", item))
+                        since = time.perf_counter() - item.acquire_s
+                        self._finish(link, item, lambda link, job: self._copy_leased(link, job, job.device_block_ids,
+                                                                                   since))
                     elif kind == "release":
                         link.release(item)
                 except (StoreUnavailable, OSError, ValueError) as exc:
@@ -266,11 +269,28 @@ class WorkerStoreIO:
         finally:
             link.close()
 
-    def _count_load(self, num_blocks: int, seconds: float) -> None:
+    def _finish(self, link: StoreLink, job: LoadJob, copy: Callable[[StoreLink, LoadJob], None]) -> None:
+        """Run a load's copy step, hand its result to the engine, and only then release its lease (whatever happened):
+        the release is a message not waited for, but the first send after a pause costs this host ~0.5 ms (the zmq
+        IO thread's wake-up and encryption run before the sender goes on), which no load should wait on."""
+        try:
+            copy(link, job)
+        except BaseException:
+            lease, job.lease = job.lease, 0
+            if lease:
+                link.release(lease)
+            raise
+        lease, job.lease = job.lease, 0  # before the engine sees the job: it releases nothing twice
+        self._results.put(("copied", job))
+        if lease:
+            link.release(lease)
+
+    def _count_load(self, num_blocks: int, seconds: float, round_trip_s: float) -> None:
         if num_blocks:
             kv = self.kv_cache
-            num_bytes, total_s = self.load_totals
-            self.load_totals = (num_bytes + num_blocks * kv[:, :, 0].numel() * kv.element_size(), total_s + seconds)
+            num_bytes, total_s, num_loads, total_round_trip_s = self.load_totals
+            self.load_totals = (num_bytes + num_blocks * kv[:, :, 0].numel() * kv.element_size(), total_s + seconds,
+                                num_loads + 1, total_round_trip_s + min(round_trip_s, seconds))
 
     def _payloads(self, job: _SaveJob) -> list:
         kv = self.kv_cache
@@ -291,40 +311,45 @@ class WorkerStoreIO:
             self.num_dropped_saves += len(payloads)
 
     def _acquire_copy(self, link: StoreLink, job: LoadJob) -> None:
-        """Acquire the chain and copy what the node holds into the job's first device blocks, then release the lease.
+        """Acquire the chain and copy what the node holds into the job's first device blocks (`_finish` releases the
+        lease).
         One acquire for the whole chain: acquiring it in pieces, to copy one while the node pins the next, measured
         slower here (each piece's rows fall under glibc's streaming-copy threshold, and the first answer's round
         trip, which no pipelining hides, stays)."""
         self._attach(link)
         if self.transport == "tcp":  # one trip on the node's TCP port: it acquires, streams and releases
             started = time.perf_counter()
+            answered = [started]  # when the node's header came (the round trip), before its bytes
+
+            def buffers_for(num: int) -> list[memoryview]:
+                answered[0] = time.perf_counter()
+                return self._receive_buffers(job.device_block_ids[:num])
             try:
-                job.num_copied = link.load_into(job.namespace, job.block_hashes,
-                                                lambda num: self._receive_buffers(job.device_block_ids[:num]))
+                job.num_copied = link.load_into(job.namespace, job.block_hashes, buffers_for)
                 self._finish_receive(job.device_block_ids[: job.num_copied])
             finally:
                 self.copy_in_s += time.perf_counter() - started
-            self._count_load(job.num_copied, time.perf_counter() - started)
+            self._count_load(job.num_copied, time.perf_counter() - started, answered[0] - started)
             self.num_loaded_blocks += job.num_copied
             return
         acquired = time.perf_counter()  # after `_attach`: mapping the node's slots once is no load's time
         job.lease, job.slots, job.shm_path = link.acquire(job.namespace, job.block_hashes)
+        job.acquire_s = time.perf_counter() - acquired
         job.num_copied = 0
         if not job.slots:
             return
         self._copy_leased(link, job, job.device_block_ids[: len(job.slots)], acquired)
 
     def _copy_leased(self, link: StoreLink, job: LoadJob, block_ids: Sequence[int], since: float) -> None:
-        """The job's leased slots into `block_ids`, then its lease released (whatever happened); the load is counted
-        with the seconds from `since` (its acquire's start) to the copy's end."""
+        """The job's leased slots into `block_ids` (the lease stays with the job: `_finish` releases it); the load is
+        counted with the seconds from `since` (its acquire's start) to the copy's end, `job.acquire_s` of them its
+        acquire's round trip."""
         started = time.perf_counter()
         try:
             self._copy(link, job.lease, job.slots, job.shm_path, block_ids)
         finally:
             self.copy_in_s += time.perf_counter() - started
-            link.release(job.lease)
-            job.lease = 0
-        self._count_load(len(block_ids), time.perf_counter() - since)
+        self._count_load(len(block_ids), time.perf_counter() - since, job.acquire_s)
         self.num_loaded_blocks += len(block_ids)
         job.num_copied = len(block_ids)
 

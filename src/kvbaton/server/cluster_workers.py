@@ -150,7 +150,8 @@ class WorkerPool:
         record.stats = message
         speeds = self.store_speeds
         if speeds is not None and message.store_transport and speeds.observe(
-                message.store_transport, sender, message.store_load_bytes, message.store_load_s, record.last_heard_at):
+                message.store_transport, sender, message.store_load_bytes, message.store_load_s, record.last_heard_at,
+                message.store_load_count, message.store_load_round_trip_s):
             self.placement.state.store_prices = speeds.prices()
         self.placement.on_stats(WorkerStats(
             sender, message.num_queued_prefill_tokens, message.num_used_blocks, message.num_free_blocks,

@@ -113,11 +113,15 @@ class Stats:
     num_evictable_blocks: int = 0  # of num_used_blocks, those only the prefix cache holds (no request)
     # Loads from the cluster KV store, cumulative (kvbaton.engine.store_io `load_totals`): bytes brought into the
     # KV pool and seconds they took (acquire + copy), over the transport the worker reaches its node by ("shm" |
-    # "tcp"; "" without a store). The router measures the link's speed from their deltas. A worker that sends
-    # none of the three (older) reads as no loads.
+    # "tcp"; "" without a store), and the loads and the seconds of their round trips (of store_load_s: the acquire's
+    # answer, or the TCP header). The router prices a load's fixed round trip and its bytes' speed from their
+    # deltas. A worker that sends none of them (older) reads as no loads; one without the last two, as loads whose
+    # round trip is not told apart.
     store_load_bytes: int = 0
     store_load_s: float = 0.0
     store_transport: str = ""
+    store_load_count: int = 0
+    store_load_round_trip_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +310,7 @@ _FIELD_TYPES: dict[type, tuple[tuple[str, tuple[type, ...]], ...]] = {
 _TYPES_OF: dict[type, tuple[tuple[type, ...], ...]] = {
     cls: tuple(types for _, types in spec) for cls, spec in _FIELD_TYPES.items()}
 # Trailing fields a sender may leave out (it predates them): they take their defaults.
-_OPTIONAL_TAIL: dict[type, int] = {Stats: 3}
+_OPTIONAL_TAIL: dict[type, int] = {Stats: 5}
 
 
 # -- nested values ------------------------------------------------------------------------------

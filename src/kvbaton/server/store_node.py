@@ -74,6 +74,7 @@ class StoreNodeState:
         self._on_disk: set[int] = set()
         self._namespace_of: dict[int, Namespace] = {}
         self._leases: dict[int, _Lease] = {}
+        self._unsettled: deque[tuple[list[int], Namespace]] = deque()  # acquires whose uses `settle` counts
         self._lease_ids = itertools.count(1)
         self._log: deque[StoreEvent] = deque(maxlen=max_log_events)  # for readers (routers): `events_since`
         self.num_put_blocks = self.num_loaded_blocks = self.num_expired_leases = self.num_refused_puts = 0
@@ -94,15 +95,23 @@ class StoreNodeState:
         return len(stored)
 
     # ---- loads ---------------------------------------------------------------------------------
-    def acquire(self, namespace: Namespace, block_hashes: Sequence[int], now: float) -> tuple[int, list[int]]:
+    def acquire(self, namespace: Namespace, block_hashes: Sequence[int], now: float,
+                defer_uses: bool = False) -> tuple[int, list[int]]:
         """Pin the leading blocks of `block_hashes` held under `namespace`, promoted to DRAM; returns (lease, their
-        slots). Lease 0 and no slots when nothing matches."""
+        slots). Lease 0 and no slots when nothing matches. `defer_uses`: when every block matched is in DRAM already
+        (nothing to promote), their uses are counted by the next `settle` instead, so the server answers first and
+        prices the blocks after (the policy core's work per block is half an acquire's round trip here); the pins
+        are taken at once either way."""
         namespace = tuple(namespace)
         store = self.store
         run = list(block_hashes[: store.match(block_hashes, namespace)])
         if not run:
             return 0, []
         store.pin(run)
+        entries = store.nodes[self.NODE].entries
+        if defer_uses and all(entries[h].tier == DRAM for h in run):
+            self._unsettled.append((run, namespace))
+            return self._lease(run, now)
         store.on_loaded(self.NODE, [(h, self.NODE) for h in run])  # a use each; disk copies move up to DRAM
         self._apply({}, namespace)
         entries = store.nodes[self.NODE].entries
@@ -112,11 +121,21 @@ class StoreNodeState:
         store.unpin(run[num:])
         if not num:
             return 0, []
+        return self._lease(run[:num], now)
+
+    def _lease(self, run: list[int], now: float) -> tuple[int, list[int]]:
         lease = next(self._lease_ids)
-        slots = [self._slot_of[h] for h in run[:num]]
-        self._leases[lease] = _Lease(run[:num], slots, now + self.lease_s)
-        self.num_loaded_blocks += num
+        slots = [self._slot_of[h] for h in run]
+        self._leases[lease] = _Lease(run, slots, now + self.lease_s)
+        self.num_loaded_blocks += len(run)
         return lease, slots
+
+    def settle(self) -> None:
+        """Count the uses `acquire(defer_uses=True)` left for later (in their order), as an eager acquire would have."""
+        while self._unsettled:
+            run, namespace = self._unsettled.popleft()
+            self.store.on_loaded(self.NODE, [(h, self.NODE) for h in run])
+            self._apply({}, namespace)
 
     def release(self, lease: int) -> bool:
         held = self._leases.get(lease)
@@ -237,6 +256,7 @@ class StoreNodeState:
     def check_invariants(self) -> None:
         """The core's invariants; DRAM entries are exactly the slotted blocks, disk entries exactly the files; slots
         are each free or held once; every pin belongs to a lease."""
+        self.settle()
         store = self.store
         store.check_invariants()
         entries = store.nodes[self.NODE].entries

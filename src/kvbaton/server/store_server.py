@@ -119,6 +119,7 @@ class StoreServer:
             reply = None if header.get("op") in ("put", "release") else {"id": header.get("id"), "error": str(exc)[:500]}
         if reply is not None:
             self._socket.send_multipart([identity, msgpack.packb(reply)])
+        self.state.settle()  # an acquire's uses, after its answer went out (still under the lock)
 
     def _answer(self, header: dict, payloads: list[zmq.Frame]) -> dict | None:
         state = self.state
@@ -131,7 +132,8 @@ class StoreServer:
             return None
         reply: dict = {"id": header.get("id")}
         if op == "acquire":  # the slots are of this file: a worker that mapped another (a node since restarted) remaps
-            reply["lease"], reply["slots"] = state.acquire(_namespace(header), _hashes(header), self._clock())
+            reply["lease"], reply["slots"] = state.acquire(_namespace(header), _hashes(header), self._clock(),
+                                                           defer_uses=True)
             reply["shm_path"] = state.slots.path
         elif op == "hello":
             reply.update(shm_path=state.slots.path, block_bytes=state.block_bytes, num_slots=state.slots.num_slots,

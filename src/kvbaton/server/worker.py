@@ -612,13 +612,14 @@ class Worker:
             s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks, *self._store_load_stats())
         self._links.broadcast(stats if events is None else rpc.Heartbeat(events, stats))
 
-    def _store_load_stats(self) -> tuple[int, float, str]:
-        """(bytes, seconds, transport) of the loads from the KV store so far (zeros without one)."""
+    def _store_load_stats(self) -> tuple[int, float, str, int, float]:
+        """(bytes, seconds, transport, loads, round-trip seconds) of the loads from the KV store so far (zeros without
+        one)."""
         io = self.engine.store_io if self.engine is not None else None
         if io is None:
-            return 0, 0.0, ""
-        num_bytes, seconds = io.load_totals
-        return num_bytes, seconds, io.transport
+            return 0, 0.0, "", 0, 0.0
+        num_bytes, seconds, num_loads, round_trip_s = io.load_totals
+        return num_bytes, seconds, io.transport, num_loads, round_trip_s
 
     def _has_work(self) -> bool:
         """Anything running or in a handoff, including a reservation made before the router's expect arrived (or

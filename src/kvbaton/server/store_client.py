@@ -1,5 +1,9 @@
 """A worker's (or router's) connection to its host's KV store node (`kvbaton.server.store_server`): the engine's `StoreLink`.
 
+**Several nodes.** `StoreNodes` is the `StoreLink` of a worker in a cluster of several store nodes (one per host):
+its own host's node takes every save and is read first (shared memory), the others are `remote_nodes`, which a
+load continues from over their TCP ports for the blocks its own node lacks (`kvbaton.engine.store_io`).
+
 One zmq DEALER under CurveZMQ (the store channel's key pairs, from the cluster secret), used by one thread
 only (the worker's store IO thread, `kvbaton.engine.store_io`). Saves and releases are sent without waiting
 and dropped, never queued without bound, when the socket's send queue is full (`put` says so); `acquire`
@@ -39,6 +43,8 @@ TRANSPORTS = ("auto", "shm", "tcp")
 
 
 class StoreClient:
+    remote_nodes: tuple[StoreClient, ...] = ()  # one node: none but itself
+
     def __init__(self, address: str, secret: ClusterSecret, timeout_s: float = 10.0, retry_after_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, max_queued_messages: int = 256,
                  transport: str | None = None) -> None:
@@ -164,6 +170,49 @@ class StoreClient:
                     raise StoreUnavailable(f"store node {self.address}: {reply['error']}")
                 self._down_until = 0.0
                 return reply
+
+
+class StoreNodes:
+    """A worker's link to the cluster's store nodes (a `StoreLink`): `local`, its host's node, takes every save and
+    answers hello, acquire and release (what the worker maps, on its host); every other address in `nodes` is one of
+    `remote_nodes`, a `StoreClient` read over its TCP port only (`load_into`), each with its own down-window: a dead
+    node costs a load at most one timeout, then nothing until it is retried. A dead local node drops the saves (never
+    sent to another node: a block lives where its writer's host is) while loads still reach the others."""
+
+    def __init__(self, local: str, nodes: Sequence[str], secret: ClusterSecret, timeout_s: float = 10.0,
+                 retry_after_s: float = 5.0, transport: str | None = None) -> None:
+        self.local = StoreClient(local, secret, timeout_s, retry_after_s, transport=transport)
+        remotes = dict.fromkeys(address for address in nodes if address and address != local)
+        self.remote_nodes = tuple(StoreClient(address, secret, timeout_s, retry_after_s, transport="tcp")
+                                  for address in remotes)
+        self.address = local
+
+    def hello(self) -> dict:
+        return self.local.hello()
+
+    def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
+            payloads: Sequence[memoryview]) -> bool:
+        return self.local.put(namespace, parent_hash, block_hashes, payloads)
+
+    def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
+        return self.local.acquire(namespace, block_hashes)
+
+    def read_into(self, lease: int, buffers: list[memoryview]) -> None:
+        self.local.read_into(lease, buffers)
+
+    def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
+                  buffers_for: Callable[[int], list[memoryview]]) -> int:
+        return self.local.load_into(namespace, block_hashes, buffers_for)
+
+    def release(self, lease: int) -> bool:
+        return self.local.release(lease)
+
+    def stats(self) -> dict:
+        return self.local.stats()
+
+    def close(self) -> None:
+        for client in (self.local, *self.remote_nodes):
+            client.close()
 
 
 class StoreEventFeed:

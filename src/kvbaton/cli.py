@@ -440,7 +440,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
-    p.add_argument("--kv-store", default="", metavar="ADDRESS", help="this host's KV store node (tcp://host:port), as `kvbaton serve --kv-store-gb` hands it; empty = none")
+    p.add_argument("--kv-store", default="", metavar="ADDRESS", help="this host's KV store node (tcp://host:port), as `kvbaton serve --kv-store-gb` hands it: new blocks are written through to it, loads read it first; empty = none")
+    p.add_argument("--kv-store-nodes", default="", metavar="ADDRESS,...", help="every KV store node of the cluster (the /cluster kv_store nodes of its router): what this host's node lacks is loaded from the others over TCP; empty = this host's node only")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
     p.add_argument("--seed", type=int, default=0)
@@ -522,6 +523,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     routers = [address.strip() for address in args.router.split(",") if address.strip()]
     if not routers:
         raise KvbatonError("--router needs at least one address")
+    if args.kv_store_nodes and not args.kv_store:
+        raise KvbatonError("--kv-store-nodes needs --kv-store: saves go to this host's node, loads read it first")
     worker = Worker(WorkerConfig(
         router_address=routers[0], more_router_addresses=tuple(routers[1:]),
         router_link_timeout_s=args.router_link_timeout, worker_id=worker_id, role=args.role, model=args.model, dtype=args.dtype,
@@ -531,6 +534,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,
         kv_host=args.kv_host, kv_lease_s=args.kv_lease, step_log=args.step_log,
         reserve_ahead_tokens=args.reserve_ahead_tokens, kv_store_address=args.kv_store, cluster_secret=secret,
+        kv_store_nodes=tuple(a for a in args.kv_store_nodes.split(",") if a),
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size))
     print(f"kvbaton worker {worker_id}: {args.model} loaded, registering with {args.router}", file=sys.stderr,
           flush=True)

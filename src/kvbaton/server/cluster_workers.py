@@ -72,6 +72,8 @@ class WorkerPool:
         # With a KV store: the link speeds measured from the workers' load counters, which price the placement's
         # store loads (`RouterState.store_prices`) from the first measurement on (set by the manager).
         self.store_speeds: MeasuredStorePrices | None = None
+        # A store node a registering worker names (its host's): the manager reads its events from then on.
+        self.on_store_node: Callable[[str], None] = lambda address: None
 
     @property
     def num_serving(self) -> int:
@@ -186,6 +188,9 @@ class WorkerPool:
         if self.identity is None:
             self.identity = offered
         self.workers[sender] = WorkerRecord(message, self.clock())
+        if message.store_node and self.placement.state.store is not None:
+            self.placement.state.store_node_of[sender] = message.store_node
+            self.on_store_node(message.store_node)
         self.send(sender, rpc.RegisterAck(sender, self.queue_policy, self.config.heartbeat_interval_s))
         for address in self.peer_routers:
             self.send(sender, rpc.AddRouter(address))
@@ -298,6 +303,7 @@ class WorkerPool:
             self.retired_spec_decode_tokens[0] += record.stats.num_draft_tokens
             self.retired_spec_decode_tokens[1] += record.stats.num_accepted_tokens
         self.placement.remove_worker(worker_id)
+        self.placement.state.store_node_of.pop(worker_id, None)
         if self.store_speeds is not None:
             self.store_speeds.forget(worker_id)  # one that registers again counts its loads from 0
         self._on_removed(worker_id, record, reason)

@@ -62,6 +62,9 @@ class Register:
     # pipeline_parallel_size; 1 x 1 is a worker that runs its model itself.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Its host's KV store node (tcp://host:port), which it writes through to and reads as its own; "" = none. The
+    # router reads every node its workers name into its store directory.
+    store_node: str = ""
 
 
 @dataclass(frozen=True, slots=True)

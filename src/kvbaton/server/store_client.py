@@ -221,13 +221,20 @@ class StoreEventFeed:
     the node's log no longer reaches back) to `deliver(events, is_snapshot)`, which the caller runs on its own
     thread (the router's event loop: `loop.call_soon_threadsafe`). Any number of routers may each run one. A node with
     a disk also answers its disk reads' cumulative (bytes, seconds): each time they move they go to `on_disk_reads`
-    (called the same way), which the router measures the disk's speed from."""
+    (called the same way), which the router measures the disk's speed from.
+
+    A node that has not answered for `lost_after_s` is lost: `on_lost()` once (the router takes its blocks out of
+    its directory, so no load is planned from them), and the feed asks it from the start when it answers again."""
 
     def __init__(self, address: str, secret: ClusterSecret,
                  deliver: Callable[[list[StoreEvent], bool], None], interval_s: float = 0.05,
-                 on_disk_reads: Callable[[int, float], None] | None = None) -> None:
+                 on_disk_reads: Callable[[int, float], None] | None = None,
+                 on_lost: Callable[[], None] | None = None, lost_after_s: float = 3.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._address, self._secret, self._deliver, self._interval_s = address, secret, deliver, interval_s
         self._on_disk_reads = on_disk_reads
+        self._on_lost, self.lost_after_s, self._clock = on_lost, lost_after_s, clock
+        self.lost = False
         self._disk_reads: tuple[int, float] = (0, 0.0)
         self._stop = threading.Event()
         self._seq = 0
@@ -248,12 +255,18 @@ class StoreEventFeed:
 
     def _run(self) -> None:
         client = StoreClient(self._address, self._secret, timeout_s=1.0, retry_after_s=1.0)
+        heard_at = self._clock()
         try:
             while not self._stop.wait(self._interval_s):
                 try:
                     reply = client.events_since(self._seq)
                 except StoreUnavailable:
+                    if not self.lost and self._clock() - heard_at >= self.lost_after_s:
+                        self.lost, self._seq, self._disk_reads = True, 0, (0, 0.0)
+                        if self._on_lost is not None:
+                            self._on_lost()
                     continue
+                heard_at, self.lost = self._clock(), False
                 self.num_polls += 1
                 events = [StoreEvent(int(seq), kind, tuple(hashes), tier) for seq, kind, hashes, tier in reply["events"]]
                 if events:

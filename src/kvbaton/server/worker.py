@@ -51,7 +51,7 @@ from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.step_log import StepLog
-from kvbaton.server.store_client import StoreClient
+from kvbaton.server.store_client import StoreNodes
 from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
 from kvbaton.server.worker_links import REGISTER_RESEND_S, RouterLink, RouterLinks
 from kvbaton.transfer.faults import FaultRule
@@ -99,6 +99,9 @@ class WorkerConfig:
     transfer_faults: tuple[FaultRule, ...] = ()  # prefill workers: scripted faults on outgoing KV (tests)
     step_log: str = ""  # write each step's shape and period here at exit (kvbaton.server.step_log)
     kv_store_address: str = ""  # this host's KV store node (kvbaton.server.store_server); "" = none
+    # Every store node of the cluster (one per host, this host's among them): loads go on from the others over TCP
+    # for what this host's lacks (`store_client.StoreNodes`). Empty: this host's node only.
+    kv_store_nodes: tuple[str, ...] = ()
     # The router's: the RPC and every KV link authenticate with it (core/cluster_secret.py). Required to run.
     cluster_secret: ClusterSecret | None = None
     # Rank processes behind this worker's one scheduler (kvbaton.engine.rank_group), each with num_threads threads.
@@ -155,7 +158,7 @@ class Worker:
                             kv_layout_of(self.loaded, cfg.block_size), cfg.block_size, cfg.num_blocks,
                             tokenizer_probe_hash(self.loaded.tokenizer), os.getpid(),
                             self._decode_kv.address if self._decode_kv is not None else "", gethostname(),
-                            cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
+                            cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.kv_store_address)
 
     def run(self) -> str:
         """Serve until told to stop; returns why it stopped. Raises KvbatonError if refused or orphaned."""
@@ -291,8 +294,8 @@ class Worker:
         kv_cache = decode_kv.kv_cache if decode_kv is not None and kv_region is None and on_host else None
         store_link = None
         if cfg.kv_store_address:
-            address, secret = cfg.kv_store_address, cfg.cluster_secret
-            store_link = lambda: StoreClient(address, secret)  # noqa: E731 - built on the store IO thread
+            address, nodes, secret = cfg.kv_store_address, cfg.kv_store_nodes, cfg.cluster_secret
+            store_link = lambda: StoreNodes(address, nodes, secret)  # noqa: E731 - built on the store IO thread
         engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache, kv_region=kv_region,
                         warm_up_rows=cfg.max_num_batched_tokens if cfg.warm_up else 0, create_store_link=store_link)
         engine.worker_id = cfg.worker_id

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -218,6 +218,18 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
               if config.reserve_ahead_tokens is not None else []),
             *(["--kv-store", config.kv_store_address] if config.kv_store_address else []),
             *_parallel_args(*config.parallelism(role))]
+
+
+def store_environment(config: ServeConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """What a worker's environment gets for the KV store beyond `base` (the one it has): streaming copies for store
+    loads (they copy a row of blocks per memcpy) and a store transport forced in the launcher's environment (tests
+    run the cross-host path on one host); nothing without a store. Local workers and Ray's actors both take it."""
+    if not config.kv_store_gb:
+        return {}
+    extras = {key: value for key, value in with_streaming_copies(dict(base)).items() if base.get(key) != value}
+    if STORE_TRANSPORT_ENV in os.environ:
+        extras[STORE_TRANSPORT_ENV] = os.environ[STORE_TRANSPORT_ENV]
+    return extras
 
 
 def ray_share(config: ServeConfig, role: str) -> tuple[float, float]:
@@ -451,8 +463,7 @@ class Launcher:
         config = self.config
         if self.placement is None:
             environment = worker_environment(self.secret, dict(os.environ))
-            if config.kv_store_gb:  # store loads copy a row of blocks per memcpy: let those stream
-                environment = with_streaming_copies(environment)
+            environment.update(store_environment(config, environment))
             for worker_id, role in worker_roles(config):
                 process = subprocess.Popen(worker_command(config, address, worker_id, role), start_new_session=True,
                                            env=environment)
@@ -460,13 +471,7 @@ class Launcher:
             return
         workers = [RayWorker(worker_id, tuple(worker_args(config, address, worker_id, role)), *ray_share(config, role))
                    for worker_id, role in worker_roles(config)]
-        # What a local worker's environment gets beyond the secret, for the actors to hand on: streaming copies for
-        # store loads, and a store transport forced here (tests run the cross-host path on one host).
-        environment: dict[str, str] = {}
-        if config.kv_store_gb:
-            environment = with_streaming_copies({})
-            if STORE_TRANSPORT_ENV in os.environ:
-                environment[STORE_TRANSPORT_ENV] = os.environ[STORE_TRANSPORT_ENV]
+        environment = store_environment(config, {})  # what the actors add to their node's environment
         # Ray may wait for resources until the startup timeout: a stop signal ends the wait (closing the placement
         # then ends the actors placed so far and those still pending).
         placing = asyncio.ensure_future(self.placement.start(workers, config.startup_timeout_s, self.secret,

@@ -441,7 +441,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
     p.add_argument("--kv-store", default="", metavar="ADDRESS", help="this host's KV store node (tcp://host:port), as `kvbaton serve --kv-store-gb` hands it: new blocks are written through to it, loads read it first; empty = none")
-    p.add_argument("--kv-store-nodes", default="", metavar="ADDRESS,...", help="every KV store node of the cluster (the /cluster kv_store nodes of its router): what this host's node lacks is loaded from the others over TCP; empty = this host's node only")
+    p.add_argument("--kv-store-nodes", default="", metavar="ADDRESS,...", help="KV store nodes of the cluster to load from over TCP for what this host's node lacks, known from the start; the routers also tell the worker every node their workers name (at registration and when one is added), so this is optional")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
     p.add_argument("--seed", type=int, default=0)

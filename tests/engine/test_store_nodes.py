@@ -17,7 +17,7 @@ from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import TokenDelta
 from kvbaton.engine.engine import Engine
 from kvbaton.model.registry import load_model
-from kvbaton.server.store_client import StoreNodes
+from kvbaton.server.store_client import KnownStoreNodes, StoreNodes
 from kvbaton.server.store_node import StoreNodeState
 from tests.store_nodes import RunningNode, wait_unpinned
 
@@ -168,3 +168,28 @@ def test_dead_nodes_drop_saves_and_loads_fail_over_to_recompute(loaded, nodes, r
         assert b.store_loads.num_loading == 0 and b.store_loads.num_held_blocks == 0
     finally:
         b.close()
+
+
+def test_a_node_a_router_names_later_is_read_from_the_next_load_on(loaded, nodes) -> None:  # noqa: ANN001
+    """B starts knowing its own node only (no --kv-store-nodes); once its router names A's node (`KnownStoreNodes.add`,
+    what `rpc.StoreNodesKnown` does), B's next load reads A's blocks from there over TCP."""
+    first, second = nodes
+    a = Engine(_config(), loaded, create_store_link=_link(first, nodes))
+    try:
+        _run(a, _prompt())
+        _run(a, _prompt(seed=5))
+        _wait_blocks(first, 2 * (200 // BLOCK))
+    finally:
+        a.close()
+    known = KnownStoreNodes([second.address])
+    b = Engine(_config(), loaded, create_store_link=lambda: StoreNodes(second.address, known, SECRET, timeout_s=0.5,
+                                                                       retry_after_s=0.5))
+    try:
+        assert _run(b, _prompt())[-1].num_cached_tokens == 0  # A's node unknown: B recomputes
+        assert known.add([second.address, first.address]) and not known.add([first.address])
+        assert _run(b, _prompt(seed=5))[-1].num_cached_tokens == NUM_FULL * BLOCK
+        b.check_invariants()
+        assert b.store_loads.num_loading == 0 and b.store_loads.num_held_blocks == 0
+    finally:
+        b.close()
+    wait_unpinned(first.server)

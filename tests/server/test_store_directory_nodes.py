@@ -1,6 +1,7 @@
 """The router over several live store nodes: it reads the events of every node its workers name as their host's into
 one directory, prices a worker's load from its own node over the host link and from another over the NIC, shows every
-node in /cluster's kv_store, and takes a node that stops answering out of the directory."""
+node in /cluster's kv_store, tells every worker every node (after its acknowledgement, and again when a worker names
+a new one), and takes a node that stops answering out of the directory."""
 
 from __future__ import annotations
 
@@ -46,13 +47,25 @@ def test_the_router_reads_every_workers_node_and_forgets_a_lost_one(store_node) 
             workers.append(worker)
             await worker.send(dataclasses.replace(register(worker_id), store_node=node.address))
             await worker.expect(rpc.RegisterAck)
+            told = await worker.expect(rpc.StoreNodesKnown)  # the router's host's node first, then the workers'
+            assert told.addresses == f"{second.address},{first.address}", told  # type: ignore[attr-defined]
             await worker.heartbeat()
+        third = store_node(StoreNodeState(256, 4, 16), SECRET)  # a worker on a third host: the others hear of it
+        late = ScriptedWorker(context, cluster, "w2")
+        await late.send(dataclasses.replace(register("w2"), store_node=third.address))
+        await late.expect(rpc.RegisterAck)
+        every = f"{second.address},{first.address},{third.address}"
+        assert (await late.expect(rpc.StoreNodesKnown)).addresses == every  # type: ignore[attr-defined]
+        for worker in workers:
+            assert (await worker.expect(rpc.StoreNodesKnown)).addresses == every  # type: ignore[attr-defined]
+        cluster.pool.remove("w2", "test")
+        late.close()
         store = cluster.state.store
         await _until(lambda: store.num_blocks(first.address) == 3 and store.num_blocks(second.address) == 1)
         info = cluster.cluster_info()["kv_store"]
         assert info["address"] == second.address and info["num_blocks"] == 4  # the router's host's node first
         assert [(n["address"], n["num_blocks"], n["workers"]) for n in info["nodes"]] == [
-            (second.address, 1, ["w1"]), (first.address, 3, ["w0"])]
+            (second.address, 1, ["w1"]), (first.address, 3, ["w0"]), (third.address, 0, [])]
         # w0 reads node 1 as its own (host link), w1 the same blocks from another node (NIC)
         request = RouteRequest("r", (11, 12, 13, 14), 20)
         assert store_tiers(cluster.state, request, "w0", 0, 3) == {

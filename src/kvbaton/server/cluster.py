@@ -218,7 +218,7 @@ class ClusterManager:
         self._tasks = [asyncio.create_task(self._monitor_loop())]
         self._loop = asyncio.get_running_loop()
         if self.config.kv_store_address:
-            self.read_store_node(self.config.kv_store_address)
+            self.pool.add_store_node(self.config.kv_store_address)
         return self.address
 
     def read_store_node(self, address: str) -> None:
@@ -274,7 +274,7 @@ class ClusterManager:
     def _store_info(self) -> dict[str, object]:
         store = self.state.store
         assert store is not None
-        nodes = [self.config.kv_store_address, *sorted(set(self._store_feeds) - {self.config.kv_store_address})]
+        nodes = list(self.pool.store_nodes)  # this host's first, then in the order workers named them
         readers: dict[str, list[str]] = {}
         for worker, node in sorted(self.state.store_node_of.items()):
             readers.setdefault(node, []).append(worker)

@@ -74,6 +74,7 @@ class WorkerPool:
         self.store_speeds: MeasuredStorePrices | None = None
         # A store node a registering worker names (its host's): the manager reads its events from then on.
         self.on_store_node: Callable[[str], None] = lambda address: None
+        self.store_nodes: dict[str, None] = {}  # every store node read, in the order first named (`add_store_node`)
 
     @property
     def num_serving(self) -> int:
@@ -190,11 +191,26 @@ class WorkerPool:
         self.workers[sender] = WorkerRecord(message, self.clock())
         if message.store_node and self.placement.state.store is not None:
             self.placement.state.store_node_of[sender] = message.store_node
-            self.on_store_node(message.store_node)
+            self.add_store_node(message.store_node, but=sender)
         self.send(sender, rpc.RegisterAck(sender, self.queue_policy, self.config.heartbeat_interval_s))
+        if self.store_nodes:
+            self.send(sender, rpc.StoreNodesKnown(",".join(self.store_nodes)))
         for address in self.peer_routers:
             self.send(sender, rpc.AddRouter(address))
         log.info("worker %s registered (pid %d, %s)", sender, message.pid, message.kv_layout)
+
+    def add_store_node(self, address: str, but: str = "") -> None:
+        """A store node the router reads from now on (its own host's, or one a registering worker names): read its
+        events (`on_store_node`) and tell every worker (but `but`, told after its acknowledgement) the nodes there
+        are, so that their loads reach it too."""
+        if address in self.store_nodes:
+            return
+        self.store_nodes[address] = None
+        self.on_store_node(address)
+        message = rpc.StoreNodesKnown(",".join(self.store_nodes))
+        for worker_id in self.workers:
+            if worker_id != but:
+                self.send(worker_id, message)
 
     def _on_router_joined(self, address: str) -> None:
         """Another router serves this cluster from now on: every worker registers with it too (a worker that knows

@@ -172,20 +172,54 @@ class StoreClient:
                 return reply
 
 
+class KnownStoreNodes:
+    """The cluster's store nodes a worker knows of: its flags' (`--kv-store-nodes`) and those its routers name
+    (`rpc.StoreNodesKnown`, at registration and whenever a worker on another host names a new one). Added to on the
+    worker's thread, read by its store IO thread; never shrinks (a dead node is passed over by its down-window)."""
+
+    def __init__(self, addresses: Sequence[str] = ()) -> None:
+        self._lock = threading.Lock()
+        self._addresses = dict.fromkeys(address for address in addresses if address)
+
+    def add(self, addresses: Sequence[str]) -> bool:
+        """True when any of `addresses` is new."""
+        with self._lock:
+            new = [address for address in addresses if address and address not in self._addresses]
+            self._addresses.update(dict.fromkeys(new))
+            return bool(new)
+
+    def addresses(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._addresses)
+
+
 class StoreNodes:
     """A worker's link to the cluster's store nodes (a `StoreLink`): `local`, its host's node, takes every save and
-    answers hello, acquire and release (what the worker maps, on its host); every other address in `nodes` is one of
-    `remote_nodes`, a `StoreClient` read over its TCP port only (`load_into`), each with its own down-window: a dead
-    node costs a load at most one timeout, then nothing until it is retried. A dead local node drops the saves (never
-    sent to another node: a block lives where its writer's host is) while loads still reach the others."""
+    answers hello, acquire and release (what the worker maps, on its host); every other address in `nodes` (a list,
+    or the `KnownStoreNodes` its routers add to) is one of `remote_nodes`, a `StoreClient` read over its TCP port only
+    (`load_into`; opened on first use, on the store IO thread), each with its own down-window: a dead node costs a load
+    at most one timeout, then nothing until it is retried. A dead local node drops the saves (never sent to another
+    node: a block lives where its writer's host is) while loads still reach the others."""
 
-    def __init__(self, local: str, nodes: Sequence[str], secret: ClusterSecret, timeout_s: float = 10.0,
-                 retry_after_s: float = 5.0, transport: str | None = None) -> None:
+    def __init__(self, local: str, nodes: Sequence[str] | KnownStoreNodes, secret: ClusterSecret,
+                 timeout_s: float = 10.0, retry_after_s: float = 5.0, transport: str | None = None) -> None:
         self.local = StoreClient(local, secret, timeout_s, retry_after_s, transport=transport)
-        remotes = dict.fromkeys(address for address in nodes if address and address != local)
-        self.remote_nodes = tuple(StoreClient(address, secret, timeout_s, retry_after_s, transport="tcp")
-                                  for address in remotes)
+        self._known = nodes if isinstance(nodes, KnownStoreNodes) else KnownStoreNodes(nodes)
+        self._remotes: dict[str, StoreClient] = {}
+        self._num_known = 0
+        self._secret, self._timeout_s, self._retry_after_s = secret, timeout_s, retry_after_s
         self.address = local
+
+    @property
+    def remote_nodes(self) -> tuple[StoreClient, ...]:
+        """Every known node but the local one, in the order they became known."""
+        addresses = self._known.addresses()
+        for address in addresses[self._num_known:]:
+            if address != self.address and address not in self._remotes:
+                self._remotes[address] = StoreClient(address, self._secret, self._timeout_s, self._retry_after_s,
+                                                     transport="tcp")
+        self._num_known = len(addresses)
+        return tuple(self._remotes.values())
 
     def hello(self) -> dict:
         return self.local.hello()
@@ -211,7 +245,7 @@ class StoreNodes:
         return self.local.stats()
 
     def close(self) -> None:
-        for client in (self.local, *self.remote_nodes):
+        for client in (self.local, *self._remotes.values()):
             client.close()
 
 

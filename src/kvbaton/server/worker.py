@@ -51,7 +51,7 @@ from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.step_log import StepLog
-from kvbaton.server.store_client import StoreNodes
+from kvbaton.server.store_client import KnownStoreNodes, StoreNodes
 from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
 from kvbaton.server.worker_links import REGISTER_RESEND_S, RouterLink, RouterLinks
 from kvbaton.transfer.faults import FaultRule
@@ -135,6 +135,9 @@ class Worker:
             rows = config.max_num_batched_tokens
             self.loaded.model.warm_up_linears(rows, rows)
         self._clock = clock
+        # The store nodes this worker's loads read (its flags', then every one its routers name); None: no store.
+        self.store_nodes = (KnownStoreNodes((config.kv_store_address, *config.kv_store_nodes))
+                            if config.kv_store_address else None)
         self.engine: Engine | None = None
         self._in_flight: set[str] = set()  # added to the engine, final delta not yet sent
         self._last_event_seq = 0
@@ -245,12 +248,19 @@ class Worker:
                                        f"(router {link.address})")
                 elif isinstance(message, rpc.AddRouter):  # a router sends its peers right after its acknowledgement
                     self._links.add(message.address)
+                elif isinstance(message, rpc.StoreNodesKnown):
+                    self._on_store_nodes(message)
         if first is not None:
             return first
         addresses = ", ".join(link.address for link in self._links.links)
         raise KvbatonError(f"no answer from the router at {addresses} within "
                            f"{self.config.register_timeout_s:g} s (a router whose cluster secret differs cannot be "
                            "reached either)")
+
+    def _on_store_nodes(self, message: rpc.StoreNodesKnown) -> None:
+        """A router's list of the store nodes: loads read on from the new ones (over TCP) from the next one on."""
+        if self.store_nodes is not None and self.store_nodes.add(message.addresses.split(",")):
+            log.info("worker %s: KV store nodes %s", self.config.worker_id, message.addresses)
 
     def _send_registrations(self, now: float) -> None:
         """Register with each open link not registered: at once while its router is unreachable (the send fails),
@@ -294,7 +304,7 @@ class Worker:
         kv_cache = decode_kv.kv_cache if decode_kv is not None and kv_region is None and on_host else None
         store_link = None
         if cfg.kv_store_address:
-            address, nodes, secret = cfg.kv_store_address, cfg.kv_store_nodes, cfg.cluster_secret
+            address, nodes, secret = cfg.kv_store_address, self.store_nodes, cfg.cluster_secret
             store_link = lambda: StoreNodes(address, nodes, secret)  # noqa: E731 - built on the store IO thread
         engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache, kv_region=kv_region,
                         warm_up_rows=cfg.max_num_batched_tokens if cfg.warm_up else 0, create_store_link=store_link)
@@ -451,6 +461,8 @@ class Worker:
         elif isinstance(message, rpc.AddRouter):
             if self._links.add(message.address) is not None:
                 log.info("worker %s: router %s joined; registering", self.config.worker_id, message.address)
+        elif isinstance(message, rpc.StoreNodesKnown):
+            self._on_store_nodes(message)
         elif isinstance(message, rpc.RegisterAck):
             self._on_registered(link)
         elif isinstance(message, rpc.RegisterAgain):

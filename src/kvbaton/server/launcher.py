@@ -380,8 +380,8 @@ class Launcher:
             if config.kv_store_address:  # what `kvbaton router --join ... --kv-store` takes to price store hits too
                 owner = f"pid {self.store_process.pid}" if self.store_process is not None else "read by this router"
                 print(f"kvbaton: KV store node at {config.kv_store_address} ({owner})", flush=True)
-                for store_address, node_ip in (self.placement.store_nodes if self.placement is not None else {}).items():
-                    print(f"kvbaton: KV store node at {store_address} (Ray node {node_ip}'s)", flush=True)
+                for store_address, (node_ip, pid) in (self.placement.store_nodes if self.placement else {}).items():
+                    print(f"kvbaton: KV store node at {store_address} (pid {pid} on Ray node {node_ip})", flush=True)
             if config.num_routers > 1:
                 await self._start_routers(address, port)
             if self._stop.is_set():  # a signal arrived while the server was starting

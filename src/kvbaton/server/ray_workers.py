@@ -159,19 +159,16 @@ class StoreHost:
     def __init__(self) -> None:
         self._process: subprocess.Popen[str] | None = None
 
-    def start(self, store_args: Sequence[str], secret_hex: str) -> str:
-        """Start the node with `store_args` (all but its host: this node's IP) and the cluster secret; its address."""
+    def start(self, store_args: Sequence[str], secret_hex: str) -> tuple[str, int]:
+        """Start the node with `store_args` (all but its host: this node's IP) and the cluster secret; its address
+        and pid."""
         import ray
 
         from kvbaton.server.store_server import start_process
 
         self._process, address = start_process(store_args, ClusterSecret.from_hex(secret_hex),
                                                ray.util.get_node_ip_address())
-        return address
-
-    def pid(self) -> int:
-        assert self._process is not None, "start() first"
-        return self._process.pid
+        return address, self._process.pid
 
     def stop(self) -> None:
         from kvbaton.server.store_server import stop_process
@@ -264,7 +261,8 @@ class RayPlacement:
             raise KvbatonError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
         self._actors: list[Any] = []
         self._stores: list[Any] = []  # the StoreHost actors (one per node holding workers, but this one's)
-        self.store_nodes: dict[str, str] = {}  # store node address -> the IP of the Ray node it runs on (not this one)
+        # store node address -> (the IP of the Ray node it runs on, its pid there), for the nodes but this one
+        self.store_nodes: dict[str, tuple[str, int]] = {}
         self._host_class = ray.remote(WorkerHost)
         self._store_class = ray.remote(StoreHost)
 
@@ -323,10 +321,11 @@ class RayPlacement:
             stores = [self._store_class.options(num_cpus=0, scheduling_strategy=self._on_node(node)).remote()
                       for node in starting]
             self._stores.extend(stores)
-            for node, address in zip(starting, await _gather([store.start.remote(list(store_args), secret.to_hex())
-                                                               for store in stores])):
+            for node, (address, pid) in zip(starting, await _gather([store.start.remote(list(store_args),
+                                                                                         secret.to_hex())
+                                                                      for store in stores])):
                 addresses[node] = address
-                self.store_nodes[address] = ips[node]
+                self.store_nodes[address] = (ips[node], pid)
             nodes = list(addresses.values())
             args = [with_store_nodes(worker.args, addresses[node], nodes) for worker, (node, _) in zip(workers, where)]
         return await _gather([actor.start.remote(list(arguments), secret.to_hex(), dict(environment or {}))

@@ -231,6 +231,16 @@ def store_environment(config: ServeConfig, base: Mapping[str, str]) -> dict[str,
     return extras
 
 
+def store_node_args(model_config: ModelConfig, dtype: str, block_size: int, gb: float, disk: str = "") -> list[str]:
+    """A store node's arguments but its host (`python -m kvbaton.server.store_server`): sized for the blocks of workers
+    of `model_config` in `dtype` and laid out as their KV pools (2 rows a layer), with `gb` of DRAM and `disk`
+    ("DIR:GB", or none). `kvbaton serve` starts its nodes so, and `kvbaton store-node` on another host."""
+    block_bytes = model_config.kv_bytes_per_token(resolve_dtype(dtype).itemsize) * block_size
+    return ["--block-bytes", str(block_bytes), "--block-tokens", str(block_size),
+            "--block-rows", str(2 * model_config.num_layers), "--kv-store-gb", str(gb),
+            *(["--kv-store-disk-gb", disk] if disk else [])]
+
+
 def ray_share(config: ServeConfig, role: str) -> tuple[float, float]:
     """(CPUs, GPUs) the Ray actor of a worker of `role` holds: each of its TP x PP rank processes runs its own torch
     threads (`num_threads_per_worker` each) and, with `--gpus-per-worker`, holds that many GPUs (one per rank with
@@ -499,12 +509,8 @@ class Launcher:
         return address
 
     def _store_args(self, model_config: ModelConfig) -> list[str]:
-        """A store node's arguments but its host (`python -m kvbaton.server.store_server`): sized for the workers'
-        blocks and laid out as their KV pools (2 rows a layer), with the serve's DRAM and disk."""
         config = self.config
-        return ["--block-bytes", str(self._store_block_bytes(model_config)), "--block-tokens", str(config.block_size),
-                "--block-rows", str(2 * model_config.num_layers), "--kv-store-gb", str(config.kv_store_gb),
-                *(["--kv-store-disk-gb", config.kv_store_disk] if config.kv_store_disk else [])]
+        return store_node_args(model_config, config.dtype, config.block_size, config.kv_store_gb, config.kv_store_disk)
 
     def _store_block_bytes(self, model_config: ModelConfig) -> int:
         return model_config.kv_bytes_per_token(resolve_dtype(self.config.dtype).itemsize) * self.config.block_size

@@ -426,6 +426,38 @@ def _serve_device(args: argparse.Namespace) -> str:
     return device
 
 
+def _add_store_node(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("store-node", help="run this host's KV store node for workers of a cluster on other hosts "
+                                          "(`kvbaton worker --kv-store ITS_ADDRESS`); it prints its address")
+    p.add_argument("--model", default="smollm2-135m", help="the workers' model: its layers and KV heads size a block")
+    p.add_argument("--dtype", default="auto", help="the workers' --dtype")
+    p.add_argument("--block-size", type=int, default=16, help="the workers' --block-size")
+    p.add_argument("--kv-store-gb", type=float, required=True, metavar="GB", help="shared-memory DRAM of the node")
+    p.add_argument("--kv-store-disk-gb", default="", metavar="DIR:GB", help="its disk tier: block files under DIR")
+    p.add_argument("--host", default="127.0.0.1", help="the address it listens on (this host's, for other hosts' workers)")
+    p.add_argument("--port", type=int, default=0, help="its port; 0 = any free one")
+    p.add_argument("--cluster-secret-file", default="", metavar="FILE",
+                   help="the router's cluster secret (or the KVBATON_CLUSTER_SECRET variable): only holders connect")
+
+
+def _run_store_node(args: argparse.Namespace) -> int:
+    from kvbaton.core.cluster_secret import SECRET_ENV
+    from kvbaton.model.registry import read_model_header, resolve_model_source
+    from kvbaton.server.launcher import store_node_args
+    from kvbaton.server.store_server import main as store_main
+
+    if args.block_size < 1 or not args.kv_store_gb > 0:
+        raise KvbatonError("--block-size and --kv-store-gb must be positive")
+    secret = _cluster_secret(args, create=False)
+    if secret is None:
+        raise KvbatonError("no cluster secret: give the router's with --cluster-secret-file FILE or the "
+                           "KVBATON_CLUSTER_SECRET variable")
+    model_config, _ = read_model_header(resolve_model_source(args.model))
+    os.environ[SECRET_ENV] = secret.to_hex()  # the node reads it there, as when the launcher starts one
+    return store_main([*store_node_args(model_config, args.dtype, args.block_size, args.kv_store_gb,
+                                        args.kv_store_disk_gb), "--host", args.host, "--port", str(args.port)])
+
+
 def _add_worker(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run one worker process that registers with a router")
     p.add_argument("--role", default="mixed", choices=("mixed", "prefill", "decode"))
@@ -440,7 +472,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
-    p.add_argument("--kv-store", default="", metavar="ADDRESS", help="this host's KV store node (tcp://host:port), as `kvbaton serve --kv-store-gb` hands it; empty = none")
+    p.add_argument("--kv-store", default="", metavar="ADDRESS", help="this host's KV store node (tcp://host:port), as `kvbaton serve --kv-store-gb` hands it or `kvbaton store-node` prints it: new blocks are written through to it, loads read it first; empty = none")
+    p.add_argument("--kv-store-nodes", default="", metavar="ADDRESS,...", help="KV store nodes of the cluster to load from over TCP for what this host's node lacks, known from the start; the routers also tell the worker every node their workers name (at registration and when one is added), so this is optional")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
     p.add_argument("--seed", type=int, default=0)
@@ -522,6 +555,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     routers = [address.strip() for address in args.router.split(",") if address.strip()]
     if not routers:
         raise KvbatonError("--router needs at least one address")
+    if args.kv_store_nodes and not args.kv_store:
+        raise KvbatonError("--kv-store-nodes needs --kv-store: saves go to this host's node, loads read it first")
     worker = Worker(WorkerConfig(
         router_address=routers[0], more_router_addresses=tuple(routers[1:]),
         router_link_timeout_s=args.router_link_timeout, worker_id=worker_id, role=args.role, model=args.model, dtype=args.dtype,
@@ -531,6 +566,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,
         kv_host=args.kv_host, kv_lease_s=args.kv_lease, step_log=args.step_log,
         reserve_ahead_tokens=args.reserve_ahead_tokens, kv_store_address=args.kv_store, cluster_secret=secret,
+        kv_store_nodes=tuple(a for a in args.kv_store_nodes.split(",") if a),
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size))
     print(f"kvbaton worker {worker_id}: {args.model} loaded, registering with {args.router}", file=sys.stderr,
           flush=True)
@@ -546,6 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_router(sub)
     _add_worker(sub)
+    _add_store_node(sub)
     from kvbaton.bench.cli import add_bench_arguments
 
     add_bench_arguments(sub.add_parser("bench", help="workloads: describe them, or drive a live server"))
@@ -585,6 +622,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_router(args)
         if args.command == "worker":
             return _run_worker(args)
+        if args.command == "store-node":
+            return _run_store_node(args)
         if args.command == "bench":
             from kvbaton.bench.cli import run_bench
 

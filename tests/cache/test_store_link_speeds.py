@@ -169,9 +169,9 @@ def test_the_store_node_s_disk_reads_price_its_disk() -> None:
     config = ClusterConfig(model_name="tiny-random", block_size=4, kv_store_address="tcp://127.0.0.1:1",
                            kv_store_block_bytes=8192)
     cluster = ClusterManager(config, clock=lambda: 0.0)
-    cluster._on_store_disk_reads(MIB // 2, 0.01)  # what the feed hands on from the node's events reply
+    cluster._on_store_disk_reads(config.kv_store_address, MIB // 2, 0.01)  # the feed hands it on from the node
     assert cluster.cluster_info()["kv_store"]["disk_speed"] == "nominal"
-    cluster._on_store_disk_reads(4 * MIB, 0.02)
+    cluster._on_store_disk_reads(config.kv_store_address, 4 * MIB, 0.02)
     prices = cluster.state.store_prices
     assert prices.disk_bytes_per_s == pytest.approx(4 * MIB / 0.02)
     assert prices.host_bytes_per_s == config.kv_store_host_bytes_per_s  # the DRAM link not measured yet

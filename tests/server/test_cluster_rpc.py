@@ -33,6 +33,7 @@ MESSAGES: list[rpc.Message] = [
     rpc.SnapshotResponse("w0", 0, ()),
     rpc.Goodbye("w0", "shutdown: bye"),
     rpc.AddRouter("tcp://127.0.0.1:5599"),
+    rpc.StoreNodesKnown("tcp://127.0.0.1:6001,tcp://10.0.0.2:6001"),
     rpc.RegisterAck("w0", "preble", 0.05),
     rpc.RegisterRefuse("w0", "KV layout differs"),
     rpc.RegisterAgain("w0"),

@@ -49,13 +49,9 @@ def _start(address: str, mode: str) -> subprocess.Popen[str]:
 
 
 @pytest.fixture
-def server(tmp_path: Path):  # noqa: ANN201
+def server(tmp_path: Path, store_node) -> StoreServer:  # noqa: ANN001 - tests/conftest.py's
     state = StoreNodeState(BLOCK_BYTES, 16, dram_blocks=64, disk=DiskBlockFiles(tmp_path / "d", 256), lease_s=1.0)
-    server = StoreServer(state, SECRET)
-    thread = server.start_thread()
-    yield server
-    server.stop()
-    thread.join(timeout=10)
+    return store_node(state, SECRET).server
 
 
 def test_a_worker_killed_mid_save_leaves_whole_puts(server: StoreServer) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
@@ -18,6 +16,7 @@ from kvbaton.server.store_client import StoreClient
 from kvbaton.server.store_node import StoreNodeState
 from kvbaton.server.store_server import StoreServer
 from kvbaton.transfer.store_tcp import StoreLinkError, StoreTcpLink, row_views
+from tests.store_nodes import wait_unpinned
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,13 +26,8 @@ NS = ("rev", "layout", "tenant")
 
 
 @pytest.fixture
-def server() -> Iterator[StoreServer]:
-    state = StoreNodeState(ROWS * ROW_BYTES, 16, 16, block_rows=ROWS)
-    server = StoreServer(state, SECRET)
-    thread = server.start_thread()
-    yield server
-    server.stop()
-    thread.join(timeout=10)
+def server(store_node) -> StoreServer:  # noqa: ANN001 - tests/conftest.py's
+    return store_node(StoreNodeState(ROWS * ROW_BYTES, 16, 16, block_rows=ROWS), SECRET).server
 
 
 def _payload(block: int) -> bytes:
@@ -63,12 +57,7 @@ def test_a_lease_read_over_tcp_lands_rows_first_in_its_device_blocks(server: Sto
             assert pool[:, device_id].tobytes() == _payload(block)
         assert not pool[:, [0, 1, 4, 6, 7]].any()  # nothing else written
         assert client.stats()["num_tcp_reads"] == 1
-        deadline = time.monotonic() + 5
-        while server.state.num_leases:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        with server.locked():
-            server.state.check_invariants()
+        wait_unpinned(server)
     finally:
         client.close()
 
@@ -173,11 +162,6 @@ def test_a_load_acquires_streams_and_releases_in_one_trip(server: StoreServer) -
         with pytest.raises(StoreUnavailable, match="refused the load"):
             client.load_into(["not", "a namespace"], hashes, buffers_for)
         assert client.stats()["num_loaded_blocks"] == 3
-        deadline = time.monotonic() + 5
-        while server.state.num_leases:  # the node lets the load's pin go itself once the bytes are sent
-            assert time.monotonic() < deadline, "a load's lease is left pinned"
-            time.sleep(0.01)
-        with server.locked():
-            server.state.check_invariants()
+        wait_unpinned(server)  # the node lets the load's pin go itself once the bytes are sent
     finally:
         client.close()

@@ -67,6 +67,11 @@ class StoreLink(Protocol):
     def release(self, lease: int) -> bool:
         """Unpin a lease's blocks, not waiting."""
 
+    @property
+    def remote_nodes(self) -> Sequence[StoreLink]:
+        """The cluster's other store nodes, which a load continues from over TCP (`load_into`) for the blocks this
+        node lacks; none with one node (`kvbaton.server.store_client.StoreNodes` has them)."""
+
     def close(self) -> None: ...
 
 
@@ -311,34 +316,65 @@ class WorkerStoreIO:
             self.num_dropped_saves += len(payloads)
 
     def _acquire_copy(self, link: StoreLink, job: LoadJob) -> None:
-        """Acquire the chain and copy what the node holds into the job's first device blocks (`_finish` releases the
-        lease).
-        One acquire for the whole chain: acquiring it in pieces, to copy one while the node pins the next, measured
-        slower here (each piece's rows fall under glibc's streaming-copy threshold, and the first answer's round
-        trip, which no pipelining hides, stays)."""
-        self._attach(link)
-        if self.transport == "tcp":  # one trip on the node's TCP port: it acquires, streams and releases
+        """Load the chain into the job's first device blocks from the worker's own node, then, with several nodes
+        (`link.remote_nodes`), on from the others for what it lacks: the nodes in turn, each continuing where the
+        chain stopped (a chain extended by workers on several hosts lies on several nodes), until every node has
+        been asked past the last block brought. A node that fails is passed over (one timeout, then its
+        down-window); the load fails only when nothing came and a node failed. With one node: one ask, as before.
+        The own node's lease stays with the job (`_finish` releases it)."""
+        nodes = (link, *link.remote_nodes)
+        job.num_copied = 0
+        error: StoreUnavailable | None = None
+        misses = index = 0
+        while misses < len(nodes) and job.num_copied < len(job.block_hashes):
+            node, local, start = nodes[index], index == 0, job.num_copied
+            index = (index + 1) % len(nodes)
+            try:
+                num = self._load_from(node, job, start, local)
+            except StoreUnavailable as exc:
+                if len(nodes) == 1:
+                    raise
+                error, num = exc, 0
+            job.num_copied = start + num
+            misses = 1 if num else misses + 1  # the node that brought blocks holds none past them
+        if error is not None and not job.num_copied:
+            raise error
+
+    def _load_from(self, node: StoreLink, job: LoadJob, start: int, local: bool) -> int:
+        """The leading blocks `node` holds of the job's chain from `start`, into its device blocks from `start`;
+        their number. The own node on the same host: acquire, copy from its slots (the lease is released after the
+        engine has the result). Another node, or the own one over TCP: one trip on its TCP port (it acquires,
+        streams and releases). One acquire for the whole chain: acquiring it in pieces, to copy one while the node
+        pins the next, measured slower here (each piece's rows fall under glibc's streaming-copy threshold, and the
+        first answer's round trip, which no pipelining hides, stays)."""
+        hashes, block_ids = job.block_hashes[start:], job.device_block_ids[start:]
+        if local:
+            self._attach(node)
+        if not local or self.transport == "tcp":
             started = time.perf_counter()
             answered = [started]  # when the node's header came (the round trip), before its bytes
 
             def buffers_for(num: int) -> list[memoryview]:
                 answered[0] = time.perf_counter()
-                return self._receive_buffers(job.device_block_ids[:num])
+                return self._receive_buffers(block_ids[:num])
             try:
-                job.num_copied = link.load_into(job.namespace, job.block_hashes, buffers_for)
-                self._finish_receive(job.device_block_ids[: job.num_copied])
+                num = node.load_into(job.namespace, hashes, buffers_for)
+                self._finish_receive(block_ids[:num])
             finally:
                 self.copy_in_s += time.perf_counter() - started
-            self._count_load(job.num_copied, time.perf_counter() - started, answered[0] - started)
-            self.num_loaded_blocks += job.num_copied
-            return
+            self._count_load(num, time.perf_counter() - started, answered[0] - started)
+            self.num_loaded_blocks += num
+            return num
+        if job.lease:  # the own node asked again, past another node's blocks: its first lease is done with
+            lease, job.lease = job.lease, 0
+            node.release(lease)
         acquired = time.perf_counter()  # after `_attach`: mapping the node's slots once is no load's time
-        job.lease, job.slots, job.shm_path = link.acquire(job.namespace, job.block_hashes)
+        job.lease, job.slots, job.shm_path = node.acquire(job.namespace, hashes)
         job.acquire_s = time.perf_counter() - acquired
-        job.num_copied = 0
         if not job.slots:
-            return
-        self._copy_leased(link, job, job.device_block_ids[: len(job.slots)], acquired)
+            return 0
+        self._copy_leased(node, job, block_ids[: len(job.slots)], acquired)
+        return len(job.slots)
 
     def _copy_leased(self, link: StoreLink, job: LoadJob, block_ids: Sequence[int], since: float) -> None:
         """The job's leased slots into `block_ids` (the lease stays with the job: `_finish` releases it); the load is

@@ -42,7 +42,7 @@ def with_store_load(state: RouterState, request: RouteRequest, worker: WorkerId,
     max_hit = max(0, (num_prompt - 1) // block_size)  # the last prompt token is always computed
     if store is None or prices is None or num_device_blocks >= max_hit:
         return prefill_s, 0.0, 0
-    reader = state.store_node or worker
+    reader = state.store_reader(worker)
     sources = store.sources(request.block_hashes[num_device_blocks:max_hit], reader)
     if not sources:
         return prefill_s, 0.0, 0
@@ -60,7 +60,7 @@ def store_tiers(state: RouterState, request: RouteRequest, worker: WorkerId, fir
     own node's DRAM, its disk, or another node."""
     if not num_blocks or state.store is None:
         return {}
-    reader = state.store_node or worker
+    reader = state.store_reader(worker)
     sources = state.store.sources(request.block_hashes[first_block : first_block + num_blocks], reader)
     remote = sum(node != reader for node, _ in sources)
     disk = sum(node == reader and tier == DISK for node, tier in sources)

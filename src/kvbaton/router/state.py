@@ -25,10 +25,16 @@ class RouterState:
     decode_s_per_token: float = 0.02  # prices decode work in the load window (one token of one request)
     # The cluster KV store, when there is one: which node holds which block (fed by the store's events) and what
     # loading a block costs. A worker reads from the store node named by its own id (the simulator's: one node per
-    # worker) unless `store_node` names the node of its host (live: one node per host, shared by its workers).
+    # worker) unless `store_node_of` names the node of its host (live: one node per host, shared by its workers;
+    # each worker says which at registration) or, for a worker that named none, `store_node` does.
     store: StoreDirectory | None = None
     store_prices: StorePrices | None = None
     store_node: str = ""
+    store_node_of: dict[str, str] = field(default_factory=dict)
+
+    def store_reader(self, worker: str) -> str:
+        """The store node a load on `worker` reads from as its own (its host's): the others are across the NIC."""
+        return self.store_node_of.get(worker) or self.store_node or worker
     # What a mixed worker's running requests add to each step a prefill takes (the conductor's TTFT): every step
     # reads their KV, this many seconds per KV token in use (KV bytes per token / memory bandwidth; 0: unpriced),
     # and a prefill takes one step per `step_tokens` (the workers' token budget) of what is queued and its own.

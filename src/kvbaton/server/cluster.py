@@ -95,10 +95,10 @@ class ClusterConfig:
     # it); one no probe reached for `peer_router_timeout_s` is dropped from the peers until it is heard of again.
     peer_probe_interval_s: float = 2.0
     peer_router_timeout_s: float = 10.0
-    # This host's KV store node (kvbaton.server.store_server), read for the placement's store directory: its
-    # address, its name (the host's) and its block bytes. "" = no store.
+    # This host's KV store node (kvbaton.server.store_server), read for the placement's store directory, and its
+    # block bytes. "" = no store. Every other node a registering worker names as its host's is read too; a node's
+    # name in the directory is its address.
     kv_store_address: str = ""
-    kv_store_node: str = "local"
     kv_store_block_bytes: int = 0
     # What the router prices a store load at until it has measured the link (`MeasuredStorePrices`: the workers'
     # loads, the node's disk reads): a worker's copy from the node's shared memory (a CPU memcpy's speed; a GPU's
@@ -156,9 +156,9 @@ class ClusterManager:
                                                      host_bytes_per_s=config.kv_store_host_bytes_per_s,
                                                      disk_bytes_per_s=config.kv_store_disk_bytes_per_s)
                             if config.kv_store_address else None,
-                            store_node=config.kv_store_node if config.kv_store_address else ""),
+                            store_node=config.kv_store_address),
             admission, pools)
-        self._store_feed: StoreEventFeed | None = None
+        self._store_feeds: dict[str, StoreEventFeed] = {}  # node address -> the reader of its events
         # Peers with a gossip send under way, each with the addresses to tell it next (`_tell_router`).
         self._gossip_pending: dict[str, dict[str, None]] = {}
         self.queue_policy = config.scheduling_policy or local_queue_policy(config.policy)
@@ -166,6 +166,7 @@ class ClusterManager:
                                self._on_handoff_ended, self._on_worker_removed)
         if self.state.store_prices is not None:
             self.pool.store_speeds = MeasuredStorePrices(self.state.store_prices)
+            self.pool.on_store_node = self.read_store_node
         self._calls: dict[str, CallRecord] = {}
         # Counters for /metrics (the HTTP layer renders them).
         self.router_decisions: dict[str, int] = {}  # decision reason -> count
@@ -178,6 +179,7 @@ class ClusterManager:
         self.num_handoff_fallbacks = 0  # prefill legs that ended without the KV (relayed to the decode worker)
         self.handoff_endings: dict[str, int] = {}  # outcome of those legs -> count
         self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by `start`: the store feeds deliver onto it
         self.address = ""
 
     # -- the pool's, as the HTTP layer, the launcher and tests read them ---------------------------
@@ -233,14 +235,32 @@ class ClusterManager:
         self.pool.tell_router = self._tell_router
         socket.start(self.pool.handle)
         self._tasks = [asyncio.create_task(self._monitor_loop())]
+        self._loop = asyncio.get_running_loop()
         if self.config.kv_store_address:
-            loop = asyncio.get_running_loop()
-            self._store_feed = StoreEventFeed(
-                self.config.kv_store_address, self.secret,
-                lambda events, snapshot: loop.call_soon_threadsafe(self._on_store_events, events, snapshot),
-                on_disk_reads=lambda num_bytes, seconds: loop.call_soon_threadsafe(
-                    self._on_store_disk_reads, num_bytes, seconds)).start()
+            self.pool.add_store_node(self.config.kv_store_address)
         return self.address
+
+    def read_store_node(self, address: str) -> None:
+        """Read the events of the store node at `address` into the store directory from now on (once per node: a
+        worker registering names its host's). A node that dies is taken out of the directory when it answers again
+        with an empty log (CLEARED or a snapshot); while it does not answer its blocks stay listed and the loads
+        planned from them find the node down and recompute (`StoreNodes`' down-window)."""
+        if address in self._store_feeds or self.state.store is None or self._loop is None:
+            return
+        loop = self._loop
+        self._store_feeds[address] = StoreEventFeed(
+            address, self.secret,
+            lambda events, snapshot: loop.call_soon_threadsafe(self._on_store_events, address, events, snapshot),
+            on_disk_reads=lambda num_bytes, seconds: loop.call_soon_threadsafe(
+                self._on_store_disk_reads, address, num_bytes, seconds),
+            on_lost=lambda: loop.call_soon_threadsafe(self._on_store_node_lost, address)).start()
+
+    def _on_store_node_lost(self, node: str) -> None:
+        """The node stopped answering: none of its blocks is planned a load from (a load already sent recomputes)."""
+        if self.state.store is not None:
+            log.warning("KV store node %s does not answer: its %d blocks leave the store directory", node,
+                        self.state.store.num_blocks(node))
+            self.state.store.remove_node(node)
 
     def _tell_router(self, router_address: str, addresses: tuple[str, ...]) -> None:
         """The pool's gossip to another router (and its probes): on an executor thread, as connecting waits (bounded:
@@ -278,18 +298,30 @@ class ClusterManager:
         except TimeoutError as exc:
             raise TimeoutError(f"{exc} after joining {address}: is it a kvbaton router's RPC address (its /cluster "
                                "router_address), holding the same cluster secret?") from None
-    def _on_store_events(self, events: list[StoreEvent], snapshot: bool) -> None:
-        node = self.config.kv_store_node
+    def _on_store_events(self, node: str, events: list[StoreEvent], snapshot: bool) -> None:
         if snapshot:
             self.placement.apply_store_snapshot(node, events)
-        elif not self.placement.on_store_events(node, events) and self._store_feed is not None:
-            self._store_feed.resync()
+        elif not self.placement.on_store_events(node, events) and node in self._store_feeds:
+            self._store_feeds[node].resync()
 
-    def _on_store_disk_reads(self, num_bytes: int, seconds: float) -> None:
-        """The store node's disk reads so far: they price its disk from the first measurement on."""
+    def _on_store_disk_reads(self, node: str, num_bytes: int, seconds: float) -> None:
+        """A store node's disk reads so far: they price the disk from the first measurement on."""
         speeds = self.pool.store_speeds
-        if speeds is not None and speeds.observe("disk", self.config.kv_store_node, num_bytes, seconds, self.clock()):
+        if speeds is not None and speeds.observe("disk", node, num_bytes, seconds, self.clock()):
             self.placement.state.store_prices = speeds.prices()
+
+    def _store_info(self) -> dict[str, object]:
+        store = self.state.store
+        assert store is not None
+        nodes = list(self.pool.store_nodes)  # this host's first, then in the order workers named them
+        readers: dict[str, list[str]] = {}
+        for worker, node in sorted(self.state.store_node_of.items()):
+            readers.setdefault(node, []).append(worker)
+        return {"address": self.config.kv_store_address, "node": self.config.kv_store_address,
+                "num_blocks": sum(store.num_blocks(node) for node in nodes),
+                "nodes": [{"address": node, "num_blocks": store.num_blocks(node), "workers": readers.get(node, [])}
+                          for node in nodes],
+                **(self.pool.store_speeds.info() if self.pool.store_speeds is not None else {})}
 
     async def _monitor_loop(self) -> None:
         while True:
@@ -344,9 +376,9 @@ class ClusterManager:
             await asyncio.sleep(0.05)
         for worker_id in sorted(self.workers):
             self.pool.remove(worker_id, "did not acknowledge shutdown")
-        if self._store_feed is not None:
-            self._store_feed.stop()
-            self._store_feed = None
+        for feed in self._store_feeds.values():
+            feed.stop()
+        self._store_feeds.clear()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -619,12 +651,9 @@ class ClusterManager:
             "num_in_flight": len(self._calls),
             "num_waiting": self.num_waiting,
             "index_blocks": self.state.index.num_blocks,
-            # the store node this router reads, the blocks its directory holds there, and the speeds loads from it
-            # are priced at (measured, or nominal before the first measurement)
-            "kv_store": {"address": self.config.kv_store_address, "node": self.config.kv_store_node,
-                         "num_blocks": self.state.store.num_blocks(self.config.kv_store_node),
-                         **(self.pool.store_speeds.info() if self.pool.store_speeds is not None else {})}
-            if self.config.kv_store_address and self.state.store is not None else None,
+            # the store nodes this router reads (its host's first), the blocks its directory holds on each and in
+            # all, and the speeds loads are priced at (measured, or nominal before the first measurement)
+            "kv_store": self._store_info() if self.config.kv_store_address and self.state.store is not None else None,
             "lent_workers": {} if self.pools is None else dict(sorted(self.pools.lent.items())),
             "pool_switches": 0 if self.pools is None else len(self.pools.switches),
             "router_decisions": dict(sorted(self.router_decisions.items())),

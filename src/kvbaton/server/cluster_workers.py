@@ -76,6 +76,9 @@ class WorkerPool:
         # With a KV store: the link speeds measured from the workers' load counters, which price the placement's
         # store loads (`RouterState.store_prices`) from the first measurement on (set by the manager).
         self.store_speeds: MeasuredStorePrices | None = None
+        # A store node a registering worker names (its host's): the manager reads its events from then on.
+        self.on_store_node: Callable[[str], None] = lambda address: None
+        self.store_nodes: dict[str, None] = {}  # every store node read, in the order first named (`add_store_node`)
 
     @property
     def num_serving(self) -> int:
@@ -191,10 +194,28 @@ class WorkerPool:
         if self.identity is None:
             self.identity = offered
         self.workers[sender] = WorkerRecord(message, self.clock())
+        if message.store_node and self.placement.state.store is not None:
+            self.placement.state.store_node_of[sender] = message.store_node
+            self.add_store_node(message.store_node, but=sender)
         self.send(sender, rpc.RegisterAck(sender, self.queue_policy, self.config.heartbeat_interval_s))
+        if self.store_nodes:
+            self.send(sender, rpc.StoreNodesKnown(",".join(self.store_nodes)))
         for address in self.peer_routers:
             self.send(sender, rpc.AddRouter(address))
         log.info("worker %s registered (pid %d, %s)", sender, message.pid, message.kv_layout)
+
+    def add_store_node(self, address: str, but: str = "") -> None:
+        """A store node the router reads from now on (its own host's, or one a registering worker names): read its
+        events (`on_store_node`) and tell every worker (but `but`, told after its acknowledgement) the nodes there
+        are, so that their loads reach it too."""
+        if address in self.store_nodes:
+            return
+        self.store_nodes[address] = None
+        self.on_store_node(address)
+        message = rpc.StoreNodesKnown(",".join(self.store_nodes))
+        for worker_id in self.workers:
+            if worker_id != but:
+                self.send(worker_id, message)
 
     def _on_router_joined(self, address: str) -> None:
         """Another router serves this cluster from now on: every worker registers with it too (a worker that knows
@@ -331,6 +352,7 @@ class WorkerPool:
             self.retired_spec_decode_tokens[0] += record.stats.num_draft_tokens
             self.retired_spec_decode_tokens[1] += record.stats.num_accepted_tokens
         self.placement.remove_worker(worker_id)
+        self.placement.state.store_node_of.pop(worker_id, None)
         if self.store_speeds is not None:
             self.store_speeds.forget(worker_id)  # one that registers again counts its loads from 0
         self._on_removed(worker_id, record, reason)

@@ -17,12 +17,11 @@ import gc
 import signal
 import socket
 import os
-import select
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -43,8 +42,8 @@ from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 from kvbaton.server.ray_workers import RayPlacement, RayWorker, RayWorkerProcess
-from kvbaton.transfer.store_slots import SHM_DIRECTORY as STORE_SHM_DIRECTORY
-from kvbaton.transfer.store_slots import SHM_PREFIX as STORE_SHM_PREFIX
+from kvbaton.server.store_server import start_process as start_store_process
+from kvbaton.server.store_server import stop_process as stop_store_process
 from kvbaton.server.responses_store import DEFAULT_MAX_NUM_RESPONSES, DEFAULT_TTL_S, ResponseStore
 from kvbaton.router.admission import AdmissionPolicy, AdmissionSLO, CalibratedTimeModel, create_admission
 from kvbaton.router.pools import PoolBalancer
@@ -220,6 +219,28 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
             *_parallel_args(*config.parallelism(role))]
 
 
+def store_environment(config: ServeConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """What a worker's environment gets for the KV store beyond `base` (the one it has): streaming copies for store
+    loads (they copy a row of blocks per memcpy) and a store transport forced in the launcher's environment (tests
+    run the cross-host path on one host); nothing without a store. Local workers and Ray's actors both take it."""
+    if not config.kv_store_gb:
+        return {}
+    extras = {key: value for key, value in with_streaming_copies(dict(base)).items() if base.get(key) != value}
+    if STORE_TRANSPORT_ENV in os.environ:
+        extras[STORE_TRANSPORT_ENV] = os.environ[STORE_TRANSPORT_ENV]
+    return extras
+
+
+def store_node_args(model_config: ModelConfig, dtype: str, block_size: int, gb: float, disk: str = "") -> list[str]:
+    """A store node's arguments but its host (`python -m kvbaton.server.store_server`): sized for the blocks of workers
+    of `model_config` in `dtype` and laid out as their KV pools (2 rows a layer), with `gb` of DRAM and `disk`
+    ("DIR:GB", or none). `kvbaton serve` starts its nodes so, and `kvbaton store-node` on another host."""
+    block_bytes = model_config.kv_bytes_per_token(resolve_dtype(dtype).itemsize) * block_size
+    return ["--block-bytes", str(block_bytes), "--block-tokens", str(block_size),
+            "--block-rows", str(2 * model_config.num_layers), "--kv-store-gb", str(gb),
+            *(["--kv-store-disk-gb", disk] if disk else [])]
+
+
 def ray_share(config: ServeConfig, role: str) -> tuple[float, float]:
     """(CPUs, GPUs) the Ray actor of a worker of `role` holds: each of its TP x PP rank processes runs its own torch
     threads (`num_threads_per_worker` each) and, with `--gpus-per-worker`, holds that many GPUs (one per rank with
@@ -247,6 +268,7 @@ class Launcher:
         self._drain_task: asyncio.Task[None] | None = None
         self.routers: dict[str, subprocess.Popen[bytes]] = {}  # URL -> the other routers' processes (--routers N)
         self.store_process: subprocess.Popen[str] | None = None
+        self.store_args: list[str] = []  # a store node's arguments but its host: Ray's other nodes start theirs so
 
     def request_stop(self) -> None:
         """Signal handler: the first call drains, then stops the HTTP server; a second one stops at once. While
@@ -298,6 +320,7 @@ class Launcher:
                 # With Ray, on this node's IP: workers on other nodes read it over TCP (store_tcp), this node's over
                 # shared memory.
                 host = self.placement.node_ip if self.placement is not None else "127.0.0.1"
+                self.store_args = self._store_args(model_config)
                 config = self.config = replace(config, kv_store_address=self._start_store(model_config, host))
             cluster = ClusterManager(ClusterConfig(
                 bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
@@ -367,6 +390,8 @@ class Launcher:
             if config.kv_store_address:  # what `kvbaton router --join ... --kv-store` takes to price store hits too
                 owner = f"pid {self.store_process.pid}" if self.store_process is not None else "read by this router"
                 print(f"kvbaton: KV store node at {config.kv_store_address} ({owner})", flush=True)
+                for store_address, (node_ip, pid) in (self.placement.store_nodes if self.placement else {}).items():
+                    print(f"kvbaton: KV store node at {store_address} (pid {pid} on Ray node {node_ip})", flush=True)
             if config.num_routers > 1:
                 await self._start_routers(address, port)
             if self._stop.is_set():  # a signal arrived while the server was starting
@@ -451,26 +476,23 @@ class Launcher:
         config = self.config
         if self.placement is None:
             environment = worker_environment(self.secret, dict(os.environ))
-            if config.kv_store_gb:  # store loads copy a row of blocks per memcpy: let those stream
-                environment = with_streaming_copies(environment)
+            environment.update(store_environment(config, environment))
             for worker_id, role in worker_roles(config):
                 process = subprocess.Popen(worker_command(config, address, worker_id, role), start_new_session=True,
                                            env=environment)
                 self.processes[worker_id] = process
             return
-        workers = [RayWorker(worker_id, tuple(worker_args(config, address, worker_id, role)), *ray_share(config, role))
+        # With a store, each worker's `--kv-store` is its node's: the placement adds it once it knows where each runs
+        # (this node's store, or the one it starts on the worker's node).
+        unplaced = replace(config, kv_store_address="")
+        workers = [RayWorker(worker_id, tuple(worker_args(unplaced, address, worker_id, role)), *ray_share(config, role))
                    for worker_id, role in worker_roles(config)]
-        # What a local worker's environment gets beyond the secret, for the actors to hand on: streaming copies for
-        # store loads, and a store transport forced here (tests run the cross-host path on one host).
-        environment: dict[str, str] = {}
-        if config.kv_store_gb:
-            environment = with_streaming_copies({})
-            if STORE_TRANSPORT_ENV in os.environ:
-                environment[STORE_TRANSPORT_ENV] = os.environ[STORE_TRANSPORT_ENV]
+        environment = store_environment(config, {})  # what the actors add to their node's environment
         # Ray may wait for resources until the startup timeout: a stop signal ends the wait (closing the placement
         # then ends the actors placed so far and those still pending).
-        placing = asyncio.ensure_future(self.placement.start(workers, config.startup_timeout_s, self.secret,
-                                                             environment))
+        placing = asyncio.ensure_future(self.placement.start(
+            workers, config.startup_timeout_s, self.secret, environment,
+            store_args=self.store_args if config.kv_store_address else (), local_store=config.kv_store_address))
         stopping = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({placing, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
@@ -481,39 +503,22 @@ class Launcher:
 
     def _start_store(self, model_config: ModelConfig, host: str) -> str:
         """Start this host's KV store node (its own process, sized for the workers' blocks, listening on `host`);
-        returns its address. One node serves the whole cluster: with Ray, the launcher's node holds it."""
+        returns its address. With Ray this is the launcher's node's; the other nodes that hold workers get theirs
+        from the placement (`RayPlacement.start`'s `store_args`)."""
+        self.store_process, address = start_store_process(self._store_args(model_config), self.secret, host)
+        return address
+
+    def _store_args(self, model_config: ModelConfig) -> list[str]:
         config = self.config
-        block_bytes = self._store_block_bytes(model_config)
-        command = [sys.executable, "-m", "kvbaton.server.store_server", "--block-bytes", str(block_bytes),
-                   "--block-tokens", str(config.block_size), "--block-rows", str(2 * model_config.num_layers),
-                   "--kv-store-gb", str(config.kv_store_gb), "--host", host,
-                   *(["--kv-store-disk-gb", config.kv_store_disk] if config.kv_store_disk else [])]
-        self.store_process = process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, text=True, start_new_session=True,
-            env=worker_environment(self.secret, dict(os.environ)))
-        ready, _, _ = select.select([process.stdout], [], [], 60.0)
-        line = process.stdout.readline() if ready else ""  # type: ignore[union-attr]
-        if not line.startswith("store node ready "):
-            self._stop_store()
-            raise KvbatonError(f"the KV store node did not start: {line.strip() or 'no answer in 60 s'}")
-        return line.split()[-1]
+        return store_node_args(model_config, config.dtype, config.block_size, config.kv_store_gb, config.kv_store_disk)
 
     def _store_block_bytes(self, model_config: ModelConfig) -> int:
         return model_config.kv_bytes_per_token(resolve_dtype(self.config.dtype).itemsize) * self.config.block_size
 
     def _stop_store(self) -> None:
         process, self.store_process = self.store_process, None
-        if process is None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
-        # A node killed before it could unlink its DRAM slots leaves their file: it is named by the node's pid.
-        for path in Path(STORE_SHM_DIRECTORY).glob(f"{STORE_SHM_PREFIX}-{process.pid}-*"):
-            path.unlink(missing_ok=True)
+        if process is not None:
+            stop_store_process(process)
 
     def _let_go_of_ray(self) -> None:
         if self.placement is not None:

@@ -8,8 +8,10 @@ on its node (with that node's Python, and the node's IP for the KV receiver) and
 Everything after that is the local launch's: the workers connect back to the router's RPC address,
 which the launcher binds on its own node's IP so that every node reaches it, register, and are watched
 through `RayWorkerProcess`, the `ProcessHandle` of the actor's child. Between nodes KV moves over TCP
-(shared memory reaches one host only). With `--kv-store-gb` the one store node runs on the launcher's node, on
-its IP: workers there map its slots, workers on other nodes read them over its TCP data path.
+(shared memory reaches one host only). With `--kv-store-gb` every node that holds workers runs a store node, on
+its IP: the launcher's node the launcher's own, every other one a `StoreHost` actor's (pinned to that node, holding
+no CPU). Each worker is told its node's (`--kv-store`: its saves go there, its loads read it first through shared
+memory) and every node's (`--kv-store-nodes`: what its own lacks is read from the others over TCP).
 
 `--ray local` starts a single-node Ray instance on the loopback interface (to try it on one machine,
 and for the tests); `--ray auto` joins the cluster running on this machine (`ray start --head`), and
@@ -135,6 +137,12 @@ class WorkerHost:
                                           "--kv-host", node_ip], env=environment)
         return node_ip, self._process.pid
 
+    def node(self) -> tuple[str, str]:
+        """(Ray node id, IP) of the node this actor was placed on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
     def wait(self) -> int:
         """Block until the worker exits; its exit code."""
         assert self._process is not None, "start() first"
@@ -143,6 +151,42 @@ class WorkerHost:
     def send_signal(self, signum: int) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.send_signal(signum)
+
+
+class StoreHost:
+    """A Ray actor's body: the KV store node of the actor's node, its own process (`store_server.start_process`)."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+
+    def start(self, store_args: Sequence[str], secret_hex: str) -> tuple[str, int]:
+        """Start the node with `store_args` (all but its host: this node's IP) and the cluster secret; its address
+        and pid."""
+        import ray
+
+        from kvbaton.server.store_server import start_process
+
+        self._process, address = start_process(store_args, ClusterSecret.from_hex(secret_hex),
+                                               ray.util.get_node_ip_address())
+        return address, self._process.pid
+
+    def stop(self) -> None:
+        from kvbaton.server.store_server import stop_process
+
+        process, self._process = self._process, None
+        if process is not None:
+            stop_process(process)
+
+
+def stores_to_start(worker_nodes: Sequence[str], own_node: str) -> list[str]:
+    """The nodes (Ray node ids) that need a store node started: each one holding a worker, once, in the order first
+    seen, but `own_node` (the launcher's, which runs its own)."""
+    return [node for node in dict.fromkeys(worker_nodes) if node != own_node]
+
+
+def with_store_nodes(args: Sequence[str], own: str, nodes: Sequence[str]) -> tuple[str, ...]:
+    """A worker's arguments with its host's store node (`own`) and the cluster's (`nodes`, own among them)."""
+    return (*args, "--kv-store", own, "--kv-store-nodes", ",".join(nodes))
 
 
 class RayWorkerProcess:
@@ -189,6 +233,17 @@ class RayWorkerProcess:
         self.send_signal(signal.SIGKILL)
 
 
+async def _gather(refs: Sequence[Any]) -> list[Any]:
+    """Ray's object refs awaited together; cancelled (a timeout, a stop), the gather's CancelledError is retrieved here
+    rather than logged by asyncio as never retrieved."""
+    gathered = asyncio.gather(*refs)
+    try:
+        return await gathered
+    finally:
+        if gathered.done() and not gathered.cancelled():
+            gathered.exception()
+
+
 class RayPlacement:
     """The Ray cluster the workers run on: connect, start one actor per worker, and let go of it all."""
 
@@ -205,7 +260,11 @@ class RayPlacement:
         except (ConnectionError, ValueError, RuntimeError) as exc:  # no cluster there, a malformed address
             raise KvbatonError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
         self._actors: list[Any] = []
+        self._stores: list[Any] = []  # the StoreHost actors (one per node holding workers, but this one's)
+        # store node address -> (the IP of the Ray node it runs on, its pid there), for the nodes but this one
+        self.store_nodes: dict[str, tuple[str, int]] = {}
         self._host_class = ray.remote(WorkerHost)
+        self._store_class = ray.remote(StoreHost)
 
     @property
     def node_ip(self) -> str:
@@ -224,10 +283,15 @@ class RayPlacement:
             raise KvbatonError(refusal)
 
     async def start(self, workers: Sequence[RayWorker], timeout_s: float, secret: ClusterSecret,
-                    environment: Mapping[str, str] | None = None) -> dict[str, RayWorkerProcess]:
+                    environment: Mapping[str, str] | None = None, store_args: Sequence[str] = (),
+                    local_store: str = "") -> dict[str, RayWorkerProcess]:
         """One actor per worker, holding its share, spread over the nodes; returns once every worker process runs.
         Each actor hands `secret` to its worker: it travels in the actor call, over Ray's own channel (which
-        authenticates with RAY_AUTH_TOKEN where the cluster runs `RAY_AUTH_MODE=token`)."""
+        authenticates with RAY_AUTH_TOKEN where the cluster runs `RAY_AUTH_MODE=token`).
+
+        With `store_args` (a store node's arguments but its host) the workers are placed first, then every node that
+        holds one gets its store node (this node's is `local_store`, the launcher's), then each worker starts told
+        its node's and every node's (`with_store_nodes`)."""
         self.check_resources(workers)
         actors = []
         for worker in workers:
@@ -236,18 +300,41 @@ class RayPlacement:
                                              scheduling_strategy="SPREAD", max_concurrency=4).remote()
             actors.append(actor)
             self._actors.append(actor)
-        refs = [actor.start.remote(list(worker.args), secret.to_hex(), dict(environment or {}))
-                for actor, worker in zip(actors, workers)]
-        placed = asyncio.gather(*refs)
+        placed = asyncio.ensure_future(self._start_all(actors, workers, secret, environment, store_args, local_store))
         try:
             started = await asyncio.wait_for(placed, timeout_s)
         except TimeoutError:
             raise KvbatonError(f"Ray did not place all {len(workers)} workers within {timeout_s:g} s") from None
-        finally:
-            if placed.done() and not placed.cancelled():
-                placed.exception()  # a gather cancelled (a timeout, a stop) holds a CancelledError asyncio would log
         return {worker.worker_id: RayWorkerProcess(self.ray, actor, node_ip, pid)
                 for worker, actor, (node_ip, pid) in zip(workers, actors, started)}
+
+    async def _start_all(self, actors: Sequence[Any], workers: Sequence[RayWorker], secret: ClusterSecret,
+                         environment: Mapping[str, str] | None, store_args: Sequence[str], local_store: str
+                         ) -> list[tuple[str, int]]:
+        args = [worker.args for worker in workers]
+        if store_args:
+            where = await _gather([actor.node.remote() for actor in actors])  # (node id, IP), once each is placed
+            own = self.ray.get_runtime_context().get_node_id()
+            addresses = {own: local_store}
+            starting = stores_to_start([node for node, _ in where], own)
+            ips = dict(where)
+            stores = [self._store_class.options(num_cpus=0, scheduling_strategy=self._on_node(node)).remote()
+                      for node in starting]
+            self._stores.extend(stores)
+            for node, (address, pid) in zip(starting, await _gather([store.start.remote(list(store_args),
+                                                                                         secret.to_hex())
+                                                                      for store in stores])):
+                addresses[node] = address
+                self.store_nodes[address] = (ips[node], pid)
+            nodes = list(addresses.values())
+            args = [with_store_nodes(worker.args, addresses[node], nodes) for worker, (node, _) in zip(workers, where)]
+        return await _gather([actor.start.remote(list(arguments), secret.to_hex(), dict(environment or {}))
+                              for actor, arguments in zip(actors, args)])
+
+    def _on_node(self, node_id: str) -> Any:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
     def close(self) -> None:
         """End the actors, killing a worker process still running under one, and disconnect; a local instance
@@ -258,4 +345,10 @@ class RayPlacement:
         for actor in self._actors:
             self.ray.kill(actor)
         self._actors.clear()
+        if self._stores:  # after the workers: their last saves are dropped, not sent to a node that is gone
+            stopped = [store.stop.remote() for store in self._stores]
+            self.ray.wait(stopped, num_returns=len(stopped), timeout=20.0)
+        for store in self._stores:
+            self.ray.kill(store)
+        self._stores.clear()
         self.ray.shutdown()

@@ -62,6 +62,9 @@ class Register:
     # pipeline_parallel_size; 1 x 1 is a worker that runs its model itself.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Its host's KV store node (tcp://host:port), which it writes through to and reads as its own; "" = none. The
+    # router reads every node its workers name into its store directory.
+    store_node: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +290,16 @@ class AddRouter:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreNodesKnown:
+    """Every KV store node a router reads (the nodes its workers named as their hosts'): router -> worker, after its
+    acknowledgement and whenever a worker names a new one; the worker's loads read on from them over TCP for what
+    its own node lacks."""
+
+    TAG: ClassVar[str] = "store_nodes"
+    addresses: str  # comma-separated tcp:// addresses
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     TAG: ClassVar[str] = "shutdown"
     reason: str
@@ -294,10 +307,10 @@ class Shutdown:
 
 Message = (Register | TokenDeltas | Stats | KVEvents | Heartbeat | SnapshotResponse | HandoffEnded | Alive | Goodbye
            | RegisterAck | RegisterRefuse | RegisterAgain | AddRequest | HandoffFailed | Abort | SnapshotRequest
-           | ResetPrefixCache | Ping | AddRouter | Shutdown)
+           | ResetPrefixCache | Ping | AddRouter | StoreNodesKnown | Shutdown)
 
 _PLAIN = (Register, Stats, HandoffEnded, Alive, Goodbye, RegisterAck, RegisterRefuse, HandoffFailed,
-          SnapshotRequest, ResetPrefixCache, Ping, AddRouter, Shutdown, RegisterAgain)
+          SnapshotRequest, ResetPrefixCache, Ping, AddRouter, Shutdown, RegisterAgain, StoreNodesKnown)
 _BY_TAG: dict[str, type] = {cls.TAG: cls for cls in (*_PLAIN, TokenDeltas, KVEvents, Heartbeat, SnapshotResponse,
                                                        AddRequest, Abort)}
 # What each field of a plain message must be on the wire (a float field takes an int too): a dataclass does not

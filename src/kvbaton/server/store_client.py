@@ -1,5 +1,9 @@
 """A worker's (or router's) connection to its host's KV store node (`kvbaton.server.store_server`): the engine's `StoreLink`.
 
+**Several nodes.** `StoreNodes` is the `StoreLink` of a worker in a cluster of several store nodes (one per host):
+its own host's node takes every save and is read first (shared memory), the others are `remote_nodes`, which a
+load continues from over their TCP ports for the blocks its own node lacks (`kvbaton.engine.store_io`).
+
 One zmq DEALER under CurveZMQ (the store channel's key pairs, from the cluster secret), used by one thread
 only (the worker's store IO thread, `kvbaton.engine.store_io`). Saves and releases are sent without waiting
 and dropped, never queued without bound, when the socket's send queue is full (`put` says so); `acquire`
@@ -39,6 +43,8 @@ TRANSPORTS = ("auto", "shm", "tcp")
 
 
 class StoreClient:
+    remote_nodes: tuple[StoreClient, ...] = ()  # one node: none but itself
+
     def __init__(self, address: str, secret: ClusterSecret, timeout_s: float = 10.0, retry_after_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, max_queued_messages: int = 256,
                  transport: str | None = None) -> None:
@@ -166,19 +172,103 @@ class StoreClient:
                 return reply
 
 
+class KnownStoreNodes:
+    """The cluster's store nodes a worker knows of: its flags' (`--kv-store-nodes`) and those its routers name
+    (`rpc.StoreNodesKnown`, at registration and whenever a worker on another host names a new one). Added to on the
+    worker's thread, read by its store IO thread; never shrinks (a dead node is passed over by its down-window)."""
+
+    def __init__(self, addresses: Sequence[str] = ()) -> None:
+        self._lock = threading.Lock()
+        self._addresses = dict.fromkeys(address for address in addresses if address)
+
+    def add(self, addresses: Sequence[str]) -> bool:
+        """True when any of `addresses` is new."""
+        with self._lock:
+            new = [address for address in addresses if address and address not in self._addresses]
+            self._addresses.update(dict.fromkeys(new))
+            return bool(new)
+
+    def addresses(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._addresses)
+
+
+class StoreNodes:
+    """A worker's link to the cluster's store nodes (a `StoreLink`): `local`, its host's node, takes every save and
+    answers hello, acquire and release (what the worker maps, on its host); every other address in `nodes` (a list,
+    or the `KnownStoreNodes` its routers add to) is one of `remote_nodes`, a `StoreClient` read over its TCP port only
+    (`load_into`; opened on first use, on the store IO thread), each with its own down-window: a dead node costs a load
+    at most one timeout, then nothing until it is retried. A dead local node drops the saves (never sent to another
+    node: a block lives where its writer's host is) while loads still reach the others."""
+
+    def __init__(self, local: str, nodes: Sequence[str] | KnownStoreNodes, secret: ClusterSecret,
+                 timeout_s: float = 10.0, retry_after_s: float = 5.0, transport: str | None = None) -> None:
+        self.local = StoreClient(local, secret, timeout_s, retry_after_s, transport=transport)
+        self._known = nodes if isinstance(nodes, KnownStoreNodes) else KnownStoreNodes(nodes)
+        self._remotes: dict[str, StoreClient] = {}
+        self._num_known = 0
+        self._secret, self._timeout_s, self._retry_after_s = secret, timeout_s, retry_after_s
+        self.address = local
+
+    @property
+    def remote_nodes(self) -> tuple[StoreClient, ...]:
+        """Every known node but the local one, in the order they became known."""
+        addresses = self._known.addresses()
+        for address in addresses[self._num_known:]:
+            if address != self.address and address not in self._remotes:
+                self._remotes[address] = StoreClient(address, self._secret, self._timeout_s, self._retry_after_s,
+                                                     transport="tcp")
+        self._num_known = len(addresses)
+        return tuple(self._remotes.values())
+
+    def hello(self) -> dict:
+        return self.local.hello()
+
+    def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
+            payloads: Sequence[memoryview]) -> bool:
+        return self.local.put(namespace, parent_hash, block_hashes, payloads)
+
+    def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
+        return self.local.acquire(namespace, block_hashes)
+
+    def read_into(self, lease: int, buffers: list[memoryview]) -> None:
+        self.local.read_into(lease, buffers)
+
+    def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
+                  buffers_for: Callable[[int], list[memoryview]]) -> int:
+        return self.local.load_into(namespace, block_hashes, buffers_for)
+
+    def release(self, lease: int) -> bool:
+        return self.local.release(lease)
+
+    def stats(self) -> dict:
+        return self.local.stats()
+
+    def close(self) -> None:
+        for client in (self.local, *self._remotes.values()):
+            client.close()
+
+
 class StoreEventFeed:
     """A router's reader of one store node's events, on a thread of its own (its calls may wait on a dead node):
     every `interval_s` it asks for what came after the last seq it had, and hands the events (or a snapshot, when
     the node's log no longer reaches back) to `deliver(events, is_snapshot)`, which the caller runs on its own
     thread (the router's event loop: `loop.call_soon_threadsafe`). Any number of routers may each run one. A node with
     a disk also answers its disk reads' cumulative (bytes, seconds): each time they move they go to `on_disk_reads`
-    (called the same way), which the router measures the disk's speed from."""
+    (called the same way), which the router measures the disk's speed from.
+
+    A node that has not answered for `lost_after_s` is lost: `on_lost()` once (the router takes its blocks out of
+    its directory, so no load is planned from them), and the feed asks it from the start when it answers again."""
 
     def __init__(self, address: str, secret: ClusterSecret,
                  deliver: Callable[[list[StoreEvent], bool], None], interval_s: float = 0.05,
-                 on_disk_reads: Callable[[int, float], None] | None = None) -> None:
+                 on_disk_reads: Callable[[int, float], None] | None = None,
+                 on_lost: Callable[[], None] | None = None, lost_after_s: float = 3.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._address, self._secret, self._deliver, self._interval_s = address, secret, deliver, interval_s
         self._on_disk_reads = on_disk_reads
+        self._on_lost, self.lost_after_s, self._clock = on_lost, lost_after_s, clock
+        self.lost = False
         self._disk_reads: tuple[int, float] = (0, 0.0)
         self._stop = threading.Event()
         self._seq = 0
@@ -199,12 +289,18 @@ class StoreEventFeed:
 
     def _run(self) -> None:
         client = StoreClient(self._address, self._secret, timeout_s=1.0, retry_after_s=1.0)
+        heard_at = self._clock()
         try:
             while not self._stop.wait(self._interval_s):
                 try:
                     reply = client.events_since(self._seq)
                 except StoreUnavailable:
+                    if not self.lost and self._clock() - heard_at >= self.lost_after_s:
+                        self.lost, self._seq, self._disk_reads = True, 0, (0, 0.0)
+                        if self._on_lost is not None:
+                            self._on_lost()
                     continue
+                heard_at, self.lost = self._clock(), False
                 self.num_polls += 1
                 events = [StoreEvent(int(seq), kind, tuple(hashes), tier) for seq, kind, hashes, tier in reply["events"]]
                 if events:

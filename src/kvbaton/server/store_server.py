@@ -16,7 +16,8 @@ raw frame per block. Ops:
 
 Bad input is answered with `error` and changes nothing. The loop also expires leases a dead worker left.
 `python -m kvbaton.server.store_server` runs one node as its own process (what `kvbaton serve --kv-store-gb`
-starts on each host), printing its address once it listens.
+starts on each host), printing its address once it listens; `start_process` and `stop_process` start and stop one
+that way (the launcher on its host, and with Ray each node's `StoreHost` actor, `kvbaton.server.ray_workers`).
 """
 
 from __future__ import annotations
@@ -24,22 +25,25 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import msgpack
 import zmq
 
 from kvbaton.cache.kv_store import capacity_blocks
-from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
+from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret, worker_environment
 from kvbaton.core.errors import KvbatonError
 from kvbaton.server.rpc_auth import secure_router
 from kvbaton.server.store_node import StoreNodeState
 from kvbaton.transfer.store_disk import DiskBlockFiles
-from kvbaton.transfer.store_slots import host_id
+from kvbaton.transfer.store_slots import SHM_DIRECTORY, SHM_PREFIX, host_id
 from kvbaton.transfer.store_tcp import StoreTcpServer
 
 log = logging.getLogger("kvbaton.store")
@@ -192,6 +196,41 @@ def parse_disk(text: str) -> tuple[str, float]:
     return directory, value
 
 
+READY = "store node ready "  # the node's first line on stdout, its address after it
+
+
+def start_process(args: Sequence[str], secret: ClusterSecret, host: str, timeout_s: float = 60.0
+                  ) -> tuple[subprocess.Popen[str], str]:
+    """Start a store node as its own process (`python -m kvbaton.server.store_server ARGS --host HOST`, the secret in
+    its environment, never on its command line) and wait until it listens; (the process, its address). A node that
+    does not say so within `timeout_s` is stopped and refused (KvbatonError)."""
+    process = subprocess.Popen([sys.executable, "-m", "kvbaton.server.store_server", *args, "--host", host],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True,
+                               env=worker_environment(secret, dict(os.environ)))
+    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+    line = process.stdout.readline() if ready else ""  # type: ignore[union-attr]
+    if not line.startswith(READY):
+        stop_process(process)
+        raise KvbatonError(f"the KV store node did not start: {line.strip() or f'no answer in {timeout_s:g} s'}")
+    return process, line.split()[-1]
+
+
+def stop_process(process: subprocess.Popen[str]) -> None:
+    """Stop a node `start_process` started (SIGTERM, then SIGKILL after 10 s) and remove its DRAM slots' file, which
+    a node killed before it could unlink it leaves (named by the node's pid)."""
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=5)
+    if process.stdout is not None:
+        process.stdout.close()
+    for path in Path(SHM_DIRECTORY).glob(f"{SHM_PREFIX}-{process.pid}-*"):
+        path.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbaton.server.store_server", description=__doc__.split("\n")[0])
     parser.add_argument("--block-bytes", type=int, required=True)
@@ -215,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                            disk, args.lease_s, block_rows=args.block_rows)
     server = StoreServer(state, ClusterSecret.from_hex(secret_hex), args.host, args.port)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    print(f"store node ready {server.address}", flush=True)
+    print(f"{READY}{server.address}", flush=True)
     server.serve()
     return 0
 

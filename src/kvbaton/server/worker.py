@@ -51,7 +51,7 @@ from kvbaton.server import rpc
 from kvbaton.server.base import TokenDelta
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.server.step_log import StepLog
-from kvbaton.server.store_client import StoreClient
+from kvbaton.server.store_client import KnownStoreNodes, StoreNodes
 from kvbaton.server.worker_kv import DecodeKV, PrefillLinks
 from kvbaton.server.worker_links import REGISTER_RESEND_S, RouterLink, RouterLinks
 from kvbaton.transfer.faults import FaultRule
@@ -99,6 +99,9 @@ class WorkerConfig:
     transfer_faults: tuple[FaultRule, ...] = ()  # prefill workers: scripted faults on outgoing KV (tests)
     step_log: str = ""  # write each step's shape and period here at exit (kvbaton.server.step_log)
     kv_store_address: str = ""  # this host's KV store node (kvbaton.server.store_server); "" = none
+    # Every store node of the cluster (one per host, this host's among them): loads go on from the others over TCP
+    # for what this host's lacks (`store_client.StoreNodes`). Empty: this host's node only.
+    kv_store_nodes: tuple[str, ...] = ()
     # The router's: the RPC and every KV link authenticate with it (core/cluster_secret.py). Required to run.
     cluster_secret: ClusterSecret | None = None
     # Rank processes behind this worker's one scheduler (kvbaton.engine.rank_group), each with num_threads threads.
@@ -132,6 +135,9 @@ class Worker:
             rows = config.max_num_batched_tokens
             self.loaded.model.warm_up_linears(rows, rows)
         self._clock = clock
+        # The store nodes this worker's loads read (its flags', then every one its routers name); None: no store.
+        self.store_nodes = (KnownStoreNodes((config.kv_store_address, *config.kv_store_nodes))
+                            if config.kv_store_address else None)
         self.engine: Engine | None = None
         self._in_flight: set[str] = set()  # added to the engine, final delta not yet sent
         self._last_event_seq = 0
@@ -155,7 +161,7 @@ class Worker:
                             kv_layout_of(self.loaded, cfg.block_size), cfg.block_size, cfg.num_blocks,
                             tokenizer_probe_hash(self.loaded.tokenizer), os.getpid(),
                             self._decode_kv.address if self._decode_kv is not None else "", gethostname(),
-                            cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
+                            cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.kv_store_address)
 
     def run(self) -> str:
         """Serve until told to stop; returns why it stopped. Raises KvbatonError if refused or orphaned."""
@@ -242,12 +248,19 @@ class Worker:
                                        f"(router {link.address})")
                 elif isinstance(message, rpc.AddRouter):  # a router sends its peers right after its acknowledgement
                     self._links.add(message.address)
+                elif isinstance(message, rpc.StoreNodesKnown):
+                    self._on_store_nodes(message)
         if first is not None:
             return first
         addresses = ", ".join(link.address for link in self._links.links)
         raise KvbatonError(f"no answer from the router at {addresses} within "
                            f"{self.config.register_timeout_s:g} s (a router whose cluster secret differs cannot be "
                            "reached either)")
+
+    def _on_store_nodes(self, message: rpc.StoreNodesKnown) -> None:
+        """A router's list of the store nodes: loads read on from the new ones (over TCP) from the next one on."""
+        if self.store_nodes is not None and self.store_nodes.add(message.addresses.split(",")):
+            log.info("worker %s: KV store nodes %s", self.config.worker_id, message.addresses)
 
     def _send_registrations(self, now: float) -> None:
         """Register with each open link not registered: at once while its router is unreachable (the send fails),
@@ -291,8 +304,8 @@ class Worker:
         kv_cache = decode_kv.kv_cache if decode_kv is not None and kv_region is None and on_host else None
         store_link = None
         if cfg.kv_store_address:
-            address, secret = cfg.kv_store_address, cfg.cluster_secret
-            store_link = lambda: StoreClient(address, secret)  # noqa: E731 - built on the store IO thread
+            address, nodes, secret = cfg.kv_store_address, self.store_nodes, cfg.cluster_secret
+            store_link = lambda: StoreNodes(address, nodes, secret)  # noqa: E731 - built on the store IO thread
         engine = Engine(engine_config, loaded=self.loaded, clock=self._clock, kv_cache=kv_cache, kv_region=kv_region,
                         warm_up_rows=cfg.max_num_batched_tokens if cfg.warm_up else 0, create_store_link=store_link)
         engine.worker_id = cfg.worker_id
@@ -448,6 +461,8 @@ class Worker:
         elif isinstance(message, rpc.AddRouter):
             if self._links.add(message.address) is not None:
                 log.info("worker %s: router %s joined; registering", self.config.worker_id, message.address)
+        elif isinstance(message, rpc.StoreNodesKnown):
+            self._on_store_nodes(message)
         elif isinstance(message, rpc.RegisterAck):
             self._on_registered(link)
         elif isinstance(message, rpc.RegisterAgain):

@@ -26,9 +26,9 @@ from kvbaton.engine.store_io import WorkerStoreIO
 from kvbaton.model.registry import load_model
 from kvbaton.server.store_client import StoreClient
 from kvbaton.server.store_node import StoreNodeState
-from kvbaton.server.store_server import StoreServer
 from kvbaton.transfer import store_tcp
 from kvbaton.transfer.store_disk import DiskBlockFiles
+from tests.store_nodes import RunningNode
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
@@ -49,26 +49,18 @@ def _config(num_blocks: int = 256) -> EngineConfig:
                         scheduler=SchedulerConfig(max_num_batched_tokens=512))
 
 
-class _Store:
-    def __init__(self, block_bytes: int, tmp_path: Path, dram_blocks: int, disk_blocks: int, lease_s: float) -> None:
+class _Store(RunningNode):
+    def __init__(self, block_bytes: int, tmp_path: Path, dram_blocks: int, disk_blocks: int, lease_s: float,
+                 port: int = 0) -> None:
         disk = DiskBlockFiles(tmp_path / "disk", disk_blocks) if disk_blocks else None
-        self.state = StoreNodeState(block_bytes, BLOCK, dram_blocks, disk, lease_s, block_rows=ROWS)
-        self.server = StoreServer(self.state, SECRET)
-        self.thread = self.server.start_thread()
+        super().__init__(StoreNodeState(block_bytes, BLOCK, dram_blocks, disk, lease_s, block_rows=ROWS), SECRET,
+                         port=port)
 
     def link(self, timeout_s: float = 2.0, transport: str = "auto") -> Callable[[], StoreClient]:
         """A worker's link: "auto" maps the node's slots (same host), "tcp" reads them over the node's TCP port, as
         a worker on another host does."""
-        return lambda: StoreClient(self.server.address, SECRET, timeout_s=timeout_s, retry_after_s=0.5,
+        return lambda: StoreClient(self.address, SECRET, timeout_s=timeout_s, retry_after_s=0.5,
                                    transport=transport)
-
-    def check(self) -> None:
-        with self.server.locked():
-            self.state.check_invariants()
-
-    def stop(self) -> None:
-        self.server.stop()
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture
@@ -364,10 +356,7 @@ def test_a_restarted_store_node_is_remapped_never_read_stale(loaded, tmp_path: P
         _wait_saved(first, 12)
         _run(b, _prompt(0))  # B maps the first node's slots
         first.stop()
-        state = StoreNodeState(block_bytes, BLOCK, 64, None, 30.0, block_rows=ROWS)
-        second = _Store.__new__(_Store)
-        second.state, second.server = state, StoreServer(state, SECRET, port=port)
-        second.thread = second.server.start_thread()
+        second = _Store(block_bytes, tmp_path / "two", 64, 0, 30.0, port=port)
         reference = _tokens(_run(Engine(_config(), loaded), _prompt(5)))
         a.reset_prefix_cache()
         deadline = time.monotonic() + 30

@@ -165,3 +165,43 @@ def test_a_load_acquires_streams_and_releases_in_one_trip(server: StoreServer) -
         wait_unpinned(server)  # the node lets the load's pin go itself once the bytes are sent
     finally:
         client.close()
+
+
+def test_a_same_host_acquire_and_release_ride_the_tcp_link_not_the_control_socket(server: StoreServer) -> None:
+    hashes = _put(server, 3)
+    client = StoreClient(server.address, SECRET, transport="shm", retry_after_s=0.0)
+    try:
+        assert client.hello()["transport"] == "shm"
+        lease, slots, shm_path = client.acquire(NS, [*hashes, 77])  # the leading three held, the fourth not
+        assert lease and len(slots) == 3 and shm_path == server.state.slots.path
+        rows = server.state.slots.rows
+        assert [rows[:, slot].tobytes() for slot in slots] == [_payload(i) for i in range(3)]  # the slots hold them
+        with server.locked():
+            assert server.state.num_leases == 1
+        assert client.acquire(("rev", "layout", "tenant-b"), hashes) == (0, [], shm_path)  # another tenant: none
+        assert client._tcp is not None  # the TCP link carried them
+        client.release(lease)
+        client.release(lease)  # twice, or a lease the node never gave: no error, nothing changes
+        client.release(424242)
+        wait_unpinned(server)
+        stats = client.stats()  # the control socket still answers; the pins were counted as loads, uses settled
+        assert stats["num_loaded_blocks"] == 3 and stats["num_errors"] == 0 and stats["num_tcp_reads"] == 0
+        with pytest.raises(StoreUnavailable, match="refused the acquire"):
+            client.acquire(["not", "a namespace"], hashes)
+    finally:
+        client.close()
+
+
+def test_a_release_after_the_tcp_link_broke_goes_on_the_control_socket(server: StoreServer) -> None:
+    hashes = _put(server, 2)
+    client = StoreClient(server.address, SECRET, transport="shm", retry_after_s=0.0)
+    try:
+        client.hello()
+        lease, slots, _ = client.acquire(NS, hashes)
+        assert len(slots) == 2
+        client._tcp._sock.close()  # the link dies under the worker (a node restart, a reset)
+        assert client.release(lease)
+        assert client._tcp is None
+        wait_unpinned(server)
+    finally:
+        client.close()

@@ -276,8 +276,9 @@ class WorkerStoreIO:
 
     def _finish(self, link: StoreLink, job: LoadJob, copy: Callable[[StoreLink, LoadJob], None]) -> None:
         """Run a load's copy step, hand its result to the engine, and only then release its lease (whatever happened):
-        the release is a message not waited for, but the first send after a pause costs this host ~0.5 ms (the zmq
-        IO thread's wake-up and encryption run before the sender goes on), which no load should wait on."""
+        the release is a message not waited for, but a send still costs its syscall (on the control socket, where a
+        release goes once the TCP link broke, the first send after a pause cost this host ~0.5 ms: the zmq IO
+        thread's wake-up and encryption run before the sender goes on), which no load should wait on."""
         try:
             copy(link, job)
         except BaseException:

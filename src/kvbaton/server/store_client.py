@@ -4,10 +4,12 @@
 its own host's node takes every save and is read first (shared memory), the others are `remote_nodes`, which a
 load continues from over their TCP ports for the blocks its own node lacks (`kvbaton.engine.store_io`).
 
-One zmq DEALER under CurveZMQ (the store channel's key pairs, from the cluster secret), used by one thread
-only (the worker's store IO thread, `kvbaton.engine.store_io`). Saves and releases are sent without waiting
-and dropped, never queued without bound, when the socket's send queue is full (`put` says so); `acquire`
-waits at most `timeout_s` for its answer and raises `StoreUnavailable` otherwise. After a failure the node is
+One zmq DEALER under CurveZMQ (the store channel's key pairs, from the cluster secret), and the node's TCP link
+(`kvbaton.transfer.store_tcp`, opened on first use), used by one thread only (the worker's store IO thread,
+`kvbaton.engine.store_io`). Saves are sent on the control socket without waiting and dropped, never queued
+without bound, when its send queue is full (`put` says so); `acquire` and `release` go on the TCP link (a
+load waits on the acquire's trip, and that link's is the shorter); a call waits at most `timeout_s` for its
+answer and raises `StoreUnavailable` otherwise. After a failure the node is
 taken as down for `retry_after_s`: every call in that window fails at once, so a dead store node costs each
 request at most one timeout and then nothing (they recompute).
 
@@ -92,21 +94,29 @@ class StoreClient:
         return self._over_tcp(lambda link: link.load_into(namespace, block_hashes, buffers_for))
 
     def _over_tcp(self, call: Callable[[StoreTcpLink], object]) -> object:
+        """`call` on the TCP link, opened first if need be. A link opened before that breaks without timing out
+        (the node restarted: it listens on another port now, or closed its links) is opened again once at once, so
+        a restart costs no load; any other failure takes the node as down for `retry_after_s`."""
         now = self._clock()
         if now < self._down_until:
             raise StoreUnavailable(f"store node {self.address} is down (retrying in {self._down_until - now:.1f} s)")
-        try:
-            if self._tcp is None:
-                self.hello()  # the node's TCP port now (a restarted node listens on another)
-                self._tcp = StoreTcpLink(urlsplit(self.address).hostname or "127.0.0.1", self._tcp_port,
-                                         self._secret, self.timeout_s)
-            return call(self._tcp)
-        except (StoreLinkError, OSError, StoreUnavailable) as exc:
-            if self._tcp is not None:
-                self._tcp.close()
-                self._tcp = None
-            self._down_until = self._clock() + self.retry_after_s
-            raise StoreUnavailable(str(exc)) from exc
+        tries = 2 if self._tcp is not None else 1
+        while True:
+            tries -= 1
+            try:
+                if self._tcp is None:
+                    self.hello()  # the node's TCP port now (a restarted node listens on another)
+                    self._tcp = StoreTcpLink(urlsplit(self.address).hostname or "127.0.0.1", self._tcp_port,
+                                             self._secret, self.timeout_s)
+                return call(self._tcp)
+            except (StoreLinkError, OSError, StoreUnavailable) as exc:
+                if self._tcp is not None:
+                    self._tcp.close()
+                    self._tcp = None
+                if tries and isinstance(exc, StoreLinkError) and not isinstance(exc.__cause__, TimeoutError):
+                    continue
+                self._down_until = self._clock() + self.retry_after_s
+                raise StoreUnavailable(str(exc)) from exc
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
             payloads: Sequence[memoryview]) -> bool:
@@ -114,12 +124,21 @@ class StoreClient:
         return self._send([msgpack.packb(header), *payloads])
 
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
-        reply = self._call({"op": "acquire", "namespace": list(namespace), "hashes": list(block_hashes)})
-        return int(reply["lease"]), [int(slot) for slot in reply["slots"]], str(reply["shm_path"])
+        """On the node's TCP link (`StoreTcpLink.acquire`): one socket between this thread and the node's, where the
+        CurveZMQ socket's trip wakes two IO threads more on each side, which a load waits on."""
+        return self._over_tcp(lambda link: link.acquire(namespace, block_hashes))  # type: ignore[return-value]
 
     def release(self, lease: int) -> bool:
-        """Sent even while the node is taken as down (a failed TCP read leaves the control path up): a pin is let
-        go as soon as the node can hear it, not when its lease expires."""
+        """On the TCP link while it is up, else on the control socket, and sent there even while the node is taken
+        as down (a failed TCP read leaves the control path up): a pin is let go as soon as the node can hear it, not
+        when its lease expires."""
+        if self._tcp is not None:
+            try:
+                self._tcp.release(lease)
+                return True
+            except StoreLinkError:
+                self._tcp.close()
+                self._tcp = None
         return self._send([msgpack.packb({"op": "release", "lease": lease})], even_if_down=True)
 
     def stats(self) -> dict:

@@ -10,7 +10,8 @@ raw frame per block. Ops:
 - `put` (namespace, parent hash, block hashes; the blocks' bytes as frames): write-through, no answer (a
   worker never waits on a save);
 - `acquire` (namespace, block hashes) -> a lease and the slots of the leading blocks held, pinned;
-- `release` (lease): the worker copied them out; no answer;
+- `release` (lease): the worker copied them out; no answer (`StoreClient` sends these two on the TCP link
+  instead, `store_tcp`'s `acquire` and `release` ops: the same calls under the same lock, on a shorter trip);
 - `events` (after a seq) -> the node's events since, or a snapshot: what a router's store directory reads;
 - `stats` -> counters.
 
@@ -70,7 +71,8 @@ class StoreServer:
         self.num_errors = 0
         self.host_id = host_id()
         self.tcp = StoreTcpServer(lambda: self.state.slots, state.begin_read, state.end_read, self.locked, secret,
-                                  host, acquire=self._tcp_acquire, release=state.release).start()
+                                  host, acquire=self._tcp_acquire, release=state.release, pin=self._tcp_pin,
+                                  settle=state.settle).start()
 
     def serve(self, poll_ms: int = 100) -> None:
         socket = self._socket
@@ -107,6 +109,15 @@ class StoreServer:
             return self.state.acquire(_namespace(request), _hashes(request), self._clock())[0]
         except KvbatonError as exc:
             raise ValueError(str(exc)) from exc
+
+    def _tcp_pin(self, request: dict) -> dict:
+        """A same-host worker's acquire on its TCP link (under the lock): what the control path's answers, its uses
+        left for `settle`."""
+        try:
+            lease, slots = self.state.acquire(_namespace(request), _hashes(request), self._clock(), defer_uses=True)
+        except KvbatonError as exc:
+            raise ValueError(str(exc)) from exc
+        return {"lease": lease, "slots": slots, "shm_path": self.state.slots.path}
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes

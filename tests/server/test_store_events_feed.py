@@ -106,3 +106,60 @@ def test_the_feed_hands_on_the_node_s_disk_reads(tmp_path: Path) -> None:
         feed.stop()
         server.stop()
         thread.join(timeout=10)
+
+
+def test_a_node_restarted_at_once_leaves_no_stale_block_in_the_directory() -> None:
+    """Restarted on the same address well within `lost_after_s` (the feed never sees it silent): its new epoch tells
+    the feed; the blocks the old node held leave the directory and the new node's come in from its seq 1."""
+    first = StoreNodeState(32, 16, dram_blocks=8)
+    server = StoreServer(first, SECRET)
+    thread = server.start_thread()
+    port = int(server.address.rsplit(":", 1)[1])
+    directory = StoreDirectory()
+    lock = threading.Lock()
+    lost: list[bool] = []
+
+    def deliver(events: list[StoreEvent], snapshot: bool) -> None:
+        with lock:
+            if snapshot:
+                directory.apply_snapshot("host", events)
+            else:
+                assert directory.on_events("host", events)
+
+    def on_lost() -> None:
+        with lock:
+            lost.append(True)
+            directory.remove_node("host")
+
+    def wait_for(check) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + 20
+        while True:
+            with lock:
+                if check():
+                    return
+            assert time.monotonic() < deadline, "the directory never got there"
+            time.sleep(0.02)
+
+    with server.locked():
+        first.put(NS, 0, [1, 2, 3, 4, 5], [b"x" * 32] * 5)  # seqs past what the new node will have
+    feed = StoreEventFeed(server.address, SECRET, deliver, interval_s=0.02, on_lost=on_lost,
+                          lost_after_s=30.0).start()
+    second_server = second_thread = None
+    try:
+        wait_for(lambda: directory.match([1, 2, 3, 4, 5]) == 5)
+        server.stop()
+        thread.join(timeout=10)
+        second = StoreNodeState(32, 16, dram_blocks=8)
+        second.put(NS, 0, [7], [b"y" * 32])  # one block: its seq (1) is below what the feed had read
+        second_server = StoreServer(second, SECRET, port=port)
+        second_thread = second_server.start_thread()
+        wait_for(lambda: directory.match([7]) == 1)
+        with lock:
+            assert lost == [True]  # once, for the restart (the node was never silent for 30 s)
+            assert directory.match([1]) == 0  # none of the old node's blocks is left to plan a load from
+            directory.check_invariants()
+    finally:
+        feed.stop()
+        if second_server is not None:
+            second_server.stop()
+            second_thread.join(timeout=10)

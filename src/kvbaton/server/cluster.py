@@ -242,9 +242,10 @@ class ClusterManager:
 
     def read_store_node(self, address: str) -> None:
         """Read the events of the store node at `address` into the store directory from now on (once per node: a
-        worker registering names its host's). A node that dies is taken out of the directory when it answers again
-        with an empty log (CLEARED or a snapshot); while it does not answer its blocks stay listed and the loads
-        planned from them find the node down and recompute (`StoreNodes`' down-window)."""
+        worker registering names its host's). A node silent for the feed's `lost_after_s` (3 s) is taken out of the
+        directory, and so is one that answers under a new epoch (restarted, however quickly), whose blocks come back
+        as it reports them; until then the loads planned from a dead node's blocks find it down and recompute
+        (`StoreNodes`' down-window)."""
         if address in self._store_feeds or self.state.store is None or self._loop is None:
             return
         loop = self._loop

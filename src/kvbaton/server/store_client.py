@@ -277,7 +277,9 @@ class StoreEventFeed:
     (called the same way), which the router measures the disk's speed from.
 
     A node that has not answered for `lost_after_s` is lost: `on_lost()` once (the router takes its blocks out of
-    its directory, so no load is planned from them), and the feed asks it from the start when it answers again."""
+    its directory, so no load is planned from them), and the feed asks it from the start when it answers again.
+    A node that answers under another epoch than before restarted (however quickly): what it held is gone and its
+    seqs begin again, so the same `on_lost()`, and the feed asks it from the start."""
 
     def __init__(self, address: str, secret: ClusterSecret,
                  deliver: Callable[[list[StoreEvent], bool], None], interval_s: float = 0.05,
@@ -291,6 +293,7 @@ class StoreEventFeed:
         self._disk_reads: tuple[int, float] = (0, 0.0)
         self._stop = threading.Event()
         self._seq = 0
+        self._epoch: object = None  # the node's start the feed has read (None: none yet)
         self.num_polls = 0
         self._thread = threading.Thread(target=self._run, name="kv-store-events", daemon=True)
 
@@ -321,6 +324,13 @@ class StoreEventFeed:
                     continue
                 heard_at, self.lost = self._clock(), False
                 self.num_polls += 1
+                epoch = reply.get("epoch")
+                if self._epoch is not None and epoch != self._epoch:  # restarted: its answer counts from its new seqs
+                    self._epoch, self._seq, self._disk_reads = epoch, 0, (0, 0.0)
+                    if self._on_lost is not None:
+                        self._on_lost()
+                    continue
+                self._epoch = epoch
                 events = [StoreEvent(int(seq), kind, tuple(hashes), tier) for seq, kind, hashes, tier in reply["events"]]
                 if events:
                     self._seq = max(event.seq for event in events)

@@ -12,7 +12,8 @@ raw frame per block. Ops:
 - `acquire` (namespace, block hashes) -> a lease and the slots of the leading blocks held, pinned;
 - `release` (lease): the worker copied them out; no answer (`StoreClient` sends these two on the TCP link
   instead, `store_tcp`'s `acquire` and `release` ops: the same calls under the same lock, on a shorter trip);
-- `events` (after a seq) -> the node's events since, or a snapshot: what a router's store directory reads;
+- `events` (after a seq) -> the node's events since, or a snapshot, and the node's `epoch` (random at each
+  start: its seqs begin again when it changes): what a router's store directory reads;
 - `stats` -> counters.
 
 Bad input is answered with `error` and changes nothing. The loop also expires leases a dead worker left.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -70,6 +72,7 @@ class StoreServer:
         self._lock = threading.Lock()  # tests read the state between messages; the TCP reads take it too
         self.num_errors = 0
         self.host_id = host_id()
+        self.epoch = secrets.token_hex(8)  # this start's: a reader that sees it change knows the node restarted
         self.tcp = StoreTcpServer(lambda: self.state.slots, state.begin_read, state.end_read, self.locked, secret,
                                   host, acquire=self._tcp_acquire, release=state.release, pin=self._tcp_pin,
                                   settle=state.settle).start()
@@ -156,6 +159,7 @@ class StoreServer:
         elif op == "events":
             events, snapshot = state.events_since(int(header.get("since", 0)))
             reply["snapshot"] = snapshot
+            reply["epoch"] = self.epoch
             reply["events"] = [[e.seq, e.kind, list(e.block_hashes), e.tier] for e in events]
             if state.disk is not None:  # what its disk reads moved and took, cumulative: the router's disk speed
                 reply["disk_read_bytes"], reply["disk_read_s"] = state.disk.num_read_bytes, state.disk.read_s

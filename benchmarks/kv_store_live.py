@@ -13,7 +13,8 @@ this process, one after the other, so each timing has the CPU to itself. Figures
   release) over a single-thread memcpy of the same bytes between two plain buffers, side by side
   (`load_over_memcpy`, target >= 0.8), for the prefix as one prefill stored it (its slots in order, copied in
   runs), and `scattered_*` for a prefix whose slots churned apart (copied block by block); `*_copy_only_*`
-  leaves the RPC out;
+  leaves the RPC out; `burst_*`: three such loads handed over at once against three memcpys (sustained
+  throughput: a lone load also waits on two thread wake-ups, ~1 ms on this idle VM);
 - **cross-host load throughput**: the same load by a worker whose link is forced to the node's TCP data path
   (`KVBATON_STORE_TRANSPORT=tcp` in effect: 127.0.0.1, one host) over a raw loopback socket sending the same bytes
   from one buffer into another in the same run (`tcp_load_over_raw_socket`, target >= 0.8), interleaved, medians;
@@ -150,6 +151,47 @@ def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], rep
             "load_copy_only_gbps": num_bytes / copy / 1e9,
             "load_copy_only_over_memcpy": statistics.median(copy_ratios),
             "load_runs": len(block_runs(job.slots, device_ids)), "repeats": repeats}
+
+
+def _burst_throughput(engine: Engine, prompt: list[int], repeats: int, loads: int = 3) -> dict[str, float]:
+    """`loads` loads of the prefix handed to the IO thread at once (into as many sets of device blocks: what a burst
+    of requests sharing a stored prefix asks), until the last is copied, against as many single-thread memcpys of
+    the same bytes from one buffer into as many others, interleaved, medians. A lone load waits on two thread
+    wake-ups of their own (the IO thread's, the node's answer); in a burst only the first does."""
+    io = engine.store_io
+    hashes = hash_block_tokens(engine.cache_key, prompt, BLOCK)
+    engine.reset_prefix_cache()
+    device_ids = [engine.pool.allocate(len(hashes)) for _ in range(loads)]  # timing only: no request runs
+    num_bytes = len(hashes) * engine.storage.bytes_per_block
+    src = np.ones(num_bytes, dtype=np.uint8)
+    dsts = [np.zeros_like(src) for _ in range(loads)]
+    for dst in dsts:
+        np.copyto(dst, src)  # pages touched before any timing
+    burst_s, memcpy_s = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for dst in dsts:
+            np.copyto(dst, src)
+        memcpy_s.append(time.perf_counter() - started)
+        jobs = [LoadJob("bench", namespace_of(engine.cache_key), list(hashes), device_block_ids=ids)
+                for ids in device_ids]
+        started = time.perf_counter()
+        for job in jobs:
+            io.acquire_and_copy(job)
+        kinds: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(kinds) < loads and time.monotonic() < deadline:
+            kinds += [kind for kind, _ in io.take_results()]
+            time.sleep(0.0002)
+        burst_s.append(time.perf_counter() - started)
+        assert kinds == ["copied"] * loads and all(job.num_copied == len(hashes) for job in jobs), kinds
+    for ids in device_ids:
+        engine.pool.release(ids)
+    ratios = sorted(m / b for m, b in zip(memcpy_s, burst_s))
+    return {"burst_loads": loads, "burst_load_gbps": loads * num_bytes / statistics.median(burst_s) / 1e9,
+            "burst_memcpy_gbps": loads * num_bytes / statistics.median(memcpy_s) / 1e9,
+            "burst_load_over_memcpy": statistics.median(ratios), "burst_load_over_memcpy_min": ratios[0],
+            "burst_load_over_memcpy_max": ratios[-1]}
 
 
 _RAW_SENDER = """
@@ -308,6 +350,7 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
         b_tokens, ttft_store, cached_b = _generate(b, prompt, 8)
         # The prefix as one prefill stored it (its slots in order): the common case of a load.
         throughput = _load_throughput(b, client, prompt[: args.prefix_tokens], args.repeats)
+        burst = _burst_throughput(b, prompt[: args.prefix_tokens], args.repeats)
         # The same prefix by C, whose link reads the node's slots over its TCP port (cross-host path, on loopback).
         c_tokens, ttft_tcp, cached_c = _generate(c, prompt, 8)
         tcp = _tcp_throughput(c, prompt[: args.prefix_tokens], args.repeats)
@@ -366,7 +409,7 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
             "ttft_dram_reload_s": ttft_dram, "cached_tokens_dram_reload": cached_dram,
             "ttft_disk_reload_s": ttft_disk, "cached_tokens_disk_reload": cached_disk,
             "disk_blocks_read_on_reload": after["num_disk_read_blocks"] - before["num_disk_read_blocks"],
-            **throughput, **{f"scattered_{k}": v for k, v in scattered.items()},
+            **throughput, **burst, **{f"scattered_{k}": v for k, v in scattered.items()},
             "itl_p99_alone_s": itl_alone, "itl_p99_with_loads_s": itl_loads,
             "itl_p99_with_loads_over_alone": itl_loads / itl_alone, "itl_p99_with_device_hits_s": itl_device,
             "itl_p99_with_loads_over_device_hits": statistics.median(itl_ratios),

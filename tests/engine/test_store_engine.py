@@ -28,7 +28,7 @@ from kvbaton.server.store_client import StoreClient
 from kvbaton.server.store_node import StoreNodeState
 from kvbaton.transfer import store_tcp
 from kvbaton.transfer.store_disk import DiskBlockFiles
-from tests.store_nodes import RunningNode
+from tests.store_nodes import RunningNode, wait_unpinned
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
@@ -437,3 +437,77 @@ def test_a_load_short_of_free_blocks_takes_them_from_the_cache(loaded, make_stor
     finally:
         a.close()
         b.close()
+
+
+class _GatedClient(StoreClient):
+    """A worker's link whose first acquire waits for `gate`: the loads after it queue up behind it meanwhile."""
+
+    def __init__(self, gate: threading.Event, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self._gate = gate
+
+    def acquire(self, namespace, block_hashes):  # noqa: ANN001, ANN201
+        assert self._gate.wait(30), "the gate never opened"
+        return super().acquire(namespace, block_hashes)
+
+
+def test_a_burst_of_loads_sends_each_acquire_while_the_load_before_it_copies(loaded, make_store) -> None:  # noqa: ANN001
+    """Three requests whose prefixes are in the store arrive together: the IO thread acquires the first, and sends
+    each next one's acquire before it copies the one in hand, so the burst waits on one round trip. Every output is
+    the one A computed, and every lease and block goes back."""
+    store = make_store()
+    prompts = [_prompt(seed) for seed in (21, 22, 23)]
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    gate = threading.Event()
+    b = Engine(_config(), loaded,
+               create_store_link=lambda: _GatedClient(gate, store.address, SECRET, timeout_s=2.0, retry_after_s=0.5))
+    try:
+        expected = [_tokens(_run(a, prompt)) for prompt in prompts]
+        _wait_saved(store, 3 * (200 // BLOCK))
+        rids = [b.add_request(prompt, GREEDY) for prompt in prompts]
+        outputs: dict[str, list[TokenDelta]] = {rid: [] for rid in rids}
+        b.step()  # the three loads go to the IO thread; the first waits at the gate
+        gate.set()
+        deadline = time.monotonic() + 60
+        while b.has_unfinished_requests():
+            assert time.monotonic() < deadline, "a request hangs"
+            for out in b.step():
+                outputs[out.request_id].append(out)
+        assert [_tokens(outputs[rid]) for rid in rids] == expected
+        assert all(outputs[rid][-1].num_cached_tokens == 192 for rid in rids)  # 12 full blocks each, from the store
+        assert b.store_io.num_prefetched_acquires == 2
+        b.check_invariants()
+        wait_unpinned(store.server)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_prefetched_acquire_is_kept_past_other_calls_and_asked_again_when_its_link_broke(make_store) -> None:  # noqa: ANN001
+    store = make_store(lease_s=0.5)
+    ns = ("rev", "layout", "")
+    hashes = [5000 + i for i in range(3)]
+    with store.server.locked():
+        store.state.put(ns, 0, hashes, [bytes(store.state.block_bytes)] * 3)
+    client = StoreClient(store.address, SECRET, timeout_s=2.0, retry_after_s=0.0)
+    try:
+        client.hello()
+        assert client.begin_acquire(ns, hashes) is None  # no TCP link up yet: the load acquires as usual
+        lease, slots, _ = client.acquire(ns, hashes)  # the TCP link is up now
+        client.release(lease)
+        token = client.begin_acquire(ns, hashes)
+        other, other_slots, _ = client.acquire(ns, hashes[:1])  # a call between: the earlier answer is kept
+        lease, slots, _ = client.end_acquire(token)
+        assert len(other_slots) == 1 and lease and lease != other and len(slots) == 3
+        client.release(other)
+        client.release(lease)
+        wait_unpinned(store.server)
+        token = client.begin_acquire(ns, hashes)
+        client._tcp._sock.close()  # the link dies before the answer is read
+        lease, slots, _ = client.end_acquire(token)  # asked again on a fresh link
+        assert lease and len(slots) == 3
+        client.release(lease)
+        wait_unpinned(store.server, timeout_s=5.0)  # the lost answer's pin expired with its lease
+        assert store.state.num_expired_leases == 1
+    finally:
+        client.close()

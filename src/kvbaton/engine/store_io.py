@@ -89,6 +89,7 @@ class LoadJob:
     num_copied: int = 0  # leading blocks copied into device_block_ids (set with the "copied" result)
     acquire_s: float = 0.0  # seconds its acquire took (a load's time is its acquire's plus its copy's)
     error: str = ""
+    prefetch: object = None  # its own node's acquire, sent while the load before it copied (the IO thread's)
 
 
 @dataclass(slots=True)
@@ -125,6 +126,7 @@ class WorkerStoreIO:
         self.skip_saves: set[int] = set()  # hashes loaded from the store: caching them saves nothing
         self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
         self.num_loaded_blocks = self.num_failed_loads = 0
+        self.num_prefetched_acquires = 0  # loads whose acquire went out while the one before them copied
         self.copy_in_s = 0.0  # seconds the IO thread spent copying loads into the KV pool
         # (bytes, seconds, loads, round-trip seconds) of every load that brought blocks: acquire + copy (over shm) or
         # the one TCP trip, and of that the acquire's answer (or the TCP header's); one tuple, swapped whole, so a
@@ -352,6 +354,12 @@ class WorkerStoreIO:
         if local:
             self._attach(node)
         if not local or self.transport == "tcp":
+            if local and job.prefetch is not None:  # not to be: the node went over to TCP since it was sent
+                token, job.prefetch = job.prefetch, None
+                try:
+                    node.release(node.end_acquire(token)[0])  # type: ignore[attr-defined]
+                except StoreUnavailable:
+                    pass  # its pin, if any, expires with its lease
             started = time.perf_counter()
             answered = [started]  # when the node's header came (the round trip), before its bytes
 
@@ -370,12 +378,32 @@ class WorkerStoreIO:
             lease, job.lease = job.lease, 0
             node.release(lease)
         acquired = time.perf_counter()  # after `_attach`: mapping the node's slots once is no load's time
-        job.lease, job.slots, job.shm_path = node.acquire(job.namespace, hashes)
+        token, job.prefetch = job.prefetch, None
+        if token is not None and start == 0:  # sent while the load before it copied: its answer is here already
+            job.lease, job.slots, job.shm_path = node.end_acquire(token)  # type: ignore[attr-defined]
+            self.num_prefetched_acquires += 1
+        else:
+            job.lease, job.slots, job.shm_path = node.acquire(job.namespace, hashes)
         job.acquire_s = time.perf_counter() - acquired
         if not job.slots:
             return 0
+        self._prefetch_next(node)
         self._copy_leased(node, job, block_ids[: len(job.slots)], acquired)
         return len(job.slots)
+
+    def _prefetch_next(self, node: StoreLink) -> None:
+        """Before this load copies, send the next queued load's acquire to the same node (the node's answer waits on
+        the link for it): a burst of loads waits on one round trip, not one each. Only a load that starts at this
+        node over shared memory takes it (`_load_from`); the IO thread's next task is that load's first step."""
+        begin = getattr(node, "begin_acquire", None)
+        if begin is None:
+            return
+        with self._tasks.mutex:
+            upcoming = self._tasks.queue[0] if self._tasks.queue else None
+        if upcoming is None or upcoming[0] != "acquire_copy" or upcoming[1].prefetch is not None:
+            return
+        job = upcoming[1]
+        job.prefetch = begin(job.namespace, job.block_hashes)
 
     def _copy_leased(self, link: StoreLink, job: LoadJob, block_ids: Sequence[int], since: float) -> None:
         """The job's leased slots into `block_ids` (the lease stays with the job: `_finish` releases it); the load is

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -100,11 +101,11 @@ class StoreClient:
         now = self._clock()
         if now < self._down_until:
             raise StoreUnavailable(f"store node {self.address} is down (retrying in {self._down_until - now:.1f} s)")
-        tries = 2 if self._tcp is not None else 1
+        reopen = self._tcp is not None
         while True:
-            tries -= 1
             try:
                 if self._tcp is None:
+                    self._probe()  # a dead node is known at once, not after a hello's whole timeout
                     self.hello()  # the node's TCP port now (a restarted node listens on another)
                     self._tcp = StoreTcpLink(urlsplit(self.address).hostname or "127.0.0.1", self._tcp_port,
                                              self._secret, self.timeout_s)
@@ -113,10 +114,23 @@ class StoreClient:
                 if self._tcp is not None:
                     self._tcp.close()
                     self._tcp = None
-                if tries and isinstance(exc, StoreLinkError) and not isinstance(exc.__cause__, TimeoutError):
+                if reopen and isinstance(exc, StoreLinkError) and not isinstance(exc.__cause__, TimeoutError):
+                    reopen = False
                     continue
                 self._down_until = self._clock() + self.retry_after_s
                 raise StoreUnavailable(str(exc)) from exc
+
+    def _probe(self) -> None:
+        """Raise StoreLinkError unless the node's control port takes a TCP connection within a second: before the
+        link is opened (first, or again after it broke), so a node that died costs a load no more than that
+        (refused at once on its host; a second for a host that is down), where a hello to it waits its whole
+        `timeout_s` (zmq reconnects in the background, unseen)."""
+        parts = urlsplit(self.address)
+        try:
+            socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 0),
+                                     timeout=min(self.timeout_s, 1.0)).close()
+        except OSError as exc:
+            raise StoreLinkError(f"store node {self.address} takes no connection: {exc}") from exc
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
             payloads: Sequence[memoryview]) -> bool:
@@ -127,6 +141,35 @@ class StoreClient:
         """On the node's TCP link (`StoreTcpLink.acquire`): one socket between this thread and the node's, where the
         CurveZMQ socket's trip wakes two IO threads more on each side, which a load waits on."""
         return self._over_tcp(lambda link: link.acquire(namespace, block_hashes))  # type: ignore[return-value]
+
+    def begin_acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> object | None:
+        """Send an acquire on the TCP link without waiting (the IO thread's next load, while it copies this one): a
+        token for `end_acquire`, or None when the link is not up (that load then acquires as usual). Never raises."""
+        if self._tcp is None or self._clock() < self._down_until:
+            return None
+        try:
+            return (self._tcp, self._tcp.begin_acquire(namespace, block_hashes), namespace, list(block_hashes))
+        except StoreLinkError:
+            self._tcp.close()
+            self._tcp = None
+            return None
+
+    def end_acquire(self, token: object) -> tuple[int, list[int], str]:
+        """`acquire`'s answer to `begin_acquire`'s call. Its link gone since (broken, or reopened), the acquire is
+        asked again on a fresh one (what the node pinned for the lost answer expires with its lease); a link that
+        timed out takes the node as down, as `acquire` does."""
+        link, call_id, namespace, block_hashes = token  # type: ignore[misc]
+        if link is not self._tcp:
+            return self.acquire(namespace, block_hashes)
+        try:
+            return link.end_acquire(call_id, len(block_hashes))
+        except StoreLinkError as exc:
+            link.close()
+            self._tcp = None
+            if isinstance(exc.__cause__, TimeoutError):
+                self._down_until = self._clock() + self.retry_after_s
+                raise StoreUnavailable(str(exc)) from exc
+            return self.acquire(namespace, block_hashes)
 
     def release(self, lease: int) -> bool:
         """On the TCP link while it is up, else on the control socket, and sent there even while the node is taken
@@ -249,6 +292,12 @@ class StoreNodes:
 
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
         return self.local.acquire(namespace, block_hashes)
+
+    def begin_acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> object | None:
+        return self.local.begin_acquire(namespace, block_hashes)
+
+    def end_acquire(self, token: object) -> tuple[int, list[int], str]:
+        return self.local.end_acquire(token)
 
     def read_into(self, lease: int, buffers: list[memoryview]) -> None:
         self.local.read_into(lease, buffers)

@@ -312,6 +312,8 @@ class StoreTcpLink:
             self._sock.close()
             raise
         self._ids = 0
+        self._awaited: set[int] = set()  # calls sent whose answers have not been read
+        self._early: dict[int, dict] = {}  # answers read before their calls asked for them
         self.num_read_bytes = 0
 
     def read_into(self, lease: int, buffers: list[memoryview]) -> None:
@@ -339,12 +341,28 @@ class StoreTcpLink:
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
         """Pin the leading blocks the node holds of `block_hashes` (no bytes move): (lease, their slots, the file the
         slots are in); lease 0 and no slots when none. Raises StoreLinkError as `read_into` does."""
+        return self.end_acquire(self.begin_acquire(namespace, block_hashes), len(block_hashes))
+
+    def begin_acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> int:
+        """Send an acquire without waiting for its answer: its id, for `end_acquire`. Other calls may come between
+        (the node answers in order; an answer not yet asked for is kept)."""
+        self._ids += 1
         try:
-            reply = self._ask({"op": "acquire", "namespace": list(namespace), "hashes": list(block_hashes)}, "acquire")
+            send_message(self._sock, {"id": self._ids, "op": "acquire", "namespace": list(namespace),
+                                      "hashes": list(block_hashes)})
+        except OSError as exc:
+            raise StoreLinkError(f"the store link failed: {exc}") from exc
+        self._awaited.add(self._ids)
+        return self._ids
+
+    def end_acquire(self, call_id: int, num_hashes: int) -> tuple[int, list[int], str]:
+        """The answer to `begin_acquire`'s call `call_id` (of `num_hashes` hashes), as `acquire` returns it."""
+        try:
+            reply = self._reply(call_id, "acquire")
         except OSError as exc:
             raise StoreLinkError(f"the store link failed: {exc}") from exc
         lease, slots, shm_path = reply.get("lease"), reply.get("slots"), reply.get("shm_path")
-        if not (isinstance(lease, int) and isinstance(slots, list) and len(slots) <= len(block_hashes)
+        if not (isinstance(lease, int) and isinstance(slots, list) and len(slots) <= num_hashes
                 and all(isinstance(slot, int) for slot in slots) and isinstance(shm_path, str)):
             raise StoreLinkError("the store node's answer to an acquire is malformed")
         return lease, slots, shm_path
@@ -361,9 +379,23 @@ class StoreTcpLink:
         """Send `request` under the next id and return the node's answer to it (its header: the bytes follow)."""
         self._ids += 1
         send_message(self._sock, {"id": self._ids, **request})
-        reply = recv_message(self._sock)
-        if reply is None or reply.get("id") != self._ids:
-            raise StoreLinkError("the store node closed the link or answered out of turn")
+        self._awaited.add(self._ids)
+        return self._reply(self._ids, what)
+
+    def _reply(self, call_id: int, what: str) -> dict:
+        """The answer to call `call_id`: kept already, or the next ones read until it comes, the answers to earlier
+        calls sent without waiting (`begin_acquire`, no bytes follow them) kept for their `end_acquire`."""
+        reply = self._early.pop(call_id, None)
+        while reply is None:
+            got = recv_message(self._sock)
+            got_id = got.get("id") if got is not None else None
+            if not (isinstance(got_id, int) and got_id in self._awaited and got_id <= call_id):
+                raise StoreLinkError("the store node closed the link or answered out of turn")
+            if got_id == call_id:
+                reply = got
+            else:
+                self._early[got_id] = got
+        self._awaited.discard(call_id)
         if "error" in reply:
             raise StoreLinkError(f"the store node refused the {what}: {str(reply['error'])[:200]}")
         return reply

@@ -14,7 +14,8 @@ this process, one after the other, so each timing has the CPU to itself. Figures
   (`load_over_memcpy`, target >= 0.8), for the prefix as one prefill stored it (its slots in order, copied in
   runs), and `scattered_*` for a prefix whose slots churned apart (copied block by block); `*_copy_only_*`
   leaves the RPC out; `burst_*`: three such loads handed over at once against three memcpys (sustained
-  throughput: a lone load also waits on two thread wake-ups, ~1 ms on this idle VM);
+  throughput: a lone load also waits on two thread wake-ups, ~1 ms on this idle VM), with the acquire's wait of
+  the first load and of the later ones, whose acquires went out while the load before them copied;
 - **cross-host load throughput**: the same load by a worker whose link is forced to the node's TCP data path
   (`KVBATON_STORE_TRANSPORT=tcp` in effect: 127.0.0.1, one host) over a raw loopback socket sending the same bytes
   from one buffer into another in the same run (`tcp_load_over_raw_socket`, target >= 0.8), interleaved, medians;
@@ -167,7 +168,7 @@ def _burst_throughput(engine: Engine, prompt: list[int], repeats: int, loads: in
     dsts = [np.zeros_like(src) for _ in range(loads)]
     for dst in dsts:
         np.copyto(dst, src)  # pages touched before any timing
-    burst_s, memcpy_s = [], []
+    burst_s, memcpy_s, first_acquire_s, later_acquire_s = [], [], [], []
     for _ in range(repeats):
         started = time.perf_counter()
         for dst in dsts:
@@ -185,13 +186,17 @@ def _burst_throughput(engine: Engine, prompt: list[int], repeats: int, loads: in
             time.sleep(0.0002)
         burst_s.append(time.perf_counter() - started)
         assert kinds == ["copied"] * loads and all(job.num_copied == len(hashes) for job in jobs), kinds
+        first_acquire_s.append(jobs[0].acquire_s)
+        later_acquire_s += [job.acquire_s for job in jobs[1:]]  # sent while the load before copied
     for ids in device_ids:
         engine.pool.release(ids)
     ratios = sorted(m / b for m, b in zip(memcpy_s, burst_s))
     return {"burst_loads": loads, "burst_load_gbps": loads * num_bytes / statistics.median(burst_s) / 1e9,
             "burst_memcpy_gbps": loads * num_bytes / statistics.median(memcpy_s) / 1e9,
             "burst_load_over_memcpy": statistics.median(ratios), "burst_load_over_memcpy_min": ratios[0],
-            "burst_load_over_memcpy_max": ratios[-1]}
+            "burst_load_over_memcpy_max": ratios[-1],
+            "burst_first_acquire_ms": statistics.median(first_acquire_s) * 1e3,
+            "burst_later_acquire_ms": statistics.median(later_acquire_s) * 1e3}
 
 
 _RAW_SENDER = """

@@ -90,6 +90,7 @@ class LoadJob:
     acquire_s: float = 0.0  # seconds its acquire took (a load's time is its acquire's plus its copy's)
     error: str = ""
     prefetch: object = None  # its own node's acquire, sent while the load before it copied (the IO thread's)
+    more_nodes: bool = False  # set by `acquire`: other nodes may hold what the own node lacks (give blocks for all)
 
 
 @dataclass(slots=True)
@@ -258,16 +259,13 @@ class WorkerStoreIO:
                     if kind == "save":
                         self._save(link, item)
                     elif kind == "acquire":
-                        started = time.perf_counter()
-                        item.lease, item.slots, item.shm_path = link.acquire(item.namespace, item.block_hashes)
-                        item.acquire_s = time.perf_counter() - started
+                        self._acquire_own(link, item)
                         self._results.put(("acquired", item))
                     elif kind == "acquire_copy":
                         self._finish(link, item, self._acquire_copy)
                     elif kind == "copy":  # its load's time counts from its acquire's start
                         since = time.perf_counter() - item.acquire_s
-                        self._finish(link, item, lambda link, job: self._copy_leased(link, job, job.device_block_ids,
-                                                                                   since))
+                        self._finish(link, item, lambda link, job: self._copy_then_walk(link, job, since))
                     elif kind == "release":
                         link.release(item)
                 except (StoreUnavailable, OSError, ValueError) as exc:
@@ -319,6 +317,30 @@ class WorkerStoreIO:
         else:
             self.num_dropped_saves += len(payloads)
 
+    def _acquire_own(self, link: StoreLink, job: LoadJob) -> None:
+        """The split path's first step (the pool had no room for the whole chain): pin what the own node holds, and
+        say whether other nodes may hold more (`more_nodes`: the engine then gives blocks for the whole chain, and
+        `copy` goes on from them). With other nodes, an own node that fails pins nothing rather than failing the
+        load, as in `_acquire_copy`."""
+        started = time.perf_counter()
+        job.more_nodes = bool(link.remote_nodes)
+        try:
+            job.lease, job.slots, job.shm_path = link.acquire(job.namespace, job.block_hashes)
+        except StoreUnavailable:
+            if not job.more_nodes:
+                raise
+            job.lease, job.slots = 0, []
+        job.acquire_s = time.perf_counter() - started
+
+    def _copy_then_walk(self, link: StoreLink, job: LoadJob, since: float) -> None:
+        """The split path's copy: the own node's leased slots into the first device blocks; given more blocks than
+        those (other nodes), on from the others for the rest of them, as `_acquire_copy` goes on."""
+        job.num_copied = 0
+        if job.slots:
+            self._copy_leased(link, job, job.device_block_ids[: len(job.slots)], since)
+        if job.more_nodes and job.num_copied < len(job.device_block_ids):
+            self._walk(link, job, first=1)
+
     def _acquire_copy(self, link: StoreLink, job: LoadJob) -> None:
         """Load the chain into the job's first device blocks from the worker's own node, then, with several nodes
         (`link.remote_nodes`), on from the others for what it lacks: the nodes in turn, each continuing where the
@@ -326,11 +348,16 @@ class WorkerStoreIO:
         been asked past the last block brought. A node that fails is passed over (one timeout, then its
         down-window); the load fails only when nothing came and a node failed. With one node: one ask, as before.
         The own node's lease stays with the job (`_finish` releases it)."""
-        nodes = (link, *link.remote_nodes)
         job.num_copied = 0
+        self._walk(link, job)
+
+    def _walk(self, link: StoreLink, job: LoadJob, first: int = 0) -> None:
+        """Ask the nodes in turn from `first` (0: the own one) for the chain from the job's `num_copied` on, into
+        its device blocks, until every node has been asked past the last block brought or the blocks are full."""
+        nodes = (link, *link.remote_nodes)
         error: StoreUnavailable | None = None
-        misses = index = 0
-        while misses < len(nodes) and job.num_copied < len(job.block_hashes):
+        misses, index = min(first, 1), first % len(nodes)  # from 1: the own node was asked already
+        while misses < len(nodes) and job.num_copied < len(job.device_block_ids):
             node, local, start = nodes[index], index == 0, job.num_copied
             index = (index + 1) % len(nodes)
             try:
@@ -351,7 +378,7 @@ class WorkerStoreIO:
         streams and releases). One acquire for the whole chain: acquiring it in pieces, to copy one while the node
         pins the next, measured slower here (each piece's rows fall under glibc's streaming-copy threshold, and the
         first answer's round trip, which no pipelining hides, stays)."""
-        hashes, block_ids = job.block_hashes[start:], job.device_block_ids[start:]
+        hashes, block_ids = job.block_hashes[start : len(job.device_block_ids)], job.device_block_ids[start:]
         if local:
             self._attach(node)
         if not local or self.transport == "tcp":

@@ -181,3 +181,17 @@ def test_an_acquire_whose_uses_wait_for_settle_ends_as_an_eager_one(tmp_path: Pa
     finally:
         for state in states:
             state.close()
+
+
+def test_lease_ids_start_apart_on_each_start_of_a_node() -> None:
+    """A worker releasing a lease it got from a node's previous start (the node restarted at its address) must not
+    let go of a lease the new start gave another worker."""
+    leases = []
+    for _ in range(2):
+        state = StoreNodeState(32, 16, dram_blocks=4)
+        state.put(("rev", "layout", ""), 0, [1], [b"x" * 32])
+        lease, slots = state.acquire(("rev", "layout", ""), [1], now=0.0)
+        assert len(slots) == 1
+        leases.append(lease)
+        state.close()
+    assert leases[0] != leases[1] and all(0 < lease < 2**63 for lease in leases)

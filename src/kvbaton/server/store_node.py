@@ -20,6 +20,7 @@ the files and the leases together. Plain Python and no socket: `kvbaton.server.s
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,7 +76,9 @@ class StoreNodeState:
         self._namespace_of: dict[int, Namespace] = {}
         self._leases: dict[int, _Lease] = {}
         self._unsettled: deque[tuple[list[int], Namespace]] = deque()  # acquires whose uses `settle` counts
-        self._lease_ids = itertools.count(1)
+        # From a random start: a worker that releases a lease of the node's previous start (restarted at its address)
+        # must not let go of another worker's lease of this one
+        self._lease_ids = itertools.count(secrets.randbelow(1 << 48) + 1)
         self._log: deque[StoreEvent] = deque(maxlen=max_log_events)  # for readers (routers): `events_since`
         self.num_put_blocks = self.num_loaded_blocks = self.num_expired_leases = self.num_refused_puts = 0
 

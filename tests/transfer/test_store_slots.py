@@ -1,5 +1,5 @@
 """The store's DRAM slots' helpers: the host id that decides who maps them, and the streaming-copy environment a
-worker with a store runs under."""
+worker with a store runs under, and the sweep of slots a killed node left."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbaton.transfer.store_slots import STREAMING_COPIES, host_id, with_streaming_copies
+from kvbaton.transfer.store_slots import STREAMING_COPIES, StoreSlots, host_id, with_streaming_copies
 
 LOADER = "/lib64/ld-linux-x86-64.so.2"
 
@@ -42,3 +42,20 @@ def test_glibc_applies_the_threshold_in_a_process_started_with_them() -> None:
     plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     assert threshold(with_streaming_copies(plain)) == "0x40000"
     assert threshold(plain) != "0x40000"
+
+
+def test_a_new_node_removes_the_slots_a_killed_node_left(tmp_path: Path) -> None:
+    """A node killed before it could unlink its DRAM file (SIGKILL) leaves it in /dev/shm, memory no one frees; the
+    next node created on the host removes it, and leaves the live ones (this process's) and the KV links' alone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    stale = tmp_path / f"kvbaton-store-{dead.pid}-0a1b2c3d"
+    live = tmp_path / f"kvbaton-store-{os.getpid()}-0a1b2c3d"
+    other = tmp_path / f"kvbaton-kv-{dead.pid}-0a1b2c3d"  # a KV link's: its own sweep's
+    for path in (stale, live, other):
+        path.write_bytes(b"")
+    slots = StoreSlots.create(64, 4, directory=str(tmp_path))
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, Path(slots.path).name])
+    finally:
+        slots.close()

@@ -105,20 +105,23 @@ def test_a_read_names_a_live_lease_only(server: StoreServer) -> None:
 
 def test_a_lease_being_read_neither_expires_nor_is_released_under_the_read() -> None:
     state = StoreNodeState(ROWS * ROW_BYTES, 16, 16, block_rows=ROWS, lease_s=1.0)
-    state.put(NS, 0, [7, 8], [_payload(0), _payload(1)])
-    lease, slots = state.acquire(NS, [7, 8], now=0.0)
-    assert state.begin_read(lease) == slots
-    assert state.expire(now=100.0) == 0 and state.num_leases == 1  # mid-read: its slots stay pinned
-    assert state.release(lease) and state.num_leases == 1  # the worker gave up: let go when the read ends
-    assert state.begin_read(lease) is None  # no new read of a released lease
-    state.end_read(lease)
-    assert state.num_leases == 0
-    state.check_invariants()
-    lease, _ = state.acquire(NS, [7, 8], now=0.0)
-    assert state.begin_read(lease) is not None
-    state.end_read(lease)
-    assert state.expire(now=100.0) == 1 and state.num_leases == 0
-    state.check_invariants()
+    try:
+        state.put(NS, 0, [7, 8], [_payload(0), _payload(1)])
+        lease, slots = state.acquire(NS, [7, 8], now=0.0)
+        assert state.begin_read(lease) == slots
+        assert state.expire(now=100.0) == 0 and state.num_leases == 1  # mid-read: its slots stay pinned
+        assert state.release(lease) and state.num_leases == 1  # the worker gave up: let go when the read ends
+        assert state.begin_read(lease) is None  # no new read of a released lease
+        state.end_read(lease)
+        assert state.num_leases == 0
+        state.check_invariants()
+        lease, _ = state.acquire(NS, [7, 8], now=0.0)
+        assert state.begin_read(lease) is not None
+        state.end_read(lease)
+        assert state.expire(now=100.0) == 1 and state.num_leases == 0
+        state.check_invariants()
+    finally:
+        state.close()  # its slots' file in /dev/shm goes with it
 
 
 def test_the_transport_follows_the_node_host_id(server: StoreServer, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ import secrets
 
 import numpy as np
 
-from kvbaton.transfer.transport_shm import map_shared_file
+from kvbaton.transfer.transport_shm import map_shared_file, remove_stale_regions
 
 SHM_DIRECTORY = "/dev/shm"
 SHM_PREFIX = "kvbaton-store"
@@ -69,6 +69,8 @@ class StoreSlots:
 
     @classmethod
     def create(cls, block_bytes: int, num_slots: int, num_rows: int = 1, directory: str = SHM_DIRECTORY) -> StoreSlots:
+        # A node killed before it could unlink its file (SIGKILL, the OOM killer) left its DRAM in /dev/shm: gone now
+        remove_stale_regions(directory, SHM_PREFIX)
         path = os.path.join(directory, f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}")
         return cls(path, block_bytes, num_slots, owner=True, num_rows=num_rows)
 

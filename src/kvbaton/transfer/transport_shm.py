@@ -89,15 +89,16 @@ class ShmKVRegion:
             pass  # a caller still holds a view; the mapping goes with the last reference
 
 
-def remove_stale_regions(directory: str = SHM_DIRECTORY) -> list[str]:
-    """Delete regions whose creating process is gone (a decode worker killed before it could clean up)."""
+def remove_stale_regions(directory: str = SHM_DIRECTORY, prefix: str = SHM_PREFIX) -> list[str]:
+    """Delete regions named `prefix-PID-TOKEN` whose creating process is gone (a decode worker, or a KV store node
+    with `store_slots`' prefix, killed before it could clean up)."""
     removed: list[str] = []
     for name in sorted(os.listdir(directory)):
         parts = name.split("-")
-        if not name.startswith(SHM_PREFIX + "-") or len(parts) != 4 or not parts[2].isdigit():
+        if not name.startswith(prefix + "-") or len(parts) != prefix.count("-") + 3 or not parts[-2].isdigit():
             continue
         try:
-            os.kill(int(parts[2]), 0)
+            os.kill(int(parts[-2]), 0)
         except ProcessLookupError:
             os.unlink(os.path.join(directory, name))
             removed.append(name)

@@ -198,8 +198,8 @@ def test_a_node_a_router_names_later_is_read_from_the_next_load_on(loaded, nodes
 def test_a_load_short_of_free_blocks_still_goes_on_to_the_other_nodes(loaded, nodes,  # noqa: ANN001
                                                                       reference: list[int]) -> None:
     """B's pool is full of its own cached blocks, so its load takes the split path (acquire, then blocks, then copy):
-    its own node holds none of A's prompt, and the copy goes on to A's node for the whole chain, into blocks the
-    pool evicted cached ones for."""
+    its own node holds none of A's prompt, A's node says it holds the whole chain, and the copy goes on to A's node
+    for it, into blocks the pool evicted cached ones for. A prompt no node holds evicts nothing."""
     first, second = nodes
     small = EngineConfig(model="tiny-random", dtype="float32", cache=CacheConfig(block_size=BLOCK, num_blocks=20),
                          scheduler=SchedulerConfig(max_num_batched_tokens=512))
@@ -210,9 +210,18 @@ def test_a_load_short_of_free_blocks_still_goes_on_to_the_other_nodes(loaded, no
         _wait_blocks(first, 200 // BLOCK)
         _run(b, _prompt(seed=5))  # 13 of B's 20 blocks now cached: fewer free than the 12 a load of A's needs
         assert b.pool.num_free_blocks < NUM_FULL
+        asked: list[int] = []  # the blocks each load asks the pool for (evicting cached ones as need be)
+        allocate = b.store_loads._allocate
+        b.store_loads._allocate = lambda num: asked.append(num) or allocate(num)
+        _run(b, _prompt(seed=6))  # held by no node: its load asks for no block, so it evicts nothing
+        assert asked == [] and b.store_io.num_loaded_blocks == 0
+        _run(b, _prompt(seed=5))  # the pool as full as before (B's own prompt cached again, part from its node)
+        assert b.pool.num_free_blocks < NUM_FULL
+        asked.clear()
+        loaded_before = b.store_io.num_loaded_blocks
         out_b = _run(b, _prompt())
         assert _tokens(out_b) == reference and out_b[-1].num_cached_tokens == NUM_FULL * BLOCK
-        assert b.store_io.num_loaded_blocks == NUM_FULL and b.store_loads.num_loaded_requests == 1
+        assert asked == [NUM_FULL] and b.store_io.num_loaded_blocks - loaded_before == NUM_FULL  # A's node's
         b.check_invariants()
         for node in nodes:
             wait_unpinned(node.server)

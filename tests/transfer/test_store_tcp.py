@@ -208,3 +208,19 @@ def test_a_release_after_the_tcp_link_broke_goes_on_the_control_socket(server: S
         wait_unpinned(server)
     finally:
         client.close()
+
+
+def test_held_says_how_much_of_a_chain_the_node_holds_and_pins_nothing(server: StoreServer) -> None:
+    hashes = _put(server, 3)
+    client = StoreClient(server.address, SECRET, transport="tcp", retry_after_s=0.0)
+    try:
+        client.hello()
+        assert client.held(NS, [*hashes, 77, hashes[0]]) == 3  # the leading run only
+        assert client.held(NS, [77, *hashes]) == 0
+        assert client.held(("rev", "layout", "tenant-b"), hashes) == 0  # another tenant's: none
+        with server.locked():
+            assert server.state.num_leases == 0 and server.state.num_loaded_blocks == 0  # no pin, no use counted
+        with pytest.raises(StoreUnavailable, match="refused the held"):
+            client.held(["not", "a namespace"], hashes)
+    finally:
+        client.close()

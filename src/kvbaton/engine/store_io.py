@@ -90,7 +90,8 @@ class LoadJob:
     acquire_s: float = 0.0  # seconds its acquire took (a load's time is its acquire's plus its copy's)
     error: str = ""
     prefetch: object = None  # its own node's acquire, sent while the load before it copied (the IO thread's)
-    more_nodes: bool = False  # set by `acquire`: other nodes may hold what the own node lacks (give blocks for all)
+    more_nodes: bool = False  # set by `acquire`: there are other nodes, which `copy` goes on to
+    num_elsewhere: int = 0  # set by `acquire`: blocks past the own node's that other nodes held then (not pinned)
 
 
 @dataclass(slots=True)
@@ -318,10 +319,10 @@ class WorkerStoreIO:
             self.num_dropped_saves += len(payloads)
 
     def _acquire_own(self, link: StoreLink, job: LoadJob) -> None:
-        """The split path's first step (the pool had no room for the whole chain): pin what the own node holds, and
-        say whether other nodes may hold more (`more_nodes`: the engine then gives blocks for the whole chain, and
-        `copy` goes on from them). With other nodes, an own node that fails pins nothing rather than failing the
-        load, as in `_acquire_copy`."""
+        """The split path's first step (the pool had no room for the whole chain): pin what the own node holds and,
+        with other nodes, ask them how far they hold the chain past it (`num_elsewhere`, nothing pinned there): the
+        engine evicts cached blocks only for what some node holds, and `copy` goes on to them. With other nodes, an
+        own node that fails pins nothing rather than failing the load, as in `_acquire_copy`."""
         started = time.perf_counter()
         job.more_nodes = bool(link.remote_nodes)
         try:
@@ -331,6 +332,24 @@ class WorkerStoreIO:
                 raise
             job.lease, job.slots = 0, []
         job.acquire_s = time.perf_counter() - started
+        if job.more_nodes and len(job.slots) < len(job.block_hashes):
+            job.num_elsewhere = self._held_elsewhere(link, job, len(job.slots))
+
+    def _held_elsewhere(self, link: StoreLink, job: LoadJob, start: int) -> int:
+        """How far past `start` the nodes hold the chain, asked in turn from the first other one as `_walk` asks them
+        (each continuing where the chain stopped); a node that fails counts as holding none."""
+        nodes = (link, *link.remote_nodes)
+        reached, misses, index = start, 1, 1
+        while misses < len(nodes) and reached < len(job.block_hashes):
+            node = nodes[index]
+            index = (index + 1) % len(nodes)
+            try:
+                num = node.held(job.namespace, job.block_hashes[reached:])  # type: ignore[attr-defined]
+            except StoreUnavailable:
+                num = 0
+            reached += num
+            misses = 1 if num else misses + 1
+        return reached - start
 
     def _copy_then_walk(self, link: StoreLink, job: LoadJob, since: float) -> None:
         """The split path's copy: the own node's leased slots into the first device blocks; given more blocks than

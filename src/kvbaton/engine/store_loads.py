@@ -99,10 +99,10 @@ class StoreLoads:
             entry = self._loading.get(job.request_id)
             if entry is None or entry.job is not job:
                 continue
-            if kind == "acquired" and not entry.aborted and (job.slots or job.more_nodes):
-                # What the own node holds; with other nodes the whole chain (they may hold the rest: the copy
-                # goes on from them, and blocks it does not fill go back unused)
-                job.device_block_ids = self._allocate(len(job.block_hashes) if job.more_nodes else len(job.slots))
+            if kind == "acquired" and not entry.aborted and (job.slots or job.num_elsewhere):
+                # What the own node holds and, past it, what other nodes held when asked: the copy goes on to them
+                # (blocks it does not fill, a node having lost some since, go back unused)
+                job.device_block_ids = self._allocate(len(job.slots) + job.num_elsewhere)
                 if job.device_block_ids:
                     job.slots = job.slots[: len(job.device_block_ids)]
                     self.io.copy_in(job)

@@ -142,6 +142,10 @@ class StoreClient:
         CurveZMQ socket's trip wakes two IO threads more on each side, which a load waits on."""
         return self._over_tcp(lambda link: link.acquire(namespace, block_hashes))  # type: ignore[return-value]
 
+    def held(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of the chain the node holds, nothing pinned (on the TCP link)."""
+        return self._over_tcp(lambda link: link.held(namespace, block_hashes))  # type: ignore[return-value]
+
     def begin_acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> object | None:
         """Send an acquire on the TCP link without waiting (the IO thread's next load, while it copies this one): a
         token for `end_acquire`, or None when the link is not up (that load then acquires as usual). Never raises."""
@@ -295,6 +299,9 @@ class StoreNodes:
 
     def begin_acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> object | None:
         return self.local.begin_acquire(namespace, block_hashes)
+
+    def held(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> int:
+        return self.local.held(namespace, block_hashes)
 
     def end_acquire(self, token: object) -> tuple[int, list[int], str]:
         return self.local.end_acquire(token)

@@ -75,7 +75,7 @@ class StoreServer:
         self.epoch = secrets.token_hex(8)  # this start's: a reader that sees it change knows the node restarted
         self.tcp = StoreTcpServer(lambda: self.state.slots, state.begin_read, state.end_read, self.locked, secret,
                                   host, acquire=self._tcp_acquire, release=state.release, pin=self._tcp_pin,
-                                  settle=state.settle).start()
+                                  settle=state.settle, held=self._tcp_held).start()
 
     def serve(self, poll_ms: int = 100) -> None:
         socket = self._socket
@@ -121,6 +121,13 @@ class StoreServer:
         except KvbatonError as exc:
             raise ValueError(str(exc)) from exc
         return {"lease": lease, "slots": slots, "shm_path": self.state.slots.path}
+
+    def _tcp_held(self, request: dict) -> int:
+        """How many leading blocks of a chain this node holds, under the request's namespace (under the lock)."""
+        try:
+            return self.state.store.match(_hashes(request), _namespace(request))
+        except KvbatonError as exc:
+            raise ValueError(str(exc)) from exc
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes

@@ -29,6 +29,8 @@ A worker on the node's own host copies from the node's slots itself, so it asks 
     worker -> {id, op: "acquire", namespace, hashes}      pin the leading blocks held
     node   -> {id, lease, slots, shm_path}                their DRAM slots in the file it maps | {id, error}
     worker -> {id, op: "release", lease}                  not answered
+    worker -> {id, op: "held", namespace, hashes}         how many leading blocks it holds, nothing pinned
+    node   -> {id, num_blocks}
 
 the same acquire and release as the control path's, on this link because it is one socket between two threads:
 a round trip on it costs this host ~0.2 ms warm and ~0.9 ms after an idle pause, the CurveZMQ one (two more IO
@@ -125,13 +127,14 @@ class StoreTcpServer:
                  end_read: Callable[[int], None], locked: Callable[[], threading.Lock], secret: ClusterSecret,
                  host: str = "127.0.0.1", port: int = 0, timeout_s: float = 10.0,
                  acquire: Callable[[dict], int] | None = None, release: Callable[[int], None] | None = None,
-                 pin: Callable[[dict], dict] | None = None, settle: Callable[[], None] | None = None) -> None:
+                 pin: Callable[[dict], dict] | None = None, settle: Callable[[], None] | None = None,
+                 held: Callable[[dict], int] | None = None) -> None:
         """`acquire(request)`: a `load`'s lease (0: nothing held; raises ValueError on a bad request), and
         `release(lease)`; `pin(request)`: an `acquire` op's answer (`lease`, `slots`, `shm_path`), and `settle()`,
-        called once that answer is sent (the node prices the blocks after answering); all the node's, called
-        under `locked`."""
+        called once that answer is sent (the node prices the blocks after answering); `held(request)`: how many
+        leading blocks of a chain the node holds; all the node's, called under `locked`."""
         self._slots, self._begin_read, self._end_read, self._locked = slots, begin_read, end_read, locked
-        self._acquire, self._release, self._pin, self._settle = acquire, release, pin, settle
+        self._acquire, self._release, self._pin, self._settle, self._held = acquire, release, pin, settle, held
         self._key = LinkKey(secret, STORE_LINK_PURPOSE)
         self._timeout_s = timeout_s
         self._listener = socket.create_server((host, port))
@@ -235,7 +238,19 @@ class StoreTcpServer:
                     self._release(lease)
 
     def _control(self, sock: socket.socket, request: dict) -> None:
-        """A same-host worker's pin (answered) or release (not answered; a lease it does not hold is no error)."""
+        """A same-host worker's pin (answered) or release (not answered; a lease it does not hold is no error), or
+        any worker's question how much of a chain the node holds (answered)."""
+        if request["op"] == "held":
+            try:
+                if self._held is None:
+                    raise ValueError("this node answers no held")
+                with self._locked():
+                    num_blocks = self._held(request)
+            except (ValueError, TypeError, KeyError) as exc:
+                send_message(sock, {"id": request.get("id"), "error": str(exc)[:200]})
+                return
+            send_message(sock, {"id": request.get("id"), "num_blocks": num_blocks})
+            return
         if self._pin is None or self._release is None:
             if request["op"] == "acquire":
                 send_message(sock, {"id": request.get("id"), "error": "this node pins no blocks over TCP"})
@@ -262,7 +277,7 @@ class StoreTcpServer:
         if op == "load":
             self._load(sock, request)
             return
-        if op in ("acquire", "release"):
+        if op in ("acquire", "release", "held"):
             self._control(sock, request)
             return
         lease = request.get("lease")
@@ -366,6 +381,17 @@ class StoreTcpLink:
                 and all(isinstance(slot, int) for slot in slots) and isinstance(shm_path, str)):
             raise StoreLinkError("the store node's answer to an acquire is malformed")
         return lease, slots, shm_path
+
+    def held(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of `block_hashes` the node holds (in any tier), nothing pinned."""
+        try:
+            reply = self._ask({"op": "held", "namespace": list(namespace), "hashes": list(block_hashes)}, "held")
+        except OSError as exc:
+            raise StoreLinkError(f"the store link failed: {exc}") from exc
+        num_blocks = reply.get("num_blocks")
+        if not isinstance(num_blocks, int) or not 0 <= num_blocks <= len(block_hashes):
+            raise StoreLinkError(f"the store node answers {num_blocks!r} blocks held of {len(block_hashes)}")
+        return num_blocks
 
     def release(self, lease: int) -> None:
         """Let the pin go (not answered). Raises StoreLinkError when the link is broken."""

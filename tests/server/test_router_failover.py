@@ -234,8 +234,10 @@ def test_a_lone_router_killed_and_restarted_at_its_address_gets_its_worker_and_i
             time.sleep(0.2)
         assert w["invariant_error"] == ""
         log_text = log_path.read_text(errors="replace")
-        assert re.search(rf"router {re.escape(rpc_address)} does not know it; registering again, 1 request", log_text), \
-            log_text
+        # 1 request aborted when the broken stream still ran at the worker; 0 when tiny-random wrote its 1,900 tokens
+        # before the router was back (a loaded host restarts a router slower than that): no block is held either way
+        assert re.search(rf"router {re.escape(rpc_address)} does not know it; registering again, [01] request",
+                         log_text), log_text
         again = httpx.post(back_url + "/v1/completions", timeout=60.0, json={
             "model": "tiny-random", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).json()
         assert again["choices"][0]["text"] == first["choices"][0]["text"]

@@ -179,11 +179,7 @@ def _burst_throughput(engine: Engine, prompt: list[int], repeats: int, loads: in
         started = time.perf_counter()
         for job in jobs:
             io.acquire_and_copy(job)
-        kinds: list[str] = []
-        deadline = time.monotonic() + 30
-        while len(kinds) < loads and time.monotonic() < deadline:
-            kinds += [kind for kind, _ in io.take_results()]
-            time.sleep(0.0002)
+        kinds = _results(io, loads)
         burst_s.append(time.perf_counter() - started)
         assert kinds == ["copied"] * loads and all(job.num_copied == len(hashes) for job in jobs), kinds
         first_acquire_s.append(jobs[0].acquire_s)
@@ -268,13 +264,20 @@ def _tcp_throughput(engine: Engine, prompt: list[int], repeats: int) -> dict[str
 
 
 def _result(io: Any) -> str:
+    return _results(io, 1)[0]
+
+
+def _results(io: Any, count: int) -> list[str]:
+    """The kinds of the next `count` load results, polled every 0.2 ms."""
+    kinds: list[str] = []
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        results = io.take_results()
-        if results:
-            return results[0][0]
-        time.sleep(0.0002)
-    raise SystemExit("no load result in 30 s")
+    while len(kinds) < count:
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"{len(kinds)} of {count} load results in 30 s")
+        kinds += [kind for kind, _ in io.take_results()]
+        if len(kinds) < count:
+            time.sleep(0.0002)
+    return kinds
 
 
 def _itl_p99(engine: Engine, stream_prompt: list[int], loaders: list[list[int]], num_tokens: int) -> float:

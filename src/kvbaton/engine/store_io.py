@@ -338,17 +338,8 @@ class WorkerStoreIO:
     def _held_elsewhere(self, link: StoreLink, job: LoadJob, start: int) -> int:
         """How far past `start` the nodes hold the chain, asked in turn from the first other one as `_walk` asks them
         (each continuing where the chain stopped); a node that fails counts as holding none."""
-        nodes = (link, *link.remote_nodes)
-        reached, misses, index = start, 1, 1
-        while misses < len(nodes) and reached < len(job.block_hashes):
-            node = nodes[index]
-            index = (index + 1) % len(nodes)
-            try:
-                num = node.held(job.namespace, job.block_hashes[reached:])  # type: ignore[attr-defined]
-            except StoreUnavailable:
-                num = 0
-            reached += num
-            misses = 1 if num else misses + 1
+        reached, _ = _in_turn(link, 1, start, len(job.block_hashes),
+                              lambda node, local, at: node.held(job.namespace, job.block_hashes[at:]))  # type: ignore
         return reached - start
 
     def _copy_then_walk(self, link: StoreLink, job: LoadJob, since: float) -> None:
@@ -371,22 +362,11 @@ class WorkerStoreIO:
         self._walk(link, job)
 
     def _walk(self, link: StoreLink, job: LoadJob, first: int = 0) -> None:
-        """Ask the nodes in turn from `first` (0: the own one) for the chain from the job's `num_copied` on, into
-        its device blocks, until every node has been asked past the last block brought or the blocks are full."""
-        nodes = (link, *link.remote_nodes)
-        error: StoreUnavailable | None = None
-        misses, index = min(first, 1), first % len(nodes)  # from 1: the own node was asked already
-        while misses < len(nodes) and job.num_copied < len(job.device_block_ids):
-            node, local, start = nodes[index], index == 0, job.num_copied
-            index = (index + 1) % len(nodes)
-            try:
-                num = self._load_from(node, job, start, local)
-            except StoreUnavailable as exc:
-                if len(nodes) == 1:
-                    raise
-                error, num = exc, 0
-            job.num_copied = start + num
-            misses = 1 if num else misses + 1  # the node that brought blocks holds none past them
+        """Load the chain from the job's `num_copied` on into its device blocks from the nodes in turn from `first`
+        (0: the own one), until the blocks are full or every node was asked past the last block brought; raises
+        when nothing came and a node failed."""
+        job.num_copied, error = _in_turn(link, first, job.num_copied, len(job.device_block_ids),
+                                         lambda node, local, start: self._load_from(node, job, start, local))
         if error is not None and not job.num_copied:
             raise error
 
@@ -532,6 +512,29 @@ class WorkerStoreIO:
             self._slots = torch.frombuffer(self._mapping.buffer, dtype=kv.dtype).view(shape)
             self._rows = _word_rows(kv, self._mapping) if kv.device.type == "cpu" else None
         return self._slots
+
+
+def _in_turn(link: StoreLink, first: int, start: int, end: int,
+             ask: Callable[[StoreLink, bool, int], int]) -> tuple[int, StoreUnavailable | None]:
+    """Ask the nodes (`link`, the own one, then `link.remote_nodes`) in turn from index `first`, each
+    `ask(node, is_own, from)` for the chain from where the last stopped, until `end` or every node has been asked
+    past the last block one brought (from `first` 1: the own node counts as asked). Returns how far the chain got
+    and the last failure: with other nodes a node that fails is passed over; with none it raises."""
+    nodes = (link, *link.remote_nodes)
+    error: StoreUnavailable | None = None
+    misses, index, reached = min(first, 1), first % len(nodes), start
+    while misses < len(nodes) and reached < end:
+        node, local = nodes[index], index == 0
+        index = (index + 1) % len(nodes)
+        try:
+            num = ask(node, local, reached)
+        except StoreUnavailable as exc:
+            if len(nodes) == 1:
+                raise
+            error, num = exc, 0
+        reached += num
+        misses = 1 if num else misses + 1  # the node that brought blocks holds none past them
+    return reached, error
 
 
 def block_runs(slots: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -111,14 +111,18 @@ class StoreClient:
                                              self._secret, self.timeout_s)
                 return call(self._tcp)
             except (StoreLinkError, OSError, StoreUnavailable) as exc:
-                if self._tcp is not None:
-                    self._tcp.close()
-                    self._tcp = None
+                self._drop_tcp()
                 if reopen and isinstance(exc, StoreLinkError) and not isinstance(exc.__cause__, TimeoutError):
                     reopen = False
                     continue
                 self._down_until = self._clock() + self.retry_after_s
                 raise StoreUnavailable(str(exc)) from exc
+
+    def _drop_tcp(self) -> None:
+        """Close the TCP link (it broke): the next call opens another."""
+        if self._tcp is not None:
+            self._tcp.close()
+            self._tcp = None
 
     def _probe(self) -> None:
         """Raise StoreLinkError unless the node's control port takes a TCP connection within a second: before the
@@ -154,8 +158,7 @@ class StoreClient:
         try:
             return (self._tcp, self._tcp.begin_acquire(namespace, block_hashes), namespace, list(block_hashes))
         except StoreLinkError:
-            self._tcp.close()
-            self._tcp = None
+            self._drop_tcp()
             return None
 
     def end_acquire(self, token: object) -> tuple[int, list[int], str]:
@@ -163,17 +166,9 @@ class StoreClient:
         asked again on a fresh one (what the node pinned for the lost answer expires with its lease); a link that
         timed out takes the node as down, as `acquire` does."""
         link, call_id, namespace, block_hashes = token  # type: ignore[misc]
-        if link is not self._tcp:
-            return self.acquire(namespace, block_hashes)
-        try:
-            return link.end_acquire(call_id, len(block_hashes))
-        except StoreLinkError as exc:
-            link.close()
-            self._tcp = None
-            if isinstance(exc.__cause__, TimeoutError):
-                self._down_until = self._clock() + self.retry_after_s
-                raise StoreUnavailable(str(exc)) from exc
-            return self.acquire(namespace, block_hashes)
+        # `_over_tcp`'s reopening once of a link that broke is the asking again on a fresh one
+        return self._over_tcp(lambda tcp: tcp.end_acquire(call_id, len(block_hashes)) if tcp is link  # type: ignore
+                              else tcp.acquire(namespace, block_hashes))
 
     def release(self, lease: int) -> bool:
         """On the TCP link while it is up, else on the control socket, and sent there even while the node is taken
@@ -184,8 +179,7 @@ class StoreClient:
                 self._tcp.release(lease)
                 return True
             except StoreLinkError:
-                self._tcp.close()
-                self._tcp = None
+                self._drop_tcp()
         return self._send([msgpack.packb({"op": "release", "lease": lease})], even_if_down=True)
 
     def stats(self) -> dict:

@@ -240,35 +240,30 @@ class StoreTcpServer:
     def _control(self, sock: socket.socket, request: dict) -> None:
         """A same-host worker's pin (answered) or release (not answered; a lease it does not hold is no error), or
         any worker's question how much of a chain the node holds (answered)."""
-        if request["op"] == "held":
-            try:
-                if self._held is None:
-                    raise ValueError("this node answers no held")
-                with self._locked():
-                    num_blocks = self._held(request)
-            except (ValueError, TypeError, KeyError) as exc:
-                send_message(sock, {"id": request.get("id"), "error": str(exc)[:200]})
-                return
-            send_message(sock, {"id": request.get("id"), "num_blocks": num_blocks})
-            return
-        if self._pin is None or self._release is None:
-            if request["op"] == "acquire":
-                send_message(sock, {"id": request.get("id"), "error": "this node pins no blocks over TCP"})
-            return
-        if request["op"] == "release":
+        op = request["op"]
+        pins = self._pin is not None and self._release is not None
+        if op == "release":
             lease = request.get("lease")
-            if isinstance(lease, int):
+            if pins and isinstance(lease, int):
                 with self._locked():
-                    self._release(lease)
+                    self._release(lease)  # type: ignore[misc]
             return
+        if op == "held":
+            held = self._held
+            answer = (lambda request: {"num_blocks": held(request)}) if held is not None else None
+            refusal = "this node answers no held"
+        else:
+            answer, refusal = (self._pin if pins else None), "this node pins no blocks over TCP"
         try:
+            if answer is None:
+                raise ValueError(refusal)
             with self._locked():
-                reply = self._pin(request)
+                reply = answer(request)
         except (ValueError, TypeError, KeyError) as exc:
             send_message(sock, {"id": request.get("id"), "error": str(exc)[:200]})
             return
         send_message(sock, {"id": request.get("id"), **reply})
-        if self._settle is not None:
+        if op == "acquire" and self._settle is not None:  # the node prices the blocks once its answer is out
             with self._locked():
                 self._settle()
 

@@ -228,3 +228,36 @@ def test_a_load_short_of_free_blocks_still_goes_on_to_the_other_nodes(loaded, no
     finally:
         a.close()
         b.close()
+
+
+def test_a_prefix_read_across_twice_is_copied_to_the_readers_node(loaded, nodes,  # noqa: ANN001
+                                                                   reference: list[int]) -> None:
+    """The replication rule live: A's prompt lives on A's node; B, on the second node's host, reads it across once
+    (no copy), C, on that host too, a second time: A's node grants the second node a copy, which C writes there as
+    a replica; D, on that host, then loads it from its own node's shared memory, no read across."""
+    first, second = nodes
+    engines = [Engine(_config(), loaded, create_store_link=_link(node, nodes)) for node in (first, *[second] * 3)]
+    a, b, c, d = engines
+    try:
+        _run(a, _prompt())
+        _wait_blocks(first, 200 // BLOCK)
+        assert _tokens(_run(b, _prompt())) == reference
+        assert b.store_io.num_saved_blocks == 0 and second.state.store.num_blocks == 0
+        assert _tokens(_run(c, _prompt())) == reference
+        _wait_blocks(second, NUM_FULL)
+        assert c.store_io.num_saved_blocks == NUM_FULL
+        entries = second.state.store.nodes[StoreNodeState.NODE].entries
+        assert len(entries) == NUM_FULL and all(entry.replica for entry in entries.values())
+        reads = first.server.tcp.num_reads
+        out_d = _run(d, _prompt())
+        assert _tokens(out_d) == reference and out_d[-1].num_cached_tokens == NUM_FULL * BLOCK
+        assert d.store_io.num_loaded_blocks == NUM_FULL and first.server.tcp.num_reads == reads
+        assert d.store_io.num_saved_blocks == 0
+        for engine in engines:
+            engine.check_invariants()
+        for node in nodes:
+            wait_unpinned(node.server)
+            node.state.check_invariants()
+    finally:
+        for engine in engines:
+            engine.close()

@@ -195,3 +195,39 @@ def test_lease_ids_start_apart_on_each_start_of_a_node() -> None:
         leases.append(lease)
         state.close()
     assert leases[0] != leases[1] and all(0 < lease < 2**63 for lease in leases)
+
+
+def test_reads_from_another_node_grant_one_copy_on_the_second_as_the_simulators_store_does(
+        node: StoreNodeState) -> None:
+    """The replication rule of `KVStore.on_loaded`, decided by the source node alone: the second read by a worker on
+    another store node grants its node a copy of the blocks read (no more after: two copies at most); reads by a
+    worker of its own node's host count for nothing; a copy written as a replica grants none in turn."""
+    from kvbaton.cache.kv_store import KVStore, StoreConfig
+    _put(node, _chain(10, 3))
+    for _ in range(3):
+        node.release(node.acquire(NS, _chain(10, 3), now=0.0)[0])  # the own host's worker: no remote read
+    granted: list[int] = []
+    node.release(node.acquire(NS, _chain(10, 3), now=0.0, granted=granted)[0])
+    assert granted == []
+    node.release(node.acquire(NS, _chain(10, 2), now=0.0, granted=granted)[0])
+    assert granted == _chain(10, 2)  # the blocks read that second time (block 12 has been read across once)
+    for _ in range(3):
+        node.release(node.acquire(NS, _chain(10, 3), now=0.0, granted=granted)[0])
+    assert granted == [10, 11, 12]  # block 12's second read; 10 and 11 have their copy
+    node.check_invariants()
+    # The simulator's one store over both nodes makes the same decisions for the same reads
+    store = KVStore(StoreConfig(8), ["n0", "n1"])
+    store.put("n0", _chain(10, 3), 0, NS, 0, lambda depth: 1.0)
+    made = [store.on_loaded("n1", [(h, "n0") for h in chain]) for chain in
+            (_chain(10, 3), _chain(10, 2), *[_chain(10, 3)] * 3)]
+    assert [h for hashes in made for h in hashes] == granted
+    copy = StoreNodeState(BLOCK_BYTES, 16, dram_blocks=4)
+    try:
+        copy.put(NS, 0, _chain(10, 2), [_payload(h) for h in _chain(10, 2)], replica=True)
+        more: list[int] = []
+        for _ in range(3):
+            copy.release(copy.acquire(NS, _chain(10, 2), now=0.0, granted=more)[0])
+        assert more == []  # a replica grants no copy of its own
+        copy.check_invariants()
+    finally:
+        copy.close()

@@ -12,9 +12,13 @@ each entry also keeps that key (`namespace`) so a lookup under another key never
 - **One copy by default.** `put` of a block already held anywhere stores nothing: the cluster holds each
   block once, on the writer's node (the worker that computed it, so its next turn reads it locally), or
   on the node with the most free DRAM when the writer's node is not a store node.
-- **Hot blocks replicate** by one rule: a block read across the network by a reader on another node for
-  the `replicate_after_remote_loads`-th time (default 2) gets a copy on the reader's node, until it has
-  `max_replicas` copies (default 2). One copy of a cold block, a second near a second hot reader.
+- **Hot blocks replicate** by one rule (`on_loaded`): a block read across the network by a reader on another
+  node for the `replicate_after_remote_loads`-th time (default 2) gets a copy on the reader's node; each copy
+  written by a worker grants at most `max_replicas - 1` copies (default 2 copies in all) and a copy grants none.
+  One copy of a cold block, a second near a second hot reader. The rule reads only the source copy's own counts,
+  so a live node, which keeps its own store and knows no other node's copies, decides as the simulator's
+  cluster-wide store does: it names the blocks due a copy to the reader, whose worker writes them to its own
+  node (`put(..., replica=True)`).
 - **Eviction: GDSF** (greedy-dual size-frequency) per node and tier. A block's priority is
   `H = L + uses x recompute_s / size`, all blocks one size; `uses` counts the times it was stored or read,
   `recompute_s` is what recomputing it would cost (the caller prices it: its prefill at its depth), and
@@ -81,7 +85,7 @@ class StoreEvent:
 
 class _Entry:
     __slots__ = ("block_hash", "parent_hash", "namespace", "depth", "recompute_s", "tier", "uses", "priority",
-                 "num_pins", "num_remote_loads", "version")
+                 "num_pins", "num_remote_loads", "num_copies", "replica", "version")
 
     def __init__(self, block_hash: int, parent_hash: int, namespace: Hashable, depth: int, recompute_s: float) -> None:
         self.block_hash = block_hash
@@ -94,6 +98,8 @@ class _Entry:
         self.priority = 0.0
         self.num_pins = 0
         self.num_remote_loads = 0
+        self.num_copies = 0  # copies this one granted (`on_loaded`)
+        self.replica = False  # a copy made by the replication rule: it grants none
         self.version = 0  # bumped at every re-prioritisation: older heap entries are stale
 
 
@@ -199,9 +205,10 @@ class KVStore:
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, writer: NodeId, block_hashes: Sequence[int], parent_hash: int, namespace: Hashable,
-            first_depth: int, recompute_s: Callable[[int], float]) -> list[int]:
+            first_depth: int, recompute_s: Callable[[int], float], replica: bool = False) -> list[int]:
         """Store the chain `block_hashes` (following the block hashed `parent_hash`, the first at depth
         `first_depth` blocks) written by a worker on `writer`; blocks the cluster holds are skipped (one copy).
+        `replica`: the copies another node's `on_loaded` granted (a live reader writes them; they grant none).
         `recompute_s(depth)` prices a block. Returns the positions in `block_hashes` of the blocks stored and still
         held when it returns (their bytes are to be written: a chain longer than the room may push out its own
         head)."""
@@ -211,6 +218,7 @@ class KVStore:
         for i, block_hash in enumerate(block_hashes):
             if block_hash not in self._where and node is not None:
                 entry = _Entry(block_hash, parent, namespace, first_depth + i, recompute_s(first_depth + i))
+                entry.replica = replica
                 if self._insert(node, entry):
                     stored.append(i)
             parent = block_hash
@@ -231,11 +239,15 @@ class KVStore:
                 entry = self.nodes[node_id].entries[block_hash]
                 entry.num_pins = max(0, entry.num_pins - 1)  # a copy replicated after the pin holds none
 
-    def on_loaded(self, reader: NodeId, sources: Sequence[tuple[int, NodeId]]) -> None:
+    def on_loaded(self, reader: NodeId, sources: Sequence[tuple[int, NodeId]], reader_elsewhere: bool = False
+                  ) -> list[int]:
         """A reader on node `reader` loaded these blocks, each from (hash, source node): they are used once more,
         a disk copy read is promoted to DRAM, and a block read across the network often enough is replicated on
-        the reader's node."""
+        the reader's node. `reader_elsewhere`: the reader's node is a store node this store does not keep (a live
+        node keeps only its own blocks): the copies due are not made here but returned, for the reader to write.
+        Returns the hashes granted a copy."""
         cfg = self.config
+        granted: list[int] = []
         for block_hash, source in sources:
             node = self.nodes.get(source)
             entry = node.entries.get(block_hash) if node is not None else None
@@ -246,16 +258,23 @@ class KVStore:
                 self._move(node, entry, DRAM)
             else:
                 self._prioritise(node, entry)
-            if source == reader or reader not in self.nodes:
+            if source == reader or (reader not in self.nodes and not reader_elsewhere):
                 continue
             entry.num_remote_loads += 1
-            holders = self._where[block_hash]
-            if (cfg.replicate_after_remote_loads and entry.num_remote_loads >= cfg.replicate_after_remote_loads
-                    and len(holders) < cfg.max_replicas and reader not in holders):
+            if not (cfg.replicate_after_remote_loads and entry.num_remote_loads >= cfg.replicate_after_remote_loads
+                    and not entry.replica and entry.num_copies < cfg.max_replicas - 1):
+                continue
+            if not reader_elsewhere:
+                if reader in self._where[block_hash]:
+                    continue
                 copy = _Entry(block_hash, entry.parent_hash, entry.namespace, entry.depth, entry.recompute_s)
-                copy.uses = entry.uses
-                if self._insert(self.nodes[reader], copy):
-                    self.num_replicated_blocks += 1
+                copy.uses, copy.replica = entry.uses, True
+                if not self._insert(self.nodes[reader], copy):
+                    continue
+                self.num_replicated_blocks += 1
+            entry.num_copies += 1
+            granted.append(block_hash)
+        return granted
 
     def discard(self, node_id: NodeId, block_hash: int) -> bool:
         """The node's copy of the block is unusable (its bytes failed a check): it leaves the node, EVICTED, pinned

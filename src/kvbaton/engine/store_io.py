@@ -5,7 +5,10 @@
   the save (counted), never blocks. The thread copies each block out of the KV pool and `put`s it to the store.
   Until it has copied a block, an eviction of that block (`demote`, which runs before its device block can be
   reused) cancels the save, under the lock the copy holds: a save never reads a reused block. A `clear` (an
-  admin's reset, not a step) copies the pending blocks out itself instead, so a reset loses no save.
+  admin's reset, not a step) copies the pending blocks out itself instead, so a reset loses no save. Blocks
+  loaded are not saved again, but for those another node granted a copy on this worker's node (`copies` of a
+  TCP load, the store's replication rule: `kvbaton.cache.kv_store`): they are saved as the worker's own
+  blocks are, marked `replica`.
 - **Loads.** `acquire` asks the store node for the leading blocks of a chain (pinned under a lease, in its DRAM
   slots); `copy_in` copies them from the node's shared-memory slots straight into device blocks the engine
   allocated (or, when the link says the node is on another host, reads them over its TCP port into those
@@ -50,8 +53,8 @@ class StoreLink(Protocol):
         "shm" (map the slots and copy them) or "tcp" (read leased slots with `read_into`)."""
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
-            payloads: Sequence[memoryview]) -> bool:
-        """Send blocks to store, not waiting; False when dropped."""
+            payloads: Sequence[memoryview], replica: bool = False) -> bool:
+        """Send blocks to store, not waiting; False when dropped. `replica`: copies another node granted."""
 
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
         """(lease, slots, the slots' shared-memory path) of the leading blocks the node holds, pinned; raises
@@ -61,8 +64,9 @@ class StoreLink(Protocol):
         """The lease's blocks, rows first, into `buffers` over TCP; raises StoreUnavailable."""
 
     def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
-                  buffers_for: Callable[[int], list[memoryview]]) -> int:
-        """Acquire, read (rows first, into `buffers_for(n)`) and release over TCP in one trip; returns n."""
+                  buffers_for: Callable[[int], list[memoryview]], copies: list[int] | None = None) -> int:
+        """Acquire, read (rows first, into `buffers_for(n)`) and release over TCP in one trip; returns n. `copies`
+        (from another node): the positions of the blocks read that it grants a copy on this worker's node."""
 
     def release(self, lease: int) -> bool:
         """Unpin a lease's blocks, not waiting."""
@@ -92,6 +96,7 @@ class LoadJob:
     prefetch: object = None  # its own node's acquire, sent while the load before it copied (the IO thread's)
     more_nodes: bool = False  # set by `acquire`: there are other nodes, which `copy` goes on to
     num_elsewhere: int = 0  # set by `acquire`: blocks past the own node's that other nodes held then (not pinned)
+    copies: list[int] = field(default_factory=list)  # hashes loaded from other nodes that granted a copy here
 
 
 @dataclass(slots=True)
@@ -102,6 +107,7 @@ class _SaveJob:
     device_block_ids: list[int]
     cancelled: bool = False
     payloads: list | None = None  # copied out already (by a `clear`, before its blocks went back to the pool)
+    replica: bool = False  # blocks loaded from another node that granted them a copy on this worker's node
 
 
 def namespace_of(cache_key: object) -> tuple[str, str, str]:
@@ -128,6 +134,7 @@ class WorkerStoreIO:
         self.transport = ""  # "shm" | "tcp", from the node's hello
         self._staging: torch.Tensor | None = None  # a TCP read's host buffer on an accelerator
         self.skip_saves: set[int] = set()  # hashes loaded from the store: caching them saves nothing
+        self.copy_saves: set[int] = set()  # hashes loaded from another node that granted them a copy here
         self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
         self.num_loaded_blocks = self.num_failed_loads = 0
         self.num_prefetched_acquires = 0  # loads whose acquire went out while the one before them copied
@@ -154,7 +161,7 @@ class WorkerStoreIO:
             run = keep[: next((j for j, i in enumerate(keep) if i != first + j), len(keep))]
             parent = block_hashes[first - 1] if first else parent_hash
             job = _SaveJob(namespace_of(namespace), parent, [block_hashes[i] for i in run],
-                           [device_block_ids[i] for i in run])
+                           [device_block_ids[i] for i in run], replica=block_hashes[first] in self.copy_saves)
             for block_id in job.device_block_ids:
                 self._pending[block_id] = job
             self._num_pending_blocks += len(run)
@@ -313,7 +320,7 @@ class WorkerStoreIO:
             if payloads is None:
                 payloads = self._payloads(job)
                 self._unlist(job)
-        if link.put(job.namespace, job.parent_hash, job.block_hashes, [memoryview(p) for p in payloads]):
+        if link.put(job.namespace, job.parent_hash, job.block_hashes, [memoryview(p) for p in payloads], job.replica):
             self.num_saved_blocks += len(payloads)
         else:
             self.num_dropped_saves += len(payloads)
@@ -393,9 +400,11 @@ class WorkerStoreIO:
             def buffers_for(num: int) -> list[memoryview]:
                 answered[0] = time.perf_counter()
                 return self._receive_buffers(block_ids[:num])
+            copies: list[int] | None = None if local else []
             try:
-                num = node.load_into(job.namespace, hashes, buffers_for)
+                num = node.load_into(job.namespace, hashes, buffers_for, copies)
                 self._finish_receive(block_ids[:num])
+                job.copies.extend(hashes[i] for i in copies or ())
             finally:
                 self.copy_in_s += time.perf_counter() - started
             self._count_load(num, time.perf_counter() - started, answered[0] - started)

@@ -131,12 +131,14 @@ class StoreLoads:
         num = job.num_copied  # the leading blocks copied (the rest are released unused)
         if not num:
             return False
-        self.io.skip_saves = set(job.block_hashes[:num])  # the store has them: caching them writes nothing
+        # The store has them: caching them writes nothing, but for the copies another node granted this one
+        copies = set(job.copies).intersection(job.block_hashes[:num])
+        self.io.skip_saves, self.io.copy_saves = set(job.block_hashes[:num]) - copies, copies
         try:
             self.cache.insert_from_blocks(entry.node, entry.token_blocks[:num], job.device_block_ids[:num],
                                           job.block_hashes[:num])
         finally:
-            self.io.skip_saves = set()
+            self.io.skip_saves, self.io.copy_saves = set(), set()
         return True
 
     def _end(self, entry: _Loading) -> None:

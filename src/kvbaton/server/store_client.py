@@ -89,10 +89,10 @@ class StoreClient:
         self._over_tcp(lambda link: link.read_into(lease, buffers))
 
     def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
-                  buffers_for: Callable[[int], list[memoryview]]) -> int:
+                  buffers_for: Callable[[int], list[memoryview]], copies: list[int] | None = None) -> int:
         """Acquire, read and release over the node's TCP port in one trip (`StoreTcpLink.load_into`): the leading
-        blocks held into `buffers_for(n)`; returns n. Raises StoreUnavailable."""
-        return self._over_tcp(lambda link: link.load_into(namespace, block_hashes, buffers_for))
+        blocks held into `buffers_for(n)`; returns n (`copies`: as there). Raises StoreUnavailable."""
+        return self._over_tcp(lambda link: link.load_into(namespace, block_hashes, buffers_for, copies))
 
     def _over_tcp(self, call: Callable[[StoreTcpLink], object]) -> object:
         """`call` on the TCP link, opened first if need be. A link opened before that breaks without timing out
@@ -137,8 +137,9 @@ class StoreClient:
             raise StoreLinkError(f"store node {self.address} takes no connection: {exc}") from exc
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
-            payloads: Sequence[memoryview]) -> bool:
-        header = {"op": "put", "namespace": list(namespace), "parent": parent_hash, "hashes": list(block_hashes)}
+            payloads: Sequence[memoryview], replica: bool = False) -> bool:
+        header = {"op": "put", "namespace": list(namespace), "parent": parent_hash, "hashes": list(block_hashes),
+                  "replica": replica}
         return self._send([msgpack.packb(header), *payloads])
 
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
@@ -285,8 +286,8 @@ class StoreNodes:
         return self.local.hello()
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
-            payloads: Sequence[memoryview]) -> bool:
-        return self.local.put(namespace, parent_hash, block_hashes, payloads)
+            payloads: Sequence[memoryview], replica: bool = False) -> bool:
+        return self.local.put(namespace, parent_hash, block_hashes, payloads, replica)
 
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
         return self.local.acquire(namespace, block_hashes)
@@ -304,8 +305,8 @@ class StoreNodes:
         self.local.read_into(lease, buffers)
 
     def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
-                  buffers_for: Callable[[int], list[memoryview]]) -> int:
-        return self.local.load_into(namespace, block_hashes, buffers_for)
+                  buffers_for: Callable[[int], list[memoryview]], copies: list[int] | None = None) -> int:
+        return self.local.load_into(namespace, block_hashes, buffers_for, copies)
 
     def release(self, lease: int) -> bool:
         return self.local.release(lease)

@@ -53,6 +53,7 @@ class StoreNodeState:
     """A store node's metadata and bytes; one thread calls it (the server loop)."""
 
     NODE = "local"
+    READER_ELSEWHERE = "elsewhere"  # the reader of a load from a worker on another store node
 
     def __init__(self, block_bytes: int, block_tokens: int, dram_blocks: int, disk: DiskBlockFiles | None = None,
                  lease_s: float = 30.0, slots: StoreSlots | None = None, max_log_events: int = 65536,
@@ -64,8 +65,7 @@ class StoreNodeState:
         self.block_bytes = block_bytes
         self.disk = disk
         disk_blocks = disk.capacity_blocks if disk is not None else 0
-        self.store = KVStore(StoreConfig(dram_blocks, disk_blocks, replicate_after_remote_loads=0, max_replicas=1),
-                             [self.NODE])
+        self.store = KVStore(StoreConfig(dram_blocks, disk_blocks), [self.NODE])  # the simulator's replication rule
         self.slots = slots if slots is not None else StoreSlots.create(block_bytes, dram_blocks, block_rows)
         if disk is not None:
             disk.open()
@@ -84,27 +84,31 @@ class StoreNodeState:
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, namespace: Namespace, parent_hash: int, block_hashes: Sequence[int],
-            payloads: Sequence[bytes | memoryview]) -> int:
+            payloads: Sequence[bytes | memoryview], replica: bool = False) -> int:
         """Store a chain of blocks computed by a worker (following the block hashed `parent_hash`); blocks held
-        already are skipped. Returns how many were stored. A payload of the wrong size refuses the whole put."""
+        already are skipped. Returns how many were stored. A payload of the wrong size refuses the whole put.
+        `replica`: blocks the worker loaded from another node, which granted them a copy here (they grant none)."""
         if len(payloads) != len(block_hashes) or any(len(p) != self.block_bytes for p in payloads):
             self.num_refused_puts += 1
             raise InvalidRequestError(f"a store put needs one {self.block_bytes}-byte payload per block")
         namespace = tuple(namespace)
         first_depth = self.store.depth_after(parent_hash)
-        stored = self.store.put(self.NODE, list(block_hashes), parent_hash, namespace, first_depth, self._recompute_s)
+        stored = self.store.put(self.NODE, list(block_hashes), parent_hash, namespace, first_depth, self._recompute_s,
+                                replica)
         self._apply(dict(zip(block_hashes, payloads)), namespace)
         self.num_put_blocks += len(stored)
         return len(stored)
 
     # ---- loads ---------------------------------------------------------------------------------
     def acquire(self, namespace: Namespace, block_hashes: Sequence[int], now: float,
-                defer_uses: bool = False) -> tuple[int, list[int]]:
+                defer_uses: bool = False, granted: list[int] | None = None) -> tuple[int, list[int]]:
         """Pin the leading blocks of `block_hashes` held under `namespace`, promoted to DRAM; returns (lease, their
         slots). Lease 0 and no slots when nothing matches. `defer_uses`: when every block matched is in DRAM already
         (nothing to promote), their uses are counted by the next `settle` instead, so the server answers first and
         prices the blocks after (the policy core's work per block is half an acquire's round trip here); the pins
-        are taken at once either way."""
+        are taken at once either way. `granted` (a list): the reader is a worker on another store node; its read
+        counts toward the store's replication rule (`KVStore.on_loaded`), and the hashes of the blocks leased that
+        the rule grants a copy on the reader's node are appended (its worker writes them there)."""
         namespace = tuple(namespace)
         store = self.store
         run = list(block_hashes[: store.match(block_hashes, namespace)])
@@ -112,10 +116,12 @@ class StoreNodeState:
             return 0, []
         store.pin(run)
         entries = store.nodes[self.NODE].entries
-        if defer_uses and all(entries[h].tier == DRAM for h in run):
+        if defer_uses and granted is None and all(entries[h].tier == DRAM for h in run):
             self._unsettled.append((run, namespace))
             return self._lease(run, now)
-        store.on_loaded(self.NODE, [(h, self.NODE) for h in run])  # a use each; disk copies move up to DRAM
+        # a use each; disk copies move up to DRAM
+        due = store.on_loaded(self.NODE if granted is None else self.READER_ELSEWHERE,
+                              [(h, self.NODE) for h in run], reader_elsewhere=granted is not None)
         self._apply({}, namespace)
         entries = store.nodes[self.NODE].entries
         num = 0
@@ -124,6 +130,9 @@ class StoreNodeState:
         store.unpin(run[num:])
         if not num:
             return 0, []
+        if granted is not None:
+            leased = set(run[:num])
+            granted.extend(h for h in due if h in leased)
         return self._lease(run[:num], now)
 
     def _lease(self, run: list[int], now: float) -> tuple[int, list[int]]:

@@ -7,8 +7,9 @@ raw frame per block. Ops:
 - `hello` -> the DRAM slots' shared-memory path, block bytes and slot count (a same-host worker maps them), the
   node's host id (`store_slots.host_id`: a worker whose own differs is on another host) and the port of its TCP
   data path (`kvbaton.transfer.store_tcp`: a worker on another host reads leased slots over it);
-- `put` (namespace, parent hash, block hashes; the blocks' bytes as frames): write-through, no answer (a
-  worker never waits on a save);
+- `put` (namespace, parent hash, block hashes, `replica`; the blocks' bytes as frames): write-through, no answer
+  (a worker never waits on a save); `replica`: blocks the worker loaded from another node that granted them a copy
+  here (`kv_store`'s replication rule);
 - `acquire` (namespace, block hashes) -> a lease and the slots of the leading blocks held, pinned;
 - `release` (lease): the worker copied them out; no answer (`StoreClient` sends these two on the TCP link
   instead, `store_tcp`'s `acquire` and `release` ops: the same calls under the same lock, on a shorter trip);
@@ -106,12 +107,17 @@ class StoreServer:
     def locked(self) -> threading.Lock:
         return self._lock
 
-    def _tcp_acquire(self, request: dict) -> int:
-        """A TCP `load`'s acquire (under the lock): the lease of the leading blocks held, 0 for none."""
+    def _tcp_acquire(self, request: dict) -> tuple[int, list[int]]:
+        """A TCP `load`'s acquire (under the lock): the lease of the leading blocks held (0 for none) and, for a
+        reader on another store node (`remote`), the positions in the chain of the blocks granted a copy there."""
+        granted: list[int] | None = [] if request.get("remote") is True else None
+        hashes = _hashes(request)
         try:
-            return self.state.acquire(_namespace(request), _hashes(request), self._clock())[0]
+            lease = self.state.acquire(_namespace(request), hashes, self._clock(), granted=granted)[0]
         except KvbatonError as exc:
             raise ValueError(str(exc)) from exc
+        due = set(granted or ())
+        return lease, [i for i, block_hash in enumerate(hashes) if block_hash in due]
 
     def _tcp_pin(self, request: dict) -> dict:
         """A same-host worker's acquire on its TCP link (under the lock): what the control path's answers, its uses
@@ -150,7 +156,8 @@ class StoreServer:
         state = self.state
         op = header["op"]
         if op == "put":
-            state.put(_namespace(header), int(header["parent"]), _hashes(header), [f.buffer for f in payloads])
+            state.put(_namespace(header), int(header["parent"]), _hashes(header), [f.buffer for f in payloads],
+                      header.get("replica") is True)
             return None
         if op == "release":
             state.release(int(header["lease"]))

@@ -17,12 +17,14 @@ Every message is `framing.py`'s `u32 length | msgpack map` (never pickle); then
 
     worker -> {id, lease}                                read a lease acquired over the control path
     node   -> {id, num_bytes} + the lease's blocks, row by row | {id, error}
-    worker -> {id, op: "load", namespace, hashes}         acquire, read and release in one trip
-    node   -> {id, num_blocks, num_bytes} + those blocks, row by row | {id, error}
+    worker -> {id, op: "load", namespace, hashes, remote} acquire, read and release in one trip
+    node   -> {id, num_blocks, num_bytes, copies} + those blocks, row by row | {id, error}
 
 A `load` is what a worker with room for the whole chain sends: the node pins the leading blocks it holds
 (`acquire`, promoting disk blocks), streams them and lets the pin go itself when the last byte is sent (or the
-send failed), so the load costs one round trip on this link and none on the control path.
+send failed), so the load costs one round trip on this link and none on the control path. `remote`: the worker
+is on another store node's host, so the read counts toward the store's replication rule; `copies` are the
+positions of the blocks sent that the rule grants a copy on the worker's node (`kvbaton.cache.kv_store`).
 
 A worker on the node's own host copies from the node's slots itself, so it asks here only for the pin, no bytes:
 
@@ -129,7 +131,8 @@ class StoreTcpServer:
                  acquire: Callable[[dict], int] | None = None, release: Callable[[int], None] | None = None,
                  pin: Callable[[dict], dict] | None = None, settle: Callable[[], None] | None = None,
                  held: Callable[[dict], int] | None = None) -> None:
-        """`acquire(request)`: a `load`'s lease (0: nothing held; raises ValueError on a bad request), and
+        """`acquire(request)`: a `load`'s lease (0: nothing held; raises ValueError on a bad request) and the
+        positions of its blocks granted a copy on the reader's node (`copies`), and
         `release(lease)`; `pin(request)`: an `acquire` op's answer (`lease`, `slots`, `shm_path`), and `settle()`,
         called once that answer is sent (the node prices the blocks after answering); `held(request)`: how many
         leading blocks of a chain the node holds; all the node's, called under `locked`."""
@@ -219,7 +222,7 @@ class StoreTcpServer:
             return
         try:
             with self._locked():
-                lease = self._acquire(request)
+                lease, copies = self._acquire(request)
                 slots = self._begin_read(lease) if lease else []
         except (ValueError, TypeError, KeyError) as exc:
             send_message(sock, {"id": request.get("id"), "error": str(exc)[:200]})
@@ -227,8 +230,8 @@ class StoreTcpServer:
         try:
             mapping = self._slots()
             num_bytes = len(slots or []) * mapping.block_bytes
-            send_message(sock, {"id": request.get("id"), "num_blocks": len(slots or []), "num_bytes": num_bytes},
-                         row_views(mapping.rows, slots or []))
+            send_message(sock, {"id": request.get("id"), "num_blocks": len(slots or []), "num_bytes": num_bytes,
+                                "copies": copies if slots else []}, row_views(mapping.rows, slots or []))
             self.num_reads += 1
             self.num_sent_bytes += num_bytes
         finally:
@@ -335,14 +338,23 @@ class StoreTcpLink:
             raise StoreLinkError(f"the store link failed: {exc}") from exc
 
     def load_into(self, namespace: Sequence[str], block_hashes: Sequence[int],
-                  buffers_for: Callable[[int], list[memoryview]]) -> int:
+                  buffers_for: Callable[[int], list[memoryview]], copies: list[int] | None = None) -> int:
         """Acquire, read and release in one trip: the leading blocks the node holds of `block_hashes` into
-        `buffers_for(n)` (their wire order); returns n. Raises StoreLinkError as `read_into` does."""
+        `buffers_for(n)` (their wire order); returns n. `copies` (a list): this worker is on another store node's
+        host (the read counts toward the replication rule), and the positions of the blocks read that the node
+        grants a copy on this worker's node are appended. Raises StoreLinkError as `read_into` does."""
         try:
-            reply = self._ask({"op": "load", "namespace": list(namespace), "hashes": list(block_hashes)}, "load")
-            num_blocks = reply.get("num_blocks")
+            request = {"op": "load", "namespace": list(namespace), "hashes": list(block_hashes)}
+            if copies is not None:
+                request["remote"] = True
+            reply = self._ask(request, "load")
+            num_blocks, granted = reply.get("num_blocks"), reply.get("copies", [])
             if not isinstance(num_blocks, int) or not 0 <= num_blocks <= len(block_hashes):
                 raise StoreLinkError(f"the store node answers {num_blocks!r} blocks of {len(block_hashes)}")
+            if not (isinstance(granted, list) and all(isinstance(i, int) and 0 <= i < num_blocks for i in granted)):
+                raise StoreLinkError("the store node's copies are malformed")
+            if copies is not None:
+                copies.extend(granted)
             self._receive(buffers_for(num_blocks) if num_blocks else [], reply, "load")
         except OSError as exc:
             raise StoreLinkError(f"the store link failed: {exc}") from exc

@@ -77,15 +77,19 @@ def generate_text(model: str, prompt: str, max_tokens: int) -> str:
     return str(json.loads(done.stdout)["text"])
 
 
-def wait_pd_idle(http: httpx.Client, url: str, timeout_s: float = 20.0) -> tuple[dict, dict[str, dict]]:
+def wait_pd_idle(http: httpx.Client, url: str, timeout_s: float = 20.0,
+                 handoffs: dict[str, int] | None = None) -> tuple[dict, dict[str, dict]]:
     """Polls /cluster until nothing is in flight and every worker holds only cached blocks (no KV held for a
-    transfer); returns the cluster description and its workers by id."""
+    transfer) and, if given, each named worker has counted at least that many completed handoffs (its counters
+    come with its heartbeat, which may follow the idle view); returns the cluster description and its workers
+    by id."""
     deadline = time.monotonic() + timeout_s
     while True:
         info = http.get(url + "/cluster").json()
         workers = {w["worker_id"]: w for w in info["workers"]}
         if info["num_in_flight"] == 0 and all(w["num_used_blocks"] == w["num_cached_blocks"]
-                                              and w["transfers"]["num_held_blocks"] == 0 for w in workers.values()):
+                                              and w["transfers"]["num_held_blocks"] == 0 for w in workers.values()) \
+                and all(workers[w]["transfers"]["num_completed"] >= n for w, n in (handoffs or {}).items()):
             return info, workers
         assert time.monotonic() < deadline, info
         time.sleep(0.1)

@@ -63,7 +63,7 @@ def test_serve_with_a_tp2_prefill_pool_hands_off_to_a_tp1_decode_worker() -> Non
         answer = http.post(f"{served.url}/v1/completions",
                            json={"model": "tiny-random", "prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
         assert answer["choices"][0]["text"] == want
-        _, workers = wait_pd_idle(http, served.url)
+        _, workers = wait_pd_idle(http, served.url, handoffs={"p0": 1})
         assert workers["p0"]["transfers"]["num_completed"] == 1
         parallelism = {w: (workers[w]["tensor_parallel_size"], workers[w]["pipeline_parallel_size"]) for w in workers}
         assert parallelism == {"p0": (2, 1), "d0": (1, 1)}  # as each registered: /cluster shows it

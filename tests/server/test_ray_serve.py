@@ -233,12 +233,7 @@ def test_a_tp2_prefill_worker_on_ray_holds_a_cpu_per_rank_and_hands_off_to_a_tp1
             with httpx.Client(timeout=300) as http:
                 got = http.post(server.url + "/v1/completions", json={"model": "tiny-random", "prompt": prompt,
                                                                        "max_tokens": 8, "temperature": 0}).json()
-                _, workers = wait_pd_idle(http, server.url)
-                deadline = time.monotonic() + 20
-                while workers["p0"]["transfers"]["num_completed"] < 1:  # the prefill worker's counters come with
-                    assert time.monotonic() < deadline, workers["p0"]  # its heartbeat, which may follow the idle view
-                    time.sleep(0.1)
-                    _, workers = wait_pd_idle(http, server.url)
+                _, workers = wait_pd_idle(http, server.url, handoffs={"p0": 1})
             assert got["choices"][0]["text"] == want
             assert workers["p0"]["transfers"]["num_completed"] == 1
             assert {w: (workers[w]["tensor_parallel_size"], workers[w]["pipeline_parallel_size"])

@@ -21,7 +21,7 @@ from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.request import FinishReason
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import TokenDelta
-from kvbaton.engine.engine import Engine
+from kvbaton.engine.engine import LOAD_WAIT_S, Engine
 from kvbaton.engine.store_io import WorkerStoreIO
 from kvbaton.model.registry import load_model
 from kvbaton.server.store_client import StoreClient
@@ -511,3 +511,38 @@ def test_a_prefetched_acquire_is_kept_past_other_calls_and_asked_again_when_its_
         assert store.state.num_expired_leases == 1
     finally:
         client.close()
+
+
+def test_an_engine_with_only_loads_in_flight_waits_for_them_instead_of_spinning(loaded, make_store) -> None:  # noqa: ANN001
+    """While its only request loads from the store, a step waits for the load (at most LOAD_WAIT_S, the GIL let
+    go) rather than returning at once: an empty step loop would hold the interpreter the store IO thread needs to
+    finish the load. A request with something to compute meanwhile is never made to wait."""
+    store = make_store()
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    gate = threading.Event()
+    b = Engine(_config(), loaded,
+               create_store_link=lambda: _GatedClient(gate, store.address, SECRET, timeout_s=2.0, retry_after_s=0.5))
+    try:
+        expected = _tokens(_run(a, _prompt(31)))
+        _wait_saved(store, 200 // BLOCK)
+        rid = b.add_request(_prompt(31), GREEDY)
+        started, num_steps = time.monotonic(), 0
+        while time.monotonic() - started < 0.3:
+            assert b.step() == []
+            num_steps += 1
+        assert rid in b.store_loads and num_steps <= 0.3 / LOAD_WAIT_S + 10, num_steps  # spinning: thousands
+        other = b.add_request(_prompt(32, num_tokens=8), GREEDY)  # too short to load: straight to the scheduler
+        b.step()
+        assert b.last_plan.chunks and other in b.scheduler.requests  # computed at once, not gated behind the load
+        gate.set()
+        outputs: list[TokenDelta] = []
+        deadline = time.monotonic() + 60
+        while b.has_unfinished_requests():
+            assert time.monotonic() < deadline, "a request hangs"
+            outputs += [out for out in b.step() if out.request_id == rid]
+        assert _tokens(outputs) == expected and outputs[-1].num_cached_tokens == 192
+        b.check_invariants()
+        wait_unpinned(store.server)
+    finally:
+        a.close()
+        b.close()

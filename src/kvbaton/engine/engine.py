@@ -53,6 +53,12 @@ class _Tracked:
     prompt_logprobs: list[SampledToken] | None = None  # collected so far, when the request asks for them
 
 
+# How long a step with only store loads in flight waits for the first to finish, the GIL let go (rather than step
+# empty in a loop while the store IO thread waits for the interpreter): a load's end is noticed at once, a new
+# request or an abort at most this late.
+LOAD_WAIT_S = 0.002
+
+
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  clock: Callable[[], float] = time.monotonic, kv_cache: torch.Tensor | None = None,
@@ -256,7 +262,9 @@ class Engine:
     def step(self) -> list[TokenDelta]:
         outputs: list[TokenDelta] = []
         if self.store_loads is not None:
-            for request in self.store_loads.poll(lambda request: outputs.append(self._end_loading(request))):
+            # With nothing but loads to run, wait for one (briefly: the caller has its own sockets to read)
+            wait_s = LOAD_WAIT_S if not self.scheduler.requests else 0.0
+            for request in self.store_loads.poll(lambda request: outputs.append(self._end_loading(request)), wait_s):
                 self.scheduler.add_request(request)
         now = self._clock()
         plan = self.scheduler.schedule(now)

@@ -220,9 +220,16 @@ class WorkerStoreIO:
             self._tasks.put(("release", job.lease))
             job.lease = 0
 
-    def take_results(self) -> list[tuple[str, LoadJob]]:
-        """("acquired" | "copied" | "failed", job) for each load step done since the last call."""
+    def take_results(self, wait_s: float = 0.0) -> list[tuple[str, LoadJob]]:
+        """("acquired" | "copied" | "failed", job) for each load step done since the last call; with `wait_s`, waits
+        up to that long for the first (the GIL let go meanwhile: an engine with nothing but loads to run would
+        otherwise spin in Python while this thread waits its turn for the interpreter to finish them)."""
         results = []
+        if wait_s > 0:
+            try:
+                results.append(self._results.get(timeout=wait_s))
+            except queue.Empty:
+                return results
         while True:
             try:
                 results.append(self._results.get_nowait())

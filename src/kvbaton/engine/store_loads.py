@@ -92,10 +92,11 @@ class StoreLoads:
         entry.aborted = True
         return True
 
-    def poll(self, on_aborted: Callable[[Request], None]) -> list[Request]:
-        """Advance every load whose IO step finished; returns the requests ready for the scheduler."""
+    def poll(self, on_aborted: Callable[[Request], None], wait_s: float = 0.0) -> list[Request]:
+        """Advance every load whose IO step finished, waiting up to `wait_s` for one when some are loading (an engine
+        with nothing else to step); returns the requests ready for the scheduler."""
         ready = []
-        for kind, job in self.io.take_results():
+        for kind, job in self.io.take_results(wait_s if self._loading else 0.0):
             entry = self._loading.get(job.request_id)
             if entry is None or entry.job is not job:
                 continue

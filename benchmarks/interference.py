@@ -58,7 +58,7 @@ def start_server(model: str, dtype: str, layout_args: Sequence[str], threads_per
                  extra: Sequence[str]) -> tuple[subprocess.Popen[str], str, list[int]]:
     command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", model, "--dtype", dtype, *layout_args,
                "--port", "0", "--threads-per-worker", str(threads_per_worker), "--policy", "least_load",
-               "--num-blocks", "1024", *extra]
+               "--num-blocks", "1024", "--kv-store-gb", "0", *extra]  # no store: the interference is the subject
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert process.stdout is not None
     for line in process.stdout:

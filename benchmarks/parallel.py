@@ -106,7 +106,7 @@ def pd_server(model: str, dtype: str, prefill_tp: int, args: argparse.Namespace)
     command = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", model, "--dtype", dtype, "--prefill", "1",
                "--decode", "1", "--prefill-tp", str(prefill_tp), "--local-prefill-threshold", "0",
                "--max-num-batched-tokens", str(args.prompt_tokens + 48), "--threads-per-worker", "1",
-               "--num-blocks", "512", "--port", str(port)]
+               "--num-blocks", "512", "--kv-store-gb", "0", "--port", str(port)]  # no store: TP is the subject
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -172,6 +172,16 @@ def _router_argv(argv: Sequence[str]) -> tuple[str, ...]:
     return tuple(kept)
 
 
+def _store_gb(text: str) -> float | None:
+    """--kv-store-gb: a number of GB, or auto (None: the launcher sizes it, `launcher.auto_store_gb`)."""
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of GB or auto, not {text!r}") from None
+
+
 def _add_router_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="smollm2-135m (default) | tiny-random | path to .gguf or HF dir")
     p.add_argument("--kv-transport", default="shm", choices=("shm", "tcp"), help="how KV moves prefill -> decode")
@@ -196,7 +206,7 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
     p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
-    p.add_argument("--kv-store-gb", type=float, default=0.0, metavar="GB", help="start this host's KV store node with GB of shared-memory DRAM: every worker writes its new full blocks through to it and loads prefix hits past its KV pool from it (Mooncake's store; replaces --host-num-blocks); 0 = off")
+    p.add_argument("--kv-store-gb", type=_store_gb, default=None, metavar="GB", help="this host's KV store node's shared-memory DRAM in GB: every worker writes its new full blocks through to it and loads prefix hits past its KV pool from it (Mooncake's store; replaces --host-num-blocks); default auto: twice the workers' KV pools, at most half of /dev/shm's free space, none with --host-num-blocks; 0 = off")
     p.add_argument("--kv-store-disk-gb", default="", metavar="DIR:GB", help="the store node's disk tier: block files under DIR, at most GB of them, each checked by a checksum when read back")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
@@ -515,7 +525,7 @@ def _check_kv_sizes(args: argparse.Namespace) -> None:
         from kvbaton.server.store_server import parse_disk
 
         parse_disk(args.kv_store_disk_gb)
-        if not args.kv_store_gb:
+        if args.kv_store_gb == 0:  # None: auto, which the launcher checks
             raise KvbatonError("--kv-store-disk-gb needs --kv-store-gb: disk blocks load through the store's DRAM")
 
 

@@ -4,14 +4,24 @@ served by the other from the store (usage reports the cached tokens), with the s
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import re
+import shutil
+import signal
+import subprocess
+import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import pytest
 
 from kvbaton.cli import main
+from kvbaton.server.launcher import ServeConfig, auto_store_gb
+from kvbaton.transfer.store_slots import SHM_DIRECTORY, SHM_PREFIX
 from tests.server.serve_helpers import read_banner, serve_process
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,7 +55,8 @@ def test_a_second_worker_loads_the_prompt_from_the_store() -> None:
 @pytest.mark.parametrize(("extra", "error"), [
     (["--kv-store-gb", "-1"], "--kv-store-gb must be a positive number"),
     (["--kv-store-gb", "1", "--host-num-blocks", "8"], "replaces the host tier"),
-    (["--kv-store-disk-gb", "/tmp/x:1"], "needs --kv-store-gb"),
+    (["--kv-store-gb", "0", "--kv-store-disk-gb", "/tmp/x:1"], "needs --kv-store-gb"),
+    (["--kv-store-gb", "some"], "a number of GB or auto"),
     (["--kv-store-gb", "1", "--kv-store-disk-gb", "nodir"], "DIR:GB"),
 ])
 def test_bad_store_flags_are_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch,
@@ -53,8 +64,41 @@ def test_bad_store_flags_are_refused_before_anything_starts(monkeypatch: pytest.
                                                             error: str) -> None:
     started: list[object] = []
     monkeypatch.setattr("kvbaton.server.launcher.serve", lambda config: started.append(config) or 0)
-    assert main(["serve", "--model", "tiny-random", *extra]) == 2
+    with pytest.raises(SystemExit) if "some" in extra else contextlib.nullcontext():  # argparse's own refusal
+        assert main(["serve", "--model", "tiny-random", *extra]) == 2
     assert started == [] and error in capsys.readouterr().err
+
+
+def test_serve_starts_a_store_node_by_default_sized_from_the_workers_pools(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path) -> None:  # noqa: ANN001
+    """Every worker host is a store node unless told otherwise: `kvbaton serve` asks for `auto`, twice the workers' KV
+    pools within half of /dev/shm's free space; none with the host tier asked for, with --kv-store-gb 0, or with no
+    worker (a joined router)."""
+    configs: list[ServeConfig] = []
+    monkeypatch.setattr("kvbaton.server.launcher.serve", lambda config: configs.append(config) or 0)
+    for extra in ([], ["--kv-store-gb", "auto"], ["--kv-store-gb", "0"], ["--host-num-blocks", "8"]):
+        assert main(["serve", "--model", "tiny-random", *extra]) == 0
+    assert [config.kv_store_gb for config in configs] == [None, None, 0.0, None]
+    block = 4096
+    two = ServeConfig(model="tiny-random", num_workers=2, num_blocks=100, kv_store_gb=None)
+    assert auto_store_gb(two, block, str(tmp_path)) == round(2 * 2 * 100 * block / 1e9, 3)
+    assert auto_store_gb(replace(two, num_workers=0, num_prefill=1, num_decode=2), block, str(tmp_path)) == \
+        round(2 * 3 * 100 * block / 1e9, 3)
+    assert auto_store_gb(replace(two, host_num_blocks=8), block, str(tmp_path)) == 0.0
+    assert auto_store_gb(replace(two, num_workers=0), block, str(tmp_path)) == 0.0
+    assert auto_store_gb(two, block, str(tmp_path / "absent")) == 0.0
+    free = shutil.disk_usage(tmp_path).free
+    assert auto_store_gb(replace(two, num_blocks=free), block, str(tmp_path)) == round(free // 2 / 1e9, 3)
+
+
+def test_a_plain_serve_has_its_store_node() -> None:
+    with serve_process(["--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1"]) as served, \
+            httpx.Client() as http:
+        store = http.get(f"{served.url}/cluster", timeout=10).json()["kv_store"]
+        assert store is not None and store["address"].startswith("tcp://127.0.0.1:")
+    with serve_process(["--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1",
+                        "--kv-store-gb", "0"]) as served, httpx.Client() as http:
+        assert http.get(f"{served.url}/cluster", timeout=10).json()["kv_store"] is None
 
 
 def test_every_router_of_serve_routers_reads_the_store() -> None:
@@ -123,3 +167,24 @@ def test_the_router_prices_store_loads_at_the_speed_it_measured() -> None:
         assert info["host_bytes_per_s"] != 3e9 and info["host_bytes_per_s"] == info["links"]["shm"]["bytes_per_s"]
         assert info["links"]["shm"]["num_samples"] >= 1 and info["links"]["tcp"]["num_samples"] == 0
         print(f"measured DRAM load speed: {info['host_bytes_per_s'] / 1e9:.3f} GB/s after {num_loaded} loads")
+
+
+def test_a_store_node_whose_starter_died_stops_and_removes_its_shared_memory(tmp_path) -> None:  # noqa: ANN001
+    """A launcher killed (SIGKILL) before it could stop its store node: the node sees it gone and leaves too."""
+    script = (
+        "import os, sys\n"
+        "from kvbaton.core.cluster_secret import ClusterSecret\n"
+        "from kvbaton.server.store_server import start_process\n"
+        "process, address = start_process(['--block-bytes', '64', '--block-tokens', '16', '--kv-store-gb', '0.001'],"
+        " ClusterSecret.generate(), '127.0.0.1')\n"
+        "print(process.pid, flush=True)\n"
+        "os._exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    pid = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError("the store node outlived its starter")
+        time.sleep(0.05)
+    assert not list(Path(SHM_DIRECTORY).glob(f"{SHM_PREFIX}-{pid}-*"))

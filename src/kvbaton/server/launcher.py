@@ -17,6 +17,7 @@ import gc
 import signal
 import socket
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +31,8 @@ import uvicorn
 import uvloop
 
 from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret, worker_environment
-from kvbaton.transfer.store_slots import with_streaming_copies
+from kvbaton.cache.kv_store import capacity_blocks
+from kvbaton.transfer.store_slots import SHM_DIRECTORY, with_streaming_copies
 from kvbaton.server.store_client import TRANSPORT_ENV as STORE_TRANSPORT_ENV
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.config import ModelConfig
@@ -72,8 +74,9 @@ class ServeConfig:
     block_size: int = 16
     num_blocks: int = 2048  # per worker
     host_num_blocks: int = 0  # per worker: the prefix cache's host tier (kvbaton.cache.host_tier); 0 = off
-    # This host's KV store node (kvbaton.server.store_server): DRAM in GB (0 = none) and its disk tier "DIR:GB".
-    kv_store_gb: float = 0.0
+    # This host's KV store node (kvbaton.server.store_server): DRAM in GB (0 = none; None = `auto_store_gb`, what
+    # `kvbaton serve` takes unless told) and its disk tier "DIR:GB".
+    kv_store_gb: float | None = 0.0
     kv_store_disk: str = ""
     # set by the launcher once the store node listens, and handed to every worker and router; a joined router's is
     # the node it reads (`kvbaton router --kv-store`)
@@ -231,6 +234,23 @@ def store_environment(config: ServeConfig, base: Mapping[str, str]) -> dict[str,
     return extras
 
 
+def auto_store_gb(config: ServeConfig, block_bytes: int, shm_directory: str = SHM_DIRECTORY) -> float:
+    """The store node's DRAM when `kvbaton serve` is not told (`--kv-store-gb auto`): twice the KV pools of the
+    workers it starts (every host a store node by default; SGLang's HiCache sizes its host pool at 2x the device
+    pool), at most half of what `shm_directory` has free (the node's DRAM is a file there, filled as blocks come);
+    0, no store, when the host tier is asked for instead (`--host-num-blocks`), with no worker (a joined router), or
+    without that directory."""
+    num_workers = config.num_workers + config.num_prefill + config.num_decode
+    if config.host_num_blocks or not num_workers:
+        return 0.0
+    try:
+        free = shutil.disk_usage(shm_directory).free
+    except OSError:
+        return 0.0
+    gb = min(2 * num_workers * config.num_blocks * block_bytes, free // 2) / 1e9
+    return round(gb, 3) if capacity_blocks(round(gb, 3), block_bytes) >= 1 else 0.0
+
+
 def store_node_args(model_config: ModelConfig, dtype: str, block_size: int, gb: float, disk: str = "") -> list[str]:
     """A store node's arguments but its host (`python -m kvbaton.server.store_server`): sized for the blocks of workers
     of `model_config` in `dtype` and laid out as their KV pools (2 rows a layer), with `gb` of DRAM and `disk`
@@ -305,6 +325,11 @@ class Launcher:
         config = self.config
         check_exposure(config.host, config.api_keys, config.allow_unauthenticated)
         model_config, tokenizer = read_model_header(resolve_model_source(config.model))  # the workers read the weights
+        if config.kv_store_gb is None:
+            config = self.config = replace(config, kv_store_gb=auto_store_gb(config, self._store_block_bytes(model_config)))
+            if config.kv_store_disk and not config.kv_store_gb:
+                raise KvbatonError(f"--kv-store-disk-gb needs the store's DRAM: {SHM_DIRECTORY} has no room for it here "
+                                   "(give --kv-store-gb)")
         # One calibrated model for both: what admission learns about this host, the balancer prices with too.
         wanted = (config.admission != "none" or config.adaptive_pools) and config.cost_profile
         time_model = CalibratedTimeModel(load_linear_model(config.cost_profile)) if wanted else None

@@ -78,10 +78,12 @@ class StoreServer:
                                   host, acquire=self._tcp_acquire, release=state.release, pin=self._tcp_pin,
                                   settle=state.settle, held=self._tcp_held).start()
 
-    def serve(self, poll_ms: int = 100) -> None:
+    def serve(self, poll_ms: int = 100, parent_pid: int = 0) -> None:
+        """Answer until `stop`, or (`parent_pid`) until the process that started this one is gone (a launcher killed
+        before it could stop its node: the node leaves with it, never an orphan holding its shared memory)."""
         socket = self._socket
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not (parent_pid and os.getppid() != parent_pid):
                 if socket.poll(poll_ms):
                     while socket.get(zmq.EVENTS) & zmq.POLLIN:
                         frames = socket.recv_multipart(copy=False)
@@ -233,7 +235,8 @@ def start_process(args: Sequence[str], secret: ClusterSecret, host: str, timeout
     """Start a store node as its own process (`python -m kvbaton.server.store_server ARGS --host HOST`, the secret in
     its environment, never on its command line) and wait until it listens; (the process, its address). A node that
     does not say so within `timeout_s` is stopped and refused (KvbatonError)."""
-    process = subprocess.Popen([sys.executable, "-m", "kvbaton.server.store_server", *args, "--host", host],
+    process = subprocess.Popen([sys.executable, "-m", "kvbaton.server.store_server", *args, "--host", host,
+                                "--parent-pid", str(os.getpid())],
                                stdout=subprocess.PIPE, text=True, start_new_session=True,
                                env=worker_environment(secret, dict(os.environ)))
     ready, _, _ = select.select([process.stdout], [], [], timeout_s)
@@ -270,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--lease-s", type=float, default=30.0)
+    parser.add_argument("--parent-pid", type=int, default=0, help="stop when this process (the starter) is gone")
     args = parser.parse_args(argv)
     secret_hex = os.environ.get(SECRET_ENV)
     if not secret_hex:
@@ -284,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     server = StoreServer(state, ClusterSecret.from_hex(secret_hex), args.host, args.port)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     print(f"{READY}{server.address}", flush=True)
-    server.serve()
+    server.serve(parent_pid=args.parent_pid)
     return 0
 
 

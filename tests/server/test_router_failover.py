@@ -146,10 +146,13 @@ def test_serve_with_two_routers_answers_on_both_and_stops_every_process() -> Non
     with serve_process(["--model", "tiny-random", "--workers", "2", "--num-blocks", "256", "--routers", "2"],
                        180.0) as served:
         assert served.process.stdout is not None
-        # The second router's own banner and the launcher's note on it share stdout, in either order.
-        lines = [read_banner(served.process, 120.0) for _ in range(2)]
-        match = next((m for m in (re.search(r"router at (http://127\.0\.0\.1:\d+) \(pid (\d+)\)", line)
-                                  for line in lines) if m), None)
+        # The second router's own banner, the launcher's note on it and both routers' lines naming the KV store node
+        # share stdout, in any order: read until the note.
+        lines: list[str] = []
+        match = None
+        while match is None and len(lines) < 6:
+            lines.append(read_banner(served.process, 120.0))
+            match = re.search(r"router at (http://127\.0\.0\.1:\d+) \(pid (\d+)\)", lines[-1])
         assert match, lines
         second_url, second_pid = match.group(1), int(match.group(2))
         first_info, second_info = cluster(served.url), cluster(second_url)

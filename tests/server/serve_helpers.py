@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -37,6 +38,23 @@ def read_banner(process: subprocess.Popen[str], timeout_s: float) -> str:
         process.kill()
         raise AssertionError(f"kvbaton serve did not start: {process.communicate(timeout=10)}")
     return lines[0]
+
+
+def child_pids(pid: int) -> list[int]:
+    """`pid`'s child processes (none once it is gone)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        return [int(child) for child in path.read_text().split()]
+    except OSError:
+        return []
+
+
+def cmdline(pid: int) -> str:
+    """`pid`'s command line, its arguments joined by spaces ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def kill_pid(pid: int) -> None:

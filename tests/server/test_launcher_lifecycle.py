@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from kvbaton.server.cluster import ClusterManager
-from tests.server.serve_helpers import kill_pid, serve_process
+from tests.server.serve_helpers import child_pids, cmdline, kill_pid, serve_process
 from tests.server.test_worker_process import run_with_worker
 
 SERVE = [sys.executable, "-m", "kvbaton.cli", "serve", "--model", "tiny-random", "--port", "0"]
@@ -35,16 +35,7 @@ def _alive(pid: int) -> bool:
 
 def _children(pid: int) -> list[int]:
     """`pid`'s child processes but its KV store node (its own tests cover how it ends with the launcher)."""
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    children = [int(p) for p in path.read_text().split()] if path.exists() else []
-    return [child for child in children if b"kvbaton.server.store_server" not in _cmdline(child)]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
+    return [child for child in child_pids(pid) if "kvbaton.server.store_server" not in cmdline(child)]
 
 
 @contextlib.contextmanager

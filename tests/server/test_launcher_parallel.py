@@ -11,7 +11,7 @@ import pytest
 from kvbaton import LLM, SamplingParams
 from kvbaton.cli import main
 from kvbaton.server.launcher import ServeConfig, worker_args
-from tests.server.serve_helpers import serve_process, wait_pd_idle
+from tests.server.serve_helpers import child_pids, serve_process, wait_pd_idle
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -47,11 +47,6 @@ def test_a_degree_that_does_not_divide_the_kv_heads_is_refused_before_anything_s
     assert "does not divide the model's 2 KV heads" in capsys.readouterr().err
 
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as handle:
-        return [int(child) for child in handle.read().split()]
-
-
 @pytest.mark.timeout(300)
 def test_serve_with_a_tp2_prefill_pool_hands_off_to_a_tp1_decode_worker() -> None:
     prompt = "A prompt long enough to leave the prefill worker for the decode worker, " * 2
@@ -67,7 +62,7 @@ def test_serve_with_a_tp2_prefill_pool_hands_off_to_a_tp1_decode_worker() -> Non
         assert workers["p0"]["transfers"]["num_completed"] == 1
         parallelism = {w: (workers[w]["tensor_parallel_size"], workers[w]["pipeline_parallel_size"]) for w in workers}
         assert parallelism == {"p0": (2, 1), "d0": (1, 1)}  # as each registered: /cluster shows it
-        ranks = {pid: _children(pid) for pid in served.worker_pids}
+        ranks = {pid: child_pids(pid) for pid in served.worker_pids}
         assert sorted(len(children) for children in ranks.values()) == [0, 2]  # the prefill worker's two ranks
     for pid in (child for children in ranks.values() for child in children):
         with pytest.raises(ProcessLookupError):

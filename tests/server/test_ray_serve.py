@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.serve_helpers import Served, generate_text, kill_pid, serve_process, wait_pd_idle
+from tests.server.serve_helpers import Served, cmdline, generate_text, kill_pid, serve_process, wait_pd_idle
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. Then",
            "You are a careful assistant. Answer in one short sentence. " * 3 + "Question: what is a fox?"]
@@ -36,10 +36,6 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. Then",
 def _parent(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
-def _cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
 def _descendants(root: int) -> set[int]:
@@ -91,7 +87,7 @@ def test_ray_placed_1p1d_serves_like_generate_and_returns_every_block(served: tu
     assert "with 0 mixed + 1 prefill + 1 decode worker(s) on Ray node(s) 127.0.0.1" in server.banner, server.banner
     for pid in server.worker_pids:  # each worker is the child of its own Ray actor, not of the launcher
         actor = _parent(pid)
-        assert actor != server.process.pid and _cmdline(actor).startswith("ray::WorkerHost"), _cmdline(actor)
+        assert actor != server.process.pid and cmdline(actor).startswith("ray::WorkerHost"), cmdline(actor)
     assert len({_parent(pid) for pid in server.worker_pids}) == 2
     with httpx.Client(timeout=300) as http:
         for prompt in PROMPTS:
@@ -124,7 +120,7 @@ def test_worker_killed_under_its_actor_is_dropped_then_sigterm_stops_everything(
     assert server.process.stdout.read().strip().endswith("kvbaton: stopped")  # type: ignore[union-attr]
     deadline = time.monotonic() + 20
     while any(_alive(pid) for pid in started):
-        assert time.monotonic() < deadline, {pid: _cmdline(pid) for pid in started if _alive(pid)}
+        assert time.monotonic() < deadline, {pid: cmdline(pid) for pid in started if _alive(pid)}
         time.sleep(0.2)
 
 
@@ -156,7 +152,7 @@ def test_actor_handle_reports_the_exit_code_and_an_actor_killed_under_its_worker
     kill_pid(worker_pid)  # orphaned with its actor: it would exit at its register timeout
     deadline = time.monotonic() + 30
     while any(_alive(pid) for pid in _descendants(os.getpid()) - before):
-        assert time.monotonic() < deadline, [_cmdline(p) for p in _descendants(os.getpid()) - before]
+        assert time.monotonic() < deadline, [cmdline(p) for p in _descendants(os.getpid()) - before]
         time.sleep(0.2)
 
 
@@ -182,7 +178,7 @@ def test_two_node_ray_cluster_spreads_the_workers_and_moves_kv_over_tcp() -> Non
                             "--threads-per-worker", "1", "--num-blocks", "256", "--drain-timeout", "5",
                             "--local-prefill-threshold", "0"], startup_timeout_s=240.0) as server:
             raylets = {_parent(_parent(pid)) for pid in server.worker_pids}  # worker -> its actor -> the node's raylet
-            assert len(raylets) == 2 and all("raylet" in _cmdline(pid) for pid in raylets), raylets
+            assert len(raylets) == 2 and all("raylet" in cmdline(pid) for pid in raylets), raylets
             prompt = PROMPTS[1]
             with httpx.Client(timeout=300) as http:
                 got = http.post(server.url + "/v1/completions", json={"model": "tiny-random", "prompt": prompt,
@@ -239,9 +235,9 @@ def test_a_tp2_prefill_worker_on_ray_holds_a_cpu_per_rank_and_hands_off_to_a_tp1
             assert {w: (workers[w]["tensor_parallel_size"], workers[w]["pipeline_parallel_size"])
                     for w in workers} == {"p0": (2, 1), "d0": (1, 1)}
             prefill_pid = workers["p0"]["pid"]
-            assert _cmdline(_parent(prefill_pid)).startswith("ray::WorkerHost")  # the worker runs under its actor
-            ranks = {pid for pid in _descendants(prefill_pid) if "kvbaton.engine.rank_process" in _cmdline(pid)}
-            assert len(ranks) == 2, [_cmdline(pid) for pid in _descendants(prefill_pid)]
+            assert cmdline(_parent(prefill_pid)).startswith("ray::WorkerHost")  # the worker runs under its actor
+            ranks = {pid for pid in _descendants(prefill_pid) if "kvbaton.engine.rank_process" in cmdline(pid)}
+            assert len(ranks) == 2, [cmdline(pid) for pid in _descendants(prefill_pid)]
             server.process.send_signal(signal.SIGTERM)
             assert server.process.wait(60) == 0
             deadline = time.monotonic() + 20

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.serve_helpers import generate_text, kill_pid, serve_process
-from tests.server.test_ray_serve import _alive, _cmdline, _descendants
+from tests.server.serve_helpers import cmdline, generate_text, kill_pid, serve_process
+from tests.server.test_ray_serve import _alive, _descendants
 
 # Ray is not imported here: `import_ray` sets how it binds before its first import.
 pytestmark = [pytest.mark.timeout(120),
@@ -59,7 +59,7 @@ def _serving(args: Sequence[str]) -> Iterator[subprocess.Popen[str]]:
 def _wait_gone(pids: set[int], timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while any(_alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, {pid: _cmdline(pid) for pid in pids if _alive(pid)}
+        assert time.monotonic() < deadline, {pid: cmdline(pid) for pid in pids if _alive(pid)}
         time.sleep(0.2)
 
 

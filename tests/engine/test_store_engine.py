@@ -130,6 +130,12 @@ def test_a_prompt_computed_on_a_is_loaded_by_b(loaded, make_store, reference: li
         assert b.store_io.num_loaded_blocks == 199 // BLOCK and b.store_io.num_saved_blocks == 0
         assert b.store_io.transport == ("tcp" if transport == "tcp" else "shm")
         assert store.server.tcp.num_reads == (1 if transport == "tcp" else 0)
+        # same host: copied straight from the slots the node's index shows, no lease taken; the node hears of the uses
+        assert b.store_io.num_unleased_blocks == (0 if transport == "tcp" else 199 // BLOCK)
+        deadline = time.monotonic() + 10
+        while store.state.num_loaded_blocks < 199 // BLOCK:
+            assert time.monotonic() < deadline, "the node never counted the load's uses"
+            time.sleep(0.01)
         # what the router measures the link from: the bytes loaded, the time they took (acquire + copy, or the TCP
         # trip), the loads, and of that time their round trips' (the acquire's answer, or the TCP header's)
         loaded_bytes, load_s, num_loads, round_trip_s = b.store_io.load_totals
@@ -166,6 +172,46 @@ def test_wrong_kv_loaded_changes_the_output(loaded, make_store, reference: list[
         _wait_saved(store, 12)
         out = _run(b, _prompt())
         assert out[-1].num_cached_tokens > 0 and _tokens(out) != reference
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("moved_from", [0, 5])
+def test_blocks_the_node_moves_during_an_unleased_copy_are_never_used(loaded, make_store, reference: list[int],  # noqa: ANN001
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       moved_from: int) -> None:
+    """While B copies the prefix from the slots unleased, the node drops its blocks from `moved_from` on and fills their
+    slots with another prompt's: the slots' generations moved, so B keeps only the leading blocks copied before
+    them, asks the node for the rest (gone: recomputed) and its output is the reference's."""
+    store = make_store(dram_blocks=24)
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link())
+    copy_rows = WorkerStoreIO._copy_rows
+
+    def racing_copy(self: WorkerStoreIO, slots, block_ids) -> None:  # noqa: ANN001
+        copy_rows(self, slots, block_ids)
+        with store.server.locked():
+            state = store.state
+            for block_hash in hashes[moved_from:]:
+                state.store.discard(state.NODE, block_hash)
+            state._apply({}, namespace)
+            other = hash_block_tokens(a.cache_key, _prompt(seed=9), BLOCK)
+            state.put(namespace, 0, other, [bytes([7]) * state.block_bytes] * len(other))  # into the freed slots
+        copy_rows(self, slots, block_ids)  # what a copy racing those writes would have read: the new bytes
+
+    try:
+        _run(a, _prompt())
+        _wait_saved(store, 12)
+        key = a.cache_key
+        namespace = (key.model_revision, key.kv_layout, "")
+        hashes = hash_block_tokens(key, _prompt(), BLOCK)
+        monkeypatch.setattr(WorkerStoreIO, "_copy_rows", racing_copy)
+        out = _run(b, _prompt())
+        assert _tokens(out) == reference and out[-1].num_cached_tokens == moved_from * BLOCK
+        assert b.store_io.num_unleased_blocks == moved_from
+        b.check_invariants()
+        wait_unpinned(store.server)
     finally:
         a.close()
         b.close()
@@ -440,10 +486,11 @@ def test_a_load_short_of_free_blocks_takes_them_from_the_cache(loaded, make_stor
 
 
 class _GatedClient(StoreClient):
-    """A worker's link whose first acquire waits for `gate`: the loads after it queue up behind it meanwhile."""
+    """A worker's link whose first acquire waits for `gate`: the loads after it queue up behind it meanwhile. Every
+    load acquires (no unleased reads, which no gate would hold)."""
 
     def __init__(self, gate: threading.Event, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, unleased_reads=False, **kwargs)
         self._gate = gate
 
     def acquire(self, namespace, block_hashes):  # noqa: ANN001, ANN201

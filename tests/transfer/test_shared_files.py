@@ -39,7 +39,9 @@ def test_a_wrong_size_is_refused_with_each_callers_error_and_the_file_stays(tmp_
     try:
         with pytest.raises(TransportError, match="expected"):
             ShmKVRegion.attach(region.path, LAYOUT, 9)
-        with pytest.raises(ValueError, match=f"{slots.path} holds 4096 bytes, expected 5120"):
+        # the slots' bytes, then their index (a page on, and 8 bytes a word): 4 slots' file, 5 asked for
+        with pytest.raises(ValueError, match=f"{slots.path} holds {4096 + 8 * (5 + 3 * 4 + 8)} bytes, expected "
+                                             f"{8192 + 8 * (5 + 3 * 5 + 16)}"):
             StoreSlots.attach(slots.path, 1024, 5, num_rows=2)
         assert os.path.exists(region.path) and os.path.exists(slots.path)  # only an owner removes its file
         attached = StoreSlots.attach(slots.path, 1024, 4, num_rows=2)

@@ -1,5 +1,5 @@
-"""The store's DRAM slots' helpers: the host id that decides who maps them, and the streaming-copy environment a
-worker with a store runs under, and the sweep of slots a killed node left."""
+"""The store's DRAM slots: the host id that decides who maps them, the streaming-copy environment a worker with a
+store runs under, the sweep of slots a killed node left, and the slot index a same-host worker reads unleased."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbaton.transfer.store_slots import STREAMING_COPIES, StoreSlots, host_id, with_streaming_copies
 
@@ -59,3 +61,72 @@ def test_a_new_node_removes_the_slots_a_killed_node_left(tmp_path: Path) -> None
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, Path(slots.path).name])
     finally:
         slots.close()
+
+
+NS = ("rev", "layout", "")
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 2**64 - 1)), min_size=1, max_size=80))
+def test_the_slot_index_finds_exactly_what_is_published(tmp_path_factory: pytest.TempPathFactory,
+                                                        ops: list[tuple[bool, int]]) -> None:
+    """Publish and free in any order (hashes crowding into few buckets among them): every held block is found at its
+    slot from its hash, under its namespace only, a freed one never is, and a slot freed (or freed and reused)
+    after a lookup fails `still_held` from there on."""
+    slots = StoreSlots.create(64, 8, directory=str(tmp_path_factory.mktemp("slots")))
+    reader = StoreSlots.attach(slots.path, 64, 8)
+    held: dict[int, int] = {}
+    try:
+        for publish, value in ops:
+            block_hash = (value % 2**64) - 2**63 if value % 3 else (value % 7) * reader.num_buckets  # collisions too
+            if publish and slots.num_free_slots and block_hash not in held:
+                slot = slots.allocate()
+                slots.write(slot, bytes([slot]) * 64)
+                slots.publish(slot, block_hash, NS)
+                held[block_hash] = slot
+            elif held:
+                victim = sorted(held)[value % len(held)]
+                found, generations = reader.lookup([victim], NS)
+                assert found == [held[victim]]
+                slots.free(held.pop(victim))
+                assert reader.still_held(found, generations) == 0 and reader.lookup([victim], NS) == ([], [])
+            slots.check_index(held)
+            for block_hash, slot in held.items():
+                assert reader.lookup([block_hash], NS)[0] == [slot]
+                assert reader.lookup([block_hash], ("rev", "layout", "other tenant")) == ([], [])
+        chain = sorted(held)
+        found, generations = reader.lookup(chain, NS)
+        assert found == [held[h] for h in chain] and reader.still_held(found, generations) == len(chain)
+    finally:
+        reader.close()
+        slots.close()
+
+
+def test_a_reader_sees_a_closed_or_dead_node_and_a_chain_stops_at_its_first_gap(tmp_path: Path) -> None:
+    slots = StoreSlots.create(64, 4, directory=str(tmp_path))
+    reader = StoreSlots.attach(slots.path, 64, 4)
+    try:
+        for block_hash in (11, 12, 14):
+            slots.publish(slots.allocate(), block_hash, NS)
+        assert reader.lookup([11, 12, 13, 14], NS)[0] == [0, 1]  # 13 missing: the chain stops before it
+        found, generations = reader.lookup([11, 12], NS)
+        slots.free(1)
+        assert reader.still_held(found, generations) == 1  # the first still, the second freed since
+        slots.publish(slots.allocate(), 12, NS)  # the same block again, in the same slot: a new generation
+        assert reader.still_held(found, generations) == 1
+        assert reader.node_alive()
+        slots.num_disk_blocks = 3
+        assert reader.num_disk_blocks == 3
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait(timeout=30)
+        pid, slots._header[2] = slots._header[2], dead.pid  # as if its node had been killed
+        assert not reader.node_alive()
+        slots._header[2] = pid
+        assert reader.node_alive()
+        slots._header[0] = 0
+        with pytest.raises(ValueError, match="no slot index"):
+            StoreSlots.attach(slots.path, 64, 4)
+    finally:
+        slots.close()
+    assert not reader.node_alive()  # closed by its owner
+    reader.close()

@@ -50,6 +50,13 @@ def _root_hash(model_revision: str, kv_layout: str, tenant_salt: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
+def namespace_tag(namespace: Sequence[str]) -> int:
+    """A signed 64-bit tag of a namespace as the store's wire names it (model revision, KV layout, tenant salt): the
+    chain's root hash, equal exactly when the three parts are (up to blake2b's collisions)."""
+    model_revision, kv_layout, salt = namespace
+    return _root_hash(model_revision, kv_layout, salt)
+
+
 @dataclass(frozen=True, slots=True)
 class CacheKey:
     """Namespace of cached KV: blocks are shared only between requests with equal keys."""

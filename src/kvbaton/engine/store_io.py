@@ -50,7 +50,8 @@ class StoreLink(Protocol):
 
     def hello(self) -> dict:
         """The node's slots: `shm_path`, `block_bytes`, `num_slots`, `num_rows` (rows per block), and `transport`:
-        "shm" (map the slots and copy them) or "tcp" (read leased slots with `read_into`)."""
+        "shm" (map the slots and copy them) or "tcp" (read leased slots with `read_into`); `unleased_reads`: with
+        "shm", copy what the node's slot index shows without acquiring it (`kvbaton.transfer.store_slots`)."""
 
     def put(self, namespace: Sequence[str], parent_hash: int, block_hashes: Sequence[int],
             payloads: Sequence[memoryview], replica: bool = False) -> bool:
@@ -67,6 +68,9 @@ class StoreLink(Protocol):
                   buffers_for: Callable[[int], list[memoryview]], copies: list[int] | None = None) -> int:
         """Acquire, read (rows first, into `buffers_for(n)`) and release over TCP in one trip; returns n. `copies`
         (from another node): the positions of the blocks read that it grants a copy on this worker's node."""
+
+    def touch(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> bool:
+        """These blocks were copied from the node's slots unleased: a use each (for its eviction), not waiting."""
 
     def release(self, lease: int) -> bool:
         """Unpin a lease's blocks, not waiting."""
@@ -132,12 +136,15 @@ class WorkerStoreIO:
         self._mapping: StoreSlots | None = None
         self._rows: tuple[np.ndarray, np.ndarray] | None = None
         self.transport = ""  # "shm" | "tcp", from the node's hello
+        self.unleased_reads = False  # from the hello too: copy what the node's slot index shows without a lease
+        self._touches: list[tuple[StoreLink, tuple[str, ...], list[int]]] = []  # unleased copies' uses, to send
         self._staging: torch.Tensor | None = None  # a TCP read's host buffer on an accelerator
         self.skip_saves: set[int] = set()  # hashes loaded from the store: caching them saves nothing
         self.copy_saves: set[int] = set()  # hashes loaded from another node that granted them a copy here
         self.num_saved_blocks = self.num_dropped_saves = self.num_cancelled_saves = 0
         self.num_loaded_blocks = self.num_failed_loads = 0
         self.num_prefetched_acquires = 0  # loads whose acquire went out while the one before them copied
+        self.num_unleased_blocks = 0  # of num_loaded_blocks, those copied without a lease (the slot index's)
         self.copy_in_s = 0.0  # seconds the IO thread spent copying loads into the KV pool
         # (bytes, seconds, loads, round-trip seconds) of every load that brought blocks: acquire + copy (over shm) or
         # the one TCP trip, and of that the acquire's answer (or the TCP header's); one tuple, swapped whole, so a
@@ -302,11 +309,19 @@ class WorkerStoreIO:
             lease, job.lease = job.lease, 0
             if lease:
                 link.release(lease)
+            self._send_touches()
             raise
         lease, job.lease = job.lease, 0  # before the engine sees the job: it releases nothing twice
         self._results.put(("copied", job))
         if lease:
             link.release(lease)
+        self._send_touches()
+
+    def _send_touches(self) -> None:
+        """Tell the nodes of the blocks a load copied unleased (their uses): after its result, which no send delays."""
+        touches, self._touches = self._touches, []
+        for node, namespace, block_hashes in touches:
+            node.touch(namespace, block_hashes)
 
     def _count_load(self, num_blocks: int, seconds: float, round_trip_s: float) -> None:
         if num_blocks:
@@ -393,6 +408,8 @@ class WorkerStoreIO:
         first answer's round trip, which no pipelining hides, stays)."""
         hashes, block_ids = job.block_hashes[start : len(job.device_block_ids)], job.device_block_ids[start:]
         if local:
+            if self._mapping is not None and not self._mapping.node_alive():
+                self._detach()  # the node stopped: its file's index says so; a hello finds the one it runs now
             self._attach(node)
         if not local or self.transport == "tcp":
             if local and job.prefetch is not None:  # not to be: the node went over to TCP since it was sent
@@ -417,6 +434,12 @@ class WorkerStoreIO:
             self._count_load(num, time.perf_counter() - started, answered[0] - started)
             self.num_loaded_blocks += num
             return num
+        unleased = 0
+        if self.unleased_reads and job.prefetch is None:
+            unleased, ask_node = self._copy_unleased(node, job, hashes, block_ids)
+            if not ask_node:
+                return unleased
+            hashes, block_ids = hashes[unleased:], block_ids[unleased:]  # the rest: on disk, or moved meanwhile
         if job.lease:  # the own node asked again, past another node's blocks: its first lease is done with
             lease, job.lease = job.lease, 0
             node.release(lease)
@@ -429,17 +452,45 @@ class WorkerStoreIO:
             job.lease, job.slots, job.shm_path = node.acquire(job.namespace, hashes)
         job.acquire_s = time.perf_counter() - acquired
         if not job.slots:
-            return 0
+            return unleased
         self._prefetch_next(node)
         self._copy_leased(node, job, block_ids[: len(job.slots)], acquired)
-        return len(job.slots)
+        return unleased + len(job.slots)
+
+    def _copy_unleased(self, node: StoreLink, job: LoadJob, hashes: Sequence[int], block_ids: Sequence[int]
+                       ) -> tuple[int, bool]:
+        """The leading blocks of `hashes` the node's slot index shows in DRAM, copied into `block_ids` without a lease
+        (no round trip: `kvbaton.transfer.store_slots`): how many of them are good (their slots' generations the same
+        after the copy as when looked up: a block the node moved or freed meanwhile ends the run there), and whether
+        the node must be asked for the rest (one moved meanwhile, or the node has blocks on disk, which only an
+        acquire brings back; else the chain stops where its DRAM does). The node hears of the uses after (`touch`,
+        not waited for). The load's fixed time counted (`load_totals`' round trip) is the lookup's."""
+        mapping = self._mapping
+        started = time.perf_counter()
+        slots, generations = mapping.lookup(hashes, job.namespace)
+        on_disk = mapping.num_disk_blocks > 0
+        if not slots:
+            return 0, on_disk
+        looked_up = time.perf_counter()
+        try:
+            self._copy_rows(slots, block_ids[: len(slots)])
+            num = mapping.still_held(slots, generations)
+        finally:
+            self.copy_in_s += time.perf_counter() - looked_up
+        if num:
+            self._count_load(num, time.perf_counter() - started, looked_up - started)
+            self.num_loaded_blocks += num
+            self.num_unleased_blocks += num
+            job.num_copied = num
+            self._touches.append((node, job.namespace, list(hashes[:num])))  # sent once the engine has the result
+        return num, num < len(slots) or (len(slots) < len(hashes) and on_disk)
 
     def _prefetch_next(self, node: StoreLink) -> None:
         """Before this load copies, send the next queued load's acquire to the same node (the node's answer waits on
         the link for it): a burst of loads waits on one round trip, not one each. Only a load that starts at this
         node over shared memory takes it (`_load_from`); the IO thread's next task is that load's first step."""
         begin = getattr(node, "begin_acquire", None)
-        if begin is None:
+        if begin is None or self.unleased_reads:  # the next load reads unleased, most likely: nothing to wait on
             return
         with self._tasks.mutex:
             upcoming = self._tasks.queue[0] if self._tasks.queue else None
@@ -472,17 +523,27 @@ class WorkerStoreIO:
             self._read(link, lease, block_ids)
             return
         if self._mapping is not None and self._mapping.path != shm_path:
-            self._slots = self._mapping = self._rows = None  # the node restarted: its slots are in a new file
-        slot_view = self._attach(link)
+            self._detach()  # the node restarted: its slots are in a new file
+        self._attach(link)
         if self._mapping.path != shm_path:
             raise StoreUnavailable(f"the store node's slots moved from {shm_path} to {self._mapping.path}")
-        kv = self.kv_cache
-        rows = self._rows
+        self._copy_rows(slots, block_ids)
+
+    def _copy_rows(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """The mapped node's `slots` into device blocks `block_ids`, a run of consecutive ones per copy."""
+        kv, rows, slot_view = self.kv_cache, self._rows, self._slots
         for slot, block_id, num in block_runs(slots, block_ids):
             if rows is not None:
                 np.copyto(rows[0][:, block_id : block_id + num], rows[1][:, slot : slot + num])
             else:
                 kv[:, :, block_id : block_id + num].copy_(slot_view[:, :, slot : slot + num])
+
+    def _detach(self) -> None:
+        """Forget the node's mapped slots (it restarted, or stopped): the next load maps what a hello names."""
+        mapping, self._slots, self._mapping, self._rows = self._mapping, None, None, None
+        self.unleased_reads = False
+        if mapping is not None:
+            mapping.close()
 
     def _read(self, link: StoreLink, lease: int, block_ids: Sequence[int]) -> None:
         link.read_into(lease, self._receive_buffers(block_ids))
@@ -522,6 +583,7 @@ class WorkerStoreIO:
             self.transport = hello["transport"]
             if self.transport == "tcp":
                 return None
+            self.unleased_reads = bool(hello.get("unleased_reads", False))
             shape = (kv.shape[0], kv.shape[1], hello["num_slots"], *kv.shape[3:])
             self._mapping = StoreSlots.attach(hello["shm_path"], hello["block_bytes"], hello["num_slots"],
                                               hello["num_rows"])

@@ -38,7 +38,7 @@ from kvbaton.core.cluster_secret import ClusterSecret
 from kvbaton.engine.store_io import StoreUnavailable
 from kvbaton.server.rpc_auth import secure_dealer
 from kvbaton.server.store_server import STORE_CHANNEL
-from kvbaton.transfer.store_slots import host_id
+from kvbaton.transfer.store_slots import UNLEASED_READS, host_id
 from kvbaton.transfer.store_tcp import StoreLinkError, StoreTcpLink
 
 TRANSPORT_ENV = "KVBATON_STORE_TRANSPORT"
@@ -50,8 +50,11 @@ class StoreClient:
 
     def __init__(self, address: str, secret: ClusterSecret, timeout_s: float = 10.0, retry_after_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, max_queued_messages: int = 256,
-                 transport: str | None = None) -> None:
+                 transport: str | None = None, unleased_reads: bool = True) -> None:
+        """`unleased_reads`: a same-host worker copies the blocks the node's slot index shows without acquiring them
+        first (`kvbaton.transfer.store_slots`; where the machine allows); False: every load acquires a lease."""
         transport = transport or os.environ.get(TRANSPORT_ENV) or "auto"
+        self.unleased_reads = unleased_reads
         if transport not in TRANSPORTS:
             raise ValueError(f"a store transport is one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
@@ -73,7 +76,8 @@ class StoreClient:
 
     def hello(self) -> dict:
         """The node's slots (`shm_path`, `block_bytes`, `num_slots`, `num_rows`) and `transport`: "shm" when this
-        process maps them, "tcp" when it reads them over the node's TCP port."""
+        process maps them, "tcp" when it reads them over the node's TCP port; `unleased_reads`: whether it may copy
+        what the slot index shows without a lease."""
         reply = self._call({"op": "hello"})
         self._tcp_port = int(reply.get("tcp_port", 0))
         same_host = reply.get("host_id") == host_id()
@@ -81,7 +85,8 @@ class StoreClient:
         if transport == "shm" and not same_host:
             raise StoreUnavailable(f"store node {self.address} is on another host: its slots cannot be mapped")
         return {"shm_path": str(reply["shm_path"]), "block_bytes": int(reply["block_bytes"]),
-                "num_slots": int(reply["num_slots"]), "num_rows": int(reply["num_rows"]), "transport": transport}
+                "num_slots": int(reply["num_slots"]), "num_rows": int(reply["num_rows"]), "transport": transport,
+                "unleased_reads": self.unleased_reads and transport == "shm" and UNLEASED_READS}
 
     def read_into(self, lease: int, buffers: list[memoryview]) -> None:
         """A lease's blocks over the node's TCP port into `buffers` (wire order, `store_tcp.row_views`). The link is
@@ -141,6 +146,11 @@ class StoreClient:
         header = {"op": "put", "namespace": list(namespace), "parent": parent_hash, "hashes": list(block_hashes),
                   "replica": replica}
         return self._send([msgpack.packb(header), *payloads])
+
+    def touch(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> bool:
+        """Tell the node these blocks were copied from its slots unleased (a use each for its eviction), not waiting;
+        False when dropped (the send queue full, or the node taken as down)."""
+        return self._send([msgpack.packb({"op": "touch", "namespace": list(namespace), "hashes": list(block_hashes)})])
 
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
         """On the node's TCP link (`StoreTcpLink.acquire`): one socket between this thread and the node's, where the
@@ -263,8 +273,10 @@ class StoreNodes:
     node: a block lives where its writer's host is) while loads still reach the others."""
 
     def __init__(self, local: str, nodes: Sequence[str] | KnownStoreNodes, secret: ClusterSecret,
-                 timeout_s: float = 10.0, retry_after_s: float = 5.0, transport: str | None = None) -> None:
-        self.local = StoreClient(local, secret, timeout_s, retry_after_s, transport=transport)
+                 timeout_s: float = 10.0, retry_after_s: float = 5.0, transport: str | None = None,
+                 unleased_reads: bool = True) -> None:
+        self.local = StoreClient(local, secret, timeout_s, retry_after_s, transport=transport,
+                                 unleased_reads=unleased_reads)
         self._known = nodes if isinstance(nodes, KnownStoreNodes) else KnownStoreNodes(nodes)
         self._remotes: dict[str, StoreClient] = {}
         self._num_known = 0
@@ -291,6 +303,9 @@ class StoreNodes:
 
     def acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> tuple[int, list[int], str]:
         return self.local.acquire(namespace, block_hashes)
+
+    def touch(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> bool:
+        return self.local.touch(namespace, block_hashes)
 
     def begin_acquire(self, namespace: Sequence[str], block_hashes: Sequence[int]) -> object | None:
         return self.local.begin_acquire(namespace, block_hashes)

@@ -13,7 +13,9 @@ core (EVICTED), so the load that wanted it stops before it and recomputes the re
 Loads go by **lease**: `acquire` matches the leading blocks a worker asks for, pins them (so no eviction or
 move touches their slots), promotes the disk ones to DRAM, and answers the slots of the run that is in DRAM;
 the worker copies them out and `release`s the lease. A lease not released in `lease_s` (its worker died
-mid-load) is dropped by `expire`, so pins never leak. `check_invariants` ties the core's metadata, the slots,
+mid-load) is dropped by `expire`, so pins never leak. A same-host worker copies DRAM blocks without a lease where
+the slot index lets it (`publish`ed as each slot is written, withdrawn as it is freed: `store_slots`), and says
+so after (`touch`, a use each). `check_invariants` ties the core's metadata, the slots,
 the files and the leases together. Plain Python and no socket: `kvbaton.server.store_server` serves it.
 """
 
@@ -198,6 +200,20 @@ class StoreNodeState:
     def num_disk_blocks(self) -> int:
         return len(self._on_disk)
 
+    def touch(self, namespace: Namespace, block_hashes: Sequence[int]) -> int:
+        """A same-host worker copied these blocks from their slots without a lease (an unleased read, found in the
+        slot index: `kvbaton.transfer.store_slots`): a use each, as an acquire counts them (only those still in DRAM
+        under `namespace`: one moved since was a miss for that worker). Returns how many."""
+        namespace = tuple(namespace)
+        entries = self.store.nodes[self.NODE].entries
+        held = [h for h in block_hashes
+                if (entry := entries.get(h)) is not None and entry.tier == DRAM and entry.namespace == namespace]
+        if held:
+            self.store.on_loaded(self.NODE, [(h, self.NODE) for h in held])
+            self._apply({}, namespace)
+            self.num_loaded_blocks += len(held)
+        return len(held)
+
     # ---- readers -------------------------------------------------------------------------------
     def events_since(self, seq: int) -> tuple[list[StoreEvent], bool]:
         """The node's events after `seq`, or (when the log no longer reaches back that far) a snapshot; the flag
@@ -224,6 +240,7 @@ class StoreNodeState:
                     else:
                         self._forget(block_hash)
             if not corrupt:
+                self.slots.num_disk_blocks = len(self._on_disk)  # for same-host workers' unleased reads
                 return
             for block_hash in corrupt:
                 self.store.discard(self.NODE, block_hash)
@@ -241,6 +258,7 @@ class StoreNodeState:
         else:
             self._namespace_of[block_hash] = namespace
             self.slots.write(slot, payloads[block_hash])
+        self.slots.publish(slot, block_hash, self._namespace_of[block_hash])  # same-host workers may read it now
         return True
 
     def _to_disk(self, block_hash: int, payloads: dict[int, bytes | memoryview], namespace: Namespace) -> None:
@@ -277,6 +295,7 @@ class StoreNodeState:
         assert self._namespace_of.keys() == entries.keys(), "namespaces out of date"
         assert len(set(self._slot_of.values())) == len(self._slot_of), "a slot holds two blocks"
         assert len(self._slot_of) + self.slots.num_free_slots == self.slots.num_slots, "slots leak"
+        self.slots.check_index(self._slot_of)
         if self.disk is not None:
             assert self.disk.num_files() == len(self._on_disk), "block files leak"
         pins: dict[int, int] = {}

@@ -11,6 +11,8 @@ raw frame per block. Ops:
   (a worker never waits on a save); `replica`: blocks the worker loaded from another node that granted them a copy
   here (`kv_store`'s replication rule);
 - `acquire` (namespace, block hashes) -> a lease and the slots of the leading blocks held, pinned;
+- `touch` (namespace, block hashes): a same-host worker copied these from their slots unleased (the slot index,
+  `kvbaton.transfer.store_slots`): a use each; no answer;
 - `release` (lease): the worker copied them out; no answer (`StoreClient` sends these two on the TCP link
   instead, `store_tcp`'s `acquire` and `release` ops: the same calls under the same lock, on a shorter trip);
 - `events` (after a seq) -> the node's events since, or a snapshot, and the node's `epoch` (random at each
@@ -149,7 +151,7 @@ class StoreServer:
             header = _safe_header(frames)
             header = header if isinstance(header, dict) else {}
             # put and release are never answered (a worker does not wait on them): their errors are counted
-            reply = None if header.get("op") in ("put", "release") else {"id": header.get("id"), "error": str(exc)[:500]}
+            reply = None if header.get("op") in ("put", "release", "touch") else {"id": header.get("id"), "error": str(exc)[:500]}
         if reply is not None:
             self._socket.send_multipart([identity, msgpack.packb(reply)])
         self.state.settle()  # an acquire's uses, after its answer went out (still under the lock)
@@ -163,6 +165,9 @@ class StoreServer:
             return None
         if op == "release":
             state.release(int(header["lease"]))
+            return None
+        if op == "touch":
+            state.touch(_namespace(header), _hashes(header))
             return None
         reply: dict = {"id": header.get("id")}
         if op == "acquire":  # the slots are of this file: a worker that mapped another (a node since restarted) remaps

@@ -20,7 +20,12 @@ import httpx
 import pytest
 
 from kvbaton.cli import main
-from kvbaton.server.launcher import ServeConfig, auto_store_gb
+from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
+from kvbaton.core.errors import KvbatonError
+from kvbaton.model.registry import read_model_header, resolve_model_source
+from kvbaton.server.launcher import ServeConfig, auto_store_gb, store_node_args
+from kvbaton.server.store_server import dram_gb
+from kvbaton.server.store_server import main as store_main
 from kvbaton.transfer.store_slots import SHM_DIRECTORY, SHM_PREFIX
 from tests.server.serve_helpers import read_banner, serve_process
 
@@ -67,6 +72,28 @@ def test_bad_store_flags_are_refused_before_anything_starts(monkeypatch: pytest.
     with pytest.raises(SystemExit) if "some" in extra else contextlib.nullcontext():  # argparse's own refusal
         assert main(["serve", "--model", "tiny-random", *extra]) == 2
     assert started == [] and error in capsys.readouterr().err
+
+
+def test_a_ray_nodes_store_is_sized_by_that_node_for_its_own_workers(tmp_path, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+                                                                    ) -> None:
+    """`--kv-store-gb auto` on another Ray node: the launcher asks for twice the KV pools of the workers placed there
+    (`--kv-store-auto-bytes`), and the node caps that at half of its own /dev/shm's free space; a number stays a
+    number on every node, and a bad value or auto without the bytes is refused at the node's start."""
+    block = 4096
+    model_config, _ = read_model_header(resolve_model_source("tiny-random"))
+    args = store_node_args(model_config, "float32", 16, None, "", 3 * block)
+    assert args[args.index("--kv-store-gb") + 1 : args.index("--kv-store-gb") + 4] == \
+        ["auto", "--kv-store-auto-bytes", str(3 * block)]
+    assert "auto" not in store_node_args(model_config, "float32", 16, 0.5)
+    assert dram_gb("0.5", 0, block, str(tmp_path)) == 0.5
+    assert dram_gb("auto", 300 * block, block, str(tmp_path)) == round(300 * block / 1e9, 3)
+    free = shutil.disk_usage(tmp_path).free
+    assert dram_gb("auto", 4 * free, block, str(tmp_path)) == round(free // 2 / 1e9, 3)
+    for text, auto_bytes in (("auto", 0), ("lots", 0)):
+        with pytest.raises(KvbatonError):
+            dram_gb(text, auto_bytes, block, str(tmp_path))
+    monkeypatch.setenv(SECRET_ENV, ClusterSecret.generate().to_hex())
+    assert store_main(["--block-bytes", str(block), "--block-tokens", "16", "--kv-store-gb", "auto"]) == 2
 
 
 def test_serve_starts_a_store_node_by_default_sized_from_the_workers_pools(monkeypatch: pytest.MonkeyPatch,

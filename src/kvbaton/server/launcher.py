@@ -17,12 +17,11 @@ import gc
 import signal
 import socket
 import os
-import shutil
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -31,7 +30,6 @@ import uvicorn
 import uvloop
 
 from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret, worker_environment
-from kvbaton.cache.kv_store import capacity_blocks
 from kvbaton.transfer.store_slots import SHM_DIRECTORY, with_streaming_copies
 from kvbaton.server.store_client import TRANSPORT_ENV as STORE_TRANSPORT_ENV
 from kvbaton.core.errors import KvbatonError
@@ -44,6 +42,7 @@ from kvbaton.server.cluster import ClusterConfig, ClusterManager
 from kvbaton.server.identity import tokenizer_probe_hash
 from kvbaton.router.pairs import DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
 from kvbaton.server.ray_workers import RayPlacement, RayWorker, RayWorkerProcess
+from kvbaton.server.store_server import shm_capped_gb
 from kvbaton.server.store_server import start_process as start_store_process
 from kvbaton.server.store_server import stop_process as stop_store_process
 from kvbaton.server.responses_store import DEFAULT_MAX_NUM_RESPONSES, DEFAULT_TTL_S, ResponseStore
@@ -243,21 +242,26 @@ def auto_store_gb(config: ServeConfig, block_bytes: int, shm_directory: str = SH
     num_workers = config.num_workers + config.num_prefill + config.num_decode
     if config.host_num_blocks or not num_workers:
         return 0.0
-    try:
-        free = shutil.disk_usage(shm_directory).free
-    except OSError:
-        return 0.0
-    gb = min(2 * num_workers * config.num_blocks * block_bytes, free // 2) / 1e9
-    return round(gb, 3) if capacity_blocks(round(gb, 3), block_bytes) >= 1 else 0.0
+    return shm_capped_gb(auto_store_bytes(config, block_bytes, num_workers), block_bytes, shm_directory)
 
 
-def store_node_args(model_config: ModelConfig, dtype: str, block_size: int, gb: float, disk: str = "") -> list[str]:
+def auto_store_bytes(config: ServeConfig, block_bytes: int, num_workers: int) -> int:
+    """`auto`'s DRAM for a store node serving `num_workers` workers: twice their KV pools."""
+    return 2 * num_workers * config.num_blocks * block_bytes
+
+
+def store_node_args(model_config: ModelConfig, dtype: str, block_size: int, gb: float | None, disk: str = "",
+                    auto_bytes: int = 0) -> list[str]:
     """A store node's arguments but its host (`python -m kvbaton.server.store_server`): sized for the blocks of workers
     of `model_config` in `dtype` and laid out as their KV pools (2 rows a layer), with `gb` of DRAM and `disk`
-    ("DIR:GB", or none). `kvbaton serve` starts its nodes so, and `kvbaton store-node` on another host."""
+    ("DIR:GB", or none). `kvbaton serve` starts its nodes so, and `kvbaton store-node` on another host. `gb` None:
+    `auto_bytes` of DRAM within half of what the node's own /dev/shm has free (what `kvbaton serve --ray` gives the
+    store node of each other node it places workers on, `auto_store_bytes` of those workers)."""
     block_bytes = model_config.kv_bytes_per_token(resolve_dtype(dtype).itemsize) * block_size
+    dram = ["--kv-store-gb", str(gb)] if gb is not None else ["--kv-store-gb", "auto", "--kv-store-auto-bytes",
+                                                              str(auto_bytes)]
     return ["--block-bytes", str(block_bytes), "--block-tokens", str(block_size),
-            "--block-rows", str(2 * model_config.num_layers), "--kv-store-gb", str(gb),
+            "--block-rows", str(2 * model_config.num_layers), *dram,
             *(["--kv-store-disk-gb", disk] if disk else [])]
 
 
@@ -288,7 +292,9 @@ class Launcher:
         self._drain_task: asyncio.Task[None] | None = None
         self.routers: dict[str, subprocess.Popen[bytes]] = {}  # URL -> the other routers' processes (--routers N)
         self.store_process: subprocess.Popen[str] | None = None
-        self.store_args: list[str] = []  # a store node's arguments but its host: Ray's other nodes start theirs so
+        # a store node's arguments but its host for the workers on its node: Ray's other nodes start theirs so
+        self.store_args: Callable[[int], list[str]] | None = None
+        self._store_auto = False
 
     def request_stop(self) -> None:
         """Signal handler: the first call drains, then stops the HTTP server; a second one stops at once. While
@@ -325,6 +331,7 @@ class Launcher:
         config = self.config
         check_exposure(config.host, config.api_keys, config.allow_unauthenticated)
         model_config, tokenizer = read_model_header(resolve_model_source(config.model))  # the workers read the weights
+        self._store_auto = config.kv_store_gb is None  # with Ray, each other node's store is sized by its workers
         if config.kv_store_gb is None:
             config = self.config = replace(config, kv_store_gb=auto_store_gb(config, self._store_block_bytes(model_config)))
             if config.kv_store_disk and not config.kv_store_gb:
@@ -345,7 +352,7 @@ class Launcher:
                 # With Ray, on this node's IP: workers on other nodes read it over TCP (store_tcp), this node's over
                 # shared memory.
                 host = self.placement.node_ip if self.placement is not None else "127.0.0.1"
-                self.store_args = self._store_args(model_config)
+                self.store_args = lambda num_workers: self._store_args(model_config, num_workers)
                 config = self.config = replace(config, kv_store_address=self._start_store(model_config, host))
             cluster = ClusterManager(ClusterConfig(
                 bind_address=config.rpc_address, model_name=config.model, policy=config.policy,
@@ -517,7 +524,7 @@ class Launcher:
         # then ends the actors placed so far and those still pending).
         placing = asyncio.ensure_future(self.placement.start(
             workers, config.startup_timeout_s, self.secret, environment,
-            store_args=self.store_args if config.kv_store_address else (), local_store=config.kv_store_address))
+            store_args=self.store_args if config.kv_store_address else None, local_store=config.kv_store_address))
         stopping = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({placing, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
@@ -533,8 +540,14 @@ class Launcher:
         self.store_process, address = start_store_process(self._store_args(model_config), self.secret, host)
         return address
 
-    def _store_args(self, model_config: ModelConfig) -> list[str]:
+    def _store_args(self, model_config: ModelConfig, num_workers: int = 0) -> list[str]:
+        """This host's store node's arguments (`num_workers` 0), or those of another Ray node's holding `num_workers`
+        workers: with `--kv-store-gb auto`, sized by that node for them (twice their KV pools within half its own
+        /dev/shm); else the same GB on every node."""
         config = self.config
+        if num_workers and self._store_auto:
+            auto = auto_store_bytes(config, self._store_block_bytes(model_config), num_workers)
+            return store_node_args(model_config, config.dtype, config.block_size, None, config.kv_store_disk, auto)
         return store_node_args(model_config, config.dtype, config.block_size, config.kv_store_gb, config.kv_store_disk)
 
     def _store_block_bytes(self, model_config: ModelConfig) -> int:

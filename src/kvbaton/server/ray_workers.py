@@ -11,7 +11,10 @@ through `RayWorkerProcess`, the `ProcessHandle` of the actor's child. Between no
 (shared memory reaches one host only). With `--kv-store-gb` every node that holds workers runs a store node, on
 its IP: the launcher's node the launcher's own, every other one a `StoreHost` actor's (pinned to that node, holding
 no CPU). Each worker is told its node's (`--kv-store`: its saves go there, its loads read it first through shared
-memory) and every node's (`--kv-store-nodes`: what its own lacks is read from the others over TCP).
+memory) and every node's (`--kv-store-nodes`: what its own lacks is read from the others over TCP). With
+`--kv-store-gb auto` each of those other nodes sizes its own for the workers placed on it (twice their KV pools,
+within half of its own /dev/shm's free space); the launcher's node, started before the placement, for all of them
+within its own.
 
 `--ray local` starts a single-node Ray instance on the loopback interface (to try it on one machine,
 and for the tests); `--ray auto` joins the cluster running on this machine (`ray start --head`), and
@@ -28,7 +31,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -283,15 +287,16 @@ class RayPlacement:
             raise KvbatonError(refusal)
 
     async def start(self, workers: Sequence[RayWorker], timeout_s: float, secret: ClusterSecret,
-                    environment: Mapping[str, str] | None = None, store_args: Sequence[str] = (),
+                    environment: Mapping[str, str] | None = None,
+                    store_args: Callable[[int], Sequence[str]] | None = None,
                     local_store: str = "") -> dict[str, RayWorkerProcess]:
         """One actor per worker, holding its share, spread over the nodes; returns once every worker process runs.
         Each actor hands `secret` to its worker: it travels in the actor call, over Ray's own channel (which
         authenticates with RAY_AUTH_TOKEN where the cluster runs `RAY_AUTH_MODE=token`).
 
-        With `store_args` (a store node's arguments but its host) the workers are placed first, then every node that
-        holds one gets its store node (this node's is `local_store`, the launcher's), then each worker starts told
-        its node's and every node's (`with_store_nodes`)."""
+        With `store_args` (a store node's arguments but its host, for the number of workers on its node) the workers
+        are placed first, then every node that holds one gets its store node (this node's is `local_store`, the
+        launcher's), then each worker starts told its node's and every node's (`with_store_nodes`)."""
         self.check_resources(workers)
         actors = []
         for worker in workers:
@@ -309,8 +314,8 @@ class RayPlacement:
                 for worker, actor, (node_ip, pid) in zip(workers, actors, started)}
 
     async def _start_all(self, actors: Sequence[Any], workers: Sequence[RayWorker], secret: ClusterSecret,
-                         environment: Mapping[str, str] | None, store_args: Sequence[str], local_store: str
-                         ) -> list[tuple[str, int]]:
+                         environment: Mapping[str, str] | None, store_args: Callable[[int], Sequence[str]] | None,
+                         local_store: str) -> list[tuple[str, int]]:
         args = [worker.args for worker in workers]
         if store_args:
             where = await _gather([actor.node.remote() for actor in actors])  # (node id, IP), once each is placed
@@ -321,9 +326,10 @@ class RayPlacement:
             stores = [self._store_class.options(num_cpus=0, scheduling_strategy=self._on_node(node)).remote()
                       for node in starting]
             self._stores.extend(stores)
-            for node, (address, pid) in zip(starting, await _gather([store.start.remote(list(store_args),
+            on_node = Counter(node for node, _ in where)
+            for node, (address, pid) in zip(starting, await _gather([store.start.remote(list(store_args(on_node[node])),
                                                                                          secret.to_hex())
-                                                                      for store in stores])):
+                                                                      for node, store in zip(starting, stores)])):
                 addresses[node] = address
                 self.store_nodes[address] = (ips[node], pid)
             nodes = list(addresses.values())

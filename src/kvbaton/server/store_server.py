@@ -32,6 +32,7 @@ import logging
 import os
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -232,6 +233,33 @@ def parse_disk(text: str) -> tuple[str, float]:
     return directory, value
 
 
+def shm_capped_gb(wanted_bytes: int, block_bytes: int, shm_directory: str = SHM_DIRECTORY) -> float:
+    """`wanted_bytes` of store DRAM in GB, at most half of what `shm_directory` has free (a node's DRAM is a file
+    there, filled as blocks come); 0 when that holds no block, or without the directory."""
+    try:
+        free = shutil.disk_usage(shm_directory).free
+    except OSError:
+        return 0.0
+    gb = round(min(wanted_bytes, free // 2) / 1e9, 3)
+    return gb if capacity_blocks(gb, block_bytes) >= 1 else 0.0
+
+
+def dram_gb(text: str, auto_bytes: int, block_bytes: int, shm_directory: str = SHM_DIRECTORY) -> float:
+    """`--kv-store-gb`: a number of GB, or `auto` (`--kv-store-auto-bytes` within half of this host's free
+    /dev/shm, what `kvbaton serve --ray` gives each other node by the workers it placed there)."""
+    if text != "auto":
+        try:
+            return float(text)
+        except ValueError:
+            raise KvbatonError(f"--kv-store-gb takes GB or auto, got {text!r}") from None
+    if auto_bytes <= 0:
+        raise KvbatonError("--kv-store-gb auto needs --kv-store-auto-bytes (the DRAM its workers want)")
+    gb = shm_capped_gb(auto_bytes, block_bytes, shm_directory)
+    if not gb:
+        raise KvbatonError(f"--kv-store-gb auto: {shm_directory} has no room for a block here")
+    return gb
+
+
 READY = "store node ready "  # the node's first line on stdout, its address after it
 
 
@@ -273,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-bytes", type=int, required=True)
     parser.add_argument("--block-tokens", type=int, required=True)
     parser.add_argument("--block-rows", type=int, default=1, help="rows of a block (layers x 2): the slots' layout")
-    parser.add_argument("--kv-store-gb", type=float, required=True)
+    parser.add_argument("--kv-store-gb", required=True, help="GB of DRAM, or auto (with --kv-store-auto-bytes)")
+    parser.add_argument("--kv-store-auto-bytes", type=int, default=0,
+                        help="with --kv-store-gb auto: the DRAM wanted, capped at half of /dev/shm's free space")
     parser.add_argument("--kv-store-disk-gb", default="", help="DIR:GB")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
@@ -284,11 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     if not secret_hex:
         print(f"the store node needs the cluster secret in {SECRET_ENV}", file=sys.stderr)
         return 2
+    try:
+        gb = dram_gb(args.kv_store_gb, args.kv_store_auto_bytes, args.block_bytes)
+    except KvbatonError as exc:
+        print(f"kvbaton store node: {exc}", file=sys.stderr)
+        return 2
     disk = None
     if args.kv_store_disk_gb:
         directory, gb = parse_disk(args.kv_store_disk_gb)
         disk = DiskBlockFiles(directory, capacity_blocks(gb, args.block_bytes + 64))
-    state = StoreNodeState(args.block_bytes, args.block_tokens, capacity_blocks(args.kv_store_gb, args.block_bytes),
+    state = StoreNodeState(args.block_bytes, args.block_tokens, capacity_blocks(gb, args.block_bytes),
                            disk, args.lease_s, block_rows=args.block_rows)
     server = StoreServer(state, ClusterSecret.from_hex(secret_hex), args.host, args.port)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

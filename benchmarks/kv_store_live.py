@@ -9,21 +9,27 @@ this process, one after the other, so each timing has the CPU to itself. Figures
 - **back from DRAM**: the prefix evicted from every device pool (B's cache cleared) comes back from the store's DRAM;
 - **back from disk**: after other prefixes pushed it out of DRAM, it comes back from the disk tier (blocks read
   from disk, checksums checked);
-- **load throughput**: the worker's own load path (acquire RPC, copy from the node's slots into the KV pool,
-  release) over a single-thread memcpy of the same bytes between two plain buffers, side by side
-  (`load_over_memcpy`, target >= 0.8), for the prefix as one prefill stored it (its slots in order, copied in
-  runs), and `scattered_*` for a prefix whose slots churned apart (copied block by block); `*_copy_only_*`
-  leaves the RPC out; `burst_*`: three such loads handed over at once against three memcpys (sustained
-  throughput: a lone load also waits on two thread wake-ups, ~1 ms on this idle VM), with the acquire's wait of
-  the first load and of the later ones, whose acquires went out while the load before them copied;
+- **load throughput**: the worker's own load path, from handing the load to its IO thread to the engine holding
+  the result (as `kvbaton serve` runs it on one host: the blocks looked up in the node's slot index and copied
+  from its shared-memory slots into the KV pool without a lease, their generations checked after, the node told
+  of the uses after the result), over a single-thread memcpy of the same bytes between two plain buffers, side by
+  side (`load_over_memcpy`, target >= 0.8); `leased_*`: the same load by a worker that acquires a lease first (an
+  RPC to the node, then the copy, then a release not waited for: the path off x86, and for disk blocks). For the
+  prefix as one prefill stored it (its slots in order, copied in runs), and `scattered_*` for a prefix whose slots
+  churned apart (copied block by block); `*_copy_only_*` counts the copy alone; `burst_*`: three such loads handed
+  over at once against three memcpys (sustained throughput: a lone load also waits on two thread wake-ups);
 - **cross-host load throughput**: the same load by a worker whose link is forced to the node's TCP data path
   (`KVBATON_STORE_TRANSPORT=tcp` in effect: 127.0.0.1, one host) over a raw loopback socket sending the same bytes
   from one buffer into another in the same run (`tcp_load_over_raw_socket`, target >= 0.8), interleaved, medians;
-- **ITL under loads**: a decode stream's p99 inter-token latency while two other requests load their 2,000-token
-  prefixes from the store and join its batch, over the same arrivals finding their prefixes on the device already
+- **ITL under loads**: a `--stream-tokens` decode stream's p99 inter-token latency while `--loaders` other
+  requests (one every stream-tokens / (loaders + 1) tokens) load their 2,000-token prefixes from the store and
+  join its batch, over the same arrivals finding their prefixes on the device already
   (`itl_p99_with_loads_over_device_hits`, target <= 1.2: what the loads cost the stream, their admission into the
   batch being the same in both), `--itl-repeats` times interleaved: the median ratio and its spread (min, max);
-  and over the stream alone; and with the arrivals recomputing their prefixes.
+  and over the stream alone; and with the arrivals recomputing their prefixes. A stream of 256 tokens with 8
+  loaders puts the p99 at its third-largest gap of 254, where a 64-token stream with 2 had it at its largest, one
+  step's. This part runs on an engine and store node of its own (DRAM for every loader's prefix, no disk), so the
+  loads come from DRAM as the throughput figures' do.
 
 Copies: a load copies a run of blocks as one memcpy per layer and K/V (768 KB each for SmolLM2's 2,000 tokens),
 which glibc does with ordinary stores below its non-temporal threshold (sized from the 105 MB L3 here), at about
@@ -62,6 +68,16 @@ from kvbaton.transfer.store_slots import STREAMING_COPIES, with_streaming_copies
 from kvbaton.transfer.store_tcp import SOCKET_BUFFER_BYTES
 
 BLOCK = 16
+# Before each timed copy or load: the node's work on the one before (a release, the uses of an unleased read) is
+# done by then, so it runs beside neither arm (on this 2-core VM the other core's work slows a memcpy ~15 %). Spent
+# spinning, not asleep: a core woken from idle copies slower for a while, and this one runs the memcpys.
+QUIET_S = 0.005
+
+
+def _quiet() -> None:
+    deadline = time.perf_counter() + QUIET_S
+    while time.perf_counter() < deadline:
+        pass
 
 
 def _prompt(seed: int, num_tokens: int, vocab: int) -> list[int]:
@@ -115,50 +131,66 @@ def _settle(engine: Engine, client: StoreClient, timeout_s: float = 60.0) -> dic
     return stats
 
 
-def _load_throughput(engine: Engine, client: StoreClient, prompt: list[int], repeats: int) -> dict[str, float]:
-    """The worker's load path against a single-thread memcpy of the same bytes, interleaved: medians of each, and the
-    ratios as the median (and min, max) of each adjacent pair's ratio, so a burst of the host's other load falls on
-    both sides of a pair."""
-    io = engine.store_io
+def _load_throughput(engine: Engine, leased: Engine, prompt: list[int], repeats: int) -> dict[str, float]:
+    """The worker's load path (`engine`: same host, unleased reads from the node's slot index, as `kvbaton serve`
+    runs; `leased`: a worker whose link acquires a lease first, the path off x86 and for disk blocks) against a
+    single-thread memcpy of the same bytes, interleaved: medians of each, and the ratios as the median (and min,
+    max) of each adjacent pair's ratio, so a burst of the host's other load falls on both sides of a pair."""
     hashes = hash_block_tokens(engine.cache_key, prompt, BLOCK)
     num_blocks = len(hashes)
-    engine.reset_prefix_cache()
-    device_ids = engine.pool.allocate(num_blocks)  # timing only: no request runs meanwhile
     block_bytes = engine.storage.bytes_per_block
+    arms = {"": engine, "leased_": leased}
+    device_ids = {}
+    for name, worker in arms.items():
+        worker.reset_prefix_cache()
+        device_ids[name] = worker.pool.allocate(num_blocks)  # timing only: no request runs meanwhile
     src = np.ones(num_blocks * block_bytes, dtype=np.uint8)
     dst = np.zeros_like(src)
     np.copyto(dst, src)  # its pages touched before any timing
-    load_s, memcpy_s, copy_s = [], [], []
+    memcpy_s: list[float] = []
+    load_s: dict[str, list[float]] = {name: [] for name in arms}
+    copy_s: dict[str, list[float]] = {name: [] for name in arms}
+    slots: list[int] = []
+    unleased_before = engine.store_io.num_unleased_blocks
     for _ in range(repeats):
+        _quiet()
         started = time.perf_counter()
         np.copyto(dst, src)
         memcpy_s.append(time.perf_counter() - started)
-        job = LoadJob("bench", namespace_of(engine.cache_key), list(hashes), device_block_ids=device_ids)
-        copied_before = io.copy_in_s
-        started = time.perf_counter()
-        io.acquire_and_copy(job)  # the path a load takes when the pool has room: one trip
-        kind = _result(io)
-        load_s.append(time.perf_counter() - started)
-        assert kind == "copied" and job.num_copied == num_blocks, (kind, job.num_copied, num_blocks)
-        copy_s.append(io.copy_in_s - copied_before)
-    engine.pool.release(device_ids)
+        for name, worker in arms.items():
+            io = worker.store_io
+            job = LoadJob("bench", namespace_of(worker.cache_key), list(hashes), device_block_ids=device_ids[name])
+            copied_before = io.copy_in_s
+            _quiet()
+            started = time.perf_counter()
+            io.acquire_and_copy(job)  # the path a load takes when the pool has room: one trip
+            kind = _result(io)
+            load_s[name].append(time.perf_counter() - started)
+            assert kind == "copied" and job.num_copied == num_blocks, (kind, job.num_copied, num_blocks)
+            copy_s[name].append(io.copy_in_s - copied_before)
+            slots = job.slots or slots  # the leased arm's: where the node keeps the prefix
     num_bytes = num_blocks * block_bytes
-    load, memcpy, copy = statistics.median(load_s), statistics.median(memcpy_s), statistics.median(copy_s)
-    ratios = sorted(m / x for m, x in zip(memcpy_s, load_s))
-    copy_ratios = sorted(m / x for m, x in zip(memcpy_s, copy_s))
-    return {"load_blocks": num_blocks, "load_bytes": num_bytes, "load_gbps": num_bytes / load / 1e9,
-            "memcpy_gbps": num_bytes / memcpy / 1e9, "load_over_memcpy": statistics.median(ratios),
-            "load_over_memcpy_min": ratios[0], "load_over_memcpy_max": ratios[-1],
-            "load_copy_only_gbps": num_bytes / copy / 1e9,
-            "load_copy_only_over_memcpy": statistics.median(copy_ratios),
-            "load_runs": len(block_runs(job.slots, device_ids)), "repeats": repeats}
+    memcpy = statistics.median(memcpy_s)
+    result: dict[str, float] = {"load_blocks": num_blocks, "load_bytes": num_bytes, "memcpy_gbps": num_bytes / memcpy / 1e9,
+                                "load_runs": len(block_runs(slots, device_ids["leased_"])), "repeats": repeats,
+                                "load_unleased_blocks": engine.store_io.num_unleased_blocks - unleased_before}
+    for name, worker in arms.items():
+        worker.pool.release(device_ids[name])
+        ratios = sorted(m / x for m, x in zip(memcpy_s, load_s[name]))
+        copy_ratios = sorted(m / x for m, x in zip(memcpy_s, copy_s[name]))
+        result.update({f"{name}load_gbps": num_bytes / statistics.median(load_s[name]) / 1e9,
+                       f"{name}load_over_memcpy": statistics.median(ratios),
+                       f"{name}load_over_memcpy_min": ratios[0], f"{name}load_over_memcpy_max": ratios[-1],
+                       f"{name}load_copy_only_gbps": num_bytes / statistics.median(copy_s[name]) / 1e9,
+                       f"{name}load_copy_only_over_memcpy": statistics.median(copy_ratios)})
+    return result
 
 
 def _burst_throughput(engine: Engine, prompt: list[int], repeats: int, loads: int = 3) -> dict[str, float]:
     """`loads` loads of the prefix handed to the IO thread at once (into as many sets of device blocks: what a burst
     of requests sharing a stored prefix asks), until the last is copied, against as many single-thread memcpys of
     the same bytes from one buffer into as many others, interleaved, medians. A lone load waits on two thread
-    wake-ups of their own (the IO thread's, the node's answer); in a burst only the first does."""
+    wake-ups of its own (the IO thread's, the engine's for the result); in a burst only the first and last do."""
     io = engine.store_io
     hashes = hash_block_tokens(engine.cache_key, prompt, BLOCK)
     engine.reset_prefix_cache()
@@ -168,31 +200,29 @@ def _burst_throughput(engine: Engine, prompt: list[int], repeats: int, loads: in
     dsts = [np.zeros_like(src) for _ in range(loads)]
     for dst in dsts:
         np.copyto(dst, src)  # pages touched before any timing
-    burst_s, memcpy_s, first_acquire_s, later_acquire_s = [], [], [], []
+    burst_s, memcpy_s = [], []
     for _ in range(repeats):
+        _quiet()
         started = time.perf_counter()
         for dst in dsts:
             np.copyto(dst, src)
         memcpy_s.append(time.perf_counter() - started)
         jobs = [LoadJob("bench", namespace_of(engine.cache_key), list(hashes), device_block_ids=ids)
                 for ids in device_ids]
+        _quiet()
         started = time.perf_counter()
         for job in jobs:
             io.acquire_and_copy(job)
         kinds = _results(io, loads)
         burst_s.append(time.perf_counter() - started)
         assert kinds == ["copied"] * loads and all(job.num_copied == len(hashes) for job in jobs), kinds
-        first_acquire_s.append(jobs[0].acquire_s)
-        later_acquire_s += [job.acquire_s for job in jobs[1:]]  # sent while the load before copied
     for ids in device_ids:
         engine.pool.release(ids)
     ratios = sorted(m / b for m, b in zip(memcpy_s, burst_s))
     return {"burst_loads": loads, "burst_load_gbps": loads * num_bytes / statistics.median(burst_s) / 1e9,
             "burst_memcpy_gbps": loads * num_bytes / statistics.median(memcpy_s) / 1e9,
             "burst_load_over_memcpy": statistics.median(ratios), "burst_load_over_memcpy_min": ratios[0],
-            "burst_load_over_memcpy_max": ratios[-1],
-            "burst_first_acquire_ms": statistics.median(first_acquire_s) * 1e3,
-            "burst_later_acquire_ms": statistics.median(later_acquire_s) * 1e3}
+            "burst_load_over_memcpy_max": ratios[-1]}
 
 
 _RAW_SENDER = """
@@ -268,15 +298,14 @@ def _result(io: Any) -> str:
 
 
 def _results(io: Any, count: int) -> list[str]:
-    """The kinds of the next `count` load results, polled every 0.2 ms."""
+    """The kinds of the next `count` load results, waited for as an engine with nothing but loads waits for them
+    (`take_results` with a wait: the GIL let go, woken by the result)."""
     kinds: list[str] = []
     deadline = time.monotonic() + 30
     while len(kinds) < count:
         if time.monotonic() >= deadline:
             raise SystemExit(f"{len(kinds)} of {count} load results in 30 s")
-        kinds += [kind for kind, _ in io.take_results()]
-        if len(kinds) < count:
-            time.sleep(0.0002)
+        kinds += [kind for kind, _ in io.take_results(wait_s=0.01)]
     return kinds
 
 
@@ -304,7 +333,8 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--stream-tokens", type=int, default=64)
+    parser.add_argument("--stream-tokens", type=int, default=256)
+    parser.add_argument("--loaders", type=int, default=8, help="requests loading a prefix while the stream decodes")
     parser.add_argument("--itl-repeats", type=int, default=3)
     parser.add_argument("--no-streaming-copies", action="store_true", help="glibc's default memcpy threshold")
     args = parser.parse_args()
@@ -322,11 +352,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvbaton-store-bench-") as tmp:
         store, address = _start_store(secret, block_bytes, 2 * loaded.config.num_layers, dram_gb,
                                       f"{tmp}/disk:{20 * dram_gb}")
+        # the ITL part's node: DRAM for every loader's prefix and two more, no disk
+        itl_store, itl_address = _start_store(secret, block_bytes, 2 * loaded.config.num_layers,
+                                              (args.loaders + 2) * prefix_blocks * block_bytes / 1e9, "")
         try:
             result = _run(args, loaded, vocab, secret, address, prefix_blocks, block_bytes, dram_gb)
+            result.update(_itl(args, loaded, vocab, secret, itl_address, prefix_blocks))
         finally:
-            store.terminate()
-            store.wait(10)
+            for process in (store, itl_store):
+                process.terminate()
+                process.wait(10)
     print(json.dumps(result))
 
 
@@ -340,6 +375,7 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
 
     a = Engine(config, loaded, create_store_link=link)
     b = Engine(config, loaded, create_store_link=link)
+    b_leased = Engine(config, loaded, create_store_link=lambda: StoreClient(address, secret, unleased_reads=False))
     c = Engine(config, loaded, create_store_link=lambda: StoreClient(address, secret, transport="tcp"))
     plain = Engine(config, loaded)
     client = StoreClient(address, secret)
@@ -347,6 +383,7 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
         prompt = _prompt(1, args.prefix_tokens, vocab) + _prompt(2, 8, vocab)
         _generate(a, _prompt(0, 64, vocab), 2)  # warm-up: first-call costs out of the timings
         _generate(b, _prompt(0, 64, vocab), 2)
+        _generate(b_leased, _prompt(0, 64, vocab), 2)
         _generate(plain, _prompt(0, 64, vocab), 2)
         ref_tokens, ttft_recompute, _ = _generate(plain, prompt, 8)
         a_tokens, ttft_a, _ = _generate(a, prompt, 8)
@@ -357,7 +394,7 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
         _settle(a, client)
         b_tokens, ttft_store, cached_b = _generate(b, prompt, 8)
         # The prefix as one prefill stored it (its slots in order): the common case of a load.
-        throughput = _load_throughput(b, client, prompt[: args.prefix_tokens], args.repeats)
+        throughput = _load_throughput(b, b_leased, prompt[: args.prefix_tokens], args.repeats)
         burst = _burst_throughput(b, prompt[: args.prefix_tokens], args.repeats)
         # The same prefix by C, whose link reads the node's slots over its TCP port (cross-host path, on loopback).
         c_tokens, ttft_tcp, cached_c = _generate(c, prompt, 8)
@@ -378,28 +415,8 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
         disk_tokens, ttft_disk, cached_disk = _generate(b, disk_prompt, 8)
         after = client.stats()
         # A prefix whose slots churn scattered (stored while DRAM was full, moved to disk and back): block by block.
-        scattered = _load_throughput(b, client, _prompt(5, args.prefix_tokens, vocab), args.repeats)
+        scattered = _load_throughput(b, b_leased, _prompt(5, args.prefix_tokens, vocab), args.repeats)
         b.reset_prefix_cache()
-        # ITL: a stream alone, then the same stream while four other prefixes load from the store into it.
-        stream_prompt = _prompt(9, 128, vocab)
-        loaders = [_prompt(seed, args.prefix_tokens, vocab) + _prompt(7, 8, vocab) for seed in (3, 4)]
-        itl_alone = _itl_p99(b, stream_prompt, [], args.stream_tokens)
-        # The same arrivals with their prefixes on B's device already (they join the batch with the same short
-        # prefill, and load nothing), then from the store: the difference is what the loads cost the stream.
-        for loader in loaders:
-            _generate(b, loader, 1)
-        itl_device_runs, itl_loads_runs = [], []
-        for _ in range(args.itl_repeats):  # interleaved: the host's noise falls on both alike
-            itl_device_runs.append(_itl_p99(b, stream_prompt, loaders, args.stream_tokens))
-            b.reset_prefix_cache()
-            itl_loads_runs.append(_itl_p99(b, stream_prompt, loaders, args.stream_tokens))
-            for loader in loaders:  # back on the device for the next device-hit run (loaded from the store)
-                _generate(b, loader, 1)
-        itl_ratios = sorted(x / y for x, y in zip(itl_loads_runs, itl_device_runs))
-        itl_device, itl_loads = statistics.median(itl_device_runs), statistics.median(itl_loads_runs)
-        plain.reset_prefix_cache()
-        _generate(plain, stream_prompt, 1)  # the stream's own prompt cached, as it is on B after the first run
-        itl_recompute = _itl_p99(plain, stream_prompt, loaders, args.stream_tokens)
         for engine in (a, b, c, plain):
             engine.check_invariants()
         return {
@@ -418,19 +435,60 @@ def _run(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecre
             "ttft_disk_reload_s": ttft_disk, "cached_tokens_disk_reload": cached_disk,
             "disk_blocks_read_on_reload": after["num_disk_read_blocks"] - before["num_disk_read_blocks"],
             **throughput, **burst, **{f"scattered_{k}": v for k, v in scattered.items()},
-            "itl_p99_alone_s": itl_alone, "itl_p99_with_loads_s": itl_loads,
-            "itl_p99_with_loads_over_alone": itl_loads / itl_alone, "itl_p99_with_device_hits_s": itl_device,
-            "itl_p99_with_loads_over_device_hits": statistics.median(itl_ratios),
-            "itl_p99_with_loads_over_device_hits_min": itl_ratios[0],
-            "itl_p99_with_loads_over_device_hits_max": itl_ratios[-1],
-            "itl_p99_with_loads_over_device_hits_runs": itl_ratios, "itl_p99_with_recompute_s": itl_recompute,
             "num_loaded_blocks_b": b.store_io.num_loaded_blocks, "num_dropped_saves_a": a.store_io.num_dropped_saves,
             "store_stats": client.stats(),
         }
     finally:
         client.close()
-        for engine in (a, b, c):
+        for engine in (a, b, b_leased, c):
             engine.close()
+
+
+def _itl(args: argparse.Namespace, loaded: Any, vocab: int, secret: ClusterSecret, address: str,
+         prefix_blocks: int) -> dict[str, Any]:
+    """The ITL figures on an engine (and a plain one) with room for the stream and every loader's prefix, its store
+    node `address` holding them all in DRAM."""
+    num_blocks = (args.loaders + 2) * (prefix_blocks + 1) + 64
+    config = EngineConfig(model=args.model, cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    d = Engine(config, loaded, create_store_link=lambda: StoreClient(address, secret))
+    plain = Engine(config, loaded)
+    client = StoreClient(address, secret)
+    try:
+        stream_prompt = _prompt(9, 128, vocab)
+        loaders = [_prompt(100 + i, args.prefix_tokens, vocab) + _prompt(7, 8, vocab) for i in range(args.loaders)]
+        _generate(d, _prompt(0, 64, vocab), 2)  # warm-up
+        for loader in loaders:  # computed once here: written through to the node
+            _generate(d, loader, 1)
+        stats = _settle(d, client)
+        assert stats["num_dram_blocks"] >= args.loaders * prefix_blocks, stats
+        itl_alone = _itl_p99(d, stream_prompt, [], args.stream_tokens)
+        # The same arrivals with their prefixes on D's device already (they join the batch with the same short
+        # prefill, and load nothing), then from the store: the difference is what the loads cost the stream.
+        itl_device_runs, itl_loads_runs = [], []
+        loaded_before = d.store_io.num_loaded_blocks
+        for _ in range(args.itl_repeats):  # interleaved: the host's noise falls on both alike
+            itl_device_runs.append(_itl_p99(d, stream_prompt, loaders, args.stream_tokens))
+            d.reset_prefix_cache()
+            itl_loads_runs.append(_itl_p99(d, stream_prompt, loaders, args.stream_tokens))  # each loads its prefix
+        num_loaded = d.store_io.num_loaded_blocks - loaded_before
+        itl_ratios = sorted(x / y for x, y in zip(itl_loads_runs, itl_device_runs))
+        itl_device, itl_loads = statistics.median(itl_device_runs), statistics.median(itl_loads_runs)
+        _generate(plain, stream_prompt, 1)  # the stream's own prompt cached, as it is on D after the first run
+        itl_recompute = _itl_p99(plain, stream_prompt, loaders, args.stream_tokens)
+        for engine in (d, plain):
+            engine.check_invariants()
+        return {"itl_stream_tokens": args.stream_tokens, "itl_loaders": args.loaders,
+                "itl_loaded_blocks_per_run": num_loaded / max(1, args.itl_repeats),
+                "itl_p99_alone_s": itl_alone, "itl_p99_with_loads_s": itl_loads,
+                "itl_p99_with_loads_over_alone": itl_loads / itl_alone, "itl_p99_with_device_hits_s": itl_device,
+                "itl_p99_with_loads_over_device_hits": statistics.median(itl_ratios),
+                "itl_p99_with_loads_over_device_hits_min": itl_ratios[0],
+                "itl_p99_with_loads_over_device_hits_max": itl_ratios[-1],
+                "itl_p99_with_loads_over_device_hits_runs": itl_ratios, "itl_p99_with_recompute_s": itl_recompute}
+    finally:
+        client.close()
+        d.close()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,11 @@ from kvbaton.core.cluster_secret import SECRET_ENV, ClusterSecret
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.registry import read_model_header, resolve_model_source
 from kvbaton.server.launcher import ServeConfig, auto_store_gb, store_node_args
+from kvbaton.cache.kv_store import capacity_blocks
+from kvbaton.server.store_client import StoreClient
 from kvbaton.server.store_server import dram_gb
+from kvbaton.server.store_server import start_process as start_store_process
+from kvbaton.server.store_server import stop_process as stop_store_process
 from kvbaton.server.store_server import main as store_main
 from kvbaton.transfer.store_slots import SHM_DIRECTORY, SHM_PREFIX
 from tests.server.serve_helpers import read_banner, serve_process
@@ -94,6 +98,22 @@ def test_a_ray_nodes_store_is_sized_by_that_node_for_its_own_workers(tmp_path, m
             dram_gb(text, auto_bytes, block, str(tmp_path))
     monkeypatch.setenv(SECRET_ENV, ClusterSecret.generate().to_hex())
     assert store_main(["--block-bytes", str(block), "--block-tokens", "16", "--kv-store-gb", "auto"]) == 2
+
+
+def test_a_store_node_process_has_the_dram_and_disk_it_was_given(tmp_path) -> None:  # noqa: ANN001
+    """DRAM and disk sized apart (the disk's GB never the DRAM's), a node of auto bytes within this host's /dev/shm."""
+    secret, block = ClusterSecret.generate(), 4096
+    for dram, expected in ((["--kv-store-gb", "0.001"], capacity_blocks(0.001, block)),
+                           (["--kv-store-gb", "auto", "--kv-store-auto-bytes", str(1000 * block)],
+                            capacity_blocks(round(1000 * block / 1e9, 3), block))):  # GB to the MB, as auto's are
+        process, address = start_store_process(["--block-bytes", str(block), "--block-tokens", "16", *dram,
+                                                "--kv-store-disk-gb", f"{tmp_path}/disk:0.01"], secret, "127.0.0.1")
+        client = StoreClient(address, secret)
+        try:
+            assert client.hello()["num_slots"] == expected
+        finally:
+            client.close()
+            stop_store_process(process)
 
 
 def test_serve_starts_a_store_node_by_default_sized_from_the_workers_pools(monkeypatch: pytest.MonkeyPatch,

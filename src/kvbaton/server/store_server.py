@@ -321,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     disk = None
     if args.kv_store_disk_gb:
-        directory, gb = parse_disk(args.kv_store_disk_gb)
-        disk = DiskBlockFiles(directory, capacity_blocks(gb, args.block_bytes + 64))
+        directory, disk_gb = parse_disk(args.kv_store_disk_gb)
+        disk = DiskBlockFiles(directory, capacity_blocks(disk_gb, args.block_bytes + 64))
     state = StoreNodeState(args.block_bytes, args.block_tokens, capacity_blocks(gb, args.block_bytes),
                            disk, args.lease_s, block_rows=args.block_rows)
     server = StoreServer(state, ClusterSecret.from_hex(secret_hex), args.host, args.port)

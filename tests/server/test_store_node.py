@@ -231,3 +231,27 @@ def test_reads_from_another_node_grant_one_copy_on_the_second_as_the_simulators_
         copy.check_invariants()
     finally:
         copy.close()
+
+
+@pytest.mark.parametrize("with_disk", [False, True])
+def test_a_chain_stored_or_promoted_on_a_full_node_takes_ascending_slots(tmp_path: Path, with_disk: bool) -> None:
+    """On a full node each block's room is freed by a victim first, a chain's victims in eviction order: the new
+    chain still takes its slots in ascending order (one copy per row for a worker), whether put or promoted back
+    from disk, and its bytes are its own."""
+    disk = DiskBlockFiles(tmp_path / "disk", 16) if with_disk else None
+    node = StoreNodeState(BLOCK_BYTES, 16, dram_blocks=8, disk=disk, lease_s=5.0)
+    try:
+        _put(node, _chain(100, 8))
+        _put(node, _chain(200, 8))  # DRAM full: the first chain's blocks make room, one a block
+        lease, slots = node.acquire(NS, _chain(200, 8), now=0.0)
+        assert slots == sorted(slots) and slots == list(range(slots[0], slots[0] + 8))
+        assert _read(node, slots) == [_payload(h) for h in _chain(200, 8)]
+        node.release(lease)
+        if with_disk:  # the first chain back from disk, pushing the second out block by block
+            lease, slots = node.acquire(NS, _chain(100, 8), now=0.0)
+            assert slots == list(range(slots[0], slots[0] + 8))
+            assert _read(node, slots) == [_payload(h) for h in _chain(100, 8)]
+            node.release(lease)
+        node.check_invariants()
+    finally:
+        node.close()

@@ -227,18 +227,30 @@ class StoreNodeState:
 
     # ---- bytes follow the policy core -----------------------------------------------------------
     def _apply(self, payloads: dict[int, bytes | memoryview], namespace: Namespace) -> None:
+        """Replay the core's new events onto the bytes. Blocks entering DRAM take their slots at the end of the
+        batch, in chain order, from the lowest free ones: on a full node each block's room is freed by a victim
+        first, and victims free their slots in eviction order (a chain's from its leaf up), so slots taken as
+        they came would leave a chain's blocks in descending or scattered slots, copied block by block where a
+        run of ascending slots is one copy per row. A block that enters DRAM and leaves again within the batch
+        never takes a slot."""
         while True:
             corrupt = []
+            entering: dict[int, None] = {}  # blocks to slot at the batch's end, in order
             for event in self.store.take_events(self.NODE):
                 self._log.append(event)
                 for block_hash in event.block_hashes:
                     if event.kind == "stored" and event.tier == DRAM:
-                        if not self._to_dram(block_hash, payloads, namespace):
-                            corrupt.append(block_hash)
+                        entering[block_hash] = None
                     elif event.kind == "stored":
+                        if entering.pop(block_hash, 0) is None and block_hash in self._on_disk:
+                            continue  # promoted and moved back within the batch: its file never left
                         self._to_disk(block_hash, payloads, namespace)
                     else:
+                        entering.pop(block_hash, None)
                         self._forget(block_hash)
+            for block_hash in entering:
+                if not self._to_dram(block_hash, payloads, namespace):
+                    corrupt.append(block_hash)
             if not corrupt:
                 self.slots.num_disk_blocks = len(self._on_disk)  # for same-host workers' unleased reads
                 return

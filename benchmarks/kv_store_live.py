@@ -15,8 +15,9 @@ this process, one after the other, so each timing has the CPU to itself. Figures
   of the uses after the result), over a single-thread memcpy of the same bytes between two plain buffers, side by
   side (`load_over_memcpy`, target >= 0.8); `leased_*`: the same load by a worker that acquires a lease first (an
   RPC to the node, then the copy, then a release not waited for: the path off x86, and for disk blocks). For the
-  prefix as one prefill stored it (its slots in order, copied in runs), and `scattered_*` for a prefix whose slots
-  churned apart (copied block by block); `*_copy_only_*` counts the copy alone; `burst_*`: three such loads handed
+  prefix as one prefill stored it (its slots in order, copied in runs), and `scattered_*` for a prefix stored while DRAM
+  was full, moved to disk and back (its slots churned: `scattered_load_runs` runs of consecutive slots, one copy
+  per row each); `*_copy_only_*` counts the copy alone; `burst_*`: three such loads handed
   over at once against three memcpys (sustained throughput: a lone load also waits on two thread wake-ups);
 - **cross-host load throughput**: the same load by a worker whose link is forced to the node's TCP data path
   (`KVBATON_STORE_TRANSPORT=tcp` in effect: 127.0.0.1, one host) over a raw loopback socket sending the same bytes

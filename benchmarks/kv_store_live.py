@@ -90,7 +90,7 @@ def _start_store(secret: ClusterSecret, block_bytes: int, rows: int, dram_gb: fl
                  disk: str) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "kvbaton.server.store_server", "--block-bytes", str(block_bytes),
                "--block-tokens", str(BLOCK), "--block-rows", str(rows), "--kv-store-gb", str(dram_gb),
-               "--kv-store-disk-gb", disk]
+               "--kv-store-disk-gb", disk, "--parent-pid", str(os.getpid())]  # it stops if this is killed
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env={**os.environ, SECRET_ENV: secret.to_hex()})
     line = process.stdout.readline()  # type: ignore[union-attr]
     if not line.startswith("store node ready"):

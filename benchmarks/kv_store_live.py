@@ -9,16 +9,17 @@ this process, one after the other, so each timing has the CPU to itself. Figures
 - **back from DRAM**: the prefix evicted from every device pool (B's cache cleared) comes back from the store's DRAM;
 - **back from disk**: after other prefixes pushed it out of DRAM, it comes back from the disk tier (blocks read
   from disk, checksums checked);
-- **load throughput**: the worker's own load path, from handing the load to its IO thread to the engine holding
-  the result (as `kvbaton serve` runs it on one host: the blocks looked up in the node's slot index and copied
-  from its shared-memory slots into the KV pool without a lease, their generations checked after, the node told
-  of the uses after the result), over a single-thread memcpy of the same bytes between two plain buffers, side by
-  side (`load_over_memcpy`, target >= 0.8); `leased_*`: the same load by a worker that acquires a lease first (an
-  RPC to the node, then the copy, then a release not waited for: the path off x86, and for disk blocks). For the
-  prefix as one prefill stored it (its slots in order, copied in runs), and `scattered_*` for a prefix stored while DRAM
-  was full, moved to disk and back (its slots churned: `scattered_load_runs` runs of consecutive slots, one copy
-  per row each); `*_copy_only_*` counts the copy alone; `burst_*`: three such loads handed
-  over at once against three memcpys (sustained throughput: a lone load also waits on two thread wake-ups);
+- **load throughput**: the worker's own load path, from handing it the load to the engine holding the result, as
+  `kvbaton serve` runs it on one host (the blocks looked up in the node's slot index and copied from its
+  shared-memory slots into the KV pool without a lease, their generations checked after, the node told of the
+  uses after the result), over a single-thread memcpy of the same bytes between two plain buffers, side by side
+  (`load_over_memcpy`, target >= 0.8: a lone load, read on the engine thread as an idle engine does;
+  `io_thread_*`: the same read on the store IO thread, as a busy engine's is); `leased_*`: the same load by a
+  worker that acquires a lease first (an RPC to the node, then the copy, then a release not waited for: the path
+  off x86, and for disk blocks). For the prefix as one prefill stored it (its slots in order, copied in runs),
+  and `scattered_*` for a prefix stored while DRAM was full, moved to disk and back (its slots churned:
+  `scattered_load_runs` runs of consecutive slots, one copy per row each); `*_copy_only_*` counts the copy alone;
+  `burst_*`: three such loads handed over at once to the IO thread against three memcpys;
 - **cross-host load throughput**: the same load by a worker whose link is forced to the node's TCP data path
   (`KVBATON_STORE_TRANSPORT=tcp` in effect: 127.0.0.1, one host) over a raw loopback socket sending the same bytes
   from one buffer into another in the same run (`tcp_load_over_raw_socket`, target >= 0.8), interleaved, medians;
@@ -133,17 +134,20 @@ def _settle(engine: Engine, client: StoreClient, timeout_s: float = 60.0) -> dic
 
 
 def _load_throughput(engine: Engine, leased: Engine, prompt: list[int], repeats: int) -> dict[str, float]:
-    """The worker's load path (`engine`: same host, unleased reads from the node's slot index, as `kvbaton serve`
-    runs; `leased`: a worker whose link acquires a lease first, the path off x86 and for disk blocks) against a
-    single-thread memcpy of the same bytes, interleaved: medians of each, and the ratios as the median (and min,
-    max) of each adjacent pair's ratio, so a burst of the host's other load falls on both sides of a pair."""
+    """The worker's load path against a single-thread memcpy of the same bytes, interleaved: medians of each, and the
+    ratios as the median (and min, max) of each adjacent pair's ratio, so a burst of the host's other load falls on
+    both sides of a pair. Three arms: `engine` as an idle engine loads (same host, an unleased read from the node's
+    slot index on the engine thread, `copy_now`, as `kvbaton serve` runs a lone load); `io_thread_`: the same read on
+    the store IO thread (a busy engine's load); `leased_`: a worker whose link acquires a lease first (the path off
+    x86, and for disk blocks)."""
     hashes = hash_block_tokens(engine.cache_key, prompt, BLOCK)
     num_blocks = len(hashes)
     block_bytes = engine.storage.bytes_per_block
-    arms = {"": engine, "leased_": leased}
+    arms = {"": (engine, True), "io_thread_": (engine, False), "leased_": (leased, False)}
     device_ids = {}
-    for name, worker in arms.items():
-        worker.reset_prefix_cache()
+    engine.reset_prefix_cache()
+    leased.reset_prefix_cache()
+    for name, (worker, _) in arms.items():
         device_ids[name] = worker.pool.allocate(num_blocks)  # timing only: no request runs meanwhile
     src = np.ones(num_blocks * block_bytes, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -152,19 +156,20 @@ def _load_throughput(engine: Engine, leased: Engine, prompt: list[int], repeats:
     load_s: dict[str, list[float]] = {name: [] for name in arms}
     copy_s: dict[str, list[float]] = {name: [] for name in arms}
     slots: list[int] = []
-    unleased_before = engine.store_io.num_unleased_blocks
+    unleased_before, loads_now_before = engine.store_io.num_unleased_blocks, engine.store_io.num_loads_now
     for _ in range(repeats):
         _quiet()
         started = time.perf_counter()
         np.copyto(dst, src)
         memcpy_s.append(time.perf_counter() - started)
-        for name, worker in arms.items():
+        for name, (worker, now) in arms.items():
             io = worker.store_io
             job = LoadJob("bench", namespace_of(worker.cache_key), list(hashes), device_block_ids=device_ids[name])
             copied_before = io.copy_in_s
             _quiet()
             started = time.perf_counter()
-            io.acquire_and_copy(job)  # the path a load takes when the pool has room: one trip
+            if not (now and io.copy_now(job)):
+                io.acquire_and_copy(job)  # the path a load takes when the pool has room: one trip
             kind = _result(io)
             load_s[name].append(time.perf_counter() - started)
             assert kind == "copied" and job.num_copied == num_blocks, (kind, job.num_copied, num_blocks)
@@ -174,8 +179,9 @@ def _load_throughput(engine: Engine, leased: Engine, prompt: list[int], repeats:
     memcpy = statistics.median(memcpy_s)
     result: dict[str, float] = {"load_blocks": num_blocks, "load_bytes": num_bytes, "memcpy_gbps": num_bytes / memcpy / 1e9,
                                 "load_runs": len(block_runs(slots, device_ids["leased_"])), "repeats": repeats,
-                                "load_unleased_blocks": engine.store_io.num_unleased_blocks - unleased_before}
-    for name, worker in arms.items():
+                                "load_unleased_blocks": engine.store_io.num_unleased_blocks - unleased_before,
+                                "loads_on_the_engine_thread": engine.store_io.num_loads_now - loads_now_before}
+    for name, (worker, _) in arms.items():
         worker.pool.release(device_ids[name])
         ratios = sorted(m / x for m, x in zip(memcpy_s, load_s[name]))
         copy_ratios = sorted(m / x for m, x in zip(memcpy_s, copy_s[name]))

@@ -217,6 +217,45 @@ def test_blocks_the_node_moves_during_an_unleased_copy_are_never_used(loaded, ma
         b.close()
 
 
+def test_an_idle_engine_loads_on_its_own_thread_and_a_busy_one_on_the_io_thread(loaded, make_store,  # noqa: ANN001
+                                                                                 reference: list[int]) -> None:
+    """With nothing else to step or load, B reads the stored prefix on its engine thread as it admits the request
+    (`copy_now`: no hand-off); with another request decoding, the load goes to the store IO thread, so no step of
+    that request waits on the copy. Same output both ways, the node told of every use, every block accounted."""
+    store = make_store()
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link())
+    try:
+        _run(a, _prompt())
+        _run(a, _prompt(seed=4))
+        _wait_saved(store, 2 * 12)
+        _run(b, _prompt(seed=4, num_tokens=40))  # B maps the node's slots (its first load goes to the IO thread)
+        loads_now = b.store_io.num_loads_now
+        out = _run(b, _prompt())
+        assert _tokens(out) == reference and out[-1].num_cached_tokens == 192
+        assert b.store_io.num_loads_now == loads_now + 1  # idle: read on the engine thread
+        busy = b.add_request(_prompt(seed=5, num_tokens=20), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                            ignore_eos=True))
+        b.step()  # its one block is a miss in the slot index, told on the engine thread too
+        assert busy in b.scheduler.requests
+        loads_now = b.store_io.num_loads_now
+        b.reset_prefix_cache()
+        out = _run(b, _prompt())  # `busy` decodes meanwhile: this load goes to the IO thread
+        assert _tokens(out) == reference and out[-1].num_cached_tokens == 192
+        assert b.store_io.num_loads_now == loads_now
+        while b.has_unfinished_requests():
+            b.step()
+        b.check_invariants()
+        deadline = time.monotonic() + 10
+        while store.state.num_loaded_blocks < b.store_io.num_loaded_blocks:  # the touches, sent after the results
+            assert time.monotonic() < deadline, "the node never counted the loads' uses"
+            time.sleep(0.01)
+        wait_unpinned(store.server)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_another_tenant_never_loads(loaded, make_store, reference: list[int]) -> None:  # noqa: ANN001
     store = make_store()
     a = Engine(_config(), loaded, create_store_link=store.link())

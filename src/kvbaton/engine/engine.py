@@ -158,7 +158,7 @@ class Engine:
                            prompt_logprobs=[] if params.prompt_logprobs is not None and not output_token_ids else None)
         if output_token_ids:
             self._resume(tracked, output_token_ids)
-        if self.store_loads is None or not self.store_loads.submit(request):
+        if self.store_loads is None or not self.store_loads.submit(request, idle=not self.scheduler.requests):
             self.scheduler.add_request(request)
         self._tracked[request_id] = tracked
         return request_id

@@ -4,8 +4,9 @@ requests keep stepping (the engine's side of `kvbaton.engine.store_io`).
 A request whose prompt has at least `min_load_blocks` full blocks past its device prefix does not enter the
 scheduler at once. Its device prefix is locked (so the blocks loaded can hang below it), and the store IO thread
 asks the store node for the rest. When the pool has a free block for each block asked for, the request takes them
-at once and the IO thread copies the leading k the node has straight after its answer (one trip, step 2);
-otherwise between steps the engine calls `poll`:
+at once and the IO thread copies the leading k the node has straight after its answer (one trip, step 2; an
+engine with nothing else to step or load reads them on its own thread instead, when the node's slot index
+answers for the whole chain: `WorkerStoreIO.copy_now`); otherwise between steps the engine calls `poll`:
 
 1. **acquired**: the node pinned the leading k blocks (k may be 0). The engine takes k device blocks (evicting
    unlocked cached ones if short; fewer if it cannot) and the IO thread copies the blocks into them.
@@ -64,8 +65,11 @@ class StoreLoads:
     def num_held_blocks(self) -> int:
         return sum(len(entry.job.device_block_ids) for entry in self._loading.values())
 
-    def submit(self, request: Request) -> bool:
-        """Start loading `request`'s prefix from the store; False (nothing held) when there is nothing worth it."""
+    def submit(self, request: Request, idle: bool = False) -> bool:
+        """Start loading `request`'s prefix from the store; False (nothing held) when there is nothing worth it.
+        `idle`: the engine has nothing else to step and no load in flight, so with room in the pool the load may be
+        done on this thread at once (`WorkerStoreIO.copy_now`: no step of another request waits on it); its result
+        is taken by the next `poll` as any other."""
         if request.sampling.prompt_logprobs is not None:
             return False  # it computes every prompt position anyway
         max_blocks = (request.num_prompt_tokens - 1) // self.block_size
@@ -80,7 +84,8 @@ class StoreLoads:
         self._loading[request.request_id] = _Loading(request, job, match.node, list(hashed.token_blocks[first:]))
         if self.pool.num_free_blocks >= len(job.block_hashes):  # room without evicting: one trip
             job.device_block_ids = self.pool.allocate(len(job.block_hashes))
-            self.io.acquire_and_copy(job)
+            if not (idle and not self._loading.keys() - {request.request_id} and self.io.copy_now(job)):
+                self.io.acquire_and_copy(job)
         else:
             self.io.acquire(job)
         return True

@@ -5,8 +5,9 @@ A request whose prompt has at least `min_load_blocks` full blocks past its devic
 scheduler at once. Its device prefix is locked (so the blocks loaded can hang below it), and the store IO thread
 asks the store node for the rest. When the pool has a free block for each block asked for, the request takes them
 at once and the IO thread copies the leading k the node has straight after its answer (one trip, step 2; an
-engine with nothing else to step or load reads them on its own thread instead, when the node's slot index
-answers for the whole chain: `WorkerStoreIO.copy_now`); otherwise between steps the engine calls `poll`:
+engine with nothing else to step or load reads what the node's slot index shows on its own thread instead, and
+the IO thread goes on from there only when that was not the whole chain: `WorkerStoreIO.copy_now`); otherwise
+between steps the engine calls `poll`:
 
 1. **acquired**: the node pinned the leading k blocks (k may be 0). The engine takes k device blocks (evicting
    unlocked cached ones if short; fewer if it cannot) and the IO thread copies the blocks into them.
@@ -67,9 +68,9 @@ class StoreLoads:
 
     def submit(self, request: Request, idle: bool = False) -> bool:
         """Start loading `request`'s prefix from the store; False (nothing held) when there is nothing worth it.
-        `idle`: the engine has nothing else to step and no load in flight, so with room in the pool the load may be
-        done on this thread at once (`WorkerStoreIO.copy_now`: no step of another request waits on it); its result
-        is taken by the next `poll` as any other."""
+        `idle`: the engine has nothing else to step; with no other load in flight and room in the pool the load is
+        then begun on this thread at once (`WorkerStoreIO.copy_now`: no step of another request waits on it), its
+        result taken by the next `poll` as any other."""
         if request.sampling.prompt_logprobs is not None:
             return False  # it computes every prompt position anyway
         max_blocks = (request.num_prompt_tokens - 1) // self.block_size

@@ -18,7 +18,8 @@ a slot's bytes are written (the generation goes from odd to even), `free` withdr
 slot's bytes change only while its generation is odd and every reuse moves it on. A reader (`lookup`) takes a
 slot only at an even generation with the hash and tag it wants, copies, and keeps the copy only where
 `still_held` finds the same generation after: a block the node moved or freed meanwhile is a miss, never a wrong
-block. The table is a hint (a reader racing a deletion may miss an entry: it asks the node then). That ordering
+block. The table is a hint: a reader racing a deletion may miss an entry, which it then recomputes (or asks
+the node for, when the node has blocks on disk). That ordering
 rests on x86's stores and loads each staying in program order (glibc's streaming copies end with a store fence):
 `UNLEASED_READS` says whether this machine is one; elsewhere workers acquire leases as before. The header holds
 the node's pid and a closed flag, so a worker stops reading a node that stopped (`node_alive`), and how many
@@ -167,8 +168,8 @@ class StoreSlots:
                 break
             home = hashes[entry - 1] & mask
             if (probe - home) & mask >= (probe - hole) & mask:
-                buckets[hole] = entry  # its home is at or before the hole: it moves up (found there before it
-                hole = probe           # leaves here, so a reader never misses it for the move)
+                buckets[hole] = entry  # its home is at or before the hole: it moves up (written there before
+                hole = probe           # it leaves here; a reader already past the hole may miss it: a hint)
         buckets[hole] = 0
         self._published -= 1
 

@@ -240,7 +240,6 @@ class WorkerStoreIO:
         if not self.unleased_reads or mapping is None or not mapping.node_alive():
             return False
         num, ask_node, seconds, lookup_s = self._copy_unleased(job, job.block_hashes, job.device_block_ids)
-        job.num_copied = 0
         if num:
             self._count_unleased(job, num, seconds, lookup_s)
             self._tasks.put(("touch", (job.namespace, list(job.block_hashes[:num]))))

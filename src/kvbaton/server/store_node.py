@@ -242,8 +242,10 @@ class StoreNodeState:
                     if event.kind == "stored" and event.tier == DRAM:
                         entering[block_hash] = None
                     elif event.kind == "stored":
-                        if entering.pop(block_hash, 0) is None and block_hash in self._on_disk:
-                            continue  # promoted and moved back within the batch: its file never left
+                        if block_hash in entering:
+                            del entering[block_hash]  # it never took a slot
+                            if block_hash in self._on_disk:
+                                continue  # promoted and moved back within the batch: its file never left
                         self._to_disk(block_hash, payloads, namespace)
                     else:
                         entering.pop(block_hash, None)

@@ -151,7 +151,7 @@ class StoreServer:
             self.num_errors += 1
             header = _safe_header(frames)
             header = header if isinstance(header, dict) else {}
-            # put and release are never answered (a worker does not wait on them): their errors are counted
+            # put, release and touch are never answered (a worker does not wait on them): their errors are counted
             reply = None if header.get("op") in ("put", "release", "touch") else {"id": header.get("id"), "error": str(exc)[:500]}
         if reply is not None:
             self._socket.send_multipart([identity, msgpack.packb(reply)])

@@ -9,10 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbaton.cache.hashing import namespace_tag
 from kvbaton.transfer.store_slots import STREAMING_COPIES, StoreSlots, host_id, with_streaming_copies
 
 LOADER = "/lib64/ld-linux-x86-64.so.2"
@@ -97,6 +99,61 @@ def test_the_slot_index_finds_exactly_what_is_published(tmp_path_factory: pytest
         chain = sorted(held)
         found, generations = reader.lookup(chain, NS)
         assert found == [held[h] for h in chain] and reader.still_held(found, generations) == len(chain)
+    finally:
+        reader.close()
+        slots.close()
+
+
+@settings(max_examples=80, deadline=None)
+@given(layout=st.lists(st.sampled_from(["ours", "other tenant", "free"]), min_size=1, max_size=12),
+       picks=st.lists(st.integers(0, 40), min_size=1, max_size=14), freed=st.lists(st.integers(0, 11), max_size=4))
+def test_a_chain_is_found_as_far_as_its_blocks_are_held_wherever_its_slots_lie(
+        tmp_path_factory: pytest.TempPathFactory, layout: list[str], picks: list[int], freed: list[int]) -> None:
+    """Slots filled in order with blocks of this namespace, of another tenant, or left free; a chain of any of those
+    blocks in any order, and of blocks never stored: the lookup (its consecutive-slot run first, then the general
+    probe) finds exactly the leading blocks held under this namespace, at their slots, as the general probe alone
+    does; and `still_held` of it, consecutive or not, fails from the first slot freed after the lookup."""
+    num_slots = len(layout)
+    slots = StoreSlots.create(64, num_slots, directory=str(tmp_path_factory.mktemp("chain")))
+    reader = StoreSlots.attach(slots.path, 64, num_slots)
+    try:
+        where: dict[int, int] = {}  # block hash -> slot, this namespace's only
+        for index, kind in enumerate(layout):
+            slot = slots.allocate()
+            if kind != "free":
+                block_hash = 1000 + index * 17 * reader.num_buckets  # one home bucket for all: probes collide
+                slots.publish(slot, block_hash, NS if kind == "ours" else ("rev", "layout", "other tenant"))
+                if kind == "ours":
+                    where[block_hash] = slot
+        chain = [1000 + (pick % 20) * 17 * reader.num_buckets for pick in picks]  # 20 > slots: some never stored
+        expected = []
+        for block_hash in chain:
+            if block_hash not in where:
+                break
+            expected.append(where[block_hash])
+        found, generations = reader.lookup(chain, NS)
+        assert found == expected
+        assert reader._probe_chain(np.array(chain, dtype=np.int64), namespace_tag(NS)) == (found, generations)
+        assert reader.still_held(found, generations) == len(found)
+        gone = sorted({found.index(slot) for slot in (found[i % len(found)] for i in freed)} if found else set())
+        for position in gone:
+            slots.free(found[position])
+        assert reader.still_held(found, generations) == (gone[0] if gone else len(found))
+    finally:
+        reader.close()
+        slots.close()
+
+
+def test_still_held_reads_each_slot_of_a_chain_whose_slots_span_a_range_out_of_order(tmp_path: Path) -> None:
+    slots = StoreSlots.create(64, 4, directory=str(tmp_path))
+    reader = StoreSlots.attach(slots.path, 64, 4)
+    try:
+        for block_hash in (10, 11, 12, 13):
+            slots.publish(slots.allocate(), block_hash, NS)
+        found, generations = reader.lookup([10, 12, 11, 13], NS)
+        assert found == [0, 2, 1, 3]  # first and last four apart: not a run for all that
+        slots.free(2)
+        assert reader.still_held(found, generations) == 1
     finally:
         reader.close()
         slots.close()

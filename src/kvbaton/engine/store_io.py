@@ -242,11 +242,13 @@ class WorkerStoreIO:
         num, ask_node, seconds, lookup_s = self._copy_unleased(job, job.block_hashes, job.device_block_ids)
         if num:
             self._count_unleased(job, num, seconds, lookup_s)
-            self._tasks.put(("touch", (job.namespace, list(job.block_hashes[:num]))))
         self.num_loads_now += 1
-        if num == len(job.block_hashes):
-            self._results.put(("copied", job))
-        else:
+        whole = num == len(job.block_hashes)
+        if whole:
+            self._results.put(("copied", job))  # before the touch wakes the IO thread
+        if num:  # before the rest: the node counts these uses before it makes room for what the rest brings
+            self._tasks.put(("touch", (job.namespace, list(job.block_hashes[:num]))))
+        if not whole:
             self._tasks.put(("rest", (job, ask_node)))
         return True
 

@@ -201,14 +201,49 @@ class StoreSlots:
         return self._lookup(block_hashes, namespace_tag(namespace))
 
     def _lookup(self, block_hashes: Sequence[int], tag: int) -> tuple[list[int], list[int]]:
-        """The whole chain probed at once (numpy), a round per bucket step, each round over the blocks not settled yet:
-        a block is found (its hash in the bucket's slot) or missing (an empty bucket first); then the slots found are
-        checked at their generations, and the chain is the leading run of good ones."""
+        """The chain's first block found by a probe of the table; then, since a chain stored by one prefill lands in
+        consecutive slots (the node assigns them lowest first, in chain order), the slots after it checked at once
+        for the blocks after it (generations read first, then hashes and tags: those these generations published),
+        a handful of numpy operations, what a load right after copying megabytes (its caches cold) waits on; from
+        the first block that run does not hold on, the general probe (`_probe_chain`)."""
         num = len(block_hashes)
         if not num:
             return [], []
-        mask, num_slots = self.num_buckets - 1, self.num_slots
         wanted = np.array(block_hashes, dtype=np.int64)
+        first = self._probe(block_hashes[0])
+        if first < 0:
+            return [], []
+        end = min(num, self.num_slots - first)
+        generations = self._gen_array[first : first + end].copy()  # read before the hashes and tags
+        good = (((generations & 1) == 0) & (self._hash_array[first : first + end] == wanted[:end])
+                & (self._tag_array[first : first + end] == tag))
+        run = end if good.all() else int(np.argmin(good))
+        slots, held = list(range(first, first + run)), generations[:run].tolist()
+        if run < num:
+            more, more_held = self._probe_chain(wanted[run:], tag)
+            slots += more
+            held += more_held
+        return slots, held
+
+    def _probe(self, block_hash: int) -> int:
+        """The slot the table names for `block_hash` (a hint: its generation, hash and tag are checked after), or -1."""
+        buckets, hashes, num_slots, mask = self._buckets, self._hashes, self.num_slots, self.num_buckets - 1
+        bucket = block_hash & mask
+        for _ in range(self.num_buckets):
+            entry = buckets[bucket]
+            if entry <= 0 or entry > num_slots:
+                return -1
+            if hashes[entry - 1] == block_hash:
+                return entry - 1
+            bucket = (bucket + 1) & mask
+        return -1
+
+    def _probe_chain(self, wanted: np.ndarray, tag: int) -> tuple[list[int], list[int]]:
+        """The general lookup, the whole chain probed at once, a round per bucket step, each round over the blocks
+        not settled yet: a block is found (its hash in the bucket's slot) or missing (an empty bucket first); then
+        the slots found are checked at their generations, and the chain is the leading run of good ones."""
+        num = len(wanted)
+        mask, num_slots = self.num_buckets - 1, self.num_slots
         slots = np.full(num, -1, dtype=np.int64)
         position = wanted & mask
         pending = np.arange(num)
@@ -233,8 +268,13 @@ class StoreSlots:
         """How many leading `slots` are at `generations` still (read after copying them: those copies are good)."""
         if not slots:
             return 0
-        same = self._gen_array[np.asarray(slots, dtype=np.intp)] == np.asarray(generations, dtype=np.uint64)
-        return len(slots) if same.all() else int(np.argmin(same))
+        first, num = slots[0], len(slots)
+        if slots[-1] == first + num - 1 and list(slots) == list(range(first, first + num)):
+            now = self._gen_array[first : first + num]  # consecutive (the common case): a slice, no gather
+        else:
+            now = self._gen_array[np.asarray(slots, dtype=np.intp)]
+        same = now == np.asarray(generations, dtype=np.uint64)
+        return num if same.all() else int(np.argmin(same))
 
     def check_index(self, held: dict[int, int]) -> None:
         """The index publishes exactly `held` (block hash -> slot), each findable from its hash (owner's check)."""

@@ -2,7 +2,8 @@
 
 The per-node start logic (which nodes get one, what each worker is told), then end to end on a two-node Ray
 cluster (two raylets on this host, both on 127.0.0.1, standing in for two machines; tiny-random): each worker runs
-on its own node and is told that node's store as its own, the second node's store runs under a `StoreHost` actor
+on its own node and is told that node's store as its own, each node's store (`auto`) sized for the one worker placed
+on it, the second node's store runs under a `StoreHost` actor
 there, the router reads both nodes, and a prompt computed on one worker is loaded by the other from the first
 one's node over TCP (cached tokens, the same greedy text); then the first node is killed holding a prompt the other
 worker never saw: that worker recomputes it (same text, bounded time), the node's blocks leave the router's
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from kvbaton.cache.kv_store import capacity_blocks
 from kvbaton.server.ray_workers import stores_to_start, with_store_nodes
 from tests.server.serve_helpers import read_banner, serve_process, wait_pd_idle
 
@@ -47,7 +49,7 @@ def test_two_ray_nodes_get_a_store_node_each_load_each_others_blocks_and_survive
         cluster.add_node(num_cpus=1)
         with serve_process(["--ray", cluster.address, "--model", "tiny-random", "--workers", "2", "--policy",
                             "round_robin", "--threads-per-worker", "1", "--num-blocks", "256", "--kv-store-gb",
-                            "0.05", "--cluster-secret-file", str(secret_file), "--drain-timeout", "5"],
+                            "auto", "--cluster-secret-file", str(secret_file), "--drain-timeout", "5"],
                            startup_timeout_s=240.0) as server:
             lines = [read_banner(server.process, 60.0) for _ in range(2)]
             assert "KV store node at tcp://127.0.0.1:" in lines[0] and "on Ray node 127.0.0.1)" in lines[1], lines
@@ -71,6 +73,18 @@ def test_two_ray_nodes_get_a_store_node_each_load_each_others_blocks_and_survive
                          http.get(server.url + "/cluster").json()["kv_store"]["nodes"]}
                 assert set(nodes) == set(pids) and sorted(nodes.values()) == [["w0"], ["w1"]], nodes  # one each
                 own = {workers[0]: address for address, workers in nodes.items()}
+                secret = ClusterSecret.read_file(str(secret_file))
+                slots, block_bytes = [], 0
+                for address in nodes:  # auto: each node's DRAM twice the KV pool of the one worker placed on it,
+                    client = StoreClient(address, secret, timeout_s=10.0)  # the launcher's node's too (placed first)
+                    try:
+                        hello = client.hello()
+                        slots.append(hello["num_slots"])
+                        block_bytes = hello["block_bytes"]
+                    finally:
+                        client.close()
+                one_worker = capacity_blocks(round(2 * 256 * block_bytes / 1e9, 3), block_bytes)  # GB to the MB
+                assert slots == [one_worker, one_worker], (slots, one_worker)
                 first = complete(prompts[0])  # on w0: written through to w0's node
                 deadline = time.monotonic() + 30
                 while held()[own["w0"]] < 18:  # asynchronous: until the router's directory has them on w0's node
@@ -79,7 +93,6 @@ def test_two_ray_nodes_get_a_store_node_each_load_each_others_blocks_and_survive
                 second = complete(prompts[0])  # on w1, which has never seen it: loaded from w0's node
                 cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
                 assert cached == 288 and second["choices"][0]["text"] == first["choices"][0]["text"]
-                secret = ClusterSecret.read_file(str(secret_file))
                 client = StoreClient(own["w0"], secret, timeout_s=10.0)
                 try:  # w1 read them over TCP from the other node: no shared memory across nodes
                     assert client.stats()["num_tcp_reads"] >= 1

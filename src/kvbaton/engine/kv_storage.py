@@ -40,11 +40,11 @@ class KVStorage:
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor in anonymous memory the kernel is asked to back with transparent huge pages
-    (`MADV_HUGEPAGE`: on Linux with THP in `madvise` mode, as here, plain allocations get 4 KiB pages; numpy advises
-    its large arrays the same way). A KV pool is read a block at a time by attention and written a row at a time by
-    store loads and handoffs: with 2 MiB pages a 2,000-token load's copy into it takes a few dozen TLB misses where
-    it took ~5,700, and ran 2-5 % faster timed by hand here. Where the kernel does not take the advice the memory is
-    ordinary pages; without the advice (not Linux), or under one huge page, `torch.zeros`."""
+    (`MADV_HUGEPAGE`: on Linux with THP in `madvise` mode, as here, plain allocations get 4 KiB pages). A KV pool is
+    read a block at a time by attention and written a row at a time by store loads and handoffs: with 2 MiB pages a
+    2,000-token load's copy into it takes a few dozen TLB misses where it took ~11,000, and ran 2-5 % faster timed by
+    hand here. Where the kernel does not take the advice the memory is ordinary pages; without the advice (not
+    Linux), or under one huge page, `torch.zeros`."""
     num_bytes = dtype.itemsize
     for size in shape:
         num_bytes *= size

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -348,6 +348,17 @@ class Launcher:
                 for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init replaced them with its own (sys.exit)
                     loop.add_signal_handler(sig, self.request_stop)
                 config = self.config = self.placed_on_ray(config, self.placement)
+                if self._store_auto and config.kv_store_gb > 0:
+                    # This node's store node is sized by the workers Ray places here, like every other node's: the
+                    # actors are placed now (the workers start in them later, once the router runs).
+                    on_this_node = await self._until_stopped(self.placement.place(
+                        self._ray_workers(config, ""), config.startup_timeout_s))
+                    if on_this_node is None:  # a stop signal during the placement
+                        http_socket.close()
+                        self._let_go_of_ray()
+                        return 0
+                    config = self.config = replace(config, kv_store_gb=self._own_node_store_gb(model_config,
+                                                                                               on_this_node))
             if config.kv_store_gb > 0:  # before the router: it reads the store node's events
                 # With Ray, on this node's IP: workers on other nodes read it over TCP (store_tcp), this node's over
                 # shared memory.
@@ -514,24 +525,41 @@ class Launcher:
                                            env=environment)
                 self.processes[worker_id] = process
             return
-        # With a store, each worker's `--kv-store` is its node's: the placement adds it once it knows where each runs
-        # (this node's store, or the one it starts on the worker's node).
-        unplaced = replace(config, kv_store_address="")
-        workers = [RayWorker(worker_id, tuple(worker_args(unplaced, address, worker_id, role)), *ray_share(config, role))
-                   for worker_id, role in worker_roles(config)]
         environment = store_environment(config, {})  # what the actors add to their node's environment
-        # Ray may wait for resources until the startup timeout: a stop signal ends the wait (closing the placement
-        # then ends the actors placed so far and those still pending).
-        placing = asyncio.ensure_future(self.placement.start(
-            workers, config.startup_timeout_s, self.secret, environment,
+        started = await self._until_stopped(self.placement.start(
+            self._ray_workers(config, address), config.startup_timeout_s, self.secret, environment,
             store_args=self.store_args if config.kv_store_address else None, local_store=config.kv_store_address))
+        self.processes.update(started or {})
+
+    @staticmethod
+    def _ray_workers(config: ServeConfig, address: str) -> list[RayWorker]:
+        """The workers as Ray actors start them, in `worker_roles` order. With a store, each worker's `--kv-store`
+        is its node's: the placement adds it once it knows where each runs (this node's store, or the one it starts
+        on the worker's node)."""
+        unplaced = replace(config, kv_store_address="")
+        return [RayWorker(worker_id, tuple(worker_args(unplaced, address, worker_id, role)), *ray_share(config, role))
+                for worker_id, role in worker_roles(config)]
+
+    async def _until_stopped(self, placing: Awaitable[T]) -> T | None:
+        """`placing`'s result, or None once a stop signal came first: Ray may wait for resources until the startup
+        timeout, and a signal ends the wait (closing the placement then ends the actors placed so far and those
+        still pending)."""
+        placing = asyncio.ensure_future(placing)
         stopping = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({placing, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if not placing.done():
             placing.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            self.processes.update(await placing)
+            return await placing
+        return None
+
+    def _own_node_store_gb(self, model_config: ModelConfig, num_workers: int) -> float:
+        """With Ray and `auto`, this node's store node's DRAM: twice the KV pools of the `num_workers` workers placed
+        here, within half of this host's free /dev/shm; one worker's worth when none is (no worker writes to it
+        then, but the router reads its events and the other nodes' workers may ask it)."""
+        block_bytes = self._store_block_bytes(model_config)
+        return shm_capped_gb(auto_store_bytes(self.config, block_bytes, max(1, num_workers)), block_bytes)
 
     def _start_store(self, model_config: ModelConfig, host: str) -> str:
         """Start this host's KV store node (its own process, sized for the workers' blocks, listening on `host`);

@@ -264,6 +264,7 @@ class RayPlacement:
         except (ConnectionError, ValueError, RuntimeError) as exc:  # no cluster there, a malformed address
             raise KvbatonError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
         self._actors: list[Any] = []
+        self._placed: tuple[list[Any], list[tuple[str, str]]] | None = None  # actors `place` placed ahead, where
         self._stores: list[Any] = []  # the StoreHost actors (one per node holding workers, but this one's)
         # store node address -> (the IP of the Ray node it runs on, its pid there), for the nodes but this one
         self.store_nodes: dict[str, tuple[str, int]] = {}
@@ -290,13 +291,45 @@ class RayPlacement:
                     environment: Mapping[str, str] | None = None,
                     store_args: Callable[[int], Sequence[str]] | None = None,
                     local_store: str = "") -> dict[str, RayWorkerProcess]:
-        """One actor per worker, holding its share, spread over the nodes; returns once every worker process runs.
+        """One actor per worker, holding its share, spread over the nodes (those `place` placed ahead, if it did);
+        returns once every worker process runs.
         Each actor hands `secret` to its worker: it travels in the actor call, over Ray's own channel (which
         authenticates with RAY_AUTH_TOKEN where the cluster runs `RAY_AUTH_MODE=token`).
 
         With `store_args` (a store node's arguments but its host, for the number of workers on its node) the workers
         are placed first, then every node that holds one gets its store node (this node's is `local_store`, the
         launcher's), then each worker starts told its node's and every node's (`with_store_nodes`)."""
+        placed_ahead, self._placed = self._placed, None
+        if placed_ahead is not None:
+            actors, where = placed_ahead
+            if len(actors) != len(workers):
+                raise KvbatonError(f"{len(actors)} actors placed ahead for {len(workers)} workers")
+        else:
+            actors, where = self._new_actors(workers), None
+        placed = asyncio.ensure_future(self._start_all(actors, workers, secret, environment, store_args, local_store,
+                                                       where))
+        try:
+            started = await asyncio.wait_for(placed, timeout_s)
+        except TimeoutError:
+            raise KvbatonError(f"Ray did not place all {len(workers)} workers within {timeout_s:g} s") from None
+        return {worker.worker_id: RayWorkerProcess(self.ray, actor, node_ip, pid)
+                for worker, actor, (node_ip, pid) in zip(workers, actors, started)}
+
+    async def place(self, workers: Sequence[RayWorker], timeout_s: float) -> int:
+        """Place the actors of `workers` (their shares held, their arguments not needed yet) ahead of `start`, which
+        then starts the workers in them, in the same order; returns once Ray placed them all, how many are on this
+        node (what sizes this node's store node before the router that reads it starts)."""
+        actors = self._new_actors(workers)
+        try:
+            where = await asyncio.wait_for(_gather([actor.node.remote() for actor in actors]), timeout_s)
+        except TimeoutError:
+            raise KvbatonError(f"Ray did not place all {len(workers)} workers within {timeout_s:g} s") from None
+        self._placed = (actors, where)
+        own = self.ray.get_runtime_context().get_node_id()
+        return sum(1 for node, _ in where if node == own)
+
+    def _new_actors(self, workers: Sequence[RayWorker]) -> list[Any]:
+        """One actor per worker, holding its share, spread over the nodes (Ray places them as they come)."""
         self.check_resources(workers)
         actors = []
         for worker in workers:
@@ -305,20 +338,15 @@ class RayPlacement:
                                              scheduling_strategy="SPREAD", max_concurrency=4).remote()
             actors.append(actor)
             self._actors.append(actor)
-        placed = asyncio.ensure_future(self._start_all(actors, workers, secret, environment, store_args, local_store))
-        try:
-            started = await asyncio.wait_for(placed, timeout_s)
-        except TimeoutError:
-            raise KvbatonError(f"Ray did not place all {len(workers)} workers within {timeout_s:g} s") from None
-        return {worker.worker_id: RayWorkerProcess(self.ray, actor, node_ip, pid)
-                for worker, actor, (node_ip, pid) in zip(workers, actors, started)}
+        return actors
 
     async def _start_all(self, actors: Sequence[Any], workers: Sequence[RayWorker], secret: ClusterSecret,
                          environment: Mapping[str, str] | None, store_args: Callable[[int], Sequence[str]] | None,
-                         local_store: str) -> list[tuple[str, int]]:
+                         local_store: str, where: Sequence[tuple[str, str]] | None = None) -> list[tuple[str, int]]:
         args = [worker.args for worker in workers]
         if store_args:
-            where = await _gather([actor.node.remote() for actor in actors])  # (node id, IP), once each is placed
+            if where is None:  # (node id, IP), once each is placed
+                where = await _gather([actor.node.remote() for actor in actors])
             own = self.ray.get_runtime_context().get_node_id()
             addresses = {own: local_store}
             starting = stores_to_start([node for node, _ in where], own)

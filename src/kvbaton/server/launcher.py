@@ -356,6 +356,7 @@ class Launcher:
                     if on_this_node is None:  # a stop signal during the placement
                         http_socket.close()
                         self._let_go_of_ray()
+                        print("kvbaton: stopped", flush=True)
                         return 0
                     config = self.config = replace(config, kv_store_gb=self._own_node_store_gb(model_config,
                                                                                                on_this_node))

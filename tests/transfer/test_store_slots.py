@@ -3,10 +3,12 @@ store runs under, the sweep of slots a killed node left, and the slot index a sa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +70,18 @@ def test_a_new_node_removes_the_slots_a_killed_node_left(tmp_path: Path) -> None
 NS = ("rev", "layout", "")
 
 
+@contextlib.contextmanager
+def _node_and_reader(directory: str, num_slots: int) -> Iterator[tuple[StoreSlots, StoreSlots]]:
+    """A node's slots of 64-byte blocks in `directory` and a reader attached to them, both closed after."""
+    slots = StoreSlots.create(64, num_slots, directory=directory)
+    reader = StoreSlots.attach(slots.path, 64, num_slots)
+    try:
+        yield slots, reader
+    finally:
+        reader.close()
+        slots.close()
+
+
 @settings(max_examples=60, deadline=None)
 @given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 2**64 - 1)), min_size=1, max_size=80))
 def test_the_slot_index_finds_exactly_what_is_published(tmp_path_factory: pytest.TempPathFactory,
@@ -75,10 +89,8 @@ def test_the_slot_index_finds_exactly_what_is_published(tmp_path_factory: pytest
     """Publish and free in any order (hashes crowding into few buckets among them): every held block is found at its
     slot from its hash, under its namespace only, a freed one never is, and a slot freed (or freed and reused)
     after a lookup fails `still_held` from there on."""
-    slots = StoreSlots.create(64, 8, directory=str(tmp_path_factory.mktemp("slots")))
-    reader = StoreSlots.attach(slots.path, 64, 8)
     held: dict[int, int] = {}
-    try:
+    with _node_and_reader(str(tmp_path_factory.mktemp("slots")), 8) as (slots, reader):
         for publish, value in ops:
             block_hash = (value % 2**64) - 2**63 if value % 3 else (value % 7) * reader.num_buckets  # collisions too
             if publish and slots.num_free_slots and block_hash not in held:
@@ -99,9 +111,6 @@ def test_the_slot_index_finds_exactly_what_is_published(tmp_path_factory: pytest
         chain = sorted(held)
         found, generations = reader.lookup(chain, NS)
         assert found == [held[h] for h in chain] and reader.still_held(found, generations) == len(chain)
-    finally:
-        reader.close()
-        slots.close()
 
 
 @settings(max_examples=80, deadline=None)
@@ -114,9 +123,7 @@ def test_a_chain_is_found_as_far_as_its_blocks_are_held_wherever_its_slots_lie(
     probe) finds exactly the leading blocks held under this namespace, at their slots, as the general probe alone
     does; and `still_held` of it, consecutive or not, fails from the first slot freed after the lookup."""
     num_slots = len(layout)
-    slots = StoreSlots.create(64, num_slots, directory=str(tmp_path_factory.mktemp("chain")))
-    reader = StoreSlots.attach(slots.path, 64, num_slots)
-    try:
+    with _node_and_reader(str(tmp_path_factory.mktemp("chain")), num_slots) as (slots, reader):
         where: dict[int, int] = {}  # block hash -> slot, this namespace's only
         for index, kind in enumerate(layout):
             slot = slots.allocate()
@@ -135,28 +142,20 @@ def test_a_chain_is_found_as_far_as_its_blocks_are_held_wherever_its_slots_lie(
         assert found == expected
         assert reader._probe_chain(np.array(chain, dtype=np.int64), namespace_tag(NS)) == (found, generations)
         assert reader.still_held(found, generations) == len(found)
-        gone = sorted({found.index(slot) for slot in (found[i % len(found)] for i in freed)} if found else set())
+        gone = sorted({i % len(found) for i in freed}) if found else []  # positions in the chain, each freed once
         for position in gone:
             slots.free(found[position])
         assert reader.still_held(found, generations) == (gone[0] if gone else len(found))
-    finally:
-        reader.close()
-        slots.close()
 
 
 def test_still_held_reads_each_slot_of_a_chain_whose_slots_span_a_range_out_of_order(tmp_path: Path) -> None:
-    slots = StoreSlots.create(64, 4, directory=str(tmp_path))
-    reader = StoreSlots.attach(slots.path, 64, 4)
-    try:
+    with _node_and_reader(str(tmp_path), 4) as (slots, reader):
         for block_hash in (10, 11, 12, 13):
             slots.publish(slots.allocate(), block_hash, NS)
         found, generations = reader.lookup([10, 12, 11, 13], NS)
         assert found == [0, 2, 1, 3]  # first and last four apart: not a run for all that
         slots.free(2)
         assert reader.still_held(found, generations) == 1
-    finally:
-        reader.close()
-        slots.close()
 
 
 def test_a_reader_sees_a_closed_or_dead_node_and_a_chain_stops_at_its_first_gap(tmp_path: Path) -> None:

@@ -233,13 +233,15 @@ def store_environment(config: ServeConfig, base: Mapping[str, str]) -> dict[str,
     return extras
 
 
-def auto_store_gb(config: ServeConfig, block_bytes: int, shm_directory: str = SHM_DIRECTORY) -> float:
+def auto_store_gb(config: ServeConfig, block_bytes: int, shm_directory: str = SHM_DIRECTORY, *,
+                  num_workers: int | None = None) -> float:
     """The store node's DRAM when `kvbaton serve` is not told (`--kv-store-gb auto`): twice the KV pools of the
     workers it starts (every host a store node by default; SGLang's HiCache sizes its host pool at 2x the device
-    pool), at most half of what `shm_directory` has free (the node's DRAM is a file there, filled as blocks come);
-    0, no store, when the host tier is asked for instead (`--host-num-blocks`), with no worker (a joined router), or
-    without that directory."""
-    num_workers = config.num_workers + config.num_prefill + config.num_decode
+    pool), or of `num_workers` of them (with Ray, those placed on its node), at most half of what `shm_directory`
+    has free (the node's DRAM is a file there, filled as blocks come); 0, no store, when the host tier is asked for
+    instead (`--host-num-blocks`), with no worker (a joined router), or without that directory."""
+    if num_workers is None:
+        num_workers = config.num_workers + config.num_prefill + config.num_decode
     if config.host_num_blocks or not num_workers:
         return 0.0
     return shm_capped_gb(auto_store_bytes(config, block_bytes, num_workers), block_bytes, shm_directory)
@@ -358,8 +360,10 @@ class Launcher:
                         self._let_go_of_ray()
                         print("kvbaton: stopped", flush=True)
                         return 0
-                    config = self.config = replace(config, kv_store_gb=self._own_node_store_gb(model_config,
-                                                                                               on_this_node))
+                    # One worker's worth when none is placed here: no worker writes to it then, but the router
+                    # reads its events and the other nodes' workers may ask it.
+                    config = self.config = replace(config, kv_store_gb=auto_store_gb(
+                        config, self._store_block_bytes(model_config), num_workers=max(1, on_this_node)))
             if config.kv_store_gb > 0:  # before the router: it reads the store node's events
                 # With Ray, on this node's IP: workers on other nodes read it over TCP (store_tcp), this node's over
                 # shared memory.
@@ -554,13 +558,6 @@ class Launcher:
         with contextlib.suppress(asyncio.CancelledError):
             return await placing
         return None
-
-    def _own_node_store_gb(self, model_config: ModelConfig, num_workers: int) -> float:
-        """With Ray and `auto`, this node's store node's DRAM: twice the KV pools of the `num_workers` workers placed
-        here, within half of this host's free /dev/shm; one worker's worth when none is (no worker writes to it
-        then, but the router reads its events and the other nodes' workers may ask it)."""
-        block_bytes = self._store_block_bytes(model_config)
-        return shm_capped_gb(auto_store_bytes(self.config, block_bytes, max(1, num_workers)), block_bytes)
 
     def _start_store(self, model_config: ModelConfig, host: str) -> str:
         """Start this host's KV store node (its own process, sized for the workers' blocks, listening on `host`);

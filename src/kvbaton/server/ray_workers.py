@@ -32,13 +32,15 @@ import socket
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from kvbaton.core.cluster_secret import ClusterSecret, worker_environment
 from kvbaton.core.errors import KvbatonError
+
+T = TypeVar("T")
 
 LOCAL = "local"  # --ray local: start a single-node Ray instance on 127.0.0.1
 CONNECT_TIMEOUT_S = 5.0  # a Ray cluster's address must take a TCP connection within this
@@ -248,6 +250,14 @@ async def _gather(refs: Sequence[Any]) -> list[Any]:
             gathered.exception()
 
 
+async def _placed_within(placing: Awaitable[T], timeout_s: float, num_workers: int) -> T:
+    """`placing`'s result, or a clear error once Ray has not placed the workers within `timeout_s`."""
+    try:
+        return await asyncio.wait_for(placing, timeout_s)
+    except TimeoutError:
+        raise KvbatonError(f"Ray did not place all {num_workers} workers within {timeout_s:g} s") from None
+
+
 class RayPlacement:
     """The Ray cluster the workers run on: connect, start one actor per worker, and let go of it all."""
 
@@ -306,12 +316,8 @@ class RayPlacement:
                 raise KvbatonError(f"{len(actors)} actors placed ahead for {len(workers)} workers")
         else:
             actors, where = self._new_actors(workers), None
-        placed = asyncio.ensure_future(self._start_all(actors, workers, secret, environment, store_args, local_store,
-                                                       where))
-        try:
-            started = await asyncio.wait_for(placed, timeout_s)
-        except TimeoutError:
-            raise KvbatonError(f"Ray did not place all {len(workers)} workers within {timeout_s:g} s") from None
+        started = await _placed_within(self._start_all(actors, workers, secret, environment, store_args, local_store,
+                                                       where), timeout_s, len(workers))
         return {worker.worker_id: RayWorkerProcess(self.ray, actor, node_ip, pid)
                 for worker, actor, (node_ip, pid) in zip(workers, actors, started)}
 
@@ -320,10 +326,7 @@ class RayPlacement:
         then starts the workers in them, in the same order; returns once Ray placed them all, how many are on this
         node (what sizes this node's store node before the router that reads it starts)."""
         actors = self._new_actors(workers)
-        try:
-            where = await asyncio.wait_for(_gather([actor.node.remote() for actor in actors]), timeout_s)
-        except TimeoutError:
-            raise KvbatonError(f"Ray did not place all {len(workers)} workers within {timeout_s:g} s") from None
+        where = await _placed_within(_gather([actor.node.remote() for actor in actors]), timeout_s, len(workers))
         self._placed = (actors, where)
         own = self.ray.get_runtime_context().get_node_id()
         return sum(1 for node, _ in where if node == own)

@@ -209,10 +209,10 @@ class StoreSlots:
         num = len(block_hashes)
         if not num:
             return [], []
-        wanted = np.array(block_hashes, dtype=np.int64)
         first = self._probe(block_hashes[0])
         if first < 0:
             return [], []
+        wanted = np.array(block_hashes, dtype=np.int64)
         end = min(num, self.num_slots - first)
         generations = self._gen_array[first : first + end].copy()  # read before the hashes and tags
         good = (((generations & 1) == 0) & (self._hash_array[first : first + end] == wanted[:end])

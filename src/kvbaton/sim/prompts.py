@@ -6,24 +6,36 @@ hashing those again for every arrival is most of an arrival's cost in the simula
 keeps each shared part's ids once it is seen twice, and each shared head's full blocks and chained
 hashes once per cache key. The results are exactly `wr.prompt_array.tolist()` and `hash_prompt`'s
 (`test_sim_fast_paths`).
+
+The hashed heads are kept least recently used first, up to `MEMO_TOKENS` tokens in all: a trace whose
+heads rarely repeat (Mooncake's, where a request's head is its whole prompt but the last part) would
+otherwise keep every prompt's blocks for the whole run (~0.4 MB a request there, 1.8 GB at the end of its
+synthetic trace, and the page faults of touching it all).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.cache.hashing import CacheKey, HashedBlocks, chain_hashes, hash_prompt, split_blocks
 
+MEMO_TOKENS = 1 << 20  # tokens of hashed heads kept (~40 MB of token tuples and hashes)
+
 
 class SimPrompts:
-    def __init__(self, cache_key: CacheKey, block_size: int) -> None:
+    def __init__(self, cache_key: CacheKey, block_size: int, memo_tokens: int = MEMO_TOKENS) -> None:
         self.cache_key = cache_key
         self.block_size = block_size
         # id(part) -> (the part, its ids as Python ints once it has been seen twice): shared prompt parts are
         # converted once. The entry holds the part, so its id cannot be reused by another array.
         self._part_ids: dict[int, tuple[object, list[int] | None]] = {}
-        # (ids of leading prompt parts, cache key) -> (those parts, their full blocks' token tuples, chained hashes).
-        self._part_hashes: dict[tuple[tuple[int, ...], CacheKey],
-                                tuple[object, tuple[tuple[int, ...], ...], tuple[int, ...]]] = {}
+        # (ids of leading prompt parts, cache key) -> (those parts, their full blocks' token tuples, chained hashes),
+        # least recently used first, `memo_tokens` tokens at most in all (`_memo_tokens` of them now).
+        self._part_hashes: OrderedDict[tuple[tuple[int, ...], CacheKey],
+                                       tuple[object, tuple[tuple[int, ...], ...], tuple[int, ...]]] = OrderedDict()
+        self.memo_tokens = memo_tokens
+        self._memo_tokens = 0
 
     def ids(self, wr: WorkloadRequest) -> list[int]:
         """`wr.prompt_array.tolist()`, the ids of a part that requests share (a tool schema, a document)
@@ -63,6 +75,7 @@ class SimPrompts:
             memo_key = (tuple(map(id, head)), key)
             entry = memo.get(memo_key)
             if entry is not None:
+                memo.move_to_end(memo_key)
                 _, token_blocks, block_hashes = entry
                 rest_blocks = split_blocks(prompt[len(token_blocks) * block_size:], block_size)
                 blocks = HashedBlocks(key, block_size, token_blocks + tuple(rest_blocks),
@@ -73,6 +86,10 @@ class SimPrompts:
             blocks = hash_prompt(key, prompt, block_size)
         for memo_key, head in missed:  # each entry keeps its parts alive, so their ids cannot be reused
             num_blocks = sum(map(len, head)) // block_size
-            if num_blocks:
+            if num_blocks and num_blocks * block_size <= self.memo_tokens:
                 memo[memo_key] = (head, blocks.token_blocks[:num_blocks], blocks.block_hashes[:num_blocks])
+                self._memo_tokens += num_blocks * block_size
+                while self._memo_tokens > self.memo_tokens:
+                    _, (_, dropped, _) = memo.popitem(last=False)
+                    self._memo_tokens -= len(dropped) * block_size
         return blocks

@@ -321,6 +321,11 @@ class RadixCache:
         for node in list(self._iter_nodes(ordered=False)):
             node.parent = None
 
+    @property
+    def has_events(self) -> bool:
+        """Whether events wait for `take_events`."""
+        return bool(self._events)
+
     def take_events(self) -> list[KVEvent]:
         """Events since the last call, in seq order."""
         events, self._events = self._events, []

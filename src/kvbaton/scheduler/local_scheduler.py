@@ -16,7 +16,9 @@ and goes to the front of the waiting queue (`step_planning`).
 locks), `RequestQueues` (waiting, running and finished requests and the moves between them),
 `StepPlanner` (the general step: running chunks, preemption, admission) and, when configured,
 `SpeculativeDecodes` (drafts and their verdicts). This module holds requests in and out,
-`schedule`/`update` and introspection. There is one step path: the simulator drives it as the engine does.
+`schedule`/`update` and introspection. There is one step path, which the simulator drives as the engine does,
+and one fast path beside it, for the simulator: a run of steps in which the same requests only decode
+(`quiet_decode_steps`, `advance_quiet_decodes`), applied at once (`test_quiet_decode_runs`).
 """
 
 from __future__ import annotations
@@ -245,6 +247,64 @@ class LocalScheduler:
                 continue
             outputs.append(new_output(TokenOutput, (request_id, token, append_token(request, token, now))))
         return outputs
+
+    # ---- the one fast path: a run of quiet decode steps -----------------------------------------------
+
+    def quiet_decode_steps(self, plan: StepPlan, limit: int) -> int:
+        """How many steps, `plan` (just scheduled) the first, run the same decodes with nothing else happening: the
+        largest m <= `limit` such that updating each of the first m - 1 only appends one token to every request of
+        `plan` (no block the prefix cache would take is filled, no request stops, none gets its first token) and
+        scheduling each of steps 2..m only plans those requests' next decodes in blocks they already hold. 1 when
+        `plan` is not such a step: it is not every running request's decode, a request waits, or drafts are on.
+
+        `advance_quiet_decodes` then applies the first m - 1 at once (the simulator's one fast path)."""
+        queues = self.queues
+        chunks = plan.chunks
+        if (limit < 2 or self.decode_context_tokens < 0 or self.speculation is not None or queues.waiting
+                or len(chunks) != len(queues.running)):
+            return 1
+        block_size = self.block_size
+        holds = self.blocks.holds if self.blocks.cache is not None else None
+        get_request = queues.requests.get
+        steps = limit
+        for chunk in chunks:
+            request = get_request(chunk.request_id)
+            if request is None or request.num_computed_tokens != chunk.start_pos:
+                return 1
+            output = request.output_token_ids
+            sampling = request.sampling
+            if (not output or request.first_token_at is None or sampling.stop_token_ids
+                    or (request.eos_token_id is not None and not sampling.ignore_eos)):
+                return 1
+            position = chunk.start_pos  # computed by step 1; step i computes position + i - 1
+            # Step i schedules without a new block while position + i - 1 < the table's slots; it stops the request
+            # once len(output) + i reaches max_tokens or prompt + output + i reaches max_model_len.
+            steps = min(steps, len(request.block_ids) * block_size - position,
+                        sampling.max_tokens - len(output),
+                        request.max_model_len - len(request.prompt_token_ids) - len(output))
+            if holds is not None:  # update i hands blocks to the cache once (position + i) // block_size > held
+                hold = holds.get(chunk.request_id)
+                held = hold.num_blocks if hold is not None else 0
+                steps = min(steps, (held + 1) * block_size - position)
+            if steps < 2:
+                return 1
+        return steps
+
+    def advance_quiet_decodes(self, plan: StepPlan, tokens: Mapping[str, Sequence[int]]) -> None:
+        """Apply `n` = len(tokens[id]) quiet decode steps from `plan` on (`quiet_decode_steps` > n): each request of
+        `plan` gets its n tokens, and steps 2..n are counted as scheduled, exactly as n rounds of `update` and
+        `schedule` would leave it; step n + 1 is then scheduled as usual."""
+        get_request = self.queues.requests.get
+        n = 0
+        for chunk in plan.chunks:
+            request = get_request(chunk.request_id)
+            assert request is not None and request.num_computed_tokens == chunk.start_pos, "not a quiet run"
+            new_tokens = tokens[chunk.request_id]
+            n = len(new_tokens)
+            request.output_token_ids.extend(new_tokens)
+            request.num_computed_tokens = chunk.start_pos + n
+        self._step_id += n - 1
+        self._num_steps += n - 1
 
     def stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         """Whether appending `token_id` (already in output_token_ids) ends `request`, and why."""

@@ -1,4 +1,4 @@
-"""The discrete-event cluster: arrivals, worker steps and KV transfers on one heap keyed by (time, seq).
+"""The discrete-event cluster: arrivals, worker steps and KV transfers on one heap keyed by (time, rank, seq).
 
 Request lifecycle (the same contract as the live router, `kvbaton.router.base`):
   arrival  -> the live router's placement (`kvbaton.router.placement.ClusterPlacement`) admits or refuses
@@ -19,13 +19,16 @@ the decode stage refuses when their KV arrives (its blocks released), end as `re
 Every worker reports a heartbeat at time 0, when it starts serving, then (stats + its radix cache's real KV
 events, and with a cluster KV store its store node's events) at most every `heartbeat_s` of simulated time while
 busy, and whenever it goes idle. Everything is
-a pure function of the inputs and the seed: no clock, and ties on the heap break by `seq`.
+a pure function of the inputs and the seed: no clock. Events at equal times come arrivals and transfer events
+first (rank 0, in the order they were pushed: `seq`), then the workers' step ends in the cluster spec's worker
+order (rank 1, 2, ...): an order that does not depend on when a step's end was pushed.
 """
 
 from __future__ import annotations
 
 import gc
 import heapq
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from collections import deque
@@ -113,6 +116,8 @@ class ClusterSim:
                                                self.store if w.role != "decode" else None, config.store_prices,
                                                self.store_links)
                         for w in spec.workers}
+        for rank, worker in enumerate(self.workers.values(), start=1):  # simultaneous step ends: in worker order
+            worker.rank = rank
         self.decode_ids = [w.worker_id for w in spec.workers if w.role == "decode"]
         # The live router's placement object: it hears what a live router hears (heartbeats, KV events, routed calls
         # and their tokens) and decides as it does.
@@ -135,8 +140,12 @@ class ClusterSim:
                 worker.on_executed = self._stream_from(worker)
                 worker.scheduler.on_preempted = self.handoffs.on_preempted
         self._next_expiry_at = config.handoff_lease_s / 10
+        # Runs of quiet decode steps (SimWorker.start_step) where only arrivals come from outside a worker: no KV
+        # handoffs and no store, whose events land on any worker at any time.
+        self._decode_runs = config.decode_runs and self.handoffs is None and self.store is None
+        self._arrivals: list[tuple[float, int, int, int, object]] = []
         self.now = 0.0
-        self._heap: list[tuple[float, int, int, object]] = []
+        self._heap: list[tuple[float, int, int, int, object]] = []
         self._seq = 0
         self._flights: dict[str, Flight] = {}
         self._unreserved: dict[str, deque[Flight]] = {}  # late reservation: per prefill worker, FIFO
@@ -184,8 +193,8 @@ class ClusterSim:
         arrivals = []
         for request in requests:
             self._seq += 1
-            arrivals.append((request.arrival_s, self._seq, _ARRIVAL, request))
-        arrivals.sort(key=lambda event: event[:2])
+            arrivals.append((request.arrival_s, 0, self._seq, _ARRIVAL, request))
+        arrivals.sort(key=lambda event: event[:3])
         arrivals.reverse()  # popped from the end
         for loss in self.config.store_node_losses:
             self._push(loss.at_s, _STORE_NODE, (loss.node_id, False))
@@ -208,16 +217,17 @@ class ClusterSim:
         order = {r.request_id: r.index for r in requests}
         return sorted(self._records, key=lambda r: order[r.request_id])
 
-    def _run_events(self, arrivals: list[tuple[float, int, int, object]]) -> None:
-        """Process events in (time, seq) order until none is left; `arrivals` sorted last-first."""
+    def _run_events(self, arrivals: list[tuple[float, int, int, int, object]]) -> None:
+        """Process events in (time, rank, seq) order until none is left; `arrivals` sorted last-first."""
+        self._arrivals = arrivals
         heap = self._heap
         heappop = heapq.heappop
         handoffs = self.handoffs
         while heap or arrivals:
             if arrivals and (not heap or arrivals[-1] < heap[0]):  # seqs differ: payloads are never compared
-                now, _, kind, payload = arrivals.pop()
+                now, _, _, kind, payload = arrivals.pop()
             else:
-                now, _, kind, payload = heappop(heap)
+                now, _, _, kind, payload = heappop(heap)
             self.now = now
             if kind == _STEP_DONE:
                 self._on_step_done(payload, now)  # type: ignore[arg-type]
@@ -235,20 +245,24 @@ class ClusterSim:
 
     def _push(self, at: float, kind: int, payload: object) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (at, self._seq, kind, payload))
+        heapq.heappush(self._heap, (at, 0, self._seq, kind, payload))
 
     def _kick(self, worker: SimWorker, now: float) -> None:
         """Start the worker's next step if it is idle and has something to run."""
         if worker.busy:
             return
-        end = worker.start_step(now)
+        until = None
+        if self._decode_runs:  # a run of quiet decodes must end before the next arrival, which reads every worker
+            arrivals = self._arrivals
+            until = arrivals[-1][0] if arrivals else math.inf
+        end = worker.start_step(now, until, self.config.heartbeat_s)
         for request in worker.take_finished():  # failed at scheduling time
             self._on_request_finished(worker, request, now)
         if end is None:
             self._heartbeat(worker, now, force=True)
         else:  # _push, inline: once per step
             self._seq += 1
-            heapq.heappush(self._heap, (end, self._seq, _STEP_DONE, worker))
+            heapq.heappush(self._heap, (end, worker.rank, self._seq, _STEP_DONE, worker))
 
     # ---- events ----------------------------------------------------------------------------------------
 
@@ -340,6 +354,17 @@ class ClusterSim:
     def _on_general_step_done(self, worker: SimWorker, now: float) -> None:
         outputs, finished = worker.finish_step(now)
         flights = self._flights
+        if worker.quiet is not None:  # a run: its steps before the last, with their heartbeats, as they would have come
+            request_ids, times = worker.quiet
+            for request_id in request_ids:
+                flights[request_id].token_times_s.extend(times)
+                if self._tracks_tokens:
+                    for at in times:
+                        self.placement.on_tokens(request_id, 1, at)
+            heartbeat_s = self.config.heartbeat_s
+            for at in times:
+                if at - worker.last_heartbeat_at >= heartbeat_s:
+                    self._heartbeat(worker, at, force=False)
         for out in outputs:
             flight = flights[out.request_id]
             token_times_s = flight.token_times_s

@@ -77,6 +77,8 @@ class SimConfig:
     store_dram_blocks: int = 0
     store_disk_blocks: int = 0
     store_node_losses: tuple[StoreNodeLoss, ...] = ()  # store nodes lost mid-run (and back, empty)
+    # Apply runs of quiet decode steps at once (kvbaton.sim.worker; the same figures): False steps them one by one.
+    decode_runs: bool = True
 
     def __post_init__(self) -> None:
         if self.first_token_at not in ("decode", "prefill"):

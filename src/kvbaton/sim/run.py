@@ -85,6 +85,7 @@ class SimSetup:
     # calls waiting for a first token (0: none; the live router's default is 256).
     local_prefill_threshold_tokens: int = DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS
     max_num_waiting: int = 0
+    decode_runs: bool = True  # runs of quiet decode steps applied at once (SimConfig; the same figures either way)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +234,8 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
                                      else {"spec_max_running": setup.spec_max_running})),
         heartbeat_s=setup.heartbeat_s, max_model_len=max_model_len, first_token_at=setup.first_token_at,
         reserve_ahead_tokens=setup.reserve_ahead_tokens,
-        local_prefill_threshold_tokens=setup.local_prefill_threshold_tokens, max_num_waiting=setup.max_num_waiting)
+        local_prefill_threshold_tokens=setup.local_prefill_threshold_tokens, max_num_waiting=setup.max_num_waiting,
+        decode_runs=setup.decode_runs)
     if host_num_blocks:
         config = replace(config, host_link=get_gpu(base_gpu).host_link)
         config = replace(config, host_link=get_gpu(setup.gpu).host_link)

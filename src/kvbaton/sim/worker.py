@@ -17,6 +17,13 @@ charged the same way. Only
 `scheduler.schedule` copies: its admissions promote blocks and its evictions demote them; a handoff
 is adopted into blocks its reservation holds, with no eviction; any copy made elsewhere waits for
 the next step.
+
+A run of quiet decode steps (`LocalScheduler.quiet_decode_steps`: the same requests only decode, no block
+fills or is added, nobody stops) that all end before `until`, the next time anything outside the worker may
+look at it or change it, is priced step by step at its start (each step's price and noise draw, in order) and
+applied whole at its end: the scheduler appends the first m - 1 steps' tokens at once, schedules step m as it
+would have at step m - 1's end and updates it as usual; the cluster hears the m - 1 steps' tokens (`quiet`)
+with their times. Every figure of the run equals the step-by-step one (`test_quiet_decode_runs`).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from kvbaton.sim.store_io import SimStoreIO, StoreLinks
 TokenFn = Callable[[str, int], int]  # (request id, output index) -> token id
 FIRST_SIM_TOKEN = 100
 _TOKENS = [SampledToken(FIRST_SIM_TOKEN + i) for i in range(1000)]
+MAX_RUN_STEPS = 4096  # quiet decode steps applied at once, at most
 
 
 def _recompute_pricer(cost_model: CostModel, spec: WorkerSpec, block_size: int) -> Callable[[int], float]:
@@ -114,10 +122,21 @@ class SimWorker:
         self.on_executed: Callable[[StepPlan, float], None] | None = None  # after the forward, before update
         self.busy_s = 0.0
         self.num_steps = 0
+        self.num_quiet_steps = 0  # of which applied at once, in runs (all but each run's last)
         self.last_heartbeat_at = float("-inf")
+        self.rank = 1  # where its step ends sort among simultaneous events (the cluster numbers its workers 1, 2, ...)
+        # The run in flight, if the step in flight is one: its steps' end times and prices (`start_step`).
+        self._run: tuple[list[float], list[float]] | None = None
+        self._drawn_noise: float | None = None  # the next step's noise factor, drawn already by a run's pricing
+        # After a run's `finish_step`: (its requests' ids, the end times of the steps applied before the last).
+        self.quiet: tuple[list[str], list[float]] | None = None
 
     def _noise(self) -> float:
         """This step's time factor: exp(sigma * z - sigma^2 / 2), z the worker's AR(1) standard-normal state."""
+        factor = self._drawn_noise
+        if factor is not None:
+            self._drawn_noise = None
+            return factor
         rng = self._rng
         assert rng is not None
         z = self._noise_z
@@ -129,8 +148,11 @@ class SimWorker:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.pending_handoffs)
 
-    def start_step(self, now: float) -> float | None:
-        """Schedule the next step at `now`; returns when it ends, or None if there is nothing to run."""
+    def start_step(self, now: float, until: float | None = None, heartbeat_s: float = math.inf) -> float | None:
+        """Schedule the next step at `now`; returns when it ends, or None if there is nothing to run. With `until`,
+        a quiet decode step may start a run of them that ends before `until` (the module docstring); the time
+        returned is then the run's end. A run stops at a heartbeat (due `heartbeat_s` after the last) that would
+        carry radix cache events."""
         assert not self.busy, "a step is already in flight"
         scheduler = self.scheduler
         plan = scheduler.schedule(now)
@@ -151,7 +173,45 @@ class SimWorker:
             step_s *= self._noise()
         self.step_s = step_s
         self.step_end_at = now + step_s
+        if until is not None and context_tokens >= 0 and self.step_end_at < until and self.on_executed is None:
+            self._plan_run(plan, context_tokens, until, heartbeat_s)
         return self.step_end_at
+
+    def _plan_run(self, plan: StepPlan, context_tokens: int, until: float, heartbeat_s: float) -> None:
+        """Price the quiet decode steps after `plan` (step 1, priced) while they end before `until`; a run of two or
+        more becomes the step in flight."""
+        limit = self.scheduler.quiet_decode_steps(plan, MAX_RUN_STEPS)
+        if limit < 2 or self.host_link is not None:
+            return
+        end = self.step_end_at
+        # A heartbeat at the end of one of the run's first m - 1 steps must carry no KV events: the router would
+        # apply them after other workers' later ones. The first after the run starts carries what is pending.
+        last_heartbeat_at = self.last_heartbeat_at
+        events_pending = self.cache is not None and self.cache.has_events
+        if events_pending and end - last_heartbeat_at >= heartbeat_s:
+            return
+        num_seqs = len(plan.chunks)
+        times = [end]
+        prices = [self.step_s]
+        rng = self._rng
+        for _ in range(limit - 1):
+            context_tokens += num_seqs
+            step_s = self._decode_price(num_seqs, context_tokens)
+            factor = self._noise() if rng is not None else 1.0
+            if rng is not None:
+                step_s *= factor
+            if end + step_s >= until:
+                if rng is not None:
+                    self._drawn_noise = factor  # the worker's next step, whichever it is, draws this one
+                break
+            end += step_s
+            times.append(end)
+            prices.append(step_s)
+            if events_pending and end - last_heartbeat_at >= heartbeat_s:
+                break
+        if len(times) > 1:
+            self._run = (times, prices)
+            self.step_end_at = end
 
     def finish_step(self, now: float) -> tuple[list[TokenOutput], list[Request]]:
         """Apply the step in flight at its end time; returns its tokens and the requests that ended."""
@@ -159,6 +219,9 @@ class SimWorker:
         self.busy = False
         plan, self.plan = self.plan, None
         assert plan is not None
+        self.quiet = None
+        if self._run is not None:
+            plan = self._apply_run(plan)
         if self.on_executed is not None:
             self.on_executed(plan, now)
         outputs = self.scheduler.update(plan, self._execute(plan), now)
@@ -167,6 +230,36 @@ class SimWorker:
         if self.pending_handoffs:
             self.admit_handoffs(now)
         return outputs, self.scheduler.take_finished()
+
+    def _apply_run(self, plan: StepPlan) -> StepPlan:
+        """The run in flight from `plan` (its step 1): its first m - 1 steps applied at once, step m scheduled as at
+        step m - 1's end; returns step m's plan, which `finish_step` applies as any step."""
+        run, self._run = self._run, None
+        assert run is not None
+        times, prices = run
+        num_quiet = len(times) - 1
+        get = self.scheduler.requests.get
+        token_for = self.token_for
+        tokens: dict[str, list[int]] = {}
+        for chunk in plan.chunks:
+            request_id = chunk.request_id
+            request = get(request_id)
+            assert request is not None
+            first = chunk.start_pos + 1 - len(request.prompt_token_ids)  # output index of step 1's token (`_execute`)
+            tokens[request_id] = ([FIRST_SIM_TOKEN + i % 1000 for i in range(first, first + num_quiet)]
+                                  if token_for is None else [token_for(request_id, i)
+                                                             for i in range(first, first + num_quiet)])
+        scheduler = self.scheduler
+        scheduler.advance_quiet_decodes(plan, tokens)
+        for step_s in prices[:-1]:
+            self.busy_s += step_s
+        self.num_steps += num_quiet
+        self.num_quiet_steps += num_quiet
+        last = scheduler.schedule(times[-2])
+        assert len(last.chunks) == len(plan.chunks) and scheduler.decode_context_tokens >= 0, "a run changed shape"
+        self.step_s = prices[-1]
+        self.quiet = (list(tokens), times[:-1])
+        return last
 
     def take_finished(self) -> list[Request]:
         """Requests that ended outside a step (failed at scheduling time)."""

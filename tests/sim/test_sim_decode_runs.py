@@ -1,5 +1,6 @@
 """Runs of quiet decode steps applied at once (`SimConfig.decode_runs`, kvbaton.sim.worker) give every record and
-worker figure the step-by-step simulation gives, on workloads that stop, evict, preempt and draw step noise."""
+worker figure the step-by-step simulation gives, on workloads that stop, evict, preempt, draw step noise and copy
+their prompts into their outputs (a `token_for` of its own per request)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ CASES = {
                             max_num_batched_tokens=256)),
     "no-prefix-cache": (lambda: create_workload("conversation", num_requests=100, seed=3),
                         SimSetup(cluster="3xmixed", policy="round_robin", enable_prefix_cache=False)),
+    "copied-outputs": (lambda: create_workload("conversation", num_requests=100, seed=7),
+                       SimSetup(cluster="2xmixed", policy="preble", output_copy_fraction=0.5)),
     "noisy": (lambda: create_workload("conversation", num_requests=120, seed=6),
               SimSetup(cluster="4xmixed", policy="preble", model="opt-13b", gpu="a100", max_model_len=2048)),
 }

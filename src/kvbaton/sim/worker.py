@@ -23,7 +23,7 @@ fills or is added, nobody stops) that all end before `until`, the next time anyt
 look at it or change it, is priced step by step at its start (each step's price and noise draw, in order) and
 applied whole at its end: the scheduler appends the first m - 1 steps' tokens at once, schedules step m as it
 would have at step m - 1's end and updates it as usual; the cluster hears the m - 1 steps' tokens (`quiet`)
-with their times. Every figure of the run equals the step-by-step one (`test_quiet_decode_runs`).
+with their times. Every figure of the run equals the step-by-step one (`test_sim_decode_runs`).
 """
 
 from __future__ import annotations

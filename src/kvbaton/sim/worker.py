@@ -179,9 +179,9 @@ class SimWorker:
 
     def _plan_run(self, plan: StepPlan, context_tokens: int, until: float, heartbeat_s: float) -> None:
         """Price the quiet decode steps after `plan` (step 1, priced) while they end before `until`; a run of two or
-        more becomes the step in flight."""
-        limit = self.scheduler.quiet_decode_steps(plan, MAX_RUN_STEPS)
-        if limit < 2 or self.host_link is not None:
+        more becomes the step in flight. Step 2's end is tested before the run's limit is asked for (a pass over the
+        batch): where arrivals come faster than steps, most runs end there."""
+        if self.host_link is not None:
             return
         end = self.step_end_at
         # A heartbeat at the end of one of the run's first m - 1 steps must carry no KV events: the router would
@@ -194,13 +194,15 @@ class SimWorker:
         times = [end]
         prices = [self.step_s]
         rng = self._rng
-        for _ in range(limit - 1):
+        limit = MAX_RUN_STEPS
+        while len(times) < limit:
             context_tokens += num_seqs
             step_s = self._decode_price(num_seqs, context_tokens)
             factor = self._noise() if rng is not None else 1.0
             if rng is not None:
                 step_s *= factor
-            if end + step_s >= until:
+            if end + step_s >= until or (len(times) == 1 and
+                                         (limit := self.scheduler.quiet_decode_steps(plan, MAX_RUN_STEPS)) < 2):
                 if rng is not None:
                     self._drawn_noise = factor  # the worker's next step, whichever it is, draws this one
                 break

@@ -1,5 +1,5 @@
 """The simulator's shortcuts give the runs their general paths give: shared prompt parts converted and hashed
-once, arrivals merged into the event heap from their own list."""
+once (with a memo of hashed heads bounded in tokens), arrivals merged into the event heap from their own list."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 from kvbaton.bench.tokens import as_token_array
 from kvbaton.bench.workloads import create_workload
 from kvbaton.bench.workloads.base import WorkloadRequest
-from kvbaton.cache.hashing import hash_prompt
+from kvbaton.cache.hashing import CacheKey, hash_prompt
 from kvbaton.core.config import CacheConfig
 from kvbaton.sim.cluster import ClusterSim
 from kvbaton.sim.config import SimConfig
 from kvbaton.sim.costs import ConstantCostModel
+from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import parse_cluster_spec
 
 
@@ -37,6 +38,19 @@ def test_prompt_ids_and_hashes_from_shared_parts_are_the_whole_prompts(parts_of:
         assert prompt == wr.prompt_array.tolist()
         key = sim.config.cache_key.with_tenant(wr.tenant)
         assert sim.prompts.hashed(wr, prompt) == hash_prompt(key, prompt, 16)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(parts_of=st.lists(st.lists(st.integers(0, 4), min_size=2, max_size=4), min_size=1, max_size=16),
+       memo_tokens=st.sampled_from([0, 16, 48, 100]), seed=st.integers(0, 3))
+def test_a_small_memo_of_hashed_heads_evicts_and_still_gives_the_whole_prompts(parts_of: list[list[int]],
+                                                                             memo_tokens: int, seed: int) -> None:
+    prompts = SimPrompts(CacheKey("m", "l"), 16, memo_tokens)
+    for wr in _workload(parts_of, [""], np.random.default_rng(seed)) * 2:
+        prompt = prompts.ids(wr)
+        assert prompts.hashed(wr, prompt) == hash_prompt(CacheKey("m", "l"), prompt, 16)
+        held = sum(len(blocks) * 16 for _, blocks, _ in prompts._part_hashes.values())
+        assert held == prompts._memo_tokens <= memo_tokens
 
 
 def test_arrivals_at_the_same_time_are_served_in_the_order_given() -> None:

@@ -198,12 +198,16 @@ class SimWorker:
         while len(times) < limit:
             context_tokens += num_seqs
             step_s = self._decode_price(num_seqs, context_tokens)
-            factor = self._noise() if rng is not None else 1.0
+            factor = None
             if rng is not None:
+                factor = self._noise()
                 step_s *= factor
-            if end + step_s >= until or (len(times) == 1 and
-                                         (limit := self.scheduler.quiet_decode_steps(plan, MAX_RUN_STEPS)) < 2):
-                if rng is not None:
+            over = end + step_s >= until
+            if not over and len(times) == 1:  # step 2 ends in time: how far may the run go?
+                limit = self.scheduler.quiet_decode_steps(plan, MAX_RUN_STEPS)
+                over = limit < 2
+            if over:
+                if factor is not None:
                     self._drawn_noise = factor  # the worker's next step, whichever it is, draws this one
                 break
             end += step_s
@@ -241,16 +245,14 @@ class SimWorker:
         times, prices = run
         num_quiet = len(times) - 1
         get = self.scheduler.requests.get
-        token_for = self.token_for
+        token_for = self.token_for or default_token  # `_execute`'s tokens
         tokens: dict[str, list[int]] = {}
         for chunk in plan.chunks:
             request_id = chunk.request_id
             request = get(request_id)
             assert request is not None
             first = chunk.start_pos + 1 - len(request.prompt_token_ids)  # output index of step 1's token (`_execute`)
-            tokens[request_id] = ([FIRST_SIM_TOKEN + i % 1000 for i in range(first, first + num_quiet)]
-                                  if token_for is None else [token_for(request_id, i)
-                                                             for i in range(first, first + num_quiet)])
+            tokens[request_id] = [token_for(request_id, i) for i in range(first, first + num_quiet)]
         scheduler = self.scheduler
         scheduler.advance_quiet_decodes(plan, tokens)
         for step_s in prices[:-1]:

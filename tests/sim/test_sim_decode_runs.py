@@ -8,11 +8,20 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kvbaton.bench.tokens import as_token_array
 from kvbaton.bench.workloads import create_workload
+from kvbaton.bench.workloads.base import WorkloadRequest
 from kvbaton.bench.workloads.mooncake import DEFAULT_MOONCAKE_TRACE
+from kvbaton.core.config import CacheConfig
+from kvbaton.router.pools import PoolConfig
+from kvbaton.sim.cluster import ClusterSim
+from kvbaton.sim.config import SimConfig
+from kvbaton.sim.costs import create_cost_model
 from kvbaton.sim.run import SimSetup, build_sim
+from kvbaton.sim.spec import parse_cluster_spec
 
 DISTSERVE_COSTS = Path(__file__).resolve().parents[2] / "src/kvbaton/sim/costs/data/distserve_a100.json"
 
@@ -65,7 +74,63 @@ def test_runs_of_quiet_decodes_give_the_step_by_step_figures(case: str, tmp_path
     assert sum(r.status == "completed" for r in records) > 0
 
 
-def test_no_runs_with_kv_handoffs() -> None:
-    requests = create_workload("tool-use", num_requests=60, seed=1, rate=50.0)
-    records, reports, num_quiet = _run(requests, SimSetup(cluster="1P1D", policy="round_robin"))
-    assert num_quiet == 0 and all(r.status == "completed" for r in records)
+# Disaggregated: decode workers' runs are cut by reservations, deliveries, adoptions and lease expiry mid-run.
+PD_CASES = {
+    "8P8D": (lambda: create_workload("tool-use", num_requests=300, seed=0, rate=40.0),
+             SimSetup(cluster="8P8D", policy="preble")),
+    "late-reservation": (lambda: create_workload("tool-use", num_requests=200, seed=1, rate=30.0),
+                         SimSetup(cluster="2P2D", policy="round_robin", reserve_ahead_tokens=2048)),
+    "tight-decode-pool": (lambda: create_workload("conversation", num_requests=150, seed=4),
+                          SimSetup(cluster="1P2D", policy="round_robin", num_blocks=700, max_num_seqs=16)),
+    "combined-with-admission": (lambda: create_workload("tool-use", num_requests=250, seed=2, rate=60.0),
+                                SimSetup(cluster="2xmixed+1P1D", policy="preble", admission="early",
+                                         admission_slo=(0.5, 0.03))),
+    "adaptive-pools": (lambda: create_workload("shifting-mix", num_requests=300, seed=0, rate=24.0,
+                                               shift_fraction=0.3, second_output_mean_tokens=400),
+                       SimSetup(cluster="3P1D:gpu_p=h100,gpu_d=a100", enable_prefix_cache=False,
+                                admission_slo=(0.6, 0.05), adaptive_pools=True,
+                                pools=PoolConfig(sustain_s=0.5, cooldown_s=1.0, max_lent_per_pool=2))),
+    "noisy": (lambda: create_workload("conversation", num_requests=120, seed=6),
+              SimSetup(cluster="2P2D", policy="round_robin", model="opt-13b", gpu="a100", max_model_len=2048)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PD_CASES))
+def test_runs_on_decode_workers_give_the_step_by_step_figures(case: str, tmp_path: Path) -> None:
+    make, setup = PD_CASES[case]
+    if case == "noisy":
+        setup = replace(setup, cost_model=_noisy_costs(tmp_path))
+    requests = make()
+    records, reports, num_quiet = _run(requests, setup)
+    step_records, step_reports, step_quiet = _run(requests, replace(setup, decode_runs=False))
+    assert step_quiet == 0 and num_quiet > 0, "no run was applied: the case tests nothing"
+    assert records == step_records
+    assert reports == step_reports
+    assert sum(r.status == "completed" for r in records) > 0
+
+
+def test_runs_cut_by_lease_expiry_give_the_step_by_step_figures() -> None:
+    # One prefill worker behind arrivals twice as fast as its steps: granted reservations wait past their lease
+    # and expire, on decode workers that are running runs of the requests that made it.
+    rng = np.random.default_rng(3)
+    requests = [WorkloadRequest(i, i * 0.004, (as_token_array(rng.integers(20, 1000, size=1500)),), 20 + i % 30)
+                for i in range(200)]
+
+    def run(decode_runs: bool) -> tuple[list, list, int]:
+        config = SimConfig(cache=CacheConfig(16, 4000), handoff_lease_s=0.3, decode_runs=decode_runs)
+        sim = ClusterSim(parse_cluster_spec("1P3D"), create_cost_model("roofline", model="llama-3-8b", gpu="h100"),
+                         config)
+        try:
+            records = sim.run(requests)
+            for worker in sim.workers.values():
+                worker.scheduler.check_invariants()
+                cached = worker.cache.num_cached_blocks if worker.cache is not None else 0
+                assert worker.pool.num_used_blocks == cached  # every block freed but the prefix cache's
+            return records, sim.worker_reports(), sum(w.num_quiet_steps for w in sim.workers.values())
+        finally:
+            sim.close()
+
+    records, reports, num_quiet = run(True)
+    assert num_quiet > 0 and (records, reports) == run(False)[:2]
+    reasons = [r.reason for r in records if r.status == "failed"]
+    assert any("lease" in reason for reason in reasons) and sum(r.completed for r in records) > 0

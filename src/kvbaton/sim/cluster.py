@@ -140,9 +140,12 @@ class ClusterSim:
                 worker.on_executed = self._stream_from(worker)
                 worker.scheduler.on_preempted = self.handoffs.on_preempted
         self._next_expiry_at = config.handoff_lease_s / 10
-        # Runs of quiet decode steps (SimWorker.start_step) where only arrivals come from outside a worker: no KV
-        # handoffs and no store, whose events land on any worker at any time.
-        self._decode_runs = config.decode_runs and self.handoffs is None and self.store is None
+        # Runs of quiet decode steps (SimWorker.start_step), except with the store, whose loads and saves land on any
+        # worker at any time. Whatever reads the router's state first hears the runs' steps that ended
+        # (`_hear_runs`); whatever changes a worker mid-run first cuts its run at the step in flight (`_settle`).
+        self._decode_runs = config.decode_runs and self.store is None
+        self._runs: dict[str, SimWorker] = {}  # the workers whose step in flight is a run
+        self._rank = 0  # the rank of the event being handled (time, rank, seq): 0 but for a worker's step end
         self._arrivals: list[tuple[float, int, int, int, object]] = []
         self.now = 0.0
         self._heap: list[tuple[float, int, int, int, object]] = []
@@ -225,10 +228,12 @@ class ClusterSim:
         handoffs = self.handoffs
         while heap or arrivals:
             if arrivals and (not heap or arrivals[-1] < heap[0]):  # seqs differ: payloads are never compared
-                now, _, _, kind, payload = arrivals.pop()
+                now, rank, seq, kind, payload = arrivals.pop()
             else:
-                now, _, _, kind, payload = heappop(heap)
-            self.now = now
+                now, rank, seq, kind, payload = heappop(heap)
+            if kind == _STEP_DONE and payload.step_seq != seq:  # type: ignore[attr-defined]
+                continue  # the end of a run that was cut: the step in flight ends earlier, at its own event
+            self.now, self._rank = now, rank
             if kind == _STEP_DONE:
                 self._on_step_done(payload, now)  # type: ignore[arg-type]
             elif kind == _ARRIVAL:
@@ -240,8 +245,15 @@ class ClusterSim:
             else:
                 self._on_store_node(*payload, now)  # type: ignore[misc]
             if handoffs is not None and now >= self._next_expiry_at:
-                self._next_expiry_at = now + self.config.handoff_lease_s / 10
-                self._on_handoff_events(self.handoffs.expire(now), now)
+                self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Lease expiry on every handoff leg (after the first event at or past its due time): it may free blocks on
+        any worker, so every run is cut first."""
+        self._next_expiry_at = now + self.config.handoff_lease_s / 10
+        for worker in list(self._runs.values()):
+            self._settle(worker)
+        self._on_handoff_events(self.handoffs.expire(now), now)  # type: ignore[union-attr]
 
     def _push(self, at: float, kind: int, payload: object) -> None:
         self._seq += 1
@@ -252,22 +264,49 @@ class ClusterSim:
         if worker.busy:
             return
         until = None
-        if self._decode_runs:  # a run of quiet decodes must end before the next arrival, which reads every worker
-            arrivals = self._arrivals
-            until = arrivals[-1][0] if arrivals else math.inf
+        if self._decode_runs:  # a run's quiet steps end before the next lease expiry (which follows any event)
+            until = self._next_expiry_at if self.handoffs is not None else math.inf
         end = worker.start_step(now, until, self.config.heartbeat_s)
         for request in worker.take_finished():  # failed at scheduling time
             self._on_request_finished(worker, request, now)
         if end is None:
             self._heartbeat(worker, now, force=True)
-        else:  # _push, inline: once per step
-            self._seq += 1
-            heapq.heappush(self._heap, (end, worker.rank, self._seq, _STEP_DONE, worker))
+        else:
+            if worker.has_run:
+                self._runs[worker.worker_id] = worker
+            self._push_step_end(worker)
+
+    def _push_step_end(self, worker: SimWorker) -> None:
+        self._seq += 1
+        worker.step_seq = self._seq
+        heapq.heappush(self._heap, (worker.step_end_at, worker.rank, self._seq, _STEP_DONE, worker))
+
+    def _hear_runs(self) -> None:
+        """Before the router's state is read: it hears the tokens and heartbeats of the runs' steps that have ended by
+        now, as it would have at each of them."""
+        now, rank = self.now, self._rank
+        for worker in self._runs.values():
+            request_ids, times = worker.take_quiet(now, rank)
+            if times:
+                self._hear_quiet(worker, request_ids, times)
+
+    def _settle(self, worker: SimWorker) -> None:
+        """Before anything outside `worker` changes it (or reads its step): a run in flight ends with the step in
+        flight now, its ended steps heard and applied (SimWorker.cut_run), and its step end is pushed again."""
+        if self._runs.pop(worker.worker_id, None) is None:
+            return
+        request_ids, times = worker.take_quiet(self.now, self._rank)
+        if times:
+            self._hear_quiet(worker, request_ids, times)
+        worker.cut_run(self.now, self._rank)
+        self._push_step_end(worker)
 
     # ---- events ----------------------------------------------------------------------------------------
 
     def _on_arrival(self, wr: WorkloadRequest, now: float) -> None:
         rid = wr.request_id
+        if self._runs:
+            self._hear_runs()
         prompt = self.prompts.ids(wr)
         # RouteRequest.from_tokens, keeping the block tuples: the front worker's cache reuses them and the hashes.
         prompt_blocks = self.prompts.hashed(wr, prompt)
@@ -309,6 +348,7 @@ class ClusterSim:
         self._admit(front, flight, request, now)
 
     def _admit(self, worker: SimWorker, flight: Flight, request: Request, now: float) -> None:
+        self._settle(worker)
         try:
             worker.scheduler.add_request(request, flight.prompt_blocks)
         except KvbatonError as exc:
@@ -317,6 +357,11 @@ class ClusterSim:
         self._kick(worker, now)
 
     def _on_step_done(self, worker: SimWorker, now: float) -> None:
+        if self._runs and self._runs.pop(worker.worker_id, None) is not None:
+            # A run ends: the router hears its steps before the last, as their heartbeats and tokens came then,
+            # before the last step's update changes what the heartbeats carry.
+            request_ids, times = worker.take_quiet(now, self._rank)
+            self._hear_quiet(worker, request_ids, times)
         self._on_general_step_done(worker, now)
         if now - worker.last_heartbeat_at >= self.config.heartbeat_s:  # _heartbeat's own test, without the call
             self._heartbeat(worker, now, force=False)
@@ -354,17 +399,6 @@ class ClusterSim:
     def _on_general_step_done(self, worker: SimWorker, now: float) -> None:
         outputs, finished = worker.finish_step(now)
         flights = self._flights
-        if worker.quiet is not None:  # a run: its steps before the last, with their heartbeats, as they would have come
-            request_ids, times = worker.quiet
-            for request_id in request_ids:
-                flights[request_id].token_times_s.extend(times)
-                if self._tracks_tokens:
-                    for at in times:
-                        self.placement.on_tokens(request_id, 1, at)
-            heartbeat_s = self.config.heartbeat_s
-            for at in times:
-                if at - worker.last_heartbeat_at >= heartbeat_s:
-                    self._heartbeat(worker, at, force=False)
         for out in outputs:
             flight = flights[out.request_id]
             token_times_s = flight.token_times_s
@@ -375,6 +409,19 @@ class ClusterSim:
             token_times_s.append(now)
         for request in finished:
             self._on_request_finished(worker, request, now)
+
+    def _hear_quiet(self, worker: SimWorker, request_ids: list[str], times: list[float]) -> None:
+        """A run's quiet steps that ended at `times`: their tokens and heartbeats, as they would have come."""
+        flights = self._flights
+        for request_id in request_ids:
+            flights[request_id].token_times_s.extend(times)
+            if self._tracks_tokens:
+                for at in times:
+                    self.placement.on_tokens(request_id, 1, at)
+        heartbeat_s = self.config.heartbeat_s
+        for at in times:
+            if at - worker.last_heartbeat_at >= heartbeat_s:
+                self._heartbeat(worker, at, force=False)
 
     def _on_request_finished(self, worker: SimWorker, request: Request, now: float) -> None:
         flight = self._flights[request.request_id]
@@ -491,6 +538,7 @@ class ClusterSim:
     def _start_handoff(self, flight: Flight | None, now: float) -> None:
         if flight is None or flight.prefill_request is None:
             return  # ended while waiting to retry
+        self._settle(self.workers[flight.front])
         flight.reserving = True
         request = flight.prefill_request
         handoffs = self.handoffs
@@ -518,6 +566,7 @@ class ClusterSim:
                 else:
                     self._push(now + self.config.handoff_retry_s, RETRY, event.request_id)
             elif event.kind == "complete" and event.transfer_id is not None:
+                self._settle(self.workers[flight.decode])
                 adopted = self.handoffs.adopt(flight.decode, event.transfer_id, now)  # type: ignore[union-attr]
                 if adopted is None:
                     self._fail(flight, "handoff ended: the KV's lease ran out before the decode worker adopted it",
@@ -526,6 +575,7 @@ class ClusterSim:
                     self._adopt(flight, adopted, now)
             elif event.kind == "ended":
                 front = self.workers[flight.front]
+                self._settle(front)
                 front.scheduler.abort_request(event.request_id, now)
                 front.take_finished()
                 self._fail(flight, f"handoff ended: {event.reason}", now)
@@ -538,6 +588,8 @@ class ClusterSim:
         flight.transfer_bytes = self.handoffs.bytes_of.pop(wr.request_id, 0)  # type: ignore[union-attr]
         self.handoffs.forget(wr.request_id)  # type: ignore[union-attr]
         decode = self.workers[flight.decode]
+        if self._runs:  # the gate reads the router's tally of tokens
+            self._hear_runs()
         # The decode stage's own gate (with admission): the prefill is already paid for.
         decision = self.placement.check_decode(wr.request_id, wr.num_prompt_tokens, wr.output_tokens, flight.decode,
                                                now)
@@ -556,6 +608,7 @@ class ClusterSim:
 
     def _on_delivery(self, delivery: Delivery, now: float) -> None:
         worker = self.workers[delivery.to_worker]
+        self._settle(worker)
         if not worker.busy:
             self._on_handoff_events(self.handoffs.deliver(delivery, now), now)  # type: ignore[union-attr]
         elif worker.spec.role == "decode":  # grants and KV now; a completed leg is adopted after the step

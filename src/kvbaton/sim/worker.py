@@ -19,17 +19,22 @@ is adopted into blocks its reservation holds, with no eviction; any copy made el
 the next step.
 
 A run of quiet decode steps (`LocalScheduler.quiet_decode_steps`: the same requests only decode, no block
-fills or is added, nobody stops) that all end before `until`, the next time anything outside the worker may
-look at it or change it, is priced step by step at its start (each step's price and noise draw, in order) and
-applied whole at its end: the scheduler appends the first m - 1 steps' tokens at once, schedules step m as it
-would have at step m - 1's end and updates it as usual; the cluster hears the m - 1 steps' tokens (`quiet`)
-with their times. Every figure of the run equals the step-by-step one (`test_sim_decode_runs`).
+fills or is added, nobody stops) whose steps before the last end before `until` is priced step by step at its
+start (each step's price and noise draw, in order) and applied whole at its end: the scheduler appends the
+first m - 1 steps' tokens at once, schedules step m as it would have at step m - 1's end and updates it as
+usual. The cluster hears the steps that have ended (`take_quiet`: their tokens and heartbeats, with their
+times) whenever something reads the router's state mid-run, and at the run's end before step m's update. When
+something outside the worker is about to change it mid-run (an arrival routed to it, a KV handoff's message or
+adoption, a lease expiry), `cut_run` ends the run with the step in flight then: the steps that ended are
+applied, that step is scheduled as it was, and the later steps' noise draws are kept, in order, for the steps
+that follow. Every figure of the run equals the step-by-step one (`test_sim_decode_runs`).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable
 
@@ -125,18 +130,18 @@ class SimWorker:
         self.num_quiet_steps = 0  # of which applied at once, in runs (all but each run's last)
         self.last_heartbeat_at = float("-inf")
         self.rank = 1  # where its step ends sort among simultaneous events (the cluster numbers its workers 1, 2, ...)
-        # The run in flight, if the step in flight is one: its steps' end times and prices (`start_step`).
-        self._run: tuple[list[float], list[float]] | None = None
-        self._drawn_noise: float | None = None  # the next step's noise factor, drawn already by a run's pricing
-        # After a run's `finish_step`: (its requests' ids, the end times of the steps applied before the last).
-        self.quiet: tuple[list[str], list[float]] | None = None
+        # The run in flight, if the step in flight is one: its steps' end times, prices and noise factors (steps 2..m;
+        # None without noise), and how many of its steps the cluster has heard of (`take_quiet`).
+        self._run: tuple[list[float], list[float], list[float] | None] | None = None
+        self._run_heard = 0
+        # The next steps' noise factors, drawn already by a run's pricing, in the order they are used.
+        self._drawn_noise: deque[float] = deque()
+        self.step_seq = 0  # the cluster's number for this worker's step-end event in flight (a cut run's is stale)
 
     def _noise(self) -> float:
         """This step's time factor: exp(sigma * z - sigma^2 / 2), z the worker's AR(1) standard-normal state."""
-        factor = self._drawn_noise
-        if factor is not None:
-            self._drawn_noise = None
-            return factor
+        if self._drawn_noise:
+            return self._drawn_noise.popleft()
         rng = self._rng
         assert rng is not None
         z = self._noise_z
@@ -194,6 +199,7 @@ class SimWorker:
         times = [end]
         prices = [self.step_s]
         rng = self._rng
+        factors: list[float] | None = [] if rng is not None else None
         limit = MAX_RUN_STEPS
         while len(times) < limit:
             context_tokens += num_seqs
@@ -208,16 +214,62 @@ class SimWorker:
                 over = limit < 2
             if over:
                 if factor is not None:
-                    self._drawn_noise = factor  # the worker's next step, whichever it is, draws this one
+                    self._drawn_noise.appendleft(factor)  # the worker's next step, whichever it is, draws this one
                 break
             end += step_s
             times.append(end)
             prices.append(step_s)
+            if factors is not None:
+                factors.append(factor)  # type: ignore[arg-type]
             if events_pending and end - last_heartbeat_at >= heartbeat_s:
                 break
         if len(times) > 1:
-            self._run = (times, prices)
+            self._run = (times, prices, factors)
+            self._run_heard = 0
             self.step_end_at = end
+
+    @property
+    def has_run(self) -> bool:
+        """True when the step in flight is a run of quiet decode steps (`cut_run`, `take_quiet`)."""
+        return self._run is not None
+
+    def _steps_done(self, now: float, rank: int) -> int:
+        """How many of the run's steps before its last have ended by an event at (`now`, `rank`): those whose end
+        sorts before it, the heap's order (time, then rank; its own steps at one time in order, before its last)."""
+        run = self._run
+        assert run is not None
+        times = run[0]
+        done = bisect_right(times, now) if rank >= self.rank else bisect_left(times, now)
+        return min(done, len(times) - 1)
+
+    def take_quiet(self, now: float, rank: int) -> tuple[list[str], list[float]]:
+        """The run's steps that ended by (`now`, `rank`) and the cluster has not heard of yet: their requests' ids and
+        end times. The cluster hears them (their tokens and heartbeats) before anything reads the router's state."""
+        run = self._run
+        assert run is not None and self.plan is not None
+        done = self._steps_done(now, rank)
+        heard, self._run_heard = self._run_heard, max(self._run_heard, done)
+        if done <= heard:
+            return [], []
+        return [chunk.request_id for chunk in self.plan.chunks], run[0][heard:done]
+
+    def cut_run(self, now: float, rank: int) -> None:
+        """Something outside the worker is about to change it at (`now`, `rank`) mid-run: the run ends with the step
+        in flight then. The steps that ended are applied (the cluster heard them: `take_quiet` first), the step in
+        flight is scheduled as it was at the previous one's end and becomes the step in flight, as if stepped one by
+        one, and the later steps' noise factors go back to be drawn in order. The step's end (`step_end_at`) is then
+        earlier: the cluster's event for the run's end is stale (`step_seq`)."""
+        done = self._steps_done(now, rank)
+        assert self._run_heard == done, "cut a run before the cluster heard its steps"
+        run, self._run = self._run, None
+        assert run is not None and self.plan is not None
+        times, prices, factors = run
+        if done:
+            self.plan = self._advance_run(self.plan, times, prices, done)
+        self.step_s = prices[done]
+        self.step_end_at = times[done]
+        if factors is not None:
+            self._drawn_noise.extendleft(reversed(factors[done:]))
 
     def finish_step(self, now: float) -> tuple[list[TokenOutput], list[Request]]:
         """Apply the step in flight at its end time; returns its tokens and the requests that ended."""
@@ -225,7 +277,6 @@ class SimWorker:
         self.busy = False
         plan, self.plan = self.plan, None
         assert plan is not None
-        self.quiet = None
         if self._run is not None:
             plan = self._apply_run(plan)
         if self.on_executed is not None:
@@ -242,8 +293,15 @@ class SimWorker:
         step m - 1's end; returns step m's plan, which `finish_step` applies as any step."""
         run, self._run = self._run, None
         assert run is not None
-        times, prices = run
+        times, prices, _ = run
         num_quiet = len(times) - 1
+        last = self._advance_run(plan, times, prices, num_quiet)
+        self.step_s = prices[-1]
+        return last
+
+    def _advance_run(self, plan: StepPlan, times: list[float], prices: list[float], num_quiet: int) -> StepPlan:
+        """Apply the first `num_quiet` steps of the run from `plan` at once; returns step num_quiet + 1's plan,
+        scheduled at step num_quiet's end."""
         get = self.scheduler.requests.get
         token_for = self.token_for or default_token  # `_execute`'s tokens
         tokens: dict[str, list[int]] = {}
@@ -255,14 +313,12 @@ class SimWorker:
             tokens[request_id] = [token_for(request_id, i) for i in range(first, first + num_quiet)]
         scheduler = self.scheduler
         scheduler.advance_quiet_decodes(plan, tokens)
-        for step_s in prices[:-1]:
+        for step_s in prices[:num_quiet]:
             self.busy_s += step_s
         self.num_steps += num_quiet
         self.num_quiet_steps += num_quiet
-        last = scheduler.schedule(times[-2])
+        last = scheduler.schedule(times[num_quiet - 1])
         assert len(last.chunks) == len(plan.chunks) and scheduler.decode_context_tokens >= 0, "a run changed shape"
-        self.step_s = prices[-1]
-        self.quiet = (list(tokens), times[:-1])
         return last
 
     def take_finished(self) -> list[Request]:

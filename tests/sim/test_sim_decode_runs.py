@@ -60,20 +60,6 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_runs_of_quiet_decodes_give_the_step_by_step_figures(case: str, tmp_path: Path) -> None:
-    make, setup = CASES[case]
-    if case == "noisy":
-        setup = replace(setup, cost_model=_noisy_costs(tmp_path))
-    requests = make()
-    records, reports, num_quiet = _run(requests, setup)
-    step_records, step_reports, step_quiet = _run(requests, replace(setup, decode_runs=False))
-    assert step_quiet == 0 and num_quiet > 0, "no run was applied: the case tests nothing"
-    assert records == step_records
-    assert reports == step_reports
-    assert sum(r.status == "completed" for r in records) > 0
-
-
 # Disaggregated: decode workers' runs are cut by reservations, deliveries, adoptions and lease expiry mid-run.
 PD_CASES = {
     "8P8D": (lambda: create_workload("tool-use", num_requests=300, seed=0, rate=40.0),
@@ -82,23 +68,22 @@ PD_CASES = {
                          SimSetup(cluster="2P2D", policy="round_robin", reserve_ahead_tokens=2048)),
     "tight-decode-pool": (lambda: create_workload("conversation", num_requests=150, seed=4),
                           SimSetup(cluster="1P2D", policy="round_robin", num_blocks=700, max_num_seqs=16)),
-    "combined-with-admission": (lambda: create_workload("tool-use", num_requests=250, seed=2, rate=60.0),
-                                SimSetup(cluster="2xmixed+1P1D", policy="preble", admission="early",
-                                         admission_slo=(0.5, 0.03))),
-    "adaptive-pools": (lambda: create_workload("shifting-mix", num_requests=300, seed=0, rate=24.0,
-                                               shift_fraction=0.3, second_output_mean_tokens=400),
-                       SimSetup(cluster="3P1D:gpu_p=h100,gpu_d=a100", enable_prefix_cache=False,
-                                admission_slo=(0.6, 0.05), adaptive_pools=True,
-                                pools=PoolConfig(sustain_s=0.5, cooldown_s=1.0, max_lent_per_pool=2))),
+    "combined-with-admission": (lambda: create_workload("sharegpt-like", num_requests=200, seed=2, rate=40.0),
+                                SimSetup(model="opt-13b", gpu="a100", cluster="1xmixed+2P2D", cost_model="distserve",
+                                         num_blocks=300, max_model_len=2048, admission="predicted",
+                                         admission_slo=(0.5, 0.1))),
+    "adaptive-pools": (lambda: create_workload("tool-use", num_requests=200, seed=2, rate=40.0, num_tools=4),
+                       SimSetup(gpu="a100", cluster="3P1D", enable_prefix_cache=False, admission_slo=(1.0, 0.02),
+                                adaptive_pools=True, pools=PoolConfig(sustain_s=0.5, cooldown_s=1.0))),
     "noisy": (lambda: create_workload("conversation", num_requests=120, seed=6),
               SimSetup(cluster="2P2D", policy="round_robin", model="opt-13b", gpu="a100", max_model_len=2048)),
 }
 
 
-@pytest.mark.parametrize("case", sorted(PD_CASES))
-def test_runs_on_decode_workers_give_the_step_by_step_figures(case: str, tmp_path: Path) -> None:
-    make, setup = PD_CASES[case]
-    if case == "noisy":
+@pytest.mark.parametrize("case", sorted(CASES) + [f"pd-{name}" for name in sorted(PD_CASES)])
+def test_runs_of_quiet_decodes_give_the_step_by_step_figures(case: str, tmp_path: Path) -> None:
+    make, setup = PD_CASES[case[3:]] if case.startswith("pd-") else CASES[case]
+    if case.endswith("noisy"):
         setup = replace(setup, cost_model=_noisy_costs(tmp_path))
     requests = make()
     records, reports, num_quiet = _run(requests, setup)
@@ -107,6 +92,12 @@ def test_runs_on_decode_workers_give_the_step_by_step_figures(case: str, tmp_pat
     assert records == step_records
     assert reports == step_reports
     assert sum(r.status == "completed" for r in records) > 0
+    if case == "pd-tight-decode-pool":  # refusals and preemptions on the decode workers
+        assert sum(w.num_preemptions for w in reports if w.role == "decode") > 0
+    elif case == "pd-combined-with-admission":
+        assert sum(r.status == "rejected" for r in records) > 0
+    elif case == "pd-adaptive-pools":  # a prefill worker lent to mixed duty ran whole requests
+        assert any(len(r.worker_ids) == 1 and r.worker_ids[0].startswith("p") for r in records)
 
 
 def test_runs_cut_by_lease_expiry_give_the_step_by_step_figures() -> None:

@@ -24,11 +24,11 @@ priced step by step at its start (each step's price and noise draw, in order) an
 the scheduler appends the first m - 1 steps' tokens at once, schedules step m as it would have at step m - 1's
 end and updates it as usual. The cluster hears the steps that have ended (`take_quiet`: their tokens and
 heartbeats, with their times) whenever something reads the router's state mid-run, and at the run's end before
-step m's update. When
-something outside the worker is about to change it mid-run (an arrival routed to it, a KV handoff's message or
-adoption, a lease expiry), `cut_run` ends the run with the step in flight then: the steps that ended are
-applied, that step is scheduled as it was, and the later steps' noise draws are kept, in order, for the steps
-that follow. Every figure of the run equals the step-by-step one (`test_sim_decode_runs`).
+step m's update. When something outside the worker is about to change it mid-run (an arrival routed to it, a
+KV handoff's message or adoption, a lease expiry), `cut_run` ends the run with the step in flight then: the
+steps that ended are applied, that step is scheduled as it was, and the later steps' noise draws are kept, in
+order, for the steps that follow. Every figure of the run equals the step-by-step one
+(`test_sim_decode_runs`).
 """
 
 from __future__ import annotations

@@ -146,7 +146,6 @@ class ClusterSim:
         self._decode_runs = config.decode_runs and self.store is None
         self._runs: dict[str, SimWorker] = {}  # the workers whose step in flight is a run
         self._rank = 0  # the rank of the event being handled (time, rank, seq): 0 but for a worker's step end
-        self._arrivals: list[tuple[float, int, int, int, object]] = []
         self.now = 0.0
         self._heap: list[tuple[float, int, int, int, object]] = []
         self._seq = 0
@@ -222,7 +221,6 @@ class ClusterSim:
 
     def _run_events(self, arrivals: list[tuple[float, int, int, int, object]]) -> None:
         """Process events in (time, rank, seq) order until none is left; `arrivals` sorted last-first."""
-        self._arrivals = arrivals
         heap = self._heap
         heappop = heapq.heappop
         handoffs = self.handoffs
@@ -284,20 +282,15 @@ class ClusterSim:
     def _hear_runs(self) -> None:
         """Before the router's state is read: it hears the tokens and heartbeats of the runs' steps that have ended by
         now, as it would have at each of them."""
-        now, rank = self.now, self._rank
         for worker in self._runs.values():
-            request_ids, times = worker.take_quiet(now, rank)
-            if times:
-                self._hear_quiet(worker, request_ids, times)
+            self._hear_quiet(worker)
 
     def _settle(self, worker: SimWorker) -> None:
         """Before anything outside `worker` changes it (or reads its step): a run in flight ends with the step in
         flight now, its ended steps heard and applied (SimWorker.cut_run), and its step end is pushed again."""
         if self._runs.pop(worker.worker_id, None) is None:
             return
-        request_ids, times = worker.take_quiet(self.now, self._rank)
-        if times:
-            self._hear_quiet(worker, request_ids, times)
+        self._hear_quiet(worker)
         worker.cut_run(self.now, self._rank)
         self._push_step_end(worker)
 
@@ -360,8 +353,7 @@ class ClusterSim:
         if self._runs and self._runs.pop(worker.worker_id, None) is not None:
             # A run ends: the router hears its steps before the last, as their heartbeats and tokens came then,
             # before the last step's update changes what the heartbeats carry.
-            request_ids, times = worker.take_quiet(now, self._rank)
-            self._hear_quiet(worker, request_ids, times)
+            self._hear_quiet(worker)
         self._on_general_step_done(worker, now)
         if now - worker.last_heartbeat_at >= self.config.heartbeat_s:  # _heartbeat's own test, without the call
             self._heartbeat(worker, now, force=False)
@@ -410,8 +402,12 @@ class ClusterSim:
         for request in finished:
             self._on_request_finished(worker, request, now)
 
-    def _hear_quiet(self, worker: SimWorker, request_ids: list[str], times: list[float]) -> None:
-        """A run's quiet steps that ended at `times`: their tokens and heartbeats, as they would have come."""
+    def _hear_quiet(self, worker: SimWorker) -> None:
+        """The tokens and heartbeats of the steps of `worker`'s run that have ended by the event being handled and
+        the router has not heard yet, as they would have come (SimWorker.take_quiet)."""
+        request_ids, times = worker.take_quiet(self.now, self._rank)
+        if not times:
+            return
         flights = self._flights
         for request_id in request_ids:
             flights[request_id].token_times_s.extend(times)

@@ -186,7 +186,7 @@ class SimWorker:
     def _plan_run(self, plan: StepPlan, context_tokens: int, until: float, heartbeat_s: float) -> None:
         """Price the quiet decode steps after `plan` (step 1, priced) while they end before `until`; a run of two or
         more becomes the step in flight. Step 2's end is tested before the run's limit is asked for (a pass over the
-        batch): where arrivals come faster than steps, most runs end there."""
+        batch), which a run cut short by `until` then never pays for."""
         if self.host_link is not None:
             return
         end = self.step_end_at

@@ -213,7 +213,8 @@ def test_the_router_prices_store_loads_at_the_speed_it_measured() -> None:
         assert info["host_speed"] == "measured", info
         assert info["host_bytes_per_s"] != 3e9 and info["host_bytes_per_s"] == info["links"]["shm"]["bytes_per_s"]
         assert info["links"]["shm"]["num_samples"] >= 1 and info["links"]["tcp"]["num_samples"] == 0
-        print(f"measured DRAM load speed: {info['host_bytes_per_s'] / 1e9:.3f} GB/s after {num_loaded} loads")
+        print(f"measured DRAM load speed: {info['host_bytes_per_s'] / 1e9:.3f} GB/s, round trip "
+              f"{info['load_latency_s'] * 1e3:.3f} ms ({info['load_latency']}) after {num_loaded} loads")
 
 
 def test_a_store_node_whose_starter_died_stops_and_removes_its_shared_memory(tmp_path) -> None:  # noqa: ANN001

@@ -209,9 +209,31 @@ def test_block_map_drops_stale_entries_once_they_dominate() -> None:
     for i in range(600):  # 9,600 blocks pass through a 64-block index: without compaction the map would keep them
         hashes = hash_block_tokens(KEY, [rng.randrange(1000) for _ in range(16 * BS)], BS)
         index.on_routed(f"w{i % 3}", hashes)
-        assert index.holders(hashes[0]) == {f"w{i % 3}"}  # maps the queue, evicted blocks stay behind
+        assert index.holders(hashes[1]) == {f"w{i % 3}"}  # inside a segment: the per-block map, evicted blocks stay
     index.check_invariants()
-    assert len(index._blocks._mapped) <= 2 * index.num_blocks + 4096
+    assert len(index._blocks._full._mapped) <= 2 * index.num_blocks + 4096
+
+
+def test_block_lookups_at_a_segments_ends_need_no_per_block_map() -> None:
+    """Stored runs' parents and evicted blocks are where segments end, and a run's first block is looked up (is it
+    indexed elsewhere?) by membership: none of these builds the per-block map; a block inside a segment does."""
+    index = GlobalPrefixIndex()
+    a = hash_block_tokens(KEY, [t for b in range(8) for t in [b] * BS], BS)
+    index.on_routed("w0", a)
+    assert index.on_kv_events("w0", [KVEvent(1, KVEventKind.STORED, tuple(a[:3]), None, BS),
+                                      KVEvent(2, KVEventKind.STORED, tuple(a[3:6]), a[2], BS),
+                                      KVEvent(3, KVEventKind.STORED, (a[7] + 1,), a[5], BS),  # a block routing missed
+                                      KVEvent(4, KVEventKind.EVICTED, (a[7] + 1, a[5], a[4]), None, BS)])
+    # w0 holds [a0 a1 a2] [a3] now: the evictions took a5 and what is below it, then a4
+    assert index.holders(a[0]) == {"w0"} and index.holders(a[3]) == {"w0"}
+    assert index.holders(a[5]) == frozenset() and index.holders(a[7]) == frozenset()
+    assert index.match(a) == {"w0": 4} and index.holders(12345) == frozenset()
+    assert index._blocks._full is None
+    index.check_invariants()
+    assert index.holders(a[1]) == {"w0"} and index._blocks._full is not None  # inside [a0..a3]: the map, kept
+    index.on_routed("w1", a[:2])
+    index.check_invariants()
+    assert index.holders(a[1]) == {"w0", "w1"} and index.num_routed(a[0]) == 2
 
 
 def test_moving_a_group_moves_its_oldest_entries_and_keeps_window_order() -> None:

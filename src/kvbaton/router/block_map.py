@@ -1,11 +1,20 @@
 """Block hash -> radix segment lookups for the global prefix index, built lazily off the routing path.
 
-Routing only walks the tree by segment (first hash of each child), so a per-block map is needed
-only by the readers that name an arbitrary block: KV events (the parent of a stored run, an evicted
-block) and the `holders`/`num_routed` accessors. Keeping that map exact on every routing decision
-cost a random-access dict write per new block and a pop per evicted block (about 0.2 µs each at
-100,000 blocks, most of a decision); here the writer only queues whole segments, and the per-block
-work happens at the next lookup, in bulk. Invariants:
+Routing only walks the tree by segment (first hash of each child), so looking a block up by hash is
+needed only by the readers that name an arbitrary block: KV events (the parent of a stored run, an
+evicted block, whether a stored run's first block is indexed elsewhere) and the `holders`/`num_routed`
+accessors. Those blocks are almost always where a segment ends: a cache evicts its deepest block first,
+and a stored run's parent is where the worker's previous run ended, which its event split the index at.
+So `BlockLookup` answers in three steps, cheapest first:
+- the segment a block ends, from `_tails` (one entry per segment, kept exact as segments are created,
+  split, trimmed and deleted), or the segment it begins, from the tree's own map of first hashes;
+- else whether the block is indexed at all, from `_members`, a set of every indexed block's hash (the
+  routing path only queues the segments it creates: their hashes join the set, in bulk, at the next
+  lookup; nothing is added when a split moves blocks, as membership does not change);
+- else, a block inside a segment, from the per-block map (`LazyBlockMap`), built the first time such a
+  lookup comes and kept from then on. The Mooncake trace and `sim_speed`'s workloads never build it; a
+  stored run's parent inside a segment does (seen on a 800-block pool under heavy eviction).
+Each step is exact, so the answers are those of a per-block map. `LazyBlockMap`'s invariants:
 - every live segment is either queued or has all its blocks mapped to it;
 - an entry that names a live segment names one holding that block: blocks that leave a segment
   are either forgotten (`forget`: a trimmed tail, a deleted segment never mapped) or queued in
@@ -17,7 +26,7 @@ work happens at the next lookup, in bulk. Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from itertools import repeat
 from typing import Generic, Protocol, TypeVar
 
@@ -88,3 +97,98 @@ class LazyBlockMap(Generic[SegmentT]):
         held = {block_hash: segment for segment in segments for block_hash in segment.hashes}
         for block_hash, segment in self._mapped.items():
             assert not self._is_live(segment) or held.get(block_hash) is segment, f"block {block_hash} mapped stale"
+
+
+class BlockLookup(Generic[SegmentT]):
+    """The live segment holding a block hash, for `PrefixTree` (see the module docstring). The tree tells it of every
+    change to a segment's run of hashes (`created`, `split`, `trimmed`, `deleted`), before it makes the change but
+    for `split`, after."""
+
+    def __init__(self, heads: Mapping[int, SegmentT]) -> None:
+        self._heads = heads  # the tree's live segments by first hash (its LRU order: a live map, read only)
+        self._tails: dict[int, SegmentT] = {}  # every live segment by last hash
+        self._members: set[int] = set()  # every indexed block's hash, but those of the segments queued
+        self._queued: dict[int, SegmentT] = {}  # segments created since the last lookup, by id: not in _members yet
+        self._full: LazyBlockMap[SegmentT] | None = None  # per-block, from the first lookup inside a segment on
+
+    def created(self, segment: SegmentT) -> None:
+        self._tails[segment.hashes[-1]] = segment
+        self._queued[id(segment)] = segment
+        if self._full is not None:
+            self._full.add(segment)
+
+    def split(self, kept: SegmentT, moved: SegmentT) -> None:
+        """A split moved part of `kept`'s run (its head or its tail) into the new segment `moved`."""
+        tails = self._tails
+        tails[kept.hashes[-1]] = kept
+        tails[moved.hashes[-1]] = moved
+        if id(kept) in self._queued:
+            self._queued[id(moved)] = moved
+        if self._full is not None:
+            self._full.add(moved)  # its blocks' entries still name `kept`
+
+    def trimmed(self, segment: SegmentT, offset: int) -> None:
+        """`segment` is about to lose its blocks from `offset` (>= 1) on."""
+        hashes = segment.hashes
+        tails = self._tails
+        if tails.get(hashes[-1]) is segment:
+            del tails[hashes[-1]]
+        tails[hashes[offset - 1]] = segment
+        if id(segment) not in self._queued:
+            self._members.difference_update(hashes[offset:])
+        if self._full is not None:
+            self._full.forget(hashes[offset:])
+
+    def deleted(self, segment: SegmentT) -> None:
+        """`segment` leaves the tree (with its run as it is)."""
+        hashes = segment.hashes
+        tails = self._tails
+        if tails.get(hashes[-1]) is segment:
+            del tails[hashes[-1]]
+        if self._queued.pop(id(segment), None) is None:
+            self._members.difference_update(hashes)
+        if self._full is not None:
+            self._full.discard(segment)
+
+    def get(self, block_hash: int, num_live_blocks: int, live: Callable[[], Iterable[SegmentT]]) -> SegmentT | None:
+        """The live segment holding `block_hash`, or None. `num_live_blocks` and `live` (all live segments) must
+        describe the tree as it is now: the per-block map is built from them, and rebuilt when stale entries
+        dominate it."""
+        segment = self._tails.get(block_hash)
+        if segment is not None:
+            return segment
+        segment = self._heads.get(block_hash)
+        if segment is not None:
+            return segment
+        if not self.contains(block_hash):
+            return None
+        full = self._full
+        if full is None:
+            heads = self._heads  # a closure, not the bound `_heads_live`: no reference cycle through the map
+            full = self._full = LazyBlockMap(lambda each: heads.get(each.hashes[0]) is each)
+            for each in live():
+                full.add(each)
+        return full.get(block_hash, num_live_blocks, live)
+
+    def contains(self, block_hash: int) -> bool:
+        """Whether `block_hash` is indexed (the queued segments' hashes join the set first)."""
+        if self._queued:
+            members = self._members
+            for segment in self._queued.values():
+                members.update(segment.hashes)
+            self._queued.clear()
+        return block_hash in self._members
+
+    def _heads_live(self, segment: SegmentT) -> bool:
+        return self._heads.get(segment.hashes[0]) is segment
+
+    def check_invariants(self, live_segments: Iterable[SegmentT]) -> None:
+        """Tails, membership and (when built) the per-block map agree with the live segments."""
+        segments = list(live_segments)
+        assert self._tails == {s.hashes[-1]: s for s in segments}, "tail map differs from the live segments"
+        for segment in self._queued.values():
+            assert self._heads_live(segment), "a deleted segment is still queued"
+        queued = {h for s in self._queued.values() for h in s.hashes}
+        assert self._members | queued == {h for s in segments for h in s.hashes}, "members differ from the tree"
+        if self._full is not None:
+            self._full.check_invariants(segments)

@@ -16,8 +16,8 @@ one holder set, so a decision costs O(segments on the path), not O(blocks). Inva
   remembered by parent hash; no orphan's parent is indexed: the segment that indexes it (routed
   or stored, whatever walks there next) ends at it and takes its orphans as children.
 Block hashes along one path are distinct (they are chained), so routing walks by segment heads only;
-looking a block up by hash (KV events, `holders`) goes through `LazyBlockMap`, which the routing
-path feeds whole segments, not blocks.
+looking a block up by hash (KV events, `holders`) goes through `BlockLookup`, told of each segment's
+changes, which answers from the segments' last and first hashes where it can (`block_map`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.router.base import WorkerId
-from kvbaton.router.block_map import LazyBlockMap
+from kvbaton.router.block_map import BlockLookup
 
 
 class Segment:
@@ -61,10 +61,8 @@ class PrefixTree:
         self._orphan_parent: dict[int, int] = {}
         self._num_blocks = 0
         self._lru: OrderedDict[int, Segment] = OrderedDict()  # every segment by first hash, least recent first
-        # block hash -> segment. Its liveness test reads `_lru` through a closure, not the bound `_is_live`: the
-        # index and its map then hold no reference cycle (see `close`).
-        lru = self._lru
-        self._blocks: LazyBlockMap[Segment] = LazyBlockMap(lambda segment: lru.get(segment.hashes[0]) is segment)
+        # block hash -> segment; it reads `_lru` as the map of first hashes (and holds no reference to the index)
+        self._blocks: BlockLookup[Segment] = BlockLookup(self._lru)
         self._worker_lru: dict[WorkerId, OrderedDict[int, None]] = {}  # per worker, segments it holds
         self.num_evicted_blocks = 0  # blocks dropped to respect max_blocks
 
@@ -161,16 +159,16 @@ class PrefixTree:
         (parent.children if parent is not None else self._roots)[hashes[0]] = segment
         self._num_blocks += len(hashes)
         self._lru[hashes[0]] = segment
-        self._blocks.add(segment)
+        self._blocks.created(segment)
         return segment
 
     def _split(self, segment: Segment, offset: int) -> tuple[Segment, Segment]:
         """Cut `segment` after `offset` blocks; the tail becomes the head's only child. Returns (head, tail).
 
         The shorter part moves into a new segment and the longer one keeps the object, so only the moved blocks
-        are remapped (`LazyBlockMap`): cutting a long run again and again near one end (a prompt's chunks
-        stored one by one) costs the chunks, not the run each time. Keys, orders and contents are the same
-        whichever part moves.
+        are copied (and remapped, once `BlockLookup` keeps a per-block map): cutting a long run again and again
+        near one end (a prompt's chunks stored one by one) costs the chunks, not the run each time. Keys, orders
+        and contents are the same whichever part moves.
         """
         hashes = segment.hashes
         head_key, tail_key = hashes[0], hashes[offset]
@@ -182,7 +180,7 @@ class PrefixTree:
             head.children = {tail_key: tail}
             (head.parent.children if head.parent is not None else self._roots)[head_key] = head
             self._lru[head_key] = head  # an existing key: its place in the order stays
-            self._blocks.add(head)  # its blocks' entries still name `segment`, now the tail
+            moved = head
         else:
             tail = Segment(hashes[offset:], segment, set(segment.workers), segment.num_routed)
             del hashes[offset:]
@@ -191,8 +189,9 @@ class PrefixTree:
             for child in tail.children.values():
                 child.parent = tail
             head.children = {tail_key: tail}
-            self._blocks.add(tail)  # its blocks' entries still name `segment`, now the head
+            moved = tail
         self._lru[tail_key] = tail
+        self._blocks.split(segment, moved)
         self._lru.move_to_end(head_key)  # keep the ancestor more recent than its tail
         for worker in tail.workers:
             worker_lru = self._worker_lru[worker]
@@ -268,7 +267,7 @@ class PrefixTree:
                     offset -= 1
                     index += 1
                 self._num_blocks -= len(hashes) - offset
-                self._blocks.forget(hashes[offset:])
+                self._blocks.trimmed(segment, offset)
                 del hashes[offset:]
             else:
                 self._evict_segment(worker, segment, offset)
@@ -315,7 +314,7 @@ class PrefixTree:
             current.parent = None
             key = current.hashes[0]
             self._num_blocks -= len(current.hashes)
-            self._blocks.discard(current)
+            self._blocks.deleted(current)
             del self._lru[key]
             for worker in current.workers:
                 self._worker_lru[worker].pop(key, None)
@@ -326,7 +325,7 @@ class PrefixTree:
             coldest = next(iter(self._lru.values()))
             overflow = self._num_blocks - self.max_blocks
             if not coldest.children and len(coldest.hashes) > overflow:
-                self._blocks.forget(coldest.hashes[-overflow:])
+                self._blocks.trimmed(coldest, len(coldest.hashes) - overflow)
                 del coldest.hashes[-overflow:]  # the leaf's deepest blocks only
                 self._num_blocks -= overflow
                 self.num_evicted_blocks += overflow

@@ -213,9 +213,9 @@ class BlockManager:
             # Root..hold.node is exactly our first hold.num_blocks blocks and stays so while it is
             # locked (splits keep the handle at the tail; locked blocks are never trimmed), so only
             # the blocks after it need walking: same result as re-inserting the whole prefix.
-            token_blocks = self._blocks_of(request, num_full)[hold.num_blocks :]
+            token_blocks = self._blocks_of(request, num_full, hold.num_blocks)
             match = self.cache.insert_from_blocks(hold.node, token_blocks, request.block_ids[hold.num_blocks : num_full],
-                                                  hashes[hold.num_blocks :])
+                                                  hashes[hold.num_blocks : num_full])
         self.cache.lock(match.node)  # lock the new node before unlocking the old: no evictable gap
         if hold is None:
             self._holds[request.request_id] = _CacheHold(match.node, num_full)
@@ -268,8 +268,9 @@ class BlockManager:
         request.block_ids = []
         request.num_computed_tokens = 0
 
-    def _blocks_of(self, request: Request, num_blocks: int) -> list[tuple[int, ...]]:
-        """The token tuples of the request's first `num_blocks` full blocks (a fresh list)."""
+    def _blocks_of(self, request: Request, num_blocks: int, first: int = 0) -> list[tuple[int, ...]]:
+        """The token tuples of the request's full blocks `first` to `num_blocks` (a fresh list: a block filled by a
+        decode copies the tuples after the cached ones, not the request's whole prefix)."""
         blocks = self._token_blocks.get(request.request_id)
         if blocks is None:
             blocks = self._token_blocks[request.request_id] = []
@@ -277,7 +278,7 @@ class BlockManager:
             size = self.block_size
             tokens = _tokens_between(request, len(blocks) * size, num_blocks * size)
             blocks.extend(zip(*[iter(tokens)] * size))  # consecutive size-token tuples, built in C
-        return blocks[:num_blocks]
+        return blocks[first:num_blocks]
 
     def num_cached_blocks_of(self, request_id: str) -> int:
         hold = self._holds.get(request_id)

@@ -13,7 +13,7 @@ So `BlockLookup` answers in three steps, cheapest first:
   lookup; nothing is added when a split moves blocks, as membership does not change);
 - else, a block inside a segment, from the per-block map (`LazyBlockMap`), built the first time such a
   lookup comes and kept from then on. The Mooncake trace and `sim_speed`'s workloads never build it; a
-  stored run's parent inside a segment does (seen on a 800-block pool under heavy eviction).
+  stored run's parent inside a segment does (seen on an 800-block pool under heavy eviction).
 Each step is exact, so the answers are those of a per-block map. `LazyBlockMap`'s invariants:
 - every live segment is either queued or has all its blocks mapped to it;
 - an entry that names a live segment names one holding that block: blocks that leave a segment

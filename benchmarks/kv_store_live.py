@@ -13,8 +13,10 @@ this process, one after the other, so each timing has the CPU to itself. Figures
   `kvbaton serve` runs it on one host (the blocks looked up in the node's slot index and copied from its
   shared-memory slots into the KV pool without a lease, their generations checked after, the node told of the
   uses after the result), over a single-thread memcpy of the same bytes between two plain buffers, side by side
-  (`load_over_memcpy`, target >= 0.8: a lone load, read on the engine thread as an idle engine does;
-  `io_thread_*`: the same read on the store IO thread, as a busy engine's is); `leased_*`: the same load by a
+  (`load_over_memcpy`, target >= 0.8: a lone load, read on the engine thread as an idle engine does, its copy
+  split over the worker's `copy_threads`, 2 here; `one_thread_*`: the same with the copy on the engine thread alone;
+  `load_over_two_thread_memcpy`: over a memcpy split in two halves the same way; `io_thread_*`: the same read on
+  the store IO thread, one copy thread, as a busy engine's is); `leased_*`: the same load by a
   worker that acquires a lease first (an RPC to the node, then the copy, then a release not waited for: the path
   off x86, and for disk blocks). For the prefix as one prefill stored it (its slots in order, copied in runs),
   and `scattered_*` for a prefix stored while DRAM was full, moved to disk and back (its slots churned:
@@ -53,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -139,20 +142,28 @@ def _load_throughput(engine: Engine, leased: Engine, prompt: list[int], repeats:
     both sides of a pair. Three arms: `engine` as an idle engine loads (same host, an unleased read from the node's
     slot index on the engine thread, `copy_now`, as `kvbaton serve` runs a lone load); `io_thread_`: the same read on
     the store IO thread (a busy engine's load); `leased_`: a worker whose link acquires a lease first (the path off
-    x86, and for disk blocks)."""
+    x86, and for disk blocks); `one_thread_`: the idle engine's read with its copy on the engine thread alone (the
+    default splits a copy this large over `copy_threads` threads, 2 here). A two-thread memcpy of the same bytes (two
+    halves, one on a helper thread) is timed in each round too: what the idle engine's split copy is bounded by."""
     hashes = hash_block_tokens(engine.cache_key, prompt, BLOCK)
     num_blocks = len(hashes)
     block_bytes = engine.storage.bytes_per_block
-    arms = {"": (engine, True), "io_thread_": (engine, False), "leased_": (leased, False)}
+    threads = engine.store_io.copy_threads
+    arms = {"": (engine, True, threads), "one_thread_": (engine, True, 1), "io_thread_": (engine, False, threads),
+            "leased_": (leased, False, threads)}
     device_ids = {}
     engine.reset_prefix_cache()
     leased.reset_prefix_cache()
-    for name, (worker, _) in arms.items():
+    for name, (worker, _, _) in arms.items():
         device_ids[name] = worker.pool.allocate(num_blocks)  # timing only: no request runs meanwhile
     src = np.ones(num_blocks * block_bytes, dtype=np.uint8)
     dst = np.zeros_like(src)
     np.copyto(dst, src)  # its pages touched before any timing
+    half = len(src) // 2
+    helper = ThreadPoolExecutor(1)
+    helper.submit(np.copyto, dst[half:], src[half:]).result()  # the helper thread started before any timing
     memcpy_s: list[float] = []
+    two_thread_memcpy_s: list[float] = []
     load_s: dict[str, list[float]] = {name: [] for name in arms}
     copy_s: dict[str, list[float]] = {name: [] for name in arms}
     slots: list[int] = []
@@ -162,8 +173,15 @@ def _load_throughput(engine: Engine, leased: Engine, prompt: list[int], repeats:
         started = time.perf_counter()
         np.copyto(dst, src)
         memcpy_s.append(time.perf_counter() - started)
-        for name, (worker, now) in arms.items():
+        _quiet()
+        started = time.perf_counter()
+        other_half = helper.submit(np.copyto, dst[half:], src[half:])
+        np.copyto(dst[:half], src[:half])
+        other_half.result()
+        two_thread_memcpy_s.append(time.perf_counter() - started)
+        for name, (worker, now, copy_threads) in arms.items():
             io = worker.store_io
+            io.copy_threads = copy_threads
             job = LoadJob("bench", namespace_of(worker.cache_key), list(hashes), device_block_ids=device_ids[name])
             copied_before = io.copy_in_s
             _quiet()
@@ -175,13 +193,19 @@ def _load_throughput(engine: Engine, leased: Engine, prompt: list[int], repeats:
             assert kind == "copied" and job.num_copied == num_blocks, (kind, job.num_copied, num_blocks)
             copy_s[name].append(io.copy_in_s - copied_before)
             slots = job.slots or slots  # the leased arm's: where the node keeps the prefix
+    helper.shutdown()
+    engine.store_io.copy_threads = leased.store_io.copy_threads = threads
     num_bytes = num_blocks * block_bytes
     memcpy = statistics.median(memcpy_s)
+    two_thread_ratios = sorted(m / x for m, x in zip(two_thread_memcpy_s, load_s[""]))
     result: dict[str, float] = {"load_blocks": num_blocks, "load_bytes": num_bytes, "memcpy_gbps": num_bytes / memcpy / 1e9,
+                                "copy_threads": threads,
+                                "two_thread_memcpy_gbps": num_bytes / statistics.median(two_thread_memcpy_s) / 1e9,
+                                "load_over_two_thread_memcpy": statistics.median(two_thread_ratios),
                                 "load_runs": len(block_runs(slots, device_ids["leased_"])), "repeats": repeats,
                                 "load_unleased_blocks": engine.store_io.num_unleased_blocks - unleased_before,
                                 "loads_on_the_engine_thread": engine.store_io.num_loads_now - loads_now_before}
-    for name, (worker, _) in arms.items():
+    for name, (worker, _, _) in arms.items():
         worker.pool.release(device_ids[name])
         ratios = sorted(m / x for m, x in zip(memcpy_s, load_s[name]))
         copy_ratios = sorted(m / x for m, x in zip(memcpy_s, copy_s[name]))

@@ -21,6 +21,7 @@ from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.request import FinishReason
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import TokenDelta
+from kvbaton.engine import store_io as store_io_module
 from kvbaton.engine.engine import LOAD_WAIT_S, Engine
 from kvbaton.engine.store_io import WorkerStoreIO
 from kvbaton.model.registry import load_model
@@ -189,8 +190,8 @@ def test_blocks_the_node_moves_during_an_unleased_copy_are_never_used(loaded, ma
     b = Engine(_config(), loaded, create_store_link=store.link())
     copy_rows = WorkerStoreIO._copy_rows
 
-    def racing_copy(self: WorkerStoreIO, slots, block_ids) -> None:  # noqa: ANN001
-        copy_rows(self, slots, block_ids)
+    def racing_copy(self: WorkerStoreIO, slots, block_ids, threads: int = 1) -> None:  # noqa: ANN001
+        copy_rows(self, slots, block_ids, threads)
         with store.server.locked():
             state = store.state
             for block_hash in hashes[moved_from:]:
@@ -198,7 +199,7 @@ def test_blocks_the_node_moves_during_an_unleased_copy_are_never_used(loaded, ma
             state._apply({}, namespace)
             other = hash_block_tokens(a.cache_key, _prompt(seed=9), BLOCK)
             state.put(namespace, 0, other, [bytes([7]) * state.block_bytes] * len(other))  # into the freed slots
-        copy_rows(self, slots, block_ids)  # what a copy racing those writes would have read: the new bytes
+        copy_rows(self, slots, block_ids, threads)  # what a copy racing those writes would have read: the new bytes
 
     try:
         _run(a, _prompt())
@@ -250,6 +251,44 @@ def test_an_idle_engine_loads_on_its_own_thread_and_a_busy_one_on_the_io_thread(
         while store.state.num_loaded_blocks < b.store_io.num_loaded_blocks:  # the touches, sent after the results
             assert time.monotonic() < deadline, "the node never counted the loads' uses"
             time.sleep(0.01)
+        wait_unpinned(store.server)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_idle_engines_large_load_is_split_over_its_copy_threads(loaded, make_store, reference: list[int],  # noqa: ANN001
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `copy_now` load of at least SPLIT_COPY_BYTES (here any) copies its rows in `copy_threads` even parts, the
+    engine thread's and the helpers' at once: every row is copied once (a part left out would change the output, as
+    a wrong load does), the output is the reference's, and a load on the IO thread stays on one thread."""
+    monkeypatch.setattr(store_io_module, "SPLIT_COPY_BYTES", 0)
+    parts: list[tuple[int, int, str]] = []
+    copy_runs = store_io_module._copy_runs
+
+    def recorded(pool, node, runs, first_row: int, end_row: int) -> None:  # noqa: ANN001
+        parts.append((first_row, end_row, threading.current_thread().name))
+        copy_runs(pool, node, runs, first_row, end_row)
+
+    monkeypatch.setattr(store_io_module, "_copy_runs", recorded)
+    store = make_store()
+    a = Engine(_config(), loaded, create_store_link=store.link())
+    b = Engine(_config(), loaded, create_store_link=store.link())
+    b.store_io.copy_threads = 3
+    try:
+        _run(a, _prompt())
+        _run(a, _prompt(seed=4))
+        _wait_saved(store, 2 * 12)
+        _run(b, _prompt(seed=4, num_tokens=40))  # B maps the node's slots (its first load goes to the IO thread)
+        assert {name for _, _, name in parts} == {"kv-store-io"}
+        parts.clear()
+        loads_now = b.store_io.num_loads_now
+        out = _run(b, _prompt())
+        assert _tokens(out) == reference and out[-1].num_cached_tokens == 192
+        assert b.store_io.num_loads_now == loads_now + 1
+        assert sorted(first for first, _, _ in parts) == [0, 1, 2] and sum(e - f for f, e, _ in parts) == ROWS
+        assert sorted(name.startswith("kv-store-copy") for _, _, name in parts) == [False, True, True]
+        b.check_invariants()
         wait_unpinned(store.server)
     finally:
         a.close()

@@ -48,7 +48,7 @@ from kvbaton.transfer.store_tcp import row_views
 
 # A lone load read on the engine thread (`copy_now`) splits its rows over this many threads (the engine thread and
 # helpers) when it copies at least SPLIT_COPY_BYTES: the engine has nothing else to run, and one core's copy is
-# not the memory's limit (two threads copied 46 MB 1.2-1.35x as fast as one on this 2-core host).
+# not the memory's limit (a two-thread memcpy of 46 MB ran 1.14-1.66x a one-thread one on this 2-core host).
 DEFAULT_COPY_THREADS = min(2, os.cpu_count() or 1)
 SPLIT_COPY_BYTES = 4 << 20
 

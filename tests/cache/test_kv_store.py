@@ -105,6 +105,23 @@ def test_pinned_blocks_are_never_evicted():
     store.check_invariants()
 
 
+def test_clear_drops_every_unpinned_block_of_the_node_in_one_event_and_keeps_the_pinned():
+    store = _store(dram=2, disk=2)
+    _put(store, "n0", [1, 2, 3, 4])  # two in DRAM, two moved to disk
+    _put(store, "n1", [9])
+    store.take_events("n0")
+    store.pin([4])
+    assert store.clear("n0") == 3 and store.clear("n2") == 0
+    assert [store.locations(h) for h in (1, 2, 3, 9)] == [{}, {}, {}, {"n1": DRAM}]
+    assert store.locations(4) and store.num_blocks == 2
+    (event,) = store.take_events("n0")
+    assert event.kind == "evicted" and sorted(event.block_hashes) == [1, 2, 3]
+    store.check_invariants()
+    store.unpin([4])
+    assert store.clear("n0") == 1 and _put(store, "n0", [1, 2]) == 2  # room again, nothing stale in the heaps
+    store.check_invariants()
+
+
 def test_hot_blocks_replicate_on_the_reader_node_after_two_remote_loads():
     store = _store(replicate_after_remote_loads=2, max_replicas=2)
     _put(store, "n0", [1])
@@ -159,6 +176,7 @@ _OPS = st.lists(st.one_of(
     st.tuples(st.just("unpin"), st.sampled_from(NODES), st.integers(0, 5), st.integers(1, 3)),
     st.tuples(st.just("lose"), st.sampled_from(NODES), st.just(0), st.just(0)),
     st.tuples(st.just("drop_events"), st.sampled_from(NODES), st.just(0), st.just(0)),
+    st.tuples(st.just("clear"), st.sampled_from(NODES), st.just(0), st.just(0)),
 ), max_size=60)
 
 
@@ -186,6 +204,10 @@ def test_random_put_get_evict_and_node_loss_keep_the_invariants(ops, dram, disk,
             store.add_node(node)
         elif op == "drop_events":
             store.take_events(node)
+        elif op == "clear":
+            store.clear(node)
+            held = store.nodes[node].entries.values()
+            assert all(entry.num_pins for entry in held), "clear left an unpinned block"
         store.check_invariants()
         if op != "drop_events":
             _feed(directory, store)

@@ -51,6 +51,21 @@ def test_put_then_acquire_reads_the_payloads(node: StoreNodeState) -> None:
     node.check_invariants()
 
 
+def test_clear_frees_every_slot_and_file_but_a_leased_blocks(node: StoreNodeState) -> None:
+    _put(node, _chain(10, 6))  # four in DRAM, two on disk
+    assert (node.num_dram_blocks, node.num_disk_blocks) == (4, 2)
+    lease, slots = node.acquire(NS, _chain(10, 1), now=0.0)
+    assert node.clear() == 5
+    assert (node.num_dram_blocks, node.num_disk_blocks) == (1, 0) and node.slots.num_free_slots == 3
+    assert node.disk is not None and not any(path.is_file() for path in node.disk.directory.rglob("*"))
+    assert _read(node, slots) == [_payload(10)]  # the leased block is still there for its reader
+    events, _ = node.events_since(0)
+    assert events[-1].kind == "evicted" and sorted(events[-1].block_hashes) == _chain(11, 5)
+    node.check_invariants()
+    assert node.release(lease) and node.clear() == 1 and node.acquire(NS, _chain(10, 6), now=0.0) == (0, [])
+    node.check_invariants()
+
+
 def test_another_tenant_never_hits(node: StoreNodeState) -> None:
     _put(node, _chain(10, 2))
     assert node.acquire(("rev", "layout", "tenant-b"), _chain(10, 2), now=0.0) == (0, [])

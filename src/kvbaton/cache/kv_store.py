@@ -286,6 +286,28 @@ class KVStore:
         self._drop(node, entry)
         return True
 
+    def clear(self, node_id: NodeId) -> int:
+        """Drop every block of the node that no load pins (an admin's reset: vLLM's `reset_prefix_cache` reaching the
+        store), in one EVICTED event; returns how many. Pinned blocks stay until their loads end."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return 0
+        victims = [entry for entry in node.entries.values() if not entry.num_pins]
+        for entry in victims:
+            del node.entries[entry.block_hash]
+            node.num_in[entry.tier] -= 1
+            holders = self._where[entry.block_hash]
+            del holders[node_id]
+            if not holders:
+                del self._where[entry.block_hash]
+        for tier in TIERS:  # only the pinned blocks' heap entries are left to keep
+            node.heaps[tier] = [item for item in node.heaps[tier] if item[4] in node.entries]
+            heapq.heapify(node.heaps[tier])
+        if victims:
+            self.num_evicted_blocks += len(victims)
+            self._emit(node, StoreEvent(0, "evicted", tuple(entry.block_hash for entry in victims)))
+        return len(victims)
+
     # ---- events --------------------------------------------------------------------------------
     def take_events(self, node_id: NodeId) -> list[StoreEvent]:
         """The node's events since the last call, in seq order (a lost node's, ending CLEARED, once)."""

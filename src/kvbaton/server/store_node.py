@@ -214,6 +214,12 @@ class StoreNodeState:
             self.num_loaded_blocks += len(held)
         return len(held)
 
+    def clear(self) -> int:
+        """Drop every block no lease pins, from DRAM and disk (`KVStore.clear`); returns how many."""
+        num = self.store.clear(self.NODE)
+        self._apply({}, ())
+        return num
+
     # ---- readers -------------------------------------------------------------------------------
     def events_since(self, seq: int) -> tuple[list[StoreEvent], bool]:
         """The node's events after `seq`, or (when the log no longer reaches back that far) a snapshot; the flag

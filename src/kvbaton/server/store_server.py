@@ -17,6 +17,8 @@ raw frame per block. Ops:
   instead, `store_tcp`'s `acquire` and `release` ops: the same calls under the same lock, on a shorter trip);
 - `events` (after a seq) -> the node's events since, or a snapshot, and the node's `epoch` (random at each
   start: its seqs begin again when it changes): what a router's store directory reads;
+- `clear` -> drops every block no lease pins, DRAM and disk (vLLM's `/reset_prefix_cache` reaching the store):
+  how many;
 - `stats` -> counters.
 
 Bad input is answered with `error` and changes nothing. The loop also expires leases a dead worker left.
@@ -185,6 +187,8 @@ class StoreServer:
             reply["events"] = [[e.seq, e.kind, list(e.block_hashes), e.tier] for e in events]
             if state.disk is not None:  # what its disk reads moved and took, cumulative: the router's disk speed
                 reply["disk_read_bytes"], reply["disk_read_s"] = state.disk.num_read_bytes, state.disk.read_s
+        elif op == "clear":
+            reply["num_cleared"] = state.clear()
         elif op == "stats":
             store = state.store
             reply.update(num_blocks=store.num_blocks, num_put_blocks=state.num_put_blocks,
@@ -231,6 +235,12 @@ def parse_disk(text: str) -> tuple[str, float]:
     if not sep or not directory or value < 0:
         raise KvbatonError(f"--kv-store-disk-gb takes DIR:GB (a directory and its gigabytes), got {text!r}")
     return directory, value
+
+
+def disk_tier(text: str, block_bytes: int) -> DiskBlockFiles:
+    """The block files of `--kv-store-disk-gb DIR:GB` (a file per block: its bytes and a header)."""
+    directory, disk_gb = parse_disk(text)
+    return DiskBlockFiles(directory, capacity_blocks(disk_gb, block_bytes + 64))
 
 
 def shm_capped_gb(wanted_bytes: int, block_bytes: int, shm_directory: str = SHM_DIRECTORY) -> float:
@@ -319,10 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     except KvbatonError as exc:
         print(f"kvbaton store node: {exc}", file=sys.stderr)
         return 2
-    disk = None
-    if args.kv_store_disk_gb:
-        directory, disk_gb = parse_disk(args.kv_store_disk_gb)
-        disk = DiskBlockFiles(directory, capacity_blocks(disk_gb, args.block_bytes + 64))
+    disk = disk_tier(args.kv_store_disk_gb, args.block_bytes) if args.kv_store_disk_gb else None
     state = StoreNodeState(args.block_bytes, args.block_tokens, capacity_blocks(gb, args.block_bytes),
                            disk, args.lease_s, block_rows=args.block_rows)
     server = StoreServer(state, ClusterSecret.from_hex(secret_hex), args.host, args.port)

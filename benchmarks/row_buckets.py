@@ -24,7 +24,7 @@ import torch
 import kvbaton.model.attention as attention
 import kvbaton.model.llama as llama
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.engine.llm import LLM
+from kvbaton.llm import LLM
 
 BUCKET = attention.bucket_rows
 KEY_PAD = attention.KEY_PAD

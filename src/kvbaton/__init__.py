@@ -11,7 +11,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str) -> object:
     if name == "LLM":
-        from kvbaton.engine.llm import LLM
+        from kvbaton.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'kvbaton' has no attribute {name!r}")

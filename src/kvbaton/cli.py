@@ -64,7 +64,7 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from kvbaton.core.sampling import SamplingParams
-    from kvbaton.engine.llm import LLM
+    from kvbaton.llm import LLM
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), grammar=_grammar_of(args))
@@ -205,8 +205,8 @@ def _add_router_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per worker")
-    p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
-    p.add_argument("--kv-store-gb", type=_store_gb, default=None, metavar="GB", help="this host's KV store node's shared-memory DRAM in GB: every worker writes its new full blocks through to it and loads prefix hits past its KV pool from it (Mooncake's store; replaces --host-num-blocks); default auto: twice the workers' KV pools, at most half of /dev/shm's free space, none with --host-num-blocks; 0 = off")
+    p.add_argument("--host-num-blocks", default=None, help=argparse.SUPPRESS)  # gone: refused by name
+    p.add_argument("--kv-store-gb", type=_store_gb, default=None, metavar="GB", help="this host's KV store node's shared-memory DRAM in GB: every worker writes its new full blocks through to it and loads prefix hits past its KV pool from it (Mooncake's store; SGLang's hierarchical cache and vLLM's KV offloading keep such blocks per worker); default auto: twice the workers' KV pools, at most half of /dev/shm's free space; 0 = off")
     p.add_argument("--kv-store-disk-gb", default="", metavar="DIR:GB", help="the store node's disk tier: block files under DIR, at most GB of them, each checked by a checksum when read back")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K", help="draft tokens per decode by prompt lookup (speculative decoding; greedy output unchanged); 0 = off")
@@ -364,8 +364,7 @@ def _serve_config(args: argparse.Namespace, **fields: object) -> ServeConfig:
         model=args.model, kv_transport=args.kv_transport, kv_load_failure_policy=args.kv_load_failure_policy,
         local_prefill_threshold_tokens=DEFAULT_LOCAL_PREFILL_THRESHOLD_TOKENS if threshold is None else threshold,
         policy=args.policy, host=args.host, port=args.port, dtype=args.dtype, device=device, block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        host_num_blocks=args.host_num_blocks, kv_store_gb=args.kv_store_gb, kv_store_disk=args.kv_store_disk_gb,
+        num_blocks=args.num_blocks, kv_store_gb=args.kv_store_gb, kv_store_disk=args.kv_store_disk_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_waiting=args.max_num_waiting,
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
         threads_per_worker=args.threads_per_worker, seed=args.seed, drain_timeout_s=args.drain_timeout,
@@ -481,7 +480,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048)
-    p.add_argument("--host-num-blocks", type=int, default=0, help="host-memory KV blocks per worker for the prefix cache's second tier: blocks the KV pool evicts are kept there and copied back when their prefix returns (SGLang's hierarchical cache, vLLM's KV offloading); 0 = off")
+    p.add_argument("--host-num-blocks", default=None, help=argparse.SUPPRESS)  # gone: refused by name
     p.add_argument("--kv-store", default="", metavar="ADDRESS", help="this host's KV store node (tcp://host:port), as `kvbaton serve --kv-store-gb` hands it or `kvbaton store-node` prints it: new blocks are written through to it, loads read it first; empty = none")
     p.add_argument("--kv-store-nodes", default="", metavar="ADDRESS,...", help="KV store nodes of the cluster to load from over TCP for what this host's node lacks, known from the start; the routers also tell the worker every node their workers name (at registration and when one is added), so this is optional")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -514,13 +513,13 @@ def _check_kv_sizes(args: argparse.Namespace) -> None:
         raise KvbatonError(f"--block-size must be positive, got {args.block_size}")
     if args.num_blocks < 2:
         raise KvbatonError(f"--num-blocks must be at least 2, got {args.num_blocks}")
-    if args.host_num_blocks < 0:
-        raise KvbatonError(f"--host-num-blocks must not be negative, got {args.host_num_blocks}")
+    if args.host_num_blocks is not None:
+        raise KvbatonError("--host-num-blocks is gone: the KV store's DRAM tier took the host tier's place, its loads "
+                           "and saves off the step's path (`kvbaton serve --kv-store-gb GB`, on by default; "
+                           "`kvbaton worker --kv-store ADDRESS`)")
     if getattr(args, "kv_store_gb", 0.0) or getattr(args, "kv_store", ""):
         if not getattr(args, "kv_store", "") and not args.kv_store_gb > 0:
             raise KvbatonError(f"--kv-store-gb must be a positive number of GB, got {args.kv_store_gb}")
-        if args.host_num_blocks:
-            raise KvbatonError("the KV store replaces the host tier: give --kv-store-gb or --host-num-blocks, not both")
     if getattr(args, "kv_store_disk_gb", ""):
         from kvbaton.server.store_server import parse_disk
 
@@ -570,7 +569,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     worker = Worker(WorkerConfig(
         router_address=routers[0], more_router_addresses=tuple(routers[1:]),
         router_link_timeout_s=args.router_link_timeout, worker_id=worker_id, role=args.role, model=args.model, dtype=args.dtype,
-        device=args.device, block_size=args.block_size, num_blocks=args.num_blocks, host_num_blocks=args.host_num_blocks,
+        device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.threads,
         num_speculative_tokens=args.speculative_tokens, warm_up=args.warm_up,
         queue_policy=args.policy, router_timeout_s=args.router_timeout, kv_transport=args.kv_transport,

@@ -33,8 +33,9 @@ def _exits_cleanly(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     ["--speculative-tokens", "4", "--output-copy-fraction", "2"],  # CopyingOutputs raises a bare ValueError
     ["--speculative-tokens", "4", "--output-copy-fraction", "0.5", "--output-copy-span", "0"],
     ["--block-size", "0"],  # kv_blocks_for divides by zero
-    ["--host-kv-gb", "nan"],  # host_kv_blocks_for: int(nan)
-    ["--host-kv-gb", "inf"],
+    ["--host-kv-gb", "1"],  # gone with the host tier: the error names the KV store's flags instead
+    ["--kv-store-gb", "nan"],
+    ["--kv-store-private"],  # without a store
     ["--seed", "-1"],  # numpy default_rng([-1, ...]) -> ValueError
 ])
 def test_sim_bad_arguments(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -48,20 +48,20 @@ def test_staging_round_trips_device_blocks_through_pinned_host_memory() -> None:
     assert torch.equal(device_kv[:, :, 3].cpu(), staging.host_kv[:, :, 3])
 
 
-def test_the_host_tier_copies_device_blocks_out_and_back() -> None:
-    """A 40-block device pool for six 13-block prefixes taken in turn: evicted blocks go to pinned host memory and
-    come back as hits, with the tokens of a CPU pool that never evicts."""
+def test_the_store_loads_evicted_prefixes_back_into_device_blocks() -> None:
+    """A 40-block device pool for six 13-block prefixes taken in turn: blocks are written through to the LLM's store
+    node (shared memory) and loaded back into device blocks as hits, with the tokens of a CPU pool that never
+    evicts."""
     import random
 
     rng = random.Random(0)
     prefixes = [[rng.randrange(1, 200) for _ in range(200)] for _ in range(6)]
     prompts = [prefixes[i % 6] + [rng.randrange(1, 200) for _ in range(10)] for i in range(18)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    reference = LLM("tiny-random", dtype="float32", num_blocks=2000)
-    tiered = LLM("tiny-random", dtype="float32", num_blocks=40, host_num_blocks=200, device="cuda")
-    assert tiered.engine.host_storage is not None and tiered.engine.host_storage.kv_cache.is_pinned()
-    for prompt in prompts:
-        expected = reference.generate([prompt], params)[0].outputs[0].token_ids
-        assert tiered.generate([prompt], params)[0].outputs[0].token_ids == expected
-    tiered.engine.check_invariants()
-    assert tiered.engine.host_storage.num_loaded_bytes > 0
+    with LLM("tiny-random", dtype="float32", num_blocks=2000) as reference, LLM(
+            "tiny-random", dtype="float32", num_blocks=40, kv_store_gb=0.01, device="cuda") as stored:
+        for prompt in prompts:
+            expected = reference.generate([prompt], params)[0].outputs[0].token_ids
+            assert stored.generate([prompt], params)[0].outputs[0].token_ids == expected
+        stored.engine.check_invariants()
+        assert stored.engine.store_io.num_loaded_blocks > 0

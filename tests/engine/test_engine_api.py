@@ -118,28 +118,30 @@ def test_logprobs(llm: LLM) -> None:
         assert sampled.logprob <= 0.0
 
 
-@pytest.mark.parametrize("host_num_blocks", [0, 64])
-def test_reset_prefix_cache_forgets_every_prefix_no_request_holds(host_num_blocks: int) -> None:
-    llm = LLM("tiny-random", dtype="float32", num_blocks=12, block_size=4, host_num_blocks=host_num_blocks)
+@pytest.mark.parametrize("kv_store_gb", [0.0, 0.001])
+def test_reset_prefix_cache_forgets_every_prefix_no_request_holds(kv_store_gb: float) -> None:
+    llm = LLM("tiny-random", dtype="float32", num_blocks=12, block_size=4, kv_store_gb=kv_store_gb)
     greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     prompts = [[3 + i + 40 * k for i in range(16)] for k in range(3)]  # 3 x 4 blocks: the pool keeps 2 cached
     for prompt in prompts:
         llm.generate(prompt, greedy)
     again = llm.generate(prompts[-1], greedy)[0]
     assert again.num_cached_tokens > 0
-    if host_num_blocks:
-        assert llm.engine.prefix_cache.tier.num_cached_blocks > 0  # the first prompt's blocks went to the tier
+    store = llm.store_node.server.state.store if llm.store_node is not None else None
+    if store is not None:
+        assert store.num_blocks > 0  # every prompt's full blocks were written through
     llm.engine.add_request(prompts[1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     llm.engine.step()  # `held` runs on (a prefix hit) and keeps its blocks through the reset
     num_used = llm.engine.pool.num_used_blocks
     freed = llm.reset_prefix_cache()
     assert 0 < freed < num_used and llm.engine.pool.num_used_blocks == num_used - freed
-    if host_num_blocks:
-        assert llm.engine.prefix_cache.tier.num_cached_blocks == 0
+    if store is not None:
+        assert store.num_blocks == 0
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert llm.generate(prompts[-1], greedy)[0].num_cached_tokens == 0  # nothing of it was kept anywhere
     llm.engine.check_invariants()
+    llm.close()
 
 
 def test_abort_midway_frees_blocks(llm: LLM) -> None:

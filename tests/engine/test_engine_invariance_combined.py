@@ -3,11 +3,12 @@
 Random timelines of arrivals and aborts drive one tiny-random float32 engine configured with a random mix of
 chunked prefill (small token budgets, a long-prefill cap), the prefix cache (shared prefixes, repeated prompts:
 full and partial hits; tenants), a tight KV pool (preemption and recompute), speculative decoding (prompts whose
-continuations loop, so drafts are accepted), the host KV tier over a small device pool, the priority and lpm queue
+continuations loop, so drafts are accepted), a KV store node past a small device pool (its loads asynchronous,
+before admission; its DRAM small enough to evict), the priority and lpm queue
 policies, `max_num_seqs` and a short context; the requests mix greedy and seeded sampling, structured-output
 grammars, penalties and logit bias, logprobs and prompt logprobs, stop strings, stop token ids, min_tokens, EOS
 and n > 1. After every step the engine's invariants hold; once all have ended every device block is free or
-cached (no lock left) and every host block free or held by one entry; and each request that was not aborted
+cached (no lock left) and the store node holds no lease and keeps its invariants; and each request that was not aborted
 outputs exactly the tokens, text, finish reason and logprobs (to float32 tolerance) it outputs alone on an engine
 of its own, while an aborted one outputs a prefix of those tokens. Float32 because bfloat16's rounding depends on
 the batch shape, which legitimately flips near-tied greedy choices.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -31,6 +33,8 @@ from kvbaton.core.step import SampledToken, TokenDelta
 from kvbaton.engine.engine import Engine
 from kvbaton.engine.structured import grammar_for
 from kvbaton.model.registry import LoadedModel, load_model
+from kvbaton.server.store_client import LocalStoreNode
+from tests.store_nodes import wait_unpinned
 
 LOGPROB_TOLERANCE = 1e-4
 MAX_PROMPT_TOKENS = 40
@@ -65,19 +69,19 @@ def _grammar(index: int) -> str:
     return grammar_for(*GRAMMARS[index])
 
 
-def _engine(block_size: int, num_blocks: int, *, prefix_cache: bool = True, host_num_blocks: int = 0,
+def _engine(block_size: int, num_blocks: int, *, prefix_cache: bool = True, store: LocalStoreNode | None = None,
             max_num_batched_tokens: int = 512, max_num_seqs: int = 128, queue_policy: str = "fcfs",
             num_speculative_tokens: int = 0, long_prefill_token_threshold: int = 0) -> Engine:
     clock = itertools.count()
     config = EngineConfig(
         model="tiny-random", dtype="float32", max_model_len=MAX_MODEL_LEN,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_cache=prefix_cache,
-                          host_num_blocks=host_num_blocks),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_cache=prefix_cache),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                   queue_policy=queue_policy, num_speculative_tokens=num_speculative_tokens,
                                   long_prefill_token_threshold=long_prefill_token_threshold),
     )
-    return Engine(config, _loaded(), clock=lambda: float(next(clock)))
+    return Engine(config, _loaded(), clock=lambda: float(next(clock)),
+                  create_store_link=store.link if store is not None else None)
 
 
 @dataclass(slots=True)
@@ -159,7 +163,7 @@ engine_specs = st.fixed_dictionaries({
     "block_size": st.sampled_from([4, 8, 16]),
     "pool_slack_blocks": st.sampled_from([0, 0, 1, 3, 200]),  # 0: one request at its longest fills the pool
     "prefix_cache": st.sampled_from([False, True, True]),
-    "host_num_blocks": st.sampled_from([0, 4, 32, 32]),
+    "kv_store": st.sampled_from([False, True]),
     "max_num_batched_tokens": st.sampled_from([5, 8, 16, 64, 512]),
     "max_num_seqs": st.sampled_from([2, 128]),
     "queue_policy": st.sampled_from(["fcfs", "priority", "lpm"]),
@@ -208,9 +212,9 @@ def _assert_same_logprobs(got: list[SampledToken] | tuple[SampledToken, ...],
                                                                abs=LOGPROB_TOLERANCE), what
 
 
-def _check_at_rest(engine: Engine) -> None:
-    """Every request has ended: the device pool is held by the cache alone, with no lock left on it, and each host
-    block is free or held by one entry (the cache's check covers the tier's entries)."""
+def _check_at_rest(engine: Engine, store: LocalStoreNode | None) -> None:
+    """Every request has ended: the device pool is held by the cache alone, with no lock left on it, and the store
+    node (when there is one) holds no lease and keeps its invariants."""
     engine.check_invariants()
     cache = engine.prefix_cache
     num_cached = cache.num_cached_blocks if cache is not None else 0
@@ -218,14 +222,26 @@ def _check_at_rest(engine: Engine) -> None:
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - num_cached
     if cache is not None:
         assert cache.num_evictable_blocks == num_cached, "a lock outlived its request"
-        tier = cache.tier
-        if tier is not None:
-            assert tier.num_cached_blocks + tier.num_free_blocks == tier.num_blocks, "a host block is still taken"
+    if store is not None:
+        wait_unpinned(store.server)
+
+
+@pytest.fixture(scope="module")
+def store_nodes() -> Iterator[dict[int, LocalStoreNode]]:
+    """A store node per block size, shared by the examples (blocks one example stored may serve the next: the same
+    model's KV of the same tokens); 24 blocks of DRAM each, so they evict too."""
+    kv = _loaded().config
+    nodes = {size: LocalStoreNode(kv.kv_bytes_per_token(4) * size, size, kv.num_layers * 2,
+                                  24 * kv.kv_bytes_per_token(4) * size / 1e9) for size in (4, 8, 16)}
+    yield nodes
+    for node in nodes.values():
+        node.stop()
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(engine_spec=engine_specs, specs=st.lists(request_specs, min_size=2, max_size=6))
-def test_every_request_outputs_what_it_outputs_alone(engine_spec: dict, specs: list[dict]) -> None:
+def test_every_request_outputs_what_it_outputs_alone(engine_spec: dict, specs: list[dict],
+                                                    store_nodes: dict[int, LocalStoreNode]) -> None:
     requests: list[tuple[tuple[int, ...], SamplingParams]] = []
     for spec in specs:
         requests.append(_request(spec, [prompt for prompt, _ in requests],
@@ -235,8 +251,8 @@ def test_every_request_outputs_what_it_outputs_alone(engine_spec: dict, specs: l
     block_size = engine_spec["block_size"]
     longest = max(len(prompt) + params.max_tokens + MAX_DRAFT_TOKENS for prompt, params in requests)
     num_blocks = -(-longest // block_size) + 1 + engine_spec["pool_slack_blocks"]
-    engine = _engine(block_size, num_blocks, prefix_cache=engine_spec["prefix_cache"],
-                     host_num_blocks=engine_spec["host_num_blocks"] if engine_spec["prefix_cache"] else 0,
+    store = store_nodes[block_size] if engine_spec["kv_store"] and engine_spec["prefix_cache"] else None
+    engine = _engine(block_size, num_blocks, prefix_cache=engine_spec["prefix_cache"], store=store,
                      max_num_batched_tokens=engine_spec["max_num_batched_tokens"],
                      max_num_seqs=engine_spec["max_num_seqs"], queue_policy=engine_spec["queue_policy"],
                      num_speculative_tokens=engine_spec["num_speculative_tokens"],
@@ -256,29 +272,32 @@ def test_every_request_outputs_what_it_outputs_alone(engine_spec: dict, specs: l
     outcomes: dict[str, Outcome] = {}
     aborted: set[str] = set()
     last_event_at = max([*arrivals, *aborts])
-    for step in range(10_000):
-        for i in arrivals.get(step, ()):
-            prompt, params = requests[i]
-            for index in range(params.n):
-                request_id = engine.add_request(list(prompt), params.for_sample(index), tenant=specs[i]["tenant"])
-                added.append((request_id, prompt, params.for_sample(index)))
-                ids_of.setdefault(i, []).append(request_id)
-                outcomes[request_id] = Outcome()
-        for i in aborts.get(step, ()):
-            for request_id in ids_of[i]:
-                if outcomes[request_id].num_finals == 0:
-                    aborted.add(request_id)
-                engine.abort_request(request_id)
-        if step >= last_event_at and not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            outcomes[out.request_id].take(out)
-        engine.check_invariants()
-    assert not engine.has_unfinished_requests(), "the engine never drained"
-    _check_at_rest(engine)
+    try:
+        for step in range(10_000):
+            for i in arrivals.get(step, ()):
+                prompt, params = requests[i]
+                for index in range(params.n):
+                    request_id = engine.add_request(list(prompt), params.for_sample(index), tenant=specs[i]["tenant"])
+                    added.append((request_id, prompt, params.for_sample(index)))
+                    ids_of.setdefault(i, []).append(request_id)
+                    outcomes[request_id] = Outcome()
+            for i in aborts.get(step, ()):
+                for request_id in ids_of[i]:
+                    if outcomes[request_id].num_finals == 0:
+                        aborted.add(request_id)
+                    engine.abort_request(request_id)
+            if step >= last_event_at and not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                outcomes[out.request_id].take(out)
+            engine.check_invariants()
+        assert not engine.has_unfinished_requests(), "the engine never drained"
+        _check_at_rest(engine, store)
+    finally:
+        engine.close()  # its store IO thread
     stats = engine.stats()
     for name, happened in (("preempted", stats.num_preemptions), ("prefix hit", stats.prefix_cache_hits_tokens),
-                           ("host tier loaded", stats.num_host_loaded_blocks),
+                           ("loaded from the store", engine.store_io.num_loaded_blocks if store else 0),
                            ("drafts accepted", engine.scheduler.num_accepted_tokens), ("aborted", aborted)):
         if happened:
             event(name)

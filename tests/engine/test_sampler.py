@@ -10,7 +10,7 @@ import torch
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.core.request import Request
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.engine.llm import LLM
+from kvbaton.llm import LLM
 from kvbaton.engine.sampler import Sampler, adjust_logits
 from kvbaton.model.tiny import create_tiny_random_model
 

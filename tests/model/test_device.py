@@ -7,7 +7,7 @@ import torch
 
 from kvbaton.cli import _serve_device, build_parser, main
 from kvbaton.core.errors import InvalidRequestError
-from kvbaton.engine.llm import LLM
+from kvbaton.llm import LLM
 from kvbaton.model.device import check_device_name, resolve_device
 from kvbaton.server.launcher import ServeConfig, worker_args
 

@@ -13,7 +13,7 @@ import torch
 
 from kvbaton.core.errors import UnsupportedModelError
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.engine.llm import LLM
+from kvbaton.llm import LLM
 from kvbaton.model.attention import AttentionMetadata, SequenceSlice
 from kvbaton.model.config import RopeScaling
 from kvbaton.model.gguf_loader import read_gguf, read_gguf_header

@@ -39,7 +39,7 @@ def _loads_and_runs_or_refuses(directory: Path) -> None:
     except KvbatonError:
         return
     from kvbaton.core.sampling import SamplingParams
-    from kvbaton.engine.llm import LLM
+    from kvbaton.llm import LLM
 
     LLM(str(directory), dtype="float32").generate("hi", SamplingParams(max_tokens=2, temperature=0))
     assert loaded.config.num_heads > 0

@@ -1,8 +1,9 @@
 """Two LocalSchedulers on two store nodes sharing one cluster KV store, run against a fake executor keeping "KV".
 
-The fake KV of a position is the token prefix up to it (as in test_host_tier_scheduler), kept per device
-block on each worker and per block hash in the store: a save, load or write-through of the wrong block, or
-a loaded block at the wrong position, shows up as cached blocks whose contents disagree with their path.
+The fake KV of a position is the token prefix up to it (`store_harness`), kept per device block on each worker
+and per block hash in the store: a save, load or write-through of the wrong block, or a loaded block at the wrong
+position, shows up as a chunk reading context that is not its own, or as cached or stored blocks whose contents
+disagree with their path.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbaton.cache.block_pool import BlockPool
-from kvbaton.cache.hashing import CacheKey, hash_block_tokens
+from kvbaton.cache.hashing import CacheKey
 from kvbaton.cache.kv_store import KVStore, StoreConfig
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.cache.store_tier import StoreTier
@@ -20,36 +21,15 @@ from kvbaton.core.request import Request
 from kvbaton.core.step import SampledToken, StepResult
 from kvbaton.scheduler.local_scheduler import LocalScheduler
 from tests.scheduler.helpers import BLOCK_SIZE, CACHE_KEY, make_request
-from tests.scheduler.test_host_tier_scheduler import FakeKV, prompt
-
-Contents = dict[int, tuple[int, ...]]
-
-
-class FakeStoreIO:
-    """One worker's side of the store's bytes: its device blocks (`kv.device`) and the cluster's store blocks."""
-
-    def __init__(self, kv: FakeKV, store_kv: dict[int, Contents], store: KVStore, node_id: str) -> None:
-        self.kv, self.store_kv, self.store, self.node_id = kv, store_kv, store, node_id
-
-    def save(self, block_hashes: list[int], device_block_ids: list[int]) -> None:
-        for block_hash, block_id in zip(block_hashes, device_block_ids):
-            contents = self.kv.device[block_id]
-            assert len(contents) == BLOCK_SIZE, f"device block {block_id} written through before it was full"
-            assert self.node_id in self.store.locations(block_hash), "saved where the store did not put it"
-            self.store_kv[block_hash] = dict(contents)
-
-    def load(self, block_hashes: list[int], sources: list[tuple[str, str]], device_block_ids: list[int]) -> None:
-        assert len(block_hashes) == len(sources) == len(device_block_ids) == len(set(device_block_ids))
-        for block_hash, (node_id, tier), block_id in zip(block_hashes, sources, device_block_ids):
-            assert self.store.locations(block_hash).get(node_id) == tier, "loaded from where the block is not"
-            self.kv.device[block_id] = dict(self.store_kv[block_hash])
+from tests.scheduler.store_harness import Contents, FakeKV, FakeStoreIO, prompt
 
 
 class Worker:
     def __init__(self, node_id: str, store: KVStore, store_kv: dict[int, Contents], num_blocks: int) -> None:
         self.kv = FakeKV()
         self.pool = BlockPool(num_blocks)
-        self.tier = StoreTier(store, node_id, FakeStoreIO(self.kv, store_kv, store, node_id), lambda depth: 1.0)
+        self.io = FakeStoreIO(self.kv, store_kv, store, node_id)
+        self.tier = StoreTier(store, node_id, self.io, lambda depth: 1.0)
         self.cache = RadixCache(self.pool, BLOCK_SIZE, self.tier)  # type: ignore[arg-type]
         self.sched = LocalScheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4), BLOCK_SIZE,
                                     self.pool, self.cache, CACHE_KEY)
@@ -68,21 +48,13 @@ class Worker:
         self.sched.check_invariants()
         self.cache.check_invariants()  # and the store's
         self.kv.check_cached(self.cache, sequences)
+        self.io.check_stored(sequences)  # the store's blocks, whichever worker wrote them
 
 
-def make_cluster(num_blocks: int = 12, dram: int = 6, disk: int = 4) -> tuple[KVStore, dict, list[Worker]]:
+def make_cluster(num_blocks: int = 12, dram: int = 6, disk: int = 4) -> tuple[KVStore, list[Worker]]:
     store = KVStore(StoreConfig(dram, disk), ("n0", "n1"))
     store_kv: dict[int, Contents] = {}
-    return store, store_kv, [Worker(n, store, store_kv, num_blocks) for n in ("n0", "n1")]
-
-
-def check_store_contents(store: KVStore, store_kv: dict[int, Contents], sequences) -> None:
-    """Every block the store holds for a known sequence carries that sequence's KV at its position."""
-    for key, tokens in sequences:
-        for index, block_hash in enumerate(hash_block_tokens(key, tokens, BLOCK_SIZE)):
-            if store.locations(block_hash):
-                start = index * BLOCK_SIZE
-                assert store_kv[block_hash] == {slot: tuple(tokens[: start + slot + 1]) for slot in range(BLOCK_SIZE)}
+    return store, [Worker(n, store, store_kv, num_blocks) for n in ("n0", "n1")]
 
 
 def run(worker: Worker, request: Request, sequences) -> Request:
@@ -96,7 +68,7 @@ def run(worker: Worker, request: Request, sequences) -> Request:
 
 
 def test_a_prefix_computed_on_one_node_is_loaded_on_the_other_with_its_kv():
-    store, store_kv, (w0, w1) = make_cluster()
+    _, (w0, w1) = make_cluster()
     sequences: list = []
     first = run(w0, make_request("a", prompt(0, 0)), sequences)
     # its 3 prompt blocks and the block its output filled (14 + 3 computed tokens) are written through
@@ -105,7 +77,6 @@ def test_a_prefix_computed_on_one_node_is_loaded_on_the_other_with_its_kv():
     assert second.num_cached_tokens == 12 and w1.tier.num_remote_loaded_blocks == 3
     for worker in (w0, w1):
         worker.check(sequences)
-    check_store_contents(store, store_kv, sequences)
     other = run(w1, make_request("c", prompt(0, 2), tenant="t"), sequences)  # another tenant: no hit
     assert other.num_cached_tokens == 0
 
@@ -117,7 +88,7 @@ _OPS = st.lists(st.tuples(st.sampled_from(("add", "step", "step", "step", "abort
 @settings(max_examples=60, deadline=None)
 @given(ops=_OPS, dram=st.integers(0, 6), disk=st.integers(0, 4))
 def test_random_adds_steps_aborts_and_node_loss_keep_device_and_store_consistent(ops, dram, disk):
-    store, store_kv, workers = make_cluster(dram=dram, disk=disk)
+    store, workers = make_cluster(dram=dram, disk=disk)
     sequences: list = []
     num_added = 0
     for op, index, group in ops:
@@ -137,7 +108,6 @@ def test_random_adds_steps_aborts_and_node_loss_keep_device_and_store_consistent
             store.add_node(f"n{index}")
         for w in workers:
             w.check(sequences)
-        check_store_contents(store, store_kv, sequences)
     for worker in workers:  # drain: every request ends, and the device holds only cached blocks
         for _ in range(200):
             if not worker.sched.has_unfinished_requests():
@@ -146,4 +116,3 @@ def test_random_adds_steps_aborts_and_node_loss_keep_device_and_store_consistent
         assert not worker.sched.has_unfinished_requests()
         assert worker.pool.num_used_blocks == worker.cache.num_cached_blocks
         worker.check(sequences)
-    check_store_contents(store, store_kv, sequences)

@@ -1,5 +1,5 @@
 """The HTTP layer end to end: the official openai client against `kvbaton serve --model tiny-random --workers 2
---speculative-tokens 3 --tool-call-parser hermes --host-num-blocks 512 --scheduling-policy priority` in a subprocess (killed by pid at the end). Slow-ish: one server start plus two `kvbaton generate` runs,
+--speculative-tokens 3 --tool-call-parser hermes --scheduling-policy priority` (and its KV store node, on by default) in a subprocess (killed by pid at the end). Slow-ish: one server start plus two `kvbaton generate` runs,
 about 30-60 s on a loaded 2-core machine.
 
 Checks: greedy output through the server equals `kvbaton generate`'s (completion and chat); a second request
@@ -33,8 +33,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Then"
 def served() -> Iterator[Served]:
     # Workers speculate (prompt lookup, 3 drafts): greedy answers must still equal `kvbaton generate`'s.
     with serve_process(["--model", MODEL, "--workers", "2", "--num-blocks", "256", "--drain-timeout", "5",
-                        "--speculative-tokens", "3", "--tool-call-parser", "hermes", "--host-num-blocks", "512",
-                        "--scheduling-policy", "priority"],
+                        "--speculative-tokens", "3", "--tool-call-parser", "hermes", "--scheduling-policy", "priority"],
                        STARTUP_TIMEOUT_S) as server:
         yield server
 
@@ -127,13 +126,12 @@ def test_priority_scheduling_takes_the_priority_field(client: openai.OpenAI, ser
     assert resp.choices[0].text == expected["text"]
 
 
-def test_host_tier_brings_an_evicted_prefix_back() -> None:
-    """One worker with a 256-block pool and a 2,048-block host tier (its own server: over two workers, how preble
-    spread the prompts decided whether the first one's worker evicted it at all, and a CI run once saw it kept):
-    eight ~2,000-token prompts of distinct words push the first out of the pool; sent again, it is served from the
-    host tier (cached tokens, blocks loaded) with the same answer."""
-    args = ["--model", MODEL, "--workers", "1", "--num-blocks", "256", "--host-num-blocks", "2048",
-            "--drain-timeout", "5"]
+def test_the_store_brings_an_evicted_prefix_back() -> None:
+    """One worker with a 256-block pool and its host's KV store node, given room for every prompt (`auto`'s twice the
+    pool holds four; its own server: over two workers, how preble spread the prompts decided whether the first one's
+    worker evicted it at all): eight ~2,000-token prompts of distinct words push the first out of the pool; sent
+    again, it is loaded from the store (cached tokens, blocks loaded) with the same answer."""
+    args = ["--model", MODEL, "--workers", "1", "--num-blocks", "256", "--kv-store-gb", "0.05", "--drain-timeout", "5"]
     with serve_process(args, STARTUP_TIMEOUT_S) as served, openai.OpenAI(
             base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
         prompts = [" ".join(f"w{group}x{i}" for i in range(300)) for group in range(8)]
@@ -145,10 +143,10 @@ def test_host_tier_brings_an_evicted_prefix_back() -> None:
         assert again.choices[0].text == first.choices[0].text
         assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
         workers = _wait_idle_baseline(served.url, num_workers=1)
-        loaded = sum(w["host_kv_cache"]["num_loaded_blocks"] for w in workers)
-        assert loaded > 0 and sum(w["host_kv_cache"]["num_saved_blocks"] for w in workers) >= loaded
+        loaded = sum(w["kv_store"]["num_loaded_blocks"] for w in workers)
+        assert loaded > 0 and sum(w["kv_store"]["num_saved_blocks"] for w in workers) >= loaded
         metrics = httpx.get(served.url + "/metrics", timeout=10).text
-        assert f"kvbaton:host_kv_cache_num_loaded_blocks {float(loaded)}" in metrics
+        assert f"kvbaton:kv_store_num_loaded_blocks {float(loaded)}" in metrics
 
 
 def test_openai_clients_structured_parse_gets_a_valid_object(client: openai.OpenAI, served: Served) -> None:
@@ -265,10 +263,10 @@ def test_prompt_logprobs_through_the_cluster_equal_the_engines(served: Served) -
     _wait_idle_baseline(served.url)
 
 
-def test_reset_prefix_cache_empties_every_workers_cache_and_the_router_index(client: openai.OpenAI,
+def test_reset_prefix_cache_empties_every_workers_cache_its_store_node_and_the_router_index(client: openai.OpenAI,
                                                                             served: Served) -> None:
-    # vLLM's POST /reset_prefix_cache: every worker drops its cached blocks (host tier included) and the router's
-    # index follows their KV events, so the same prompt again finds nothing cached.
+    # vLLM's POST /reset_prefix_cache: every worker drops its cached blocks and empties its store node, and the
+    # router's index and store directory follow their events, so the same prompt again finds nothing cached.
     prompt = PROMPT + " reset " * 12
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
@@ -279,9 +277,10 @@ def test_reset_prefix_cache_empties_every_workers_cache_and_the_router_index(cli
         w["worker_id"] for w in httpx.get(served.url + "/cluster", timeout=10).json()["workers"])
     deadline = time.monotonic() + 20.0
     while True:
-        workers = httpx.get(served.url + "/cluster", timeout=10).json()["workers"]
+        info = httpx.get(served.url + "/cluster", timeout=10).json()
+        workers = info["workers"]
         emptied = all(w["num_cached_blocks"] == 0 and w["num_used_blocks"] == 0 and w["indexed_blocks"] == 0
-                      and w["host_kv_cache"]["num_cached_blocks"] == 0 for w in workers)
+                      for w in workers) and info["kv_store"]["num_blocks"] == 0
         if emptied:
             break
         assert time.monotonic() < deadline, workers

@@ -37,12 +37,12 @@ def test_a_lent_worker_shows_the_pool_it_serves() -> None:
                          "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
                          "prefix_cache_queries_tokens": 40, "prefix_cache_hits_tokens": 10,
                          "transfers": {"num_live": 2}, "spec_decode": {"num_draft_tokens": 9, "num_accepted_tokens": 3},
-                         "host_kv_cache": {"num_cached_blocks": 5}, "num_cached_blocks": 4}],
+                         "kv_store": {"num_loaded_blocks": 5}, "num_cached_blocks": 4}],
             "lent_workers": {"p0": "prefill"}, "num_rejected": 2}
     data = dashboard_data(info, RecentWindow().summary(0.0), "m")
     (row,) = data["workers"]
     assert (row["pool"], row["prefix_hit_ratio"], row["num_transfers_in_flight"]) == ("mixed", 0.25, 2)
-    assert (row["num_device_cached_blocks"], row["num_host_cached_blocks"]) == (4, 5)
+    assert (row["num_device_cached_blocks"], row["num_store_loaded_blocks"]) == (4, 5)
     assert (row["num_accepted_tokens"], row["num_draft_tokens"], data["num_rejected"]) == (3, 9, 2)
     assert (row["tensor_parallel_size"], row["pipeline_parallel_size"]) == (2, 1)
 

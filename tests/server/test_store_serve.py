@@ -63,7 +63,7 @@ def test_a_second_worker_loads_the_prompt_from_the_store() -> None:
 
 @pytest.mark.parametrize(("extra", "error"), [
     (["--kv-store-gb", "-1"], "--kv-store-gb must be a positive number"),
-    (["--kv-store-gb", "1", "--host-num-blocks", "8"], "replaces the host tier"),
+    (["--host-num-blocks", "8"], "--host-num-blocks is gone: the KV store's DRAM tier took the host tier's place"),
     (["--kv-store-gb", "0", "--kv-store-disk-gb", "/tmp/x:1"], "needs --kv-store-gb"),
     (["--kv-store-gb", "some"], "a number of GB or auto"),
     (["--kv-store-gb", "1", "--kv-store-disk-gb", "nodir"], "DIR:GB"),
@@ -76,6 +76,15 @@ def test_bad_store_flags_are_refused_before_anything_starts(monkeypatch: pytest.
     with pytest.raises(SystemExit) if "some" in extra else contextlib.nullcontext():  # argparse's own refusal
         assert main(["serve", "--model", "tiny-random", *extra]) == 2
     assert started == [] and error in capsys.readouterr().err
+
+
+def test_a_worker_asked_for_the_old_host_tier_is_refused_before_it_loads_or_registers(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    started: list[object] = []
+    monkeypatch.setattr("kvbaton.server.worker.Worker", lambda *args, **kwargs: started.append(args))
+    monkeypatch.setattr("signal.signal", lambda *args: None)  # `kvbaton worker` installs a SIGTERM handler
+    assert main(["worker", "--router", "tcp://127.0.0.1:1", "--host-num-blocks", "8"]) == 2
+    assert started == [] and "--kv-store ADDRESS" in capsys.readouterr().err
 
 
 def test_a_ray_nodes_store_is_sized_by_that_node_for_its_own_workers(tmp_path, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
@@ -119,19 +128,17 @@ def test_a_store_node_process_has_the_dram_and_disk_it_was_given(tmp_path) -> No
 def test_serve_starts_a_store_node_by_default_sized_from_the_workers_pools(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path) -> None:  # noqa: ANN001
     """Every worker host is a store node unless told otherwise: `kvbaton serve` asks for `auto`, twice the workers' KV
-    pools within half of /dev/shm's free space; none with the host tier asked for, with --kv-store-gb 0, or with no
-    worker (a joined router)."""
+    pools within half of /dev/shm's free space; none with --kv-store-gb 0 or with no worker (a joined router)."""
     configs: list[ServeConfig] = []
     monkeypatch.setattr("kvbaton.server.launcher.serve", lambda config: configs.append(config) or 0)
-    for extra in ([], ["--kv-store-gb", "auto"], ["--kv-store-gb", "0"], ["--host-num-blocks", "8"]):
+    for extra in ([], ["--kv-store-gb", "auto"], ["--kv-store-gb", "0"]):
         assert main(["serve", "--model", "tiny-random", *extra]) == 0
-    assert [config.kv_store_gb for config in configs] == [None, None, 0.0, None]
+    assert [config.kv_store_gb for config in configs] == [None, None, 0.0]
     block = 4096
     two = ServeConfig(model="tiny-random", num_workers=2, num_blocks=100, kv_store_gb=None)
     assert auto_store_gb(two, block, str(tmp_path)) == round(2 * 2 * 100 * block / 1e9, 3)
     assert auto_store_gb(replace(two, num_workers=0, num_prefill=1, num_decode=2), block, str(tmp_path)) == \
         round(2 * 3 * 100 * block / 1e9, 3)
-    assert auto_store_gb(replace(two, host_num_blocks=8), block, str(tmp_path)) == 0.0
     assert auto_store_gb(replace(two, num_workers=0), block, str(tmp_path)) == 0.0
     assert auto_store_gb(two, block, str(tmp_path / "absent")) == 0.0
     free = shutil.disk_usage(tmp_path).free

@@ -40,13 +40,13 @@ def test_a_prefix_computed_on_one_worker_is_loaded_on_another():
     assert [r.worker_ids for r in records] == [("w0",), ("w1",)]  # round robin: the second lands elsewhere
     assert records[0].cached_tokens == 0 and records[1].cached_tokens == 2048
     w1 = sim.workers["w1"]
-    assert w1.cache.tier.num_remote_loaded_blocks == 32 and w1.host_link.num_loaded_blocks == 32
+    assert w1.cache.tier.num_remote_loaded_blocks == 32 and w1.store_io.num_loaded_blocks == 32
     # 32 blocks of 8 MiB over the NIC (25 GB/s), charged to w1's step: recomputing them costs far more
     prices = sim.config.store_prices
-    assert w1.host_link.copy_s == pytest.approx(prices.path_s(32, remote=True, on_disk=False))
+    assert w1.store_io.copy_s == pytest.approx(prices.path_s(32, remote=True, on_disk=False))
     for worker in sim.workers.values():
         worker.cache.check_invariants()
-    sim.store.check_invariants()
+    sim.store_of["w0"].check_invariants()  # the one store over both nodes
     no_store = simulate(_two_requests(), _setup(kv_store_gb=0.0)).records
     assert no_store[1].cached_tokens == 0
     ttft = [r.first_token_s - r.arrival_s for r in (records[1], no_store[1])]
@@ -58,8 +58,10 @@ def test_new_blocks_are_written_through_once():
     # 32 prefix blocks: stored by w0 when computed; w1 loaded them and stored only its own new full block(s)
     assert sim.workers["w0"].cache.tier.num_saved_blocks == 32
     assert sim.workers["w1"].cache.tier.num_saved_blocks == 0  # 2048 + 3 tokens: no full block of its own
-    assert sim.store.num_blocks == 32 and all(
-        holders == {"w0": DRAM} for holders in (sim.store.locations(h) for h in sim.store.nodes["w0"].entries))
+    store = sim.store_of["w0"]
+    assert store is sim.store_of["w1"]  # shared: one store over both nodes
+    assert store.num_blocks == 32 and all(
+        holders == {"w0": DRAM} for holders in (store.locations(h) for h in store.nodes["w0"].entries))
 
 
 def test_another_tenant_never_hits_the_store():
@@ -70,8 +72,9 @@ def test_another_tenant_never_hits_the_store():
 def test_the_router_directory_follows_the_store():
     sim, _ = _run(_two_requests(), _setup(policy="conductor"))
     directory = sim.placement.state.store
-    for block_hash in sim.store.nodes["w0"].entries:
-        assert directory.locations(block_hash) == sim.store.locations(block_hash)
+    store = sim.store_of["w0"]
+    for block_hash in store.nodes["w0"].entries:
+        assert directory.locations(block_hash) == store.locations(block_hash)
 
 
 def test_same_seed_gives_an_identical_simulation():
@@ -83,7 +86,7 @@ def test_same_seed_gives_an_identical_simulation():
 
     first = simulate(requests, setup)
     assert fingerprint(first) == fingerprint(simulate(requests, setup))
-    assert sum(w.host_loaded_blocks for w in first.workers) > 0
+    assert sum(w.store_loaded_blocks for w in first.workers) > 0
     other = simulate(requests, _setup(policy="conductor", kv_store_gb=0.5, num_blocks=400, kv_store_disk_gb=0.5,
                                       seed=1))
     assert [r.request_id for r in other.records] == [r.request_id for r in first.records]
@@ -109,8 +112,8 @@ def test_cli_flags_and_bad_setups(capsys):
     assert run_sim(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["simulator"]["kv_store_gb"] == 1.0 and out["simulator"]["kv_store_disk_gb"] == 2.0
-    with pytest.raises(InvalidRequestError):
-        build_sim(_setup(host_kv_gb=1.0))  # the store takes the host tier's place
+    with pytest.raises(InvalidRequestError, match="needs the prefix cache"):
+        build_sim(_setup(enable_prefix_cache=False))
     with pytest.raises(InvalidRequestError):
         build_sim(_setup(kv_store_gb=-1.0))
 
@@ -121,10 +124,10 @@ def test_a_prefix_on_another_nodes_disk_is_priced_at_the_disk_and_promoted():
     assert records[1].cached_tokens == 2048
     prices = sim.config.store_prices
     w1 = sim.workers["w1"]
-    assert w1.host_link.copy_s == pytest.approx(prices.path_s(1, remote=True, on_disk=False)
-                                                + prices.path_s(31, remote=True, on_disk=True))
-    node = sim.store.nodes["w0"]
-    assert node.num_in == {"dram": 1, "disk": 31}  # a promotion swapped one disk block into DRAM
-    sim.store.check_invariants()
+    assert w1.store_io.copy_s == pytest.approx(prices.path_s(1, remote=True, on_disk=False)
+                                               + prices.path_s(31, remote=True, on_disk=True))
+    store = sim.store_of["w0"]
+    assert store.nodes["w0"].num_in == {"dram": 1, "disk": 31}  # a promotion swapped one disk block into DRAM
+    store.check_invariants()
     for worker in sim.workers.values():
         worker.cache.check_invariants()

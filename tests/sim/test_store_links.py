@@ -80,7 +80,7 @@ def test_simultaneous_loads_of_one_prefix_queue_at_its_node():
     assert [r.worker_ids for r in records] == [("w0",), ("w1",), ("w2",), ("w3",)]
     assert all(r.cached_tokens == 2048 for r in records[1:])
     one = sim.config.store_prices.path_s(32, remote=True, on_disk=False)
-    copies = sorted(sim.workers[w].host_link.copy_s for w in ("w1", "w2", "w3"))
+    copies = sorted(sim.workers[w].store_io.copy_s for w in ("w1", "w2", "w3"))
     assert copies == pytest.approx([one, 2 * one, 3 * one])
     report = sim.store_report()
     assert report is not None and report.link_waits == 2 and report.link_wait_s == pytest.approx(3 * one)

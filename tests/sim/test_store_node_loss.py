@@ -40,13 +40,14 @@ def test_a_lost_node_takes_its_blocks_and_its_worker_recomputes():
     assert all(r.completed for r in records)
     assert records[1].cached_tokens == 0  # w0's node, with the prefix, was lost at 2 s: w1 recomputes it
     # w1 wrote its own copy through (w0 has no node now); the third request is w0's again, from its device
-    assert records[2].worker_ids == ("w0",) and records[2].cached_tokens == 2048 and "w0" not in sim.store.nodes
-    assert sim.store.num_blocks == 32 and all(sim.store.locations(h) for h in sim.store.nodes["w1"].entries)
-    sim.store.check_invariants()
+    store = sim.store_of["w0"]  # the one store over both nodes
+    assert records[2].worker_ids == ("w0",) and records[2].cached_tokens == 2048 and "w0" not in store.nodes
+    assert store.num_blocks == 32 and all(store.locations(h) for h in store.nodes["w1"].entries)
+    store.check_invariants()
     # the router's directory dropped w0's blocks with the loss
     directory = sim.placement.state.store
-    for block_hash in sim.store.nodes["w1"].entries:
-        assert directory.locations(block_hash) == sim.store.locations(block_hash)
+    for block_hash in store.nodes["w1"].entries:
+        assert directory.locations(block_hash) == store.locations(block_hash)
     report = sim.store_report()
     assert report is not None and report.nodes_lost == 1 and report.loaded_blocks == 0
     for worker in sim.workers.values():
@@ -62,8 +63,9 @@ def test_a_node_back_is_empty_and_serves_again():
     records = sim.run(requests)
     assert all(r.completed for r in records) and records[1].cached_tokens == 0
     assert records[2].worker_ids == ("w0",)
-    assert len(sim.store.nodes["w0"].entries) == 16 and len(sim.store.nodes["w1"].entries) == 32
-    sim.store.check_invariants()
+    store = sim.store_of["w0"]
+    assert len(store.nodes["w0"].entries) == 16 and len(store.nodes["w1"].entries) == 32
+    store.check_invariants()
 
 
 def test_a_loss_under_load_ends_every_request_and_is_deterministic():

@@ -9,7 +9,7 @@ length-prefixed so that no two different keys share the material.
 
 Hashes name blocks for the router's index and the KV events; they never decide what a request finds
 cached. The radix cache keeps one tree per `CacheKey`, looked up by equality of the whole key, and
-matches token tuples; the host tier checks a block's key as well as its hash. So a request's cached
+matches token tuples; the KV store keeps each block's key beside its hash and matches both. So a request's cached
 tokens come from its own namespace whatever two hashes happen to share.
 
 `hash_prompt` splits a prompt into block tuples and hashes them once, so a caller that both routes

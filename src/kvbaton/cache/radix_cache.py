@@ -36,11 +36,10 @@ Events: `insert` emits one STORED event for the blocks it adopted; `evict` emits
 per call listing the hashes in eviction order; `clear` emits CLEARED when the cache ends up empty
 and EVICTED (with the hashes) when locked blocks survive. Sequence numbers are 1, 2, 3, ...
 
-Host tier: with a `HostTier` (`kvbaton.cache.host_tier`), evicted blocks are demoted there and
-EVICTED lists only what left both tiers; a block adopted by an insert leaves the tier (exclusive);
-a snapshot lists the tier's blocks after the tree's. `BlockManager.attach_prefix` promotes them. The tier may
-instead be a worker's view of the cluster KV store (`kvbaton.cache.store_tier`, the same calls): it is
-written through as blocks are cached and is not exclusive.
+The tier past the device (`tier`, `kvbaton.cache.tier`): a worker's view of the cluster KV store. Blocks an
+insert adopts are written through to it (`on_cached`); evicted blocks are handed to `demote` before their device
+blocks can be reused, and EVICTED lists what it returns (every evicted hash: the store is not exclusive); a
+snapshot adds what its `stored` lists. `BlockManager.attach_prefix` loads the run its `match` finds.
 """
 
 from __future__ import annotations
@@ -51,15 +50,15 @@ from collections.abc import Iterator, Sequence
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.cache.hashing import CacheKey, chain_hashes, hash_block
-from kvbaton.cache.host_tier import EvictedBlock, HostTier
 from kvbaton.cache.radix_lru import LruLeaves
 from kvbaton.cache.radix_node import BlockTokens, PrefixMatch, RadixNode
+from kvbaton.cache.tier import CacheTier, EvictedBlock
 
 
 class RadixCache:
     """Prefix cache over full blocks; see the module docstring for the ownership and lock rules."""
 
-    def __init__(self, pool: BlockPool, block_size: int, tier: HostTier | None = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, tier: CacheTier | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.pool = pool
@@ -229,7 +228,7 @@ class RadixCache:
             path_ids.extend(new_ids)
             path_hashes.extend(node.block_hashes)
             if self.tier is not None:
-                # the host tier drops its copies (one tier holds a block); the KV store writes them through
+                # the KV store writes them through
                 self.tier.on_cached(tuple(node.block_hashes), parent_hash, node.namespace, tuple(node.block_ids))
             self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
         self._lru.touch(node, self._num_nodes)
@@ -238,15 +237,15 @@ class RadixCache:
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` blocks from unlocked leaves, least recently used first; returns how many.
 
-        With a host tier the trimmed blocks are demoted there, and the EVICTED event lists only the hashes
-        that left both tiers."""
+        With a tier the trimmed blocks are handed to its `demote` first, and the EVICTED event lists the hashes it
+        returns."""
         num_freed, evicted_hashes = self._evict(num_blocks)
         if evicted_hashes:
             self._emit(KVEventKind.EVICTED, tuple(evicted_hashes), None)
         return num_freed
 
     def clear(self) -> int:
-        """Drop every unlocked block (LRU order), and the host tier's; returns how many device blocks went back
+        """Drop every unlocked block (LRU order), and what the tier's `clear` lets go; returns how many device blocks went back
         to the free queue. Emits CLEARED when the cache ends up empty, else EVICTED with the hashes."""
         tier, self.tier = self.tier, None  # nothing is demoted by a clear
         try:

@@ -6,6 +6,9 @@ that node's `snapshot`; events at or below the last applied seq are duplicates a
 (the node was lost) forgets everything it held. Nothing here is shared between readers, so any number
 of routers keep their own directory from the same streams. It may lag the store: a load planned from it
 can find a block gone, and then recomputes it.
+
+A private directory (`private=True`) describes a store whose nodes serve only their own workers (islands:
+one store per node): a reader's `sources` are its own node's copies, never another node's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from kvbaton.cache.kv_store import TIERS, NodeId, StoreEvent, choose_source
 
 
 class StoreDirectory:
-    def __init__(self) -> None:
+    def __init__(self, private: bool = False) -> None:
+        self.private = private  # a reader loads from its own node only
         self._where: dict[int, dict[NodeId, str]] = {}  # hash -> node -> tier
         self._held: dict[NodeId, set[int]] = {}
         self._last_seq: dict[NodeId, int] = {}
@@ -36,11 +40,13 @@ class StoreDirectory:
         return num
 
     def sources(self, block_hashes: Sequence[int], reader: NodeId) -> list[tuple[NodeId, str]]:
-        """Where a reader on node `reader` would load each leading held block from (`choose_source`)."""
+        """Where a reader on node `reader` would load each leading held block from (`choose_source`); private:
+        the leading blocks its own node holds."""
         out = []
+        private = self.private
         for block_hash in block_hashes:
             holders = self._where.get(block_hash)
-            if not holders:
+            if not holders or (private and reader not in holders):
                 break
             out.append(choose_source(holders, reader))
         return out

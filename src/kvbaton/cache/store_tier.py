@@ -1,6 +1,6 @@
-"""A worker's view of the cluster KV store, in the place of the prefix cache's host tier (`RadixCache.tier`).
+"""A simulated worker's view of the cluster KV store, the prefix cache's tier past the device (`RadixCache.tier`).
 
-It answers the calls `RadixCache` and `BlockManager` make of a tier (`kvbaton.cache.host_tier`), with the
+It answers the calls `RadixCache` and `BlockManager` make of a tier (`kvbaton.cache.tier`), with the
 store's meaning:
 
 - **Write-through.** `on_cached` (blocks newly cached on the device, computed or loaded) puts them in the
@@ -16,8 +16,8 @@ store's meaning:
 
 The store prices recomputing a block with `recompute_s(depth)`, its depth one more than its parent's in the
 store (0 when the parent is not there: a root block, or one whose parent was evicted). A store node lost in
-the middle of a load (only a live store can lose one; the simulator loses none) makes `load` raise: the
-live data path fails such a load over to recomputation.
+the middle of a load (only a live store can: the simulator's losses fall between steps, and a load there changes
+its state at once) makes `load` raise: the live data path fails such a load over to recomputation.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
-from kvbaton.cache.host_tier import BlockTokens, EvictedBlock
+from kvbaton.cache.tier import BlockTokens, EvictedBlock
 from kvbaton.cache.kv_store import KVStore, NodeId
 
 

@@ -14,18 +14,12 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 2048  # KV blocks in the pool
     enable_prefix_cache: bool = True
-    # Host-memory tier of the prefix cache (kvbaton.cache.host_tier): blocks the device cache evicts are kept in
-    # this many host blocks and copied back when a prefix returns; 0 turns it off. Needs the prefix cache.
-    host_num_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks <= 1:
             raise InvalidRequestError(f"num_blocks must be > 1, got {self.num_blocks}")
-        if self.host_num_blocks < 0 or (self.host_num_blocks and not self.enable_prefix_cache):
-            raise InvalidRequestError(f"host_num_blocks must be >= 0, and needs the prefix cache (got "
-                                      f"{self.host_num_blocks}, prefix cache {self.enable_prefix_cache})")
 
     @property
     def num_token_slots(self) -> int:

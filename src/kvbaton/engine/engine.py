@@ -17,14 +17,13 @@ import torch
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.hashing import CacheKey
-from kvbaton.cache.host_tier import HostTier
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.core.config import EngineConfig
 from kvbaton.core.errors import InvalidRequestError, KvbatonError
 from kvbaton.core.request import FinishReason, Request
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken, StepPlan, StepResult, TokenDelta
-from kvbaton.engine.kv_storage import HostKVStorage, KVStorage
+from kvbaton.engine.kv_storage import KVStorage
 from kvbaton.engine.model_runner import ModelRunner, PromptLogprobsWanted
 from kvbaton.engine.rank_group import RankFailedError, RankGroup
 from kvbaton.engine.sampler import Sampler
@@ -67,8 +66,8 @@ class Engine:
         """With `config.num_ranks > 1` the model runs in rank processes (`RankGroup`) over a shared KV region:
         `kv_region` when given (a decode worker's), else one of its own; `loaded` then needs no weights
         (`load_model_front`) and `warm_up_rows` is passed to the ranks' linears' warm-up.
-        `create_store_link`: a connection to this host's KV store node (built on the store IO thread), which
-        then takes the host tier's place: write-through of new blocks, prefix loads before admission."""
+        `create_store_link`: a connection to this host's KV store node (built on the store IO thread), the tier past
+        the KV pool: write-through of new blocks, prefix loads before admission."""
         self.config = config
         if loaded is None:
             loaded = (load_model_front(config.model, config.dtype) if config.num_ranks > 1
@@ -97,15 +96,12 @@ class Engine:
             kv_cache = kv_region.torch_view()  # type: ignore[assignment]
         self.storage = KVStorage(model_config, cache_cfg.num_blocks, cache_cfg.block_size, self.loaded.dtype,
                                  config.device, kv_cache)
-        # The prefix cache's host tier: what the device cache evicts is copied there and back (cache.host_tier).
-        self.host_storage = (HostKVStorage(self.storage, cache_cfg.host_num_blocks) if cache_cfg.host_num_blocks
-                             else None)
-        tier = HostTier(cache_cfg.host_num_blocks, self.host_storage) if self.host_storage is not None else None
-        if create_store_link is not None and (tier is not None or not cache_cfg.enable_prefix_cache):
-            raise InvalidRequestError("the KV store needs the prefix cache and replaces the host tier: not both")
+        if create_store_link is not None and not cache_cfg.enable_prefix_cache:
+            raise InvalidRequestError("the KV store needs the prefix cache")
+        # The KV store past the KV pool (cache.tier): write-through of new blocks, prefix loads before admission.
         self.store_io = (WorkerStoreIO(self.storage.kv_cache, create_store_link) if create_store_link is not None
                          else None)
-        tier = tier if self.store_io is None else self.store_io
+        tier = self.store_io
         self.prefix_cache = (RadixCache(self.pool, cache_cfg.block_size, tier) if cache_cfg.enable_prefix_cache
                              else None)
         self.scheduler = LocalScheduler(config.scheduler, cache_cfg.block_size, self.pool, self.prefix_cache,
@@ -449,11 +445,17 @@ class Engine:
                           request.num_prompt_tokens, max(request.num_cached_tokens, 0), (), request.finish_message,
                           self.worker_id)
 
-    def reset_prefix_cache(self) -> int:
-        """vLLM's reset_prefix_cache: every cached block no request holds goes back to the pool, and the host
-        tier's blocks with them, so later prompts find nothing cached; blocks running requests hold stay theirs.
-        Returns how many device blocks were freed; the cache's KV events tell the router."""
-        return self.prefix_cache.clear() if self.prefix_cache is not None else 0
+    def reset_prefix_cache(self, clear_store: bool = False, store_wait_s: float = 0.0) -> int:
+        """vLLM's reset_prefix_cache: every cached block no request holds goes back to the pool; blocks running
+        requests hold stay theirs. `clear_store` (vLLM's `reset_connector`): the KV store node is emptied too of
+        what no load pins, so later prompts find nothing cached anywhere; without it the store keeps its blocks
+        and the next prompt loads them back. `store_wait_s`: how long to wait for the node's answer
+        (`WorkerStoreIO.clear_store`; 0: ask and go on). Returns how many device blocks were freed; the cache's KV
+        events tell the router, the node's events its store directory."""
+        num_freed = self.prefix_cache.clear() if self.prefix_cache is not None else 0
+        if clear_store and self.store_io is not None:
+            self.store_io.clear_store(store_wait_s)
+        return num_freed
 
     # -- introspection --------------------------------------------------------------------------
 

@@ -61,33 +61,6 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
-class HostKVStorage:
-    """The host tier's KV memory (`kvbaton.cache.host_tier`): blocks shaped as the device storage's, in CPU memory
-    (pinned when the device is a GPU), and the copies between the two (`TierIO`), synchronous.
-
-    `save` gathers device blocks and scatters them into host blocks; `load` the reverse. A copy of k blocks
-    moves k x `bytes_per_block` bytes (SmolLM2 in bf16: 360 KiB per 16-token block)."""
-
-    def __init__(self, device_storage: KVStorage, num_blocks: int) -> None:
-        device_kv = device_storage.kv_cache
-        self.device_kv = device_kv
-        self.num_blocks = num_blocks
-        shape = (*device_kv.shape[:2], num_blocks, *device_kv.shape[3:])
-        pin = device_kv.device.type == "cuda"
-        self.kv_cache = torch.zeros(shape, dtype=device_kv.dtype, device="cpu", pin_memory=pin)
-        self.bytes_per_block = self.kv_cache.numel() * self.kv_cache.element_size() // num_blocks
-        self.num_saved_bytes = 0
-        self.num_loaded_bytes = 0
-
-    def save(self, device_block_ids: list[int], host_block_ids: list[int]) -> None:
-        _copy_blocks(self.device_kv, device_block_ids, self.kv_cache, host_block_ids)
-        self.num_saved_bytes += len(host_block_ids) * self.bytes_per_block
-
-    def load(self, host_block_ids: list[int], device_block_ids: list[int]) -> None:
-        _copy_blocks(self.kv_cache, host_block_ids, self.device_kv, device_block_ids)
-        self.num_loaded_bytes += len(device_block_ids) * self.bytes_per_block
-
-
 def _copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
     """dst's blocks dst_ids[i] = src's blocks src_ids[i] (dimension 2 of both), one slice copy per stretch where both
     id lists count up by one: blocks taken from free lists in turn mostly do, and a slice copy runs at memcpy speed

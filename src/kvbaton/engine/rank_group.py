@@ -6,8 +6,8 @@ It starts `tp x pp` rank processes (`kvbaton.engine.rank_process`), each with tw
 of the worker's KV region, sends each step's plan to all of them and takes the sampling logits from the result
 rank. The KV region (`ShmKVRegion`, a 0600 file in /dev/shm) holds every layer and KV head as a one-process
 worker's storage does; rank (stage s, tensor rank t) computes and reads only its layers' and its heads' slice.
-So the front process sees the whole KV as one storage: the prefix cache's host tier and the handoff read and
-write it as they do for one process, and a handoff between different degrees lands each head where the rank
+So the front process sees the whole KV as one storage: the KV store's loads and saves and the handoff read
+and write it as they do for one process, and a handoff between different degrees lands each head where the rank
 that owns it on the other side reads it. It lives in host shared memory: CPU only so far.
 
 A rank that dies, or reports an error, fails the step within `poll_s` of it (`RankFailedError`); the engine

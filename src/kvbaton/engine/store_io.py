@@ -1,6 +1,6 @@
 """A worker's data path to the cluster KV store: one background thread moves every byte, so no step waits on it.
 
-- **Saves (write-through).** The prefix cache calls `on_cached` (as it calls a host tier: `RadixCache.tier`)
+- **Saves (write-through).** The prefix cache calls `on_cached` (as it calls its tier: `RadixCache.tier`)
   with the blocks it just adopted; they join a bounded queue (`max_pending_saves` blocks). A full queue drops
   the save (counted), never blocks. The thread copies each block out of the KV pool and `put`s it to the store.
   Until it has copied a block, an eviction of that block (`demote`, which runs before its device block can be
@@ -24,8 +24,7 @@
   does that read on its own thread (`copy_now`), with no hand-off to this one, its copy split over
   `copy_threads` threads when large (one core's copy is not the memory's limit).
 - **Not a tier of its own.** Matching past the device cache is not done here (`match` finds nothing): loads are
-  asynchronous, started by the engine before admission, so the scheduler only ever sees device hits. The host
-  tier (`kvbaton.cache.host_tier`) stays as it was, for workers without a store; a worker has one or the other.
+  asynchronous, started by the engine before admission, so the scheduler only ever sees device hits.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvbaton.cache.host_tier import EvictedBlock
+from kvbaton.cache.tier import EvictedBlock
 from kvbaton.transfer.store_slots import StoreSlots
 from kvbaton.transfer.store_tcp import row_views
 
@@ -86,6 +85,9 @@ class StoreLink(Protocol):
 
     def release(self, lease: int) -> bool:
         """Unpin a lease's blocks, not waiting."""
+
+    def clear(self) -> int:
+        """Drop every block the node holds that no load pins (an admin's reset); how many. Raises StoreUnavailable."""
 
     @property
     def remote_nodes(self) -> Sequence[StoreLink]:
@@ -203,6 +205,23 @@ class WorkerStoreIO:
                 job.payloads = self._payloads(job)
                 self._unlist(job)
         return []
+
+    def clear_store(self, wait_s: float = 0.0) -> int | None:
+        """Empty the store node of what no load pins (vLLM's `reset_prefix_cache` reaching the store), after the saves
+        queued before this call (the IO thread's link sends them first). `wait_s` 0: ask and go on (a serving worker's
+        loop waits on no node), None back; else wait that long for the answer, how many blocks went, or raise
+        StoreUnavailable."""
+        answer: queue.Queue = queue.Queue(maxsize=1)
+        self._tasks.put(("clear", answer))
+        if not wait_s:
+            return None
+        try:
+            result = answer.get(timeout=wait_s)
+        except queue.Empty:
+            raise StoreUnavailable(f"the store node was not cleared within {wait_s} s") from None
+        if isinstance(result, StoreUnavailable):
+            raise result
+        return result
 
     def match(self, parent_hash: int, token_blocks: Sequence[tuple[int, ...]], block_hashes: Sequence[int] = (),
               namespace: object = None) -> int:
@@ -342,6 +361,8 @@ class WorkerStoreIO:
                         link.release(item)
                     elif kind == "touch":  # the uses of a load the engine thread read unleased (`copy_now`)
                         link.touch(*item)
+                    elif kind == "clear":  # after the saves queued before it: the link sends them first
+                        self._clear(link, item)
                     elif kind == "rest":  # a load `copy_now` began, on from the blocks it brought
                         job, ask_node = item
                         self._finish(link, job, lambda link, job: self._rest(link, job, ask_node))
@@ -353,6 +374,13 @@ class WorkerStoreIO:
                         self._results.put(("failed", job))
         finally:
             link.close()
+
+    @staticmethod
+    def _clear(link: StoreLink, answer: queue.Queue) -> None:
+        try:
+            answer.put(link.clear())
+        except (StoreUnavailable, OSError, ValueError) as exc:
+            answer.put(StoreUnavailable(f"the store node was not cleared: {exc}"))
 
     def _finish(self, link: StoreLink, job: LoadJob, copy: Callable[[StoreLink, LoadJob], None]) -> None:
         """Run a load's copy step, hand its result to the engine, and only then release its lease (whatever happened):

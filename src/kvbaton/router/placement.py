@@ -64,6 +64,8 @@ class PlacementConfig:
     # from the store nodes' events (`on_store_events`) and the `conductor` policy prices loads from it.
     store_prices: StorePrices | None = None
     store_node: str = ""  # live: the one store node every worker reads from (its host's); "": each worker's own id
+    # Each store node serves only its own workers (islands: one store per node), so a load never crosses the NIC.
+    store_private: bool = False
     prefill_model: PrefillTimeModel | None = None  # None: the router's default (kvbaton.router.prefill_model)
     kv_read_s_per_token: float = 0.0  # RouterState's: the running batch's KV read per step (0: unpriced)
     step_tokens: int = 2048  # the workers' token budget per step
@@ -118,7 +120,8 @@ class ClusterPlacement:
             self.state.prefill_model = config.prefill_model
         self.state.kv_read_s_per_token, self.state.step_tokens = config.kv_read_s_per_token, config.step_tokens
         if config.store_prices is not None:
-            self.state.store, self.state.store_prices = StoreDirectory(), config.store_prices
+            self.state.store = StoreDirectory(private=config.store_private)
+            self.state.store_prices = config.store_prices
             self.state.store_node = config.store_node
         self.policy = create_policy(config.policy, self.state, random.Random(config.seed), policy_config)
         self.pairs = PairChooser(self.state, PairChoiceConfig(config.local_prefill_threshold_tokens,

@@ -109,7 +109,7 @@ class BlockManager:
         match = self.cache.match_prefix_blocks(key, token_blocks, touch=False)
         num_hit = match.num_blocks
         tier = self.cache.tier
-        if tier is not None and num_hit < num_blocks:  # the host tier supplies blocks too, at a copy's cost
+        if tier is not None and num_hit < num_blocks:  # the store supplies blocks too, at a load's cost
             parent_hash = match.block_hashes[-1] if num_hit else key.root_hash
             num_hit += tier.match(parent_hash, token_blocks[num_hit:],
                                   self._prompt_hashes.get(request.request_id, ())[num_hit:], key)
@@ -142,7 +142,7 @@ class BlockManager:
         return request.num_computed_tokens
 
     def _promote(self, request: Request, key: CacheKey, parent_hash: int, token_blocks: list[tuple[int, ...]]) -> None:
-        """`attach_prefix` past the device match: the blocks the host tier holds next are copied into fresh device
+        """`attach_prefix` past the device match: the blocks the store holds next are loaded into fresh device
         blocks (as many as the pool can give, evicting cached ones if short), cached on the device as if computed
         there, and join the request's table and hold."""
         cache, tier = self.cache, self.cache.tier  # type: ignore[union-attr]
@@ -152,7 +152,7 @@ class BlockManager:
                           key)
         if not taken:
             return
-        # Taken out of the tier's LRU first, so the blocks this eviction demotes cannot push them out.
+        # Pinned in the store first (`take`), so the blocks this eviction demotes to it cannot push them out.
         shortfall = len(taken) - self.pool.num_free_blocks
         if shortfall > 0:
             cache.evict(shortfall)

@@ -326,9 +326,9 @@ class LocalScheduler:
             prefix_cache_hits_tokens=self.planner.hits_tokens,
             num_preemptions=self.planner.num_preemptions,
             num_steps=self._num_steps,
-            num_host_cached_blocks=tier.num_cached_blocks if tier is not None else 0,
-            num_host_loaded_blocks=tier.num_loaded_blocks if tier is not None else 0,
-            num_host_saved_blocks=tier.num_saved_blocks if tier is not None else 0,
+            num_store_cached_blocks=tier.num_cached_blocks if tier is not None else 0,
+            num_store_loaded_blocks=tier.num_loaded_blocks if tier is not None else 0,
+            num_store_saved_blocks=tier.num_saved_blocks if tier is not None else 0,
             num_evictable_blocks=cache.num_evictable_blocks if cache is not None else 0,
         )
 

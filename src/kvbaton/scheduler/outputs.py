@@ -35,9 +35,9 @@ class SchedulerStats:
     prefix_cache_hits_tokens: int  # of which the cache supplied
     num_preemptions: int
     num_steps: int  # plans with at least one chunk
-    # The prefix cache's host tier (kvbaton.cache.host_tier), when there is one: blocks held now, and blocks
-    # copied back to the device (promoted) and out to host memory (demoted) so far.
-    num_host_cached_blocks: int = 0
-    num_host_loaded_blocks: int = 0
-    num_host_saved_blocks: int = 0
+    # The prefix cache's tier past the device, the KV store (kvbaton.cache.tier), when there is one: blocks its node
+    # holds now, and blocks this worker loaded from it and wrote to it so far.
+    num_store_cached_blocks: int = 0
+    num_store_loaded_blocks: int = 0
+    num_store_saved_blocks: int = 0
     num_evictable_blocks: int = 0  # cached blocks no request holds: the first taken when room is needed

@@ -101,9 +101,8 @@ def worker_info(record: WorkerRecord, state: RouterState, now: float) -> dict[st
             "transfers": transfer_info(stats),
             "spec_decode": {"num_draft_tokens": stats.num_draft_tokens,
                             "num_accepted_tokens": stats.num_accepted_tokens},
-            "host_kv_cache": {"num_cached_blocks": stats.num_host_cached_blocks,
-                              "num_loaded_blocks": stats.num_host_loaded_blocks,
-                              "num_saved_blocks": stats.num_host_saved_blocks},
+            "kv_store": {"num_loaded_blocks": stats.num_store_loaded_blocks,
+                         "num_saved_blocks": stats.num_store_saved_blocks},
         })
     return info
 

@@ -8,7 +8,7 @@ to a server or a log), keeps it in the tab's sessionStorage and sends it as a be
 Per worker: role and the pool it serves now (a worker lent to mixed duty shows it), its parallelism (TP x PP
 rank processes), running and waiting
 requests, KV use (vLLM's: blocks only the prefix cache holds count as free), the prefix cache's hit ratio in
-tokens, its tiers (device blocks cached, host blocks cached), KV transfers in flight, speculative drafts
+tokens, its device blocks cached and the blocks it loaded from the KV store, KV transfers in flight, speculative drafts
 accepted of proposed; for the router: recent request rate, TTFT and ITL percentiles, refusals.
 """
 
@@ -31,7 +31,7 @@ def worker_row(worker: Mapping[str, object], lent: Mapping[str, object]) -> dict
     queries = _int(worker.get("prefix_cache_queries_tokens"))
     transfers = worker.get("transfers") if isinstance(worker.get("transfers"), Mapping) else {}
     spec = worker.get("spec_decode") if isinstance(worker.get("spec_decode"), Mapping) else {}
-    host = worker.get("host_kv_cache") if isinstance(worker.get("host_kv_cache"), Mapping) else {}
+    store = worker.get("kv_store") if isinstance(worker.get("kv_store"), Mapping) else {}
     return {
         "worker_id": worker_id, "role": worker.get("role", ""),
         "pool": "mixed" if worker_id in lent else worker.get("role", ""),
@@ -41,7 +41,7 @@ def worker_row(worker: Mapping[str, object], lent: Mapping[str, object]) -> dict
         "kv_cache_usage": round(kv_cache_usage(worker), 4), "num_blocks": _int(worker.get("num_blocks")),
         "prefix_hit_ratio": round(_int(worker.get("prefix_cache_hits_tokens")) / queries, 4) if queries else None,
         "num_device_cached_blocks": _int(worker.get("num_cached_blocks")),
-        "num_host_cached_blocks": _int(host.get("num_cached_blocks")),  # type: ignore[union-attr]
+        "num_store_loaded_blocks": _int(store.get("num_loaded_blocks")),  # type: ignore[union-attr]
         "num_transfers_in_flight": _int(transfers.get("num_live")),  # type: ignore[union-attr]
         "num_draft_tokens": _int(spec.get("num_draft_tokens")),  # type: ignore[union-attr]
         "num_accepted_tokens": _int(spec.get("num_accepted_tokens")),  # type: ignore[union-attr]
@@ -91,7 +91,7 @@ th { background: #f6f6f6; } .bar { background: #e8eef8; position: relative; min-
 </div>
 <table id="workers"><thead><tr><th>worker</th><th>role</th><th>pool</th><th>TP x PP</th><th>running</th>
 <th>waiting</th>
-<th>KV use</th><th>hit ratio</th><th>tiers (device / host blocks)</th><th>transfers in flight</th>
+<th>KV use</th><th>hit ratio</th><th>blocks (device cached / store loaded)</th><th>transfers in flight</th>
 <th>drafts accepted</th><th>preemptions</th></tr></thead><tbody></tbody></table>
 <p id="lost" class="muted"></p>
 <script>
@@ -126,7 +126,7 @@ function render(data) {
     cell(row, w.worker_id, "text"); cell(row, w.role, "text"); cell(row, w.pool, "text");
     cell(row, w.tensor_parallel_size + " x " + w.pipeline_parallel_size);
     cell(row, w.num_running); cell(row, w.num_waiting); bar(row, w.kv_cache_usage);
-    cell(row, pct(w.prefix_hit_ratio)); cell(row, w.num_device_cached_blocks + " / " + w.num_host_cached_blocks);
+    cell(row, pct(w.prefix_hit_ratio)); cell(row, w.num_device_cached_blocks + " / " + w.num_store_loaded_blocks);
     cell(row, w.num_transfers_in_flight);
     cell(row, w.num_accepted_tokens + " / " + w.num_draft_tokens); cell(row, w.num_preemptions);
   }

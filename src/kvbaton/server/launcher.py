@@ -72,7 +72,6 @@ class ServeConfig:
     device: str = "cpu"  # every worker's (kvbaton.model.device); with Ray GPUs, "cuda" is each worker's own GPU
     block_size: int = 16
     num_blocks: int = 2048  # per worker
-    host_num_blocks: int = 0  # per worker: the prefix cache's host tier (kvbaton.cache.host_tier); 0 = off
     # This host's KV store node (kvbaton.server.store_server): DRAM in GB (0 = none; None = `auto_store_gb`, what
     # `kvbaton serve` takes unless told) and its disk tier "DIR:GB".
     kv_store_gb: float | None = 0.0
@@ -209,7 +208,6 @@ def worker_args(config: ServeConfig, router_address: str, worker_id: str, role: 
     return ["--role", role, "--router", router_address,
             "--model", config.model, "--worker-id", worker_id, "--dtype", config.dtype, "--device", config.device,
             "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
-            "--host-num-blocks", str(config.host_num_blocks),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed),
             "--speculative-tokens", str(config.num_speculative_tokens), *(["--warm-up"] if config.warm_up else []),
             "--threads", str(config.num_threads_per_worker), "--kv-transport", config.kv_transport,
@@ -238,11 +236,11 @@ def auto_store_gb(config: ServeConfig, block_bytes: int, shm_directory: str = SH
     """The store node's DRAM when `kvbaton serve` is not told (`--kv-store-gb auto`): twice the KV pools of the
     workers it starts (every host a store node by default; SGLang's HiCache sizes its host pool at 2x the device
     pool), or of `num_workers` of them (with Ray, those placed on its node), at most half of what `shm_directory`
-    has free (the node's DRAM is a file there, filled as blocks come); 0, no store, when the host tier is asked for
-    instead (`--host-num-blocks`), with no worker (a joined router), or without that directory."""
+    has free (the node's DRAM is a file there, filled as blocks come); 0, no store, with no worker (a joined router)
+    or without that directory."""
     if num_workers is None:
         num_workers = config.num_workers + config.num_prefill + config.num_decode
-    if config.host_num_blocks or not num_workers:
+    if not num_workers:
         return 0.0
     return shm_capped_gb(auto_store_bytes(config, block_bytes, num_workers), block_bytes, shm_directory)
 

@@ -106,9 +106,9 @@ class ClusterCollector(Collector):
         for name in ("num_draft_tokens", "num_accepted_tokens"):  # counters, as vLLM's (a worker leaving keeps its)
             yield CounterMetricFamily(f"{PREFIX}spec_decode_{name}", f"Speculative decoding: {name.replace('_', ' ')}.",
                                       value=_number(spec_decode.get(name)))  # type: ignore[union-attr]
-        for name in ("num_cached_blocks", "num_loaded_blocks", "num_saved_blocks"):  # the prefix cache's host tier
-            total = sum(_number((w.get("host_kv_cache") or {}).get(name)) for w in workers)  # type: ignore[union-attr]
-            yield GaugeMetricFamily(f"{PREFIX}host_kv_cache_{name}", f"Host KV tier: {name.replace('_', ' ')} "
+        for name in ("num_loaded_blocks", "num_saved_blocks"):  # the workers' loads from and saves to the KV store
+            total = sum(_number((w.get("kv_store") or {}).get(name)) for w in workers)  # type: ignore[union-attr]
+            yield GaugeMetricFamily(f"{PREFIX}kv_store_{name}", f"KV store: {name.replace('_', ' ')} by the workers "
                                     "(summed over the live workers).", value=total)
         transfers = info.get("transfers", {}) or {}
         for name, value in sorted(transfers.items()):  # type: ignore[union-attr]

@@ -109,10 +109,9 @@ class Stats:
     # Speculative decoding, cumulative: draft tokens proposed, and those the model accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # The prefix cache's host tier: blocks held now, blocks loaded back and saved out so far (0 without one).
-    num_host_cached_blocks: int = 0
-    num_host_loaded_blocks: int = 0
-    num_host_saved_blocks: int = 0
+    # The worker's blocks loaded from and written to the KV store so far (0 without one).
+    num_store_loaded_blocks: int = 0
+    num_store_saved_blocks: int = 0
     num_evictable_blocks: int = 0  # of num_used_blocks, those only the prefix cache holds (no request)
     # Loads from the cluster KV store, cumulative (kvbaton.engine.store_io `load_totals`): bytes brought into the
     # KV pool and seconds they took (acquire + copy), over the transport the worker reaches its node by ("shm" |

@@ -33,11 +33,13 @@ from urllib.parse import urlsplit
 import msgpack
 import zmq
 
-from kvbaton.cache.kv_store import StoreEvent
+from kvbaton.cache.kv_store import StoreEvent, capacity_blocks
 from kvbaton.core.cluster_secret import ClusterSecret
+from kvbaton.core.errors import InvalidRequestError
 from kvbaton.engine.store_io import StoreUnavailable
 from kvbaton.server.rpc_auth import secure_dealer
-from kvbaton.server.store_server import STORE_CHANNEL
+from kvbaton.server.store_node import StoreNodeState
+from kvbaton.server.store_server import STORE_CHANNEL, StoreServer, disk_tier
 from kvbaton.transfer.store_slots import UNLEASED_READS, host_id
 from kvbaton.transfer.store_tcp import StoreLinkError, StoreTcpLink
 
@@ -196,6 +198,10 @@ class StoreClient:
     def stats(self) -> dict:
         return self._call({"op": "stats"})
 
+    def clear(self) -> int:
+        """Drop every block the node holds that no load pins; returns how many."""
+        return int(self._call({"op": "clear"})["num_cleared"])
+
     def events_since(self, seq: int) -> dict:
         return self._call({"op": "events", "since": seq})
 
@@ -241,6 +247,34 @@ class StoreClient:
                     raise StoreUnavailable(f"store node {self.address}: {reply['error']}")
                 self._down_until = 0.0
                 return reply
+
+
+class LocalStoreNode:
+    """A store node on a thread of this process, on 127.0.0.1 under a secret of its own: an offline `LLM`'s
+    (`kvbaton.llm`, `kv_store_gb`), the DRAM tier past its KV pool (and disk past that, `disk` "DIR:GB"), with
+    the live data path's asynchronous loads and saves. `link` is its engine's connection (built on the store IO
+    thread); `stop` ends the node and frees its shared memory."""
+
+    def __init__(self, block_bytes: int, block_tokens: int, block_rows: int, dram_gb: float, disk: str = "") -> None:
+        dram_blocks = capacity_blocks(dram_gb, block_bytes)
+        if dram_blocks < 1:
+            raise InvalidRequestError(f"kv_store_gb {dram_gb:g} holds no KV block ({block_bytes} bytes each)")
+        disk_files = disk_tier(disk, block_bytes) if disk else None
+        self.secret = ClusterSecret.generate()
+        self.server = StoreServer(StoreNodeState(block_bytes, block_tokens, dram_blocks, disk_files,
+                                                 block_rows=block_rows), self.secret)
+        self.address = self.server.address
+        self._thread: threading.Thread | None = self.server.start_thread()
+
+    def link(self) -> StoreClient:
+        return StoreClient(self.address, self.secret)
+
+    def stop(self) -> None:
+        """Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self.server.stop()
+            thread.join(timeout=10)
 
 
 class KnownStoreNodes:
@@ -328,6 +362,10 @@ class StoreNodes:
 
     def stats(self) -> dict:
         return self.local.stats()
+
+    def clear(self) -> int:
+        """The local node's (`StoreClient.clear`): the other nodes' are emptied by their own hosts' workers."""
+        return self.local.clear()
 
     def close(self) -> None:
         for client in (self.local, *self._remotes.values()):

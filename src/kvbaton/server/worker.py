@@ -72,7 +72,6 @@ class WorkerConfig:
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int = 2048
-    host_num_blocks: int = 0  # the prefix cache's host tier (kvbaton.cache.host_tier); 0 = off
     max_num_batched_tokens: int = 512
     num_speculative_tokens: int = 0  # prompt-lookup speculative decoding (scheduler/spec_decode.py); 0 = off
     enable_prefix_cache: bool = True
@@ -291,7 +290,7 @@ class Worker:
             model=cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size,
             rank_num_threads=cfg.num_threads,
-            cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_cache, cfg.host_num_blocks),
+            cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_cache),
             scheduler=SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, queue_policy=queue_policy,
                                       num_speculative_tokens=cfg.num_speculative_tokens),
         )
@@ -450,7 +449,7 @@ class Worker:
         elif isinstance(message, rpc.SnapshotRequest):
             self._send_snapshot(link)
         elif isinstance(message, rpc.ResetPrefixCache):
-            engine.reset_prefix_cache()  # its KV events go out with the next heartbeat
+            engine.reset_prefix_cache(clear_store=True)  # KV events go out with the next heartbeat; the node clears soon
         elif isinstance(message, rpc.Shutdown):
             others = [other for other in self._links.registered if other is not link]
             if others:  # one router of several stops: end its requests, then leave it; the others are served on
@@ -623,8 +622,8 @@ class Worker:
             self.config.worker_id, s.num_waiting, s.num_running, s.num_queued_prefill_tokens, s.num_used_blocks,
             s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens,
             s.num_preemptions, s.num_steps, now, self._invariant_error, *self._transfer_stats(),
-            engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens, s.num_host_cached_blocks,
-            s.num_host_loaded_blocks, s.num_host_saved_blocks, s.num_evictable_blocks, *self._store_load_stats())
+            engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens,
+            s.num_store_loaded_blocks, s.num_store_saved_blocks, s.num_evictable_blocks, *self._store_load_stats())
         self._links.broadcast(stats if events is None else rpc.Heartbeat(events, stats))
 
     def _store_load_stats(self) -> tuple[int, float, str, int, float]:

@@ -22,7 +22,7 @@ class GpuSpec:
     mem_bytes_per_s: float  # HBM/GDDR bandwidth
     mem_bytes: int  # device memory
     intra_node_link: str  # link preset between GPUs of one node (kvbaton.sim.links)
-    host_link: str  # link preset between one GPU and host memory (the host KV tier's copies)
+    host_link: str  # link preset between one GPU and host memory (the KV store's loads: `run.store_settings`)
     tdp_w: float = 0.0  # board power at full load (watts)
     price_per_hour: float = 0.0  # USD per GPU-hour, default table (kvbaton.sim.hardware.DEFAULT_PRICE_SOURCES)
     # Fraction of TDP the GPU is held to (kvbaton.sim.hardware.capped): flops_per_s and mem_bytes_per_s above are

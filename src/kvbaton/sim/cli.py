@@ -53,10 +53,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=0, help="0: the model's context length")
     parser.add_argument("--no-prefix-cache", action="store_true")
-    parser.add_argument("--host-kv-gb", type=float, default=0.0, metavar="G",
-                        help="host memory per worker (GB) for a host KV tier: the prefix cache keeps what the GPU "
-                             "evicts there and copies it back over the GPU's PCIe link when the prefix returns, the "
-                             "copies adding to the step's time (0: no tier)")
+    # Gone (the host tier): kept, hidden, to name its replacement (`run_sim`).
+    parser.add_argument("--host-kv-gb", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--kv-store-gb", type=float, default=0.0, metavar="G",
                         help="cluster KV store: host DRAM per worker's node (GB), pooled across the cluster; new "
                              "blocks are written through and prefix hits past the GPU are loaded from wherever they "
@@ -64,6 +62,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                              "conductor to place by predicted TTFT with the loads)")
     parser.add_argument("--kv-store-disk-gb", type=float, default=0.0, metavar="D",
                         help="cluster KV store: local disk per node (GB), below its DRAM")
+    parser.add_argument("--kv-store-private", action="store_true",
+                        help="cluster KV store: each worker's node serves that worker alone (islands: it keeps and "
+                             "reads back only what its worker wrote, nothing crosses the NIC)")
     parser.add_argument("--lose-store-node", action="append", default=[], metavar="NODE@T[:BACK]",
                         help="cluster KV store: the store node of worker NODE's host is lost at T simulated seconds "
                              "with all it holds (and back, empty, at BACK); repeatable")
@@ -122,8 +123,9 @@ def _setup(args: argparse.Namespace, policy: str) -> SimSetup:
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                     max_model_len=args.max_model_len, admission=args.admission, adaptive_pools=args.adaptive_pools,
                     admission_slo=(args.ttft_slo, args.tpot_slo) if args.ttft_slo is not None else None,
-                    reserve_ahead_tokens=args.reserve_ahead_tokens, host_kv_gb=args.host_kv_gb,
+                    reserve_ahead_tokens=args.reserve_ahead_tokens,
                     kv_store_gb=args.kv_store_gb, kv_store_disk_gb=args.kv_store_disk_gb,
+                    kv_store_private=args.kv_store_private,
                     store_node_losses=tuple(StoreNodeLoss.parse(text) for text in args.lose_store_node),
                     num_speculative_tokens=args.speculative_tokens, spec_max_running=args.spec_max_running,
                     output_copy_fraction=args.output_copy_fraction, output_copy_span=args.output_copy_span)
@@ -136,6 +138,11 @@ def run_sim(args: argparse.Namespace) -> int:
     from kvbaton.bench.workloads import create_workload
     from kvbaton.router.policies import POLICY_NAMES
 
+    if args.host_kv_gb is not None:
+        gb = args.host_kv_gb
+        raise InvalidRequestError(f"--host-kv-gb is gone: the KV store's DRAM tier took the host tier's place: "
+                                  f"--kv-store-gb {gb} (shared, Mooncake's store) or --kv-store-gb {gb} "
+                                  "--kv-store-private (each worker's own node: islands)")
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown or not policies:
@@ -175,8 +182,8 @@ def run_sim(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {
         "simulator": {"model": args.model, "gpu": args.gpu, "cluster": args.cluster, "cost_model": args.cost_model,
                       "num_blocks_per_worker": next(iter(results.values())).num_blocks_per_worker,
-                      "host_kv_gb": args.host_kv_gb, "kv_store_gb": args.kv_store_gb,
-                      "kv_store_disk_gb": args.kv_store_disk_gb, "speculative_tokens": args.speculative_tokens,
+                      "kv_store_gb": args.kv_store_gb, "kv_store_disk_gb": args.kv_store_disk_gb,
+                      "kv_store_private": args.kv_store_private, "speculative_tokens": args.speculative_tokens,
                       "spec_max_running": args.spec_max_running, "output_copy_fraction": args.output_copy_fraction,
                       "output_copy_span": args.output_copy_span,
                       **_fleet_figures(args.cluster, args.gpu, args.cost_model)},

@@ -53,7 +53,7 @@ from kvbaton.sim.costs.base import CostModel
 from kvbaton.sim.flight import Flight
 from kvbaton.sim.config import SimConfig, StoreReport, WorkerHardware, WorkerReport
 from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs, check_same_layout
-from kvbaton.sim.links import LinkSpec, get_link
+from kvbaton.sim.links import get_link
 from kvbaton.sim.prompts import SimPrompts
 from kvbaton.sim.spec import ClusterSpec, WorkerSpec
 from kvbaton.sim.store_io import StoreLinks, kv_read_s_per_token, router_prefill_model
@@ -77,10 +77,9 @@ class ClusterSim:
         self.cost_model = cost_model
         self.config = config
         sched = config.scheduler or SchedulerConfig(queue_policy=local_queue_policy(config.policy))
-        # Decode workers keep no prefix cache (nor its host tier): their KV arrives by handoff into reserved blocks,
+        # Decode workers keep no prefix cache (nor a store node): their KV arrives by handoff into reserved blocks,
         # so a cache would only hold finished requests' blocks until reservations evict them.
-        decode_cache = replace(config.cache, enable_prefix_cache=False, host_num_blocks=0)
-        host_link = get_link(config.host_link)
+        decode_cache = replace(config.cache, enable_prefix_cache=False)
         hardware = hardware or {}
         costs = {w.worker_id: hardware[w.worker_id].cost_model if w.worker_id in hardware else cost_model
                  for w in spec.workers}
@@ -91,30 +90,32 @@ class ClusterSim:
             own = hardware.get(worker.worker_id)
             return cache if own is None else replace(cache, num_blocks=own.num_blocks)
 
-        def host_link_of(worker: WorkerSpec) -> LinkSpec:
-            own = hardware.get(worker.worker_id)
-            return get_link(own.host_link) if own is not None and own.host_link else host_link
-
         self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
-        # The cluster KV store: one node per front worker's host, named by the worker's id.
-        self.store = (KVStore(StoreConfig(config.store_dram_blocks, config.store_disk_blocks), self.front_ids)
-                      if config.store_prices is not None else None)
+        # The KV store: one node per front worker's host, named by the worker's id, and per node the store holding
+        # it: one store over every node (shared), or with `store_private` one per node, its worker's alone (islands).
+        self.store_of: dict[str, KVStore] = {}
+        if config.store_prices is not None:
+            store_config = StoreConfig(config.store_dram_blocks, config.store_disk_blocks)
+            if config.store_private:
+                self.store_of = {wid: KVStore(store_config, [wid]) for wid in self.front_ids}
+            else:
+                shared = KVStore(store_config, self.front_ids)
+                self.store_of = dict.fromkeys(self.front_ids, shared)
         # Its links (each node's NIC and disk), which loads from every worker share: they queue for them.
         self.store_links = StoreLinks(config.store_prices) if config.store_prices is not None else None
         back_at: dict[str, float | None] = {}  # per node, when its last loss so far ends
         for loss in sorted(config.store_node_losses, key=lambda loss: loss.at_s):
-            if self.store is None or loss.node_id not in self.front_ids:
+            if loss.node_id not in self.store_of:
                 raise InvalidRequestError(f"no store node {loss.node_id!r} to lose: the store's nodes are the mixed "
                                           f"and prefill workers' hosts ({', '.join(self.front_ids)})"
-                                          if self.store is not None else "a store node loss needs a KV store")
+                                          if self.store_of else "a store node loss needs a KV store")
             if loss.node_id in back_at and (back_at[loss.node_id] is None or back_at[loss.node_id] >= loss.at_s):
                 raise InvalidRequestError(f"store node {loss.node_id} is lost at {loss.at_s} s while lost already")
             back_at[loss.node_id] = loss.back_at_s
         self.num_store_node_losses = 0
         self.workers = {w.worker_id: SimWorker(w, sched, cache_of(w), config.cache_key, costs[w.worker_id], token_for,
-                                               random.Random(f"{config.seed}:{w.worker_id}"), host_link_of(w),
-                                               self.store if w.role != "decode" else None, config.store_prices,
-                                               self.store_links)
+                                               random.Random(f"{config.seed}:{w.worker_id}"),
+                                               self.store_of.get(w.worker_id), config.store_prices, self.store_links)
                         for w in spec.workers}
         for rank, worker in enumerate(self.workers.values(), start=1):  # simultaneous step ends: in worker order
             worker.rank = rank
@@ -127,6 +128,7 @@ class ClusterSim:
                             local_prefill_threshold_tokens=config.local_prefill_threshold_tokens,
                             kv_bytes_per_token=cost_model.kv_bytes_per_token,
                             reserve_ahead_tokens=config.reserve_ahead_tokens, store_prices=config.store_prices,
+                            store_private=config.store_private,
                             **self._calibration(cost_model, sched, config)),
             admission, pools)
         self._tracks_tokens = self.placement.tracks_tokens
@@ -143,7 +145,7 @@ class ClusterSim:
         # Runs of quiet decode steps (SimWorker.start_step), except with the store, whose loads and saves land on any
         # worker at any time. Whatever reads the router's state first hears the runs' steps that ended
         # (`_hear_runs`); whatever changes a worker mid-run first cuts its run at the step in flight (`_settle`).
-        self._decode_runs = config.decode_runs and self.store is None
+        self._decode_runs = config.decode_runs and not self.store_of
         self._runs: dict[str, SimWorker] = {}  # the workers whose step in flight is a run
         self._rank = 0  # the rank of the event being handled (time, rank, seq): 0 but for a worker's step end
         self.now = 0.0
@@ -168,7 +170,7 @@ class ClusterSim:
     def _calibration(self, cost_model: CostModel, sched: SchedulerConfig, config: SimConfig) -> dict[str, object]:
         """The router's time models fitted to the cost model, for placements that weigh seconds of this GPU (the
         store's loads, the conductor's TTFT); other runs keep the router's defaults, as before the store."""
-        if self.store is None and config.policy != "conductor":
+        if not self.store_of and config.policy != "conductor":
             return {}
         parallel = self.spec.workers[0].parallel
         return {"prefill_model": router_prefill_model(cost_model, parallel, config.max_model_len),
@@ -369,10 +371,9 @@ class ClusterSim:
 
     def _on_store_node(self, node_id: str, back: bool, now: float) -> None:
         """The store node of `node_id`'s host is lost with all it holds (its worker serves on, and recomputes what it
-        would have loaded; writes go to other nodes), or back, empty. The router hears it with the heartbeat that
-        follows at once, as the node's CLEARED event."""
-        store = self.store
-        assert store is not None
+        would have loaded; its writes go to other nodes, or with a private store nowhere), or back, empty. The router
+        hears it with the heartbeat that follows at once, as the node's CLEARED event."""
+        store = self.store_of[node_id]
         if back:
             store.add_node(node_id)
         else:
@@ -452,7 +453,7 @@ class ClusterSim:
             events = worker.cache.take_events()
             if events and not placement.on_kv_events(worker.worker_id, events):
                 placement.apply_snapshot(worker.worker_id, worker.cache.snapshot())
-        store = self.store
+        store = self.store_of.get(worker.worker_id)
         if store is not None:  # the worker's host is a store node: its events travel with the heartbeat
             events = store.take_events(worker.worker_id)
             if events and not placement.on_store_events(worker.worker_id, events):
@@ -476,14 +477,15 @@ class ClusterSim:
 
     def store_report(self) -> StoreReport | None:
         """What the cluster KV store did over the run (None: no store)."""
-        store, links = self.store, self.store_links
-        if store is None or links is None:
+        links = self.store_links
+        if not self.store_of or links is None:
             return None
         tiers = [w.cache.tier for w in self.workers.values()
                  if w.cache is not None and isinstance(w.cache.tier, StoreTier)]
+        stores = list(self.store_of.values()) if self.config.store_private else [self.store_of[self.front_ids[0]]]
         return StoreReport(sum(t.num_loaded_blocks for t in tiers), sum(t.num_remote_loaded_blocks for t in tiers),
-                           sum(t.num_saved_blocks for t in tiers), store.num_dropped_puts, links.num_waits,
-                           links.wait_s, self.num_store_node_losses)
+                           sum(t.num_saved_blocks for t in tiers), sum(s.num_dropped_puts for s in stores),
+                           links.num_waits, links.wait_s, self.num_store_node_losses)
 
     def worker_reports(self) -> list[WorkerReport]:
         reports = []

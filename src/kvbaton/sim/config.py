@@ -68,14 +68,14 @@ class SimConfig:
     # adopts the KV, between its steps (kvbaton's live path); "prefill" — as the prefill worker samples it
     # (DistServe's metric, which the planner reproduces).
     first_token_at: str = "decode"
-    # One GPU's link to host memory (a kvbaton.sim.links preset), which the host KV tier's copies take when
-    # `cache.host_num_blocks` > 0; `build_sim` takes it from the GPU catalog.
-    host_link: str = "host-pcie5"
     # The cluster KV store (kvbaton.cache.kv_store): with prices, every mixed or prefill worker's host is a store
     # node of this many DRAM and disk blocks, written through and read for prefix hits past the device.
     store_prices: StorePrices | None = None
     store_dram_blocks: int = 0
     store_disk_blocks: int = 0
+    # One store over all the nodes (Mooncake's), or with `store_private` one per worker holding its own node only:
+    # islands, each worker keeping and reading back only what it wrote, nothing across the NIC.
+    store_private: bool = False
     store_node_losses: tuple[StoreNodeLoss, ...] = ()  # store nodes lost mid-run (and back, empty)
     # Apply runs of quiet decode steps at once (kvbaton.sim.worker; the same figures): False steps them one by one.
     decode_runs: bool = True
@@ -94,7 +94,6 @@ class WorkerHardware:
 
     cost_model: CostModel
     num_blocks: int
-    host_link: str = ""  # its GPU's link to host memory (a kvbaton.sim.links preset); "": SimConfig.host_link
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +105,8 @@ class WorkerReport:
     num_preemptions: int
     prefix_cache_hits_tokens: int
     prefix_cache_queries_tokens: int
-    host_loaded_blocks: int = 0  # host KV tier -> device copies (promotions), in blocks
-    host_saved_blocks: int = 0  # device -> host KV tier copies (demotions), in blocks
+    store_loaded_blocks: int = 0  # KV store -> device loads (prefix hits past the device), in blocks
+    store_saved_blocks: int = 0  # device -> KV store writes (write-through of new blocks), in blocks
     num_draft_tokens: int = 0  # speculative decoding: drafts proposed
     num_accepted_tokens: int = 0  # and accepted
 

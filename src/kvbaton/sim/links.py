@@ -3,9 +3,9 @@
 A transfer of B bytes that starts when the link frees up takes `latency_s + B / bytes_per_s`.
 Presets are nominal one-direction figures: NVLink per GPU (A100: 300 GB/s, H100: 450 GB/s),
 PCIe 4.0 x16, InfiniBand HDR (200 Gb/s) and 100 Gb Ethernet. The `host-pcie*` presets are one GPU's
-link to host memory for the host KV tier (`kvbaton.sim.host_link`): effective pinned-memory copy rates
-of PCIe 4.0 and 5.0 x16 (about 25 and 50 GB/s, below the nominal 32 and 64), and a copy's launch and
-synchronization (~10 us).
+link to host memory, which the KV store's loads cross (`kvbaton.cache.store_prices`): effective
+pinned-memory copy rates of PCIe 4.0 and 5.0 x16 (about 25 and 50 GB/s, below the nominal 32 and 64),
+and a copy's launch and synchronization (~10 us).
 """
 
 from __future__ import annotations

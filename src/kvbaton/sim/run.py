@@ -3,12 +3,11 @@
 `SimSetup` is what `kvbaton sim` and the benchmarks describe a run with; `simulate` builds the
 cost model, sizes each worker's KV pool from the GPU's memory (catalog models) unless
 `num_blocks` is given, runs `ClusterSim` and returns the records with per-worker figures.
-`host_kv_gb` gives each worker with a prefix cache a host-memory KV tier of that size, whose copies
-take the GPU's host link (`GpuSpec.host_link`, `kvbaton.sim.host_link`). A cluster spec naming pools' own GPUs
-or power caps (`2P3D:gpu_p=h100,gpu_d=a100,cap_d=0.7`) prices and sizes each such pool from its own GPU
-(`worker_hardware`); the others run on `gpu`.
-`kv_store_gb` / `kv_store_disk_gb` instead give the cluster one KV store over every front worker's node
-(`kvbaton.cache.kv_store`), its loads priced over the host link, the NIC and the disk (`store_settings`).
+A cluster spec naming pools' own GPUs or power caps (`2P3D:gpu_p=h100,gpu_d=a100,cap_d=0.7`) prices and
+sizes each such pool from its own GPU (`worker_hardware`); the others run on `gpu`.
+`kv_store_gb` / `kv_store_disk_gb` give the cluster one KV store over every front worker's node
+(`kvbaton.cache.kv_store`), its loads priced over the GPU's host link (`GpuSpec.host_link`), the NIC and
+the disk (`store_settings`); with `kv_store_private` each worker's node serves that worker alone (islands).
 """
 
 from __future__ import annotations
@@ -73,11 +72,13 @@ class SimSetup:
     spec_max_running: int | None = None
     output_copy_fraction: float = 0.0
     output_copy_span: float = 16.0
-    host_kv_gb: float = 0.0  # host memory per worker for the prefix cache's host tier (1e9 bytes); 0: no tier
     # The cluster KV store (kvbaton.cache.kv_store): DRAM and disk per front worker's node (1e9 bytes); 0 and 0: none.
     # Its loads cross the GPU's host link, `store_nic` between nodes and a disk of `store_disk_gb_per_s`.
     kv_store_gb: float = 0.0
     kv_store_disk_gb: float = 0.0
+    # Each worker's node serves that worker alone (islands: a store per worker, the router told the same); False:
+    # one store over all the nodes (Mooncake's).
+    kv_store_private: bool = False
     store_nic: str = "infiniband"
     store_disk_gb_per_s: float = 5.0
     store_node_losses: tuple[StoreNodeLoss, ...] = ()  # store nodes lost mid-run (and back, empty)
@@ -112,22 +113,19 @@ def check_setup(setup: SimSetup) -> None:
     for name, value in non_negative.items():
         if value < 0:
             raise InvalidRequestError(f"{name} must be >= 0, got {value}")
-    if not (math.isfinite(setup.host_kv_gb) and setup.host_kv_gb >= 0):
-        raise InvalidRequestError(f"host_kv_gb must be a finite number >= 0, got {setup.host_kv_gb}")
     for name, gb in (("kv_store_gb", setup.kv_store_gb), ("kv_store_disk_gb", setup.kv_store_disk_gb),
                      ("store_disk_gb_per_s", setup.store_disk_gb_per_s)):
         if not (math.isfinite(gb) and gb >= 0):
             raise InvalidRequestError(f"{name} must be a finite number >= 0, got {gb}")
-    if (setup.kv_store_gb or setup.kv_store_disk_gb) and (setup.host_kv_gb or not setup.enable_prefix_cache):
-        raise InvalidRequestError("the KV store needs the prefix cache and takes the host tier's place: "
-                                  "give kv_store_gb or host_kv_gb, not both")
-    if setup.store_node_losses and not (setup.kv_store_gb or setup.kv_store_disk_gb):
+    has_store = bool(setup.kv_store_gb or setup.kv_store_disk_gb)
+    if has_store and not setup.enable_prefix_cache:
+        raise InvalidRequestError("the KV store needs the prefix cache (the store is its tier past the device)")
+    if setup.store_node_losses and not has_store:
         raise InvalidRequestError("a store node loss needs a KV store (kv_store_gb or kv_store_disk_gb)")
+    if setup.kv_store_private and not has_store:
+        raise InvalidRequestError("kv_store_private needs a KV store (kv_store_gb or kv_store_disk_gb)")
     if setup.kv_store_disk_gb and not setup.store_disk_gb_per_s > 0:
         raise InvalidRequestError("a store disk needs store_disk_gb_per_s > 0")
-    if setup.host_kv_gb and not setup.enable_prefix_cache:
-        raise InvalidRequestError(f"host_kv_gb {setup.host_kv_gb:g} needs the prefix cache (it holds what the prefix "
-                                  "cache evicts)")
     if not 0.0 <= setup.output_copy_fraction <= 1.0:
         raise InvalidRequestError(f"output_copy_fraction must be in [0, 1], got {setup.output_copy_fraction}")
     if not (math.isfinite(setup.output_copy_span) and setup.output_copy_span >= 1.0):
@@ -170,23 +168,9 @@ def worker_hardware(setup: SimSetup, spec: ClusterSpec) -> dict[str, WorkerHardw
     own: dict[str, WorkerHardware] = {}
     for gpu, cap in spec.hardware[1:]:
         cost_model = create_cost_model(setup.cost_model, setup.model, gpu, cap)
-        pool = WorkerHardware(cost_model, kv_blocks_for(setup, spec, cost_model, gpu), get_gpu(gpu).host_link)
+        pool = WorkerHardware(cost_model, kv_blocks_for(setup, spec, cost_model, gpu))
         own.update({w.worker_id: pool for w in spec.workers if (w.gpu, w.power_cap) == (gpu, cap)})
     return own
-
-
-def host_kv_blocks_for(setup: SimSetup, cost_model: CostModel) -> int:
-    """Host-tier blocks one worker holds: `host_kv_gb` over the bytes of one block (0: no tier)."""
-    if setup.host_kv_gb < 0:
-        raise InvalidRequestError(f"host_kv_gb must be >= 0, got {setup.host_kv_gb}")
-    if setup.host_kv_gb == 0:
-        return 0
-    if cost_model.kv_bytes_per_token <= 0:
-        raise InvalidRequestError(f"a host KV tier needs the KV bytes per token, which {cost_model.name} lacks")
-    num_blocks = int(setup.host_kv_gb * 1e9 // (cost_model.kv_bytes_per_token * setup.block_size))
-    if num_blocks < 1:
-        raise InvalidRequestError(f"host_kv_gb {setup.host_kv_gb} holds no KV block of {setup.model}")
-    return num_blocks
 
 
 def store_settings(setup: SimSetup, cost_model: CostModel) -> dict[str, Any]:
@@ -200,7 +184,7 @@ def store_settings(setup: SimSetup, cost_model: CostModel) -> dict[str, Any]:
                          max(host.latency_s, nic.latency_s))
     return {"store_prices": prices, "store_dram_blocks": capacity_blocks(setup.kv_store_gb, block_bytes),
             "store_disk_blocks": capacity_blocks(setup.kv_store_disk_gb, block_bytes),
-            "store_node_losses": setup.store_node_losses}
+            "store_private": setup.kv_store_private, "store_node_losses": setup.store_node_losses}
 
 
 def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
@@ -221,12 +205,11 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
     num_blocks = kv_blocks_for(setup, spec, cost_model, base_gpu)
     hardware = worker_hardware(setup, spec)
     own_costs = {wid: hw.cost_model for wid, hw in hardware.items()}
-    host_num_blocks = host_kv_blocks_for(setup, cost_model)
     max_model_len = setup.max_model_len or (model.max_context_tokens if model else 8192)
     config = SimConfig(
         policy=setup.policy, seed=setup.seed,
         cache=CacheConfig(block_size=setup.block_size, num_blocks=num_blocks,
-                          enable_prefix_cache=setup.enable_prefix_cache, host_num_blocks=host_num_blocks),
+                          enable_prefix_cache=setup.enable_prefix_cache),
         scheduler=SchedulerConfig(max_num_batched_tokens=setup.max_num_batched_tokens,
                                   max_num_seqs=setup.max_num_seqs, queue_policy=local_queue_policy(setup.policy),
                                   num_speculative_tokens=setup.num_speculative_tokens,
@@ -236,9 +219,6 @@ def build_sim(setup: SimSetup) -> tuple[ClusterSim, ClusterSpec, int]:
         reserve_ahead_tokens=setup.reserve_ahead_tokens,
         local_prefill_threshold_tokens=setup.local_prefill_threshold_tokens, max_num_waiting=setup.max_num_waiting,
         decode_runs=setup.decode_runs)
-    if host_num_blocks:
-        config = replace(config, host_link=get_gpu(base_gpu).host_link)
-        config = replace(config, host_link=get_gpu(setup.gpu).host_link)
     if setup.kv_store_gb or setup.kv_store_disk_gb:
         config = replace(config, **store_settings(setup, cost_model))
     admission = pools = None

@@ -2,8 +2,8 @@
 
 Loads (`kvbaton.cache.store_tier.StoreTier.load`, inside the scheduler's admission) are priced by the
 shared `StorePrices` (host link per GPU, the NIC when the block is on another node, the disk when it is
-on disk) and charged to the worker's next step, serial with its compute, as the host tier's copies are
-(`kvbaton.sim.host_link`): conservative, where a live worker overlaps loads with other requests' steps.
+on disk) and charged to the worker's next step, serial with its compute: conservative, where a live worker
+overlaps loads with other requests' steps.
 Saves (write-through) are counted, not charged: they are asynchronous and never delay a step.
 
 The links a load shares with other workers' loads are `StoreLinks`: each node's NIC, one way out and one

@@ -8,15 +8,12 @@ that (`CostModel.decode_pricer`) without reading its chunks. Sampled tokens are
 deterministic: `token_for(request_id, output_index)` (by default 100 + index mod 1000, never an
 end-of-sequence id in the workloads, which run with ignore_eos and an exact output length).
 
-With a host KV tier (`CacheConfig.host_num_blocks`), the radix cache demotes what it evicts into a
-`HostTier` whose copies a `HostLink` prices (`kvbaton.sim.host_link`); they are charged to the next
-step, serial with its compute (the step-time noise scales the whole step). With the cluster KV store
-(`store`), a `StoreTier` takes the host tier's place: new blocks are written through, prefix hits past the
-device are loaded from the store, priced by `SimStoreIO` over the links all workers share (`store_links`) and
-charged the same way. Only
-`scheduler.schedule` copies: its admissions promote blocks and its evictions demote them; a handoff
-is adopted into blocks its reservation holds, with no eviction; any copy made elsewhere waits for
-the next step.
+With the cluster KV store (`store`: the cluster's, or this worker's own with a private store), a `StoreTier`
+is the radix cache's tier past the device: new blocks are written through, prefix hits past the device are
+loaded from the store, priced by `SimStoreIO` over the links all workers share (`store_links`) and charged to
+the next step, serial with its compute (the step-time noise scales the whole step). Only `scheduler.schedule`
+loads: its admissions bring store blocks in; a handoff is adopted into blocks its reservation holds, with no
+load; any load made elsewhere waits for the next step.
 
 A run of quiet decode steps (`LocalScheduler.quiet_decode_steps`: the same requests only decode, no block
 fills or is added, nobody stops) that all end before `until` (the cluster's next lease expiry, if any) is
@@ -41,7 +38,6 @@ from collections.abc import Callable
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.hashing import CacheKey
-from kvbaton.cache.host_tier import HostTier
 from kvbaton.cache.kv_store import KVStore
 from kvbaton.cache.store_prices import StorePrices
 from kvbaton.cache.store_tier import StoreTier
@@ -53,8 +49,6 @@ from kvbaton.router.load import WorkerStats
 from kvbaton.scheduler.local_scheduler import LocalScheduler
 from kvbaton.scheduler.outputs import TokenOutput
 from kvbaton.sim.costs.base import CostModel
-from kvbaton.sim.host_link import HostLink
-from kvbaton.sim.links import LinkSpec
 from kvbaton.sim.spec import WorkerSpec
 from kvbaton.sim.store_io import SimStoreIO, StoreLinks
 
@@ -84,27 +78,20 @@ def default_token(request_id: str, output_index: int) -> int:
 class SimWorker:
     def __init__(self, spec: WorkerSpec, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  cache_key: CacheKey, cost_model: CostModel, token_for: TokenFn | None = None,
-                 rng: random.Random | None = None, host_link: LinkSpec | None = None,
-                 store: KVStore | None = None, store_prices: StorePrices | None = None,
-                 store_links: StoreLinks | None = None) -> None:
+                 rng: random.Random | None = None, store: KVStore | None = None,
+                 store_prices: StorePrices | None = None, store_links: StoreLinks | None = None) -> None:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.pool = BlockPool(cache_config.num_blocks)
-        # The host tier's copies, counted and priced (None: no host tier); `host_link` is one GPU's link to host.
-        self.host_link: HostLink | SimStoreIO | None = None
+        # The store's loads and saves, counted and priced (None: no store); this worker's host is the store node
+        # of its id.
+        self.store_io: SimStoreIO | None = None
         tier = None
-        if cache_config.enable_prefix_cache and cache_config.host_num_blocks > 0:
-            if host_link is None:
-                raise ValueError("a host KV tier needs the host link it copies over")
-            self.host_link = HostLink(host_link, cost_model.kv_bytes_per_token * cache_config.block_size,
-                                      spec.parallel.num_gpus)
-            tier = HostTier(cache_config.host_num_blocks, self.host_link)
-        elif cache_config.enable_prefix_cache and store is not None:
-            # The cluster KV store in the host tier's place; this worker's host is the store node of its id.
+        if cache_config.enable_prefix_cache and store is not None:
             assert store_prices is not None, "a store needs the prices of its links"
-            self.host_link = SimStoreIO(store_prices, spec.worker_id, spec.parallel.num_gpus, store_links)
-            tier = StoreTier(store, spec.worker_id, self.host_link, _recompute_pricer(cost_model, spec,
-                                                                                       cache_config.block_size))
+            self.store_io = SimStoreIO(store_prices, spec.worker_id, spec.parallel.num_gpus, store_links)
+            tier = StoreTier(store, spec.worker_id, self.store_io, _recompute_pricer(cost_model, spec,
+                                                                                      cache_config.block_size))
         self.cache = (RadixCache(self.pool, cache_config.block_size, tier=tier) if cache_config.enable_prefix_cache
                       else None)
         self.scheduler = LocalScheduler(scheduler_config, cache_config.block_size, self.pool, self.cache, cache_key)
@@ -172,8 +159,8 @@ class SimWorker:
             step_s = self._decode_price(len(plan.chunks), context_tokens)
         else:
             step_s = self.cost_model.plan_s(plan, self.spec.parallel)
-        if self.host_link is not None:  # the host tier's copies since the last step, before this one's compute
-            step_s += self.host_link.take_copy_s(now)
+        if self.store_io is not None:  # the store's loads since the last step, before this one's compute
+            step_s += self.store_io.take_copy_s(now)
         self.busy = True
         if self._rng is not None:
             step_s *= self._noise()
@@ -187,7 +174,7 @@ class SimWorker:
         """Price the quiet decode steps after `plan` (step 1, priced) while they end before `until`; a run of two or
         more becomes the step in flight. Step 2's end is tested before the run's limit is asked for (a pass over the
         batch), which a run cut short by `until` then never pays for."""
-        if self.host_link is not None:
+        if self.store_io is not None:
             return
         end = self.step_end_at
         # A heartbeat at the end of one of the run's first m - 1 steps must carry no KV events: the router would

@@ -7,11 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvbaton.core.errors import KvbatonError
+from kvbaton.core.errors import InvalidRequestError, KvbatonError
 from kvbaton.core.request import FinishReason
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken
 from kvbaton.engine.engine import Engine
+from kvbaton.model.registry import read_model_header, resolve_dtype, resolve_model_source
+from kvbaton.server.store_client import LocalStoreNode
 
 
 @dataclass(slots=True)
@@ -54,25 +56,44 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "auto", block_size: int = 16,
                  num_blocks: int = 2048, enable_prefix_cache: bool = True, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 128, queue_policy: str = "fcfs", max_model_len: int = 0, seed: int = 0,
-                 num_speculative_tokens: int = 0, host_num_blocks: int = 0, device: str = "cpu",
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, rank_num_threads: int = 0) -> None:
+                 num_speculative_tokens: int = 0, kv_store_gb: float = 0.0, kv_store_disk: str = "",
+                 device: str = "cpu", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 rank_num_threads: int = 0) -> None:
         """`device`: cpu, cuda or cuda:N (`kvbaton.model.device`), where the weights, the KV pool and the forward
         live. `tensor_parallel_size` / `pipeline_parallel_size` (vLLM's names): run the model in that many rank
-        processes (`kvbaton.engine.rank_group`); `close()` (or leaving a `with` block) stops them."""
+        processes (`kvbaton.engine.rank_group`); `close()` (or leaving a `with` block) stops them.
+        `kv_store_gb`: a KV store node of that much DRAM on a thread of this process (`kvbaton serve`'s, private to
+        this engine), past the KV pool: new full blocks are written through to it and a prefix the pool evicted is
+        loaded back from it instead of prefilled, both off the step's path; `kv_store_disk` ("DIR:GB") adds its
+        disk tier. `close()` stops it."""
         config = EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             rank_num_threads=rank_num_threads,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_cache=enable_prefix_cache,
-                              host_num_blocks=host_num_blocks),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_cache=enable_prefix_cache),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                       queue_policy=queue_policy, num_speculative_tokens=num_speculative_tokens),
         )
-        self.engine = Engine(config)
+        self.store_node: LocalStoreNode | None = None
+        if kv_store_gb < 0 or (kv_store_disk and not kv_store_gb):
+            raise InvalidRequestError(f"kv_store_gb must be >= 0, and kv_store_disk needs it (got {kv_store_gb:g})")
+        if kv_store_gb:
+            model_config, _ = read_model_header(resolve_model_source(model))
+            block_bytes = model_config.kv_bytes_per_token(resolve_dtype(dtype).itemsize) * block_size
+            self.store_node = LocalStoreNode(block_bytes, block_size, model_config.num_layers * 2, kv_store_gb,
+                                             kv_store_disk)
+        try:
+            self.engine = Engine(config, create_store_link=self.store_node.link if self.store_node else None)
+        except BaseException:
+            if self.store_node is not None:
+                self.store_node.stop()
+            raise
 
     def close(self) -> None:
-        """Stop the engine's rank processes, if it has any; idempotent."""
+        """Stop the engine's rank processes and its store node, if it has any; idempotent."""
         self.engine.close()
+        if self.store_node is not None:
+            self.store_node.stop()
 
     def __enter__(self) -> LLM:
         return self
@@ -80,10 +101,11 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (device and host tier), as vLLM's LLM.reset_prefix_cache; returns the device
-        blocks freed."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, clear_store: bool = True) -> int:
+        """Forget every cached prefix, the KV pool's and (`clear_store`) the store node's, as vLLM's
+        LLM.reset_prefix_cache; returns the device blocks freed. Raises StoreUnavailable when the store node does
+        not answer in 10 s."""
+        return self.engine.reset_prefix_cache(clear_store=clear_store, store_wait_s=10.0)
 
     @property
     def tokenizer(self):  # noqa: ANN201 - kvbaton.model.tokenizer.Tokenizer

@@ -1,10 +1,11 @@
 """The simulator's figures from two source trees on the same runs: which decisions a change moved, and by how much.
 
 Runs a fixed set of simulated clusters (mixed pools, disaggregated pools, admission, adaptive pools,
-a host KV tier) with the tree in `--src` (default: this checkout) and prints one JSON object per run:
-a digest of every record's placement and times (equal digests: the change moved no decision there),
+private KV store nodes) with the tree in `--src` (default: this checkout) and prints one JSON object per
+run: a digest of every record's placement and times (equal digests: the change moved no decision there),
 and the headline figures. `--compare OTHER_SRC` runs both trees, each in its own process, and prints
-the runs whose digests differ with both trees' figures side by side.
+the runs whose digests differ with both trees' figures side by side. A run whose `SimSetup` options a
+tree lacks is not run there: its row names the options missing, with no digest.
 
     .venv/bin/python benchmarks/sim_before_after.py --compare /tmp/kvbaton-before/src [--scale 0.5]
 """
@@ -34,9 +35,12 @@ RUNS: dict[str, tuple[str, dict, dict]] = {
     "mooncake 8xmixed preble": ("mooncake", {"num_requests": 400},
                                 {"cluster": "8xmixed", "policy": "preble", "block_size": 64,
                                  "max_model_len": 262144}),
-    "mooncake 8xmixed preble host tier": ("mooncake", {"num_requests": 400},
-                                          {"cluster": "8xmixed", "policy": "preble", "block_size": 64,
-                                           "max_model_len": 262144, "host_kv_gb": 256.0}),
+    # Islands: each worker its own store node (trees before the host tier's removal lack `kv_store_private`;
+    # their host tier, `host_kv_gb`, was the same question).
+    "mooncake 8xmixed preble private store": ("mooncake", {"num_requests": 400},
+                                              {"cluster": "8xmixed", "policy": "preble", "block_size": 64,
+                                               "max_model_len": 262144, "kv_store_gb": 256.0,
+                                               "kv_store_private": True}),
     **{f"mooncake 4P1D {name} admission": ("mooncake", {"num_requests": 300, "rate": 10.0},
                                              {"cluster": "4P1D:link=nvlink-a100", "policy": "round_robin",
                                               "model": "mistral-7b", "gpu": "a100", "enable_prefix_cache": False,
@@ -56,6 +60,10 @@ def run_here(scale: float) -> list[dict]:
 
     out = []
     for name, (workload, options, setup_options) in RUNS.items():
+        missing = sorted(set(setup_options) - set(SimSetup.__dataclass_fields__))
+        if missing:
+            out.append({"run": name, "digest": None, "missing": missing})
+            continue
         options = dict(options, num_requests=max(1, int(options["num_requests"] * scale)))
         requests = create_workload(workload, **options)
         if workload == "mooncake" and "max_model_len" in setup_options:  # rows that fit the context

@@ -1,18 +1,18 @@
-"""The prefix cache's host tier (`--host-num-blocks`): TTFT when shared prefixes outnumber what the KV pool holds.
+"""An offline LLM's KV store node (`LLM(kv_store_gb=...)`): TTFT when shared prefixes outnumber what the KV pool holds.
 
 SmolLM2 in-process, one engine per configuration. `--groups` prefixes of `--prefix-tokens` tokens, each followed
 by a short unique question, are sent one request at a time in turn, `--rounds` times: the KV pool
 (`--num-blocks`) holds only a few of the prefixes, so under LRU every return of a prefix finds it evicted. Without
-a host tier it is prefilled again; with one (`--host-num-blocks`) its blocks come back by copy. A third engine
-has a pool large enough to never evict (no tier): its prefix hits are the best a cache can do, and its answers are
-what the tier's must be token for token (both compute each question on top of the same cached prefix KV; the
-engine that recomputes the prefix chunks it differently, so bf16 near-ties may fall the other way there). Reports
-the median TTFT of the requests after the first round for all three, their ratios, the hit tokens, and the copy's cost next to
-the physical limit measured in the same run: the tier's load of a prefix's blocks (ids in one run, and scattered so
-that every block is its own copy) against `torch` copying the same bytes as one contiguous tensor (memcpy speed). Greedy answers must agree between the two. The configurations
-alternate `--repeats` times; medians over repeats. Prints one JSON line (progress on stderr).
+a store it is prefilled again; with one (`--kv-store-gb`, a store node on a thread of the process: blocks written
+through as they are computed, loaded back before admission, both off the step's path) its blocks come back by
+copy from the node's shared memory. A third engine has a pool large enough to never evict (no store): its prefix
+hits are the best a cache can do, and its answers are what the store's must be token for token (both compute each
+question on top of the same cached prefix KV; the engine that recomputes the prefix chunks it differently, so bf16
+near-ties may fall the other way there). Reports the median TTFT of the requests after the first round for all
+three, their ratios and the hit tokens; the configurations alternate `--repeats` times, medians over repeats. (The
+load's speed against memcpy is `kv_store_live.py`'s.) Prints one JSON line (progress on stderr).
 
-    .venv/bin/python benchmarks/host_tier.py [--groups 8 --prefix-tokens 1000 --num-blocks 320 --rounds 3]
+    .venv/bin/python benchmarks/llm_store.py [--groups 8 --prefix-tokens 1000 --num-blocks 320 --rounds 3]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import json
 import random
 import statistics
 import sys
-import time
 
 import torch
 
@@ -45,9 +44,8 @@ def make_prompts(llm: LLM, groups: int, prefix_tokens: int, rounds: int, seed: i
             for r in range(rounds) for g in range(groups)]
 
 
-def run(args: argparse.Namespace, num_blocks: int, host_num_blocks: int, prompts: list[list[int]]) -> dict[str, object]:
-    llm = LLM(MODEL, num_blocks=num_blocks, host_num_blocks=host_num_blocks,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+def run(args: argparse.Namespace, num_blocks: int, kv_store_gb: float, prompts: list[list[int]]) -> dict[str, object]:
+    llm = LLM(MODEL, num_blocks=num_blocks, kv_store_gb=kv_store_gb, max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     ttfts, answers = [], []
     for prompt in prompts:
@@ -56,37 +54,12 @@ def run(args: argparse.Namespace, num_blocks: int, host_num_blocks: int, prompts
         answers.append(result.outputs[0].token_ids)
     llm.engine.check_invariants()
     stats = llm.engine.stats()
+    io = llm.engine.store_io
+    llm.close()
     later = ttfts[args.groups:]  # after the first round: each prefix has been seen (and evicted) before
     return {"ttft_s": statistics.median(later), "hit_tokens": stats.prefix_cache_hits_tokens,
-            "loaded_blocks": stats.num_host_loaded_blocks, "saved_blocks": stats.num_host_saved_blocks,
-            "answers": answers, "llm": llm}
-
-
-def copy_cost(llm: LLM, num_blocks: int, repeats: int = 5) -> dict[str, float]:
-    """The tier's load of `num_blocks` blocks vs torch copying the same bytes contiguously (memcpy speed)."""
-    storage = llm.engine.host_storage
-    assert storage is not None
-    num_blocks = min(num_blocks, storage.num_blocks, llm.engine.storage.num_blocks)
-    ids = list(range(num_blocks))
-    scattered = random.Random(0).sample(ids, num_blocks)  # no two neighbours: one slice copy per block
-    num_bytes = num_blocks * storage.bytes_per_block
-    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    load_s, scattered_s, memcpy_s = [], [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        storage.load(ids, ids)
-        load_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        storage.load(scattered, ids)
-        scattered_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        dst.copy_(src)
-        memcpy_s.append(time.perf_counter() - start)
-    load, scattered_load, memcpy = (statistics.median(x) for x in (load_s, scattered_s, memcpy_s))
-    return {"blocks": num_blocks, "bytes": num_bytes, "load_s": load, "scattered_load_s": scattered_load,
-            "memcpy_s": memcpy, "load_gb_s": num_bytes / load / 1e9, "memcpy_gb_s": num_bytes / memcpy / 1e9,
-            "load_over_memcpy_time": load / memcpy, "scattered_load_over_memcpy_time": scattered_load / memcpy}
+            "loaded_blocks": io.num_loaded_blocks if io else 0, "saved_blocks": io.num_saved_blocks if io else 0,
+            "answers": answers}
 
 
 def main() -> None:
@@ -95,7 +68,8 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-blocks", type=int, default=320, help="device KV blocks (16 tokens each)")
-    parser.add_argument("--host-num-blocks", type=int, default=2048)
+    parser.add_argument("--kv-store-gb", type=float, default=0.76,
+                        help="the store node's DRAM (default: 2,048 SmolLM2 blocks, what the host tier had here)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
@@ -104,12 +78,12 @@ def main() -> None:
     torch.manual_seed(args.seed)
     prompts = make_prompts(LLM(MODEL, num_blocks=64), args.groups, args.prefix_tokens, args.rounds, args.seed)
     roomy_blocks = len(prompts) * (len(prompts[0]) // 16 + 2) + 64
-    configs = (("without", args.num_blocks, 0), ("with", args.num_blocks, args.host_num_blocks),
-               ("roomy", roomy_blocks, 0))
+    configs = (("without", args.num_blocks, 0.0), ("with", args.num_blocks, args.kv_store_gb),
+               ("roomy", roomy_blocks, 0.0))
     runs: dict[str, list[dict[str, object]]] = {name: [] for name, _, _ in configs}
     for repeat in range(args.repeats):
-        for name, num_blocks, host in configs[:: 1 if repeat % 2 == 0 else -1]:
-            result = run(args, num_blocks, host, prompts)
+        for name, num_blocks, store_gb in configs[:: 1 if repeat % 2 == 0 else -1]:
+            result = run(args, num_blocks, store_gb, prompts)
             runs[name].append(result)
             print(f"repeat {repeat} {name}: median TTFT {result['ttft_s']:.3f} s, hit tokens "
                   f"{result['hit_tokens']}, loaded {result['loaded_blocks']} blocks", file=sys.stderr, flush=True)
@@ -123,7 +97,7 @@ def main() -> None:
     prefix_blocks = args.prefix_tokens // 16
     out = {
         "setup": {"model": MODEL, "groups": args.groups, "prefix_tokens": args.prefix_tokens, "rounds": args.rounds,
-                  "num_blocks": args.num_blocks, "host_num_blocks": args.host_num_blocks, "repeats": args.repeats,
+                  "num_blocks": args.num_blocks, "kv_store_gb": args.kv_store_gb, "repeats": args.repeats,
                   "prefixes_the_pool_holds": round(args.num_blocks / (prefix_blocks + 2), 1),
                   "roomy_num_blocks": roomy_blocks},
         "ttft_s_without": round(without_ttft, 4), "ttft_s_with": round(with_ttft, 4),
@@ -135,8 +109,6 @@ def main() -> None:
         "loaded_blocks": runs["with"][0]["loaded_blocks"], "saved_blocks": runs["with"][0]["saved_blocks"],
         "identical_answers_with_vs_roomy": identical("with", "roomy"),
         "identical_answers_with_vs_without": identical("with", "without"),
-        "copy_of_one_prefix": {k: round(v, 6) if isinstance(v, float) else v
-                               for k, v in copy_cost(runs["with"][0]["llm"], prefix_blocks).items()},  # type: ignore[arg-type]
     }
     print(json.dumps(out))
 

@@ -4,7 +4,10 @@ node too (unless told not to); `close` stops it; every device block and store le
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import pytest
 from kvbaton import LLM, SamplingParams
 from kvbaton.core.errors import InvalidRequestError
 from kvbaton.engine import store_io
+from kvbaton.transfer.store_slots import SHM_PREFIX
 from tests.store_nodes import wait_unpinned
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
@@ -122,3 +126,16 @@ def test_a_store_too_small_for_one_block_or_a_disk_without_dram_is_refused() -> 
         LLM("tiny-random", dtype="float32", kv_store_gb=1e-9)
     with pytest.raises(InvalidRequestError, match="kv_store_disk needs it"):
         LLM("tiny-random", dtype="float32", kv_store_disk="/tmp:1")
+
+
+def test_a_process_that_never_closes_its_llm_leaves_no_shared_memory_behind(tmp_path: Path) -> None:
+    code = ("from kvbaton import LLM, SamplingParams\n"
+            "llm = LLM('tiny-random', dtype='float32', num_blocks=40, kv_store_gb=0.01)\n"
+            "llm.generate([list(range(40))], SamplingParams(max_tokens=2))\n"
+            "print(llm.store_node.server.state.slots.path, flush=True)\n")  # and exits without close()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    path = Path(proc.stdout.strip())
+    assert path.name.startswith(SHM_PREFIX), path
+    assert not path.exists(), "an unclosed LLM's store node left its DRAM file in /dev/shm"

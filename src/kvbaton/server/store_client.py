@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
@@ -264,17 +265,21 @@ class LocalStoreNode:
         self.server = StoreServer(StoreNodeState(block_bytes, block_tokens, dram_blocks, disk_files,
                                                  block_rows=block_rows), self.secret)
         self.address = self.server.address
-        self._thread: threading.Thread | None = self.server.start_thread()
+        # Stopped at interpreter exit too, when the owner never calls `stop` (an `LLM` left unclosed): the node's
+        # thread is a daemon, and a daemon killed at exit would leave its DRAM file in /dev/shm.
+        self._stop = weakref.finalize(self, _stop_thread, self.server, self.server.start_thread())
 
     def link(self) -> StoreClient:
         return StoreClient(self.address, self.secret)
 
     def stop(self) -> None:
         """Idempotent."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self.server.stop()
-            thread.join(timeout=10)
+        self._stop()
+
+
+def _stop_thread(server: StoreServer, thread: threading.Thread) -> None:
+    server.stop()
+    thread.join(timeout=10)
 
 
 class KnownStoreNodes:

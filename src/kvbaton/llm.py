@@ -12,7 +12,7 @@ from kvbaton.core.request import FinishReason
 from kvbaton.core.sampling import SamplingParams
 from kvbaton.core.step import SampledToken
 from kvbaton.engine.engine import Engine
-from kvbaton.model.registry import read_model_header, resolve_dtype, resolve_model_source
+from kvbaton.model.registry import kv_block_bytes, read_model_header, resolve_model_source
 from kvbaton.server.store_client import LocalStoreNode
 
 
@@ -79,9 +79,8 @@ class LLM:
             raise InvalidRequestError(f"kv_store_gb must be >= 0, and kv_store_disk needs it (got {kv_store_gb:g})")
         if kv_store_gb:
             model_config, _ = read_model_header(resolve_model_source(model))
-            block_bytes = model_config.kv_bytes_per_token(resolve_dtype(dtype).itemsize) * block_size
-            self.store_node = LocalStoreNode(block_bytes, block_size, model_config.num_layers * 2, kv_store_gb,
-                                             kv_store_disk)
+            self.store_node = LocalStoreNode(kv_block_bytes(model_config, dtype, block_size), block_size,
+                                             model_config.num_layers * 2, kv_store_gb, kv_store_disk)
         try:
             self.engine = Engine(config, create_store_link=self.store_node.link if self.store_node else None)
         except BaseException:

@@ -294,12 +294,7 @@ class KVStore:
             return 0
         victims = [entry for entry in node.entries.values() if not entry.num_pins]
         for entry in victims:
-            del node.entries[entry.block_hash]
-            node.num_in[entry.tier] -= 1
-            holders = self._where[entry.block_hash]
-            del holders[node_id]
-            if not holders:
-                del self._where[entry.block_hash]
+            self._forget(node, entry)
         for tier in TIERS:  # only the pinned blocks' heap entries are left to keep
             node.heaps[tier] = [item for item in node.heaps[tier] if item[4] in node.entries]
             heapq.heapify(node.heaps[tier])
@@ -405,14 +400,18 @@ class KVStore:
             self._emit(node, StoreEvent(0, "stored", (entry.block_hash,), tier))
 
     def _drop(self, node: StoreNode, entry: _Entry) -> None:
+        self._forget(node, entry)
+        self.num_evicted_blocks += 1
+        self._emit(node, StoreEvent(0, "evicted", (entry.block_hash,)))
+
+    def _forget(self, node: StoreNode, entry: _Entry) -> None:
+        """Take an entry out of its node and the location map (its heap item goes stale); no event."""
         del node.entries[entry.block_hash]
         node.num_in[entry.tier] -= 1
         holders = self._where[entry.block_hash]
         del holders[node.node_id]
         if not holders:
             del self._where[entry.block_hash]
-        self.num_evicted_blocks += 1
-        self._emit(node, StoreEvent(0, "evicted", (entry.block_hash,)))
 
     def _prioritise(self, node: StoreNode, entry: _Entry) -> None:
         """H = L + uses x recompute_s, capped at the parent's H in the same tier of this node."""

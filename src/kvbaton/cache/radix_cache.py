@@ -245,8 +245,8 @@ class RadixCache:
         return num_freed
 
     def clear(self) -> int:
-        """Drop every unlocked block (LRU order), and what the tier's `clear` lets go; returns how many device blocks went back
-        to the free queue. Emits CLEARED when the cache ends up empty, else EVICTED with the hashes."""
+        """Drop every unlocked block (LRU order), and what the tier's `clear` lets go; returns how many device blocks
+        went back to the free queue. Emits CLEARED when the cache ends up empty, else EVICTED with the hashes."""
         tier, self.tier = self.tier, None  # nothing is demoted by a clear
         try:
             num_freed, evicted_hashes = self._evict(None)

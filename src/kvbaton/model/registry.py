@@ -130,6 +130,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def kv_block_bytes(model_config: ModelConfig, dtype: str, block_size: int) -> int:
+    """Bytes of one KV block of `block_size` tokens in `dtype` (every layer's K and V): a KV store node's slot."""
+    return model_config.kv_bytes_per_token(resolve_dtype(dtype).itemsize) * block_size
+
+
 def read_model_source(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """(config, fp32 HF-named state dict, tokenizer) without building the model."""
     if source.kind == "tiny_random":

@@ -34,7 +34,7 @@ from kvbaton.transfer.store_slots import SHM_DIRECTORY, with_streaming_copies
 from kvbaton.server.store_client import TRANSPORT_ENV as STORE_TRANSPORT_ENV
 from kvbaton.core.errors import KvbatonError
 from kvbaton.model.config import ModelConfig
-from kvbaton.model.registry import read_model_header, resolve_dtype, resolve_model_source
+from kvbaton.model.registry import kv_block_bytes, read_model_header, resolve_model_source
 from kvbaton.model.token_cache import DEFAULT_MAX_CACHED_CHARS
 from kvbaton.server.api import create_app
 from kvbaton.server.auth import ApiAuth, ApiKeys, check_exposure
@@ -257,7 +257,7 @@ def store_node_args(model_config: ModelConfig, dtype: str, block_size: int, gb: 
     ("DIR:GB", or none). `kvbaton serve` starts its nodes so, and `kvbaton store-node` on another host. `gb` None:
     `auto_bytes` of DRAM within half of what the node's own /dev/shm has free (what `kvbaton serve --ray` gives the
     store node of each other node it places workers on, `auto_store_bytes` of those workers)."""
-    block_bytes = model_config.kv_bytes_per_token(resolve_dtype(dtype).itemsize) * block_size
+    block_bytes = kv_block_bytes(model_config, dtype, block_size)
     dram = ["--kv-store-gb", str(gb)] if gb is not None else ["--kv-store-gb", "auto", "--kv-store-auto-bytes",
                                                               str(auto_bytes)]
     return ["--block-bytes", str(block_bytes), "--block-tokens", str(block_size),
@@ -575,7 +575,7 @@ class Launcher:
         return store_node_args(model_config, config.dtype, config.block_size, config.kv_store_gb, config.kv_store_disk)
 
     def _store_block_bytes(self, model_config: ModelConfig) -> int:
-        return model_config.kv_bytes_per_token(resolve_dtype(self.config.dtype).itemsize) * self.config.block_size
+        return kv_block_bytes(model_config, self.config.dtype, self.config.block_size)
 
     def _stop_store(self) -> None:
         process, self.store_process = self.store_process, None

@@ -1,5 +1,6 @@
 """The simulator's shortcuts give the runs their general paths give: shared prompt parts converted and hashed
-once (with a memo of hashed heads bounded in tokens), arrivals merged into the event heap from their own list."""
+once (with a memo of hashed heads bounded in tokens, and one of block-aligned parts under their prefix), arrivals
+merged into the event heap from their own list."""
 
 from __future__ import annotations
 
@@ -51,6 +52,32 @@ def test_a_small_memo_of_hashed_heads_evicts_and_still_gives_the_whole_prompts(p
         assert prompts.hashed(wr, prompt) == hash_prompt(CacheKey("m", "l"), prompt, 16)
         held = sum(len(blocks) * 16 for _, blocks, _ in prompts._part_hashes.values())
         assert held == prompts._memo_tokens <= memo_tokens
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(parts_of=st.lists(st.tuples(st.lists(st.sampled_from([1, 3]), min_size=1, max_size=5),
+                                   st.integers(0, 4)), min_size=1, max_size=12),
+       tenants=st.sampled_from([[""], ["", "b"]]), chain_memo_tokens=st.sampled_from([0, 16, 64, 1 << 20]),
+       seed=st.integers(0, 3))
+def test_block_aligned_parts_hashed_part_by_part_give_the_whole_prompts(parts_of: list[tuple[list[int], int]],
+                                                                        tenants: list[str], chain_memo_tokens: int,
+                                                                        seed: int) -> None:
+    """Prompts of block-aligned parts (16 and 48 tokens; 5, 33, 70 are not) then any last part: `prompt` takes each
+    aligned part from its memo under the hash before it (bounded in tokens), and gives what the general path
+    gives, in any order, under any tenant, with a memo too small to keep anything or every part."""
+    rng = np.random.default_rng(seed)
+    requests = _workload([heads + [last] for heads, last in parts_of], tenants, rng)
+    prompts = SimPrompts(CacheKey("m", "l"), 16, chain_memo_tokens=chain_memo_tokens)
+    for wr in requests * 2:
+        prompt, blocks = prompts.prompt(wr)
+        assert prompt == wr.prompt_array.tolist()
+        assert blocks == hash_prompt(CacheKey("m", "l").with_tenant(wr.tenant), prompt, 16)
+        held = sum(len(part) for part, _, _, _ in prompts._chain.values())
+        assert held == prompts._chain_tokens <= chain_memo_tokens
+    if chain_memo_tokens >= 1 << 20:  # every aligned head part after its prefix is kept once
+        aligned = {(wr.tenant, tuple(map(id, wr.prompt_parts[:i + 1]))) for wr in requests
+                   for i in range(len(wr.prompt_parts) - 1)}
+        assert len(prompts._chain) == len(aligned)
 
 
 def test_arrivals_at_the_same_time_are_served_in_the_order_given() -> None:

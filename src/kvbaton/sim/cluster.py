@@ -302,9 +302,8 @@ class ClusterSim:
         rid = wr.request_id
         if self._runs:
             self._hear_runs()
-        prompt = self.prompts.ids(wr)
         # RouteRequest.from_tokens, keeping the block tuples: the front worker's cache reuses them and the hashes.
-        prompt_blocks = self.prompts.hashed(wr, prompt)
+        prompt, prompt_blocks = self.prompts.prompt(wr)
         if wr.output_tokens < 1 or wr.num_prompt_tokens + wr.output_tokens > self.config.max_model_len:
             # Malformed (SamplingParams refuses max_tokens < 1) or too long: failed at ingress, never dropped.
             flight = self._flights[rid] = Flight(wr, "", prompt, prompt_blocks)

@@ -215,8 +215,9 @@ def test_block_map_drops_stale_entries_once_they_dominate() -> None:
 
 
 def test_block_lookups_at_a_segments_ends_need_no_per_block_map() -> None:
-    """Stored runs' parents and evicted blocks are where segments end, and a run's first block is looked up (is it
-    indexed elsewhere?) by membership: none of these builds the per-block map; a block inside a segment does."""
+    """Stored runs' parents and evicted blocks are where segments end, and a run stored with no indexed parent has its
+    first block looked up (is it indexed elsewhere?) by membership: none of these builds the per-block map; a block
+    inside a segment does."""
     index = GlobalPrefixIndex()
     a = hash_block_tokens(KEY, [t for b in range(8) for t in [b] * BS], BS)
     index.on_routed("w0", a)

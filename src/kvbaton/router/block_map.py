@@ -2,8 +2,8 @@
 
 Routing only walks the tree by segment (first hash of each child), so looking a block up by hash is
 needed only by the readers that name an arbitrary block: KV events (the parent of a stored run, an
-evicted block, whether a stored run's first block is indexed elsewhere) and the `holders`/`num_routed`
-accessors. Those blocks are almost always where a segment ends: a cache evicts its deepest block first,
+evicted block, whether the first block of a run stored under no indexed parent is indexed elsewhere) and
+the `holders`/`num_routed` accessors. Those blocks are almost always where a segment ends: a cache evicts its deepest block first,
 and a stored run's parent is where the worker's previous run ended, which its event split the index at.
 So `BlockLookup` answers in three steps, cheapest first:
 - the segment a block ends, from `_tails` (one entry per segment, kept exact as segments are created,

@@ -103,8 +103,11 @@ class PrefixTree:
             if segment is None and parent is not None and head in self._roots:
                 segment = self._adopt(parent, self._roots[head])  # a root whose parent no event named
             if segment is None:
-                if not count_routed and self._segment_of(head) is not None:
-                    break  # a worker reported a block indexed elsewhere: never fork a chain's hash
+                # A worker reported a block indexed elsewhere: never fork a chain's hash. Below a parent that ends
+                # just before it, the block can be indexed only as a root's head (taken above): where else it sat,
+                # its predecessor, this parent's last block, would be indexed twice. So only at the top it is looked up.
+                if not count_routed and parent is None and self._segment_of(head) is not None:
+                    break
                 # Only a root's head can be indexed further on: hashes are chained, so an indexed block
                 # has the same predecessor in the tree as here, and every indexed block but a root's head
                 # has an indexed predecessor. Such a root is an orphan waiting on the block before it

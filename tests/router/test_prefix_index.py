@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvbaton.cache.events import KVEvent, KVEventKind
 from kvbaton.cache.hashing import CacheKey, hash_block_tokens
+from kvbaton.router import block_map
 from kvbaton.router.prefix_index import GlobalPrefixIndex
 
 KEY = CacheKey("m", "l")
@@ -252,9 +253,12 @@ ops = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(ops, max_size=40), st.integers(3, 30))
-def test_random_operations_keep_invariants(operations: list[tuple[str, str, list[int]]], max_blocks: int) -> None:
+@given(st.lists(ops, max_size=40), st.integers(3, 30), st.sampled_from([0, 3, block_map._SCANS_BEFORE_MEMBERS]))
+def test_random_operations_keep_invariants(operations: list[tuple[str, str, list[int]]], max_blocks: int,
+                                           scans_before_members: int) -> None:
+    """Membership lookups by scan, by the kept set from the first (0), and switching between them mid-sequence."""
     index = GlobalPrefixIndex(max_blocks=max_blocks)
+    index._blocks._num_scans = block_map._SCANS_BEFORE_MEMBERS - scans_before_members
     seqs = {w: 0 for w in WORKERS}
     for kind, worker, blocks in operations:
         hashes = chain(*blocks)

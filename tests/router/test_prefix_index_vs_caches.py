@@ -11,6 +11,7 @@ from kvbaton.cache.hashing import CacheKey, hash_block_tokens
 from kvbaton.cache.radix_cache import RadixCache
 from kvbaton.router.base import RouteRequest
 from kvbaton.router.load import WorkerStats
+from kvbaton.router import block_map
 from kvbaton.router.prefix_index import GlobalPrefixIndex
 from kvbaton.router.state import RouterState
 from kvbaton.router.pairs import PairChoiceConfig, PairChooser
@@ -62,11 +63,14 @@ worker_ops = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(worker_ops, max_size=40), st.lists(paths, min_size=1, max_size=8))
+@given(st.lists(worker_ops, max_size=40), st.lists(paths, min_size=1, max_size=8),
+       st.sampled_from([0, 2, block_map._SCANS_BEFORE_MEMBERS]))
 def test_index_fed_by_events_matches_the_workers_caches(ops: list[tuple[str, str, object]],
-                                                        probes: list[list[int]]) -> None:
-    """Once every published event is applied (snapshots on gaps), each worker's match equals its real cache's."""
+                                                        probes: list[list[int]], scans_before_members: int) -> None:
+    """Once every published event is applied (snapshots on gaps), each worker's match equals its real cache's;
+    with membership lookups by scan, by the kept set from the first, or switching mid-sequence."""
     index = GlobalPrefixIndex()
+    index._blocks._num_scans = block_map._SCANS_BEFORE_MEMBERS - scans_before_members
     workers = {w: _Worker() for w in WORKERS}
     last_delivered: dict[str, list[KVEvent]] = {w: [] for w in WORKERS}
 

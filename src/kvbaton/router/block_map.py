@@ -2,15 +2,17 @@
 
 Routing only walks the tree by segment (first hash of each child), so looking a block up by hash is
 needed only by the readers that name an arbitrary block: KV events (the parent of a stored run, an
-evicted block, whether the first block of a run stored under no indexed parent is indexed elsewhere) and
-the `holders`/`num_routed` accessors. Those blocks are almost always where a segment ends: a cache evicts its deepest block first,
-and a stored run's parent is where the worker's previous run ended, which its event split the index at.
-So `BlockLookup` answers in three steps, cheapest first:
+evicted block, the first block of a run stored with no parent named: is it indexed elsewhere?) and the
+`holders`/`num_routed` accessors. Those blocks are almost always where a segment ends: a cache evicts its
+deepest block first, and a stored run's parent is where the worker's previous run ended, which its event
+split the index at. So `BlockLookup` answers in three steps, cheapest first:
 - the segment a block ends, from `_tails` (one entry per segment, kept exact as segments are created,
   split, trimmed and deleted), or the segment it begins, from the tree's own map of first hashes;
-- else whether the block is indexed at all, from `_members`, a set of every indexed block's hash (the
-  routing path only queues the segments it creates: their hashes join the set, in bulk, at the next
-  lookup; nothing is added when a split moves blocks, as membership does not change);
+- else whether the block is indexed at all: the first `_SCANS_BEFORE_MEMBERS` times by a scan of the
+  segments (the Mooncake trace asks once in a whole run), then from `_members`, a set of every indexed
+  block's hash built then and kept (the routing path only queues the segments it creates: their hashes
+  join the set, in bulk, at the next lookup; nothing is added when a split moves blocks, as membership
+  does not change);
 - else, a block inside a segment, from the per-block map (`LazyBlockMap`), built the first time such a
   lookup comes and kept from then on. The Mooncake trace and `sim_speed`'s workloads never build it; a
   stored run's parent inside a segment does (seen on an 800-block pool under heavy eviction).
@@ -38,6 +40,7 @@ class _HasHashes(Protocol):
 SegmentT = TypeVar("SegmentT", bound=_HasHashes)
 
 _MIN_STALE_ENTRIES = 4096  # below this many stale entries a rebuild is not worth its pause
+_SCANS_BEFORE_MEMBERS = 16  # membership lookups answered by a scan before the set of every hash is built and kept
 
 
 class LazyBlockMap(Generic[SegmentT]):
@@ -107,13 +110,17 @@ class BlockLookup(Generic[SegmentT]):
     def __init__(self, heads: Mapping[int, SegmentT]) -> None:
         self._heads = heads  # the tree's live segments by first hash (its LRU order: a live map, read only)
         self._tails: dict[int, SegmentT] = {}  # every live segment by last hash
-        self._members: set[int] = set()  # every indexed block's hash, but those of the segments queued
+        # Every indexed block's hash, but those of the segments queued; None until `_SCANS_BEFORE_MEMBERS` lookups
+        # have scanned the tree for a block instead (nothing is queued then).
+        self._members: set[int] | None = None
+        self._num_scans = 0
         self._queued: dict[int, SegmentT] = {}  # segments created since the last lookup, by id: not in _members yet
         self._full: LazyBlockMap[SegmentT] | None = None  # per-block, from the first lookup inside a segment on
 
     def created(self, segment: SegmentT) -> None:
         self._tails[segment.hashes[-1]] = segment
-        self._queued[id(segment)] = segment
+        if self._members is not None:
+            self._queued[id(segment)] = segment
         if self._full is not None:
             self._full.add(segment)
 
@@ -134,7 +141,7 @@ class BlockLookup(Generic[SegmentT]):
         if tails.get(hashes[-1]) is segment:
             del tails[hashes[-1]]
         tails[hashes[offset - 1]] = segment
-        if id(segment) not in self._queued:
+        if self._members is not None and id(segment) not in self._queued:
             self._members.difference_update(hashes[offset:])
         if self._full is not None:
             self._full.forget(hashes[offset:])
@@ -145,7 +152,7 @@ class BlockLookup(Generic[SegmentT]):
         tails = self._tails
         if tails.get(hashes[-1]) is segment:
             del tails[hashes[-1]]
-        if self._queued.pop(id(segment), None) is None:
+        if self._queued.pop(id(segment), None) is None and self._members is not None:
             self._members.difference_update(hashes)
         if self._full is not None:
             self._full.discard(segment)
@@ -171,13 +178,20 @@ class BlockLookup(Generic[SegmentT]):
         return full.get(block_hash, num_live_blocks, live)
 
     def contains(self, block_hash: int) -> bool:
-        """Whether `block_hash` is indexed (the queued segments' hashes join the set first)."""
-        if self._queued:
-            members = self._members
+        """Whether `block_hash` is indexed (the queued segments' hashes join the set first). The first few times,
+        by a scan of the tree's segments: a KV event names no block it does not know where to find but in rare
+        cases, and a set of every indexed hash costs every created, trimmed and deleted segment its hashes."""
+        members = self._members
+        if members is None:
+            self._num_scans += 1
+            if self._num_scans <= _SCANS_BEFORE_MEMBERS:
+                return any(block_hash in segment.hashes for segment in self._heads.values())
+            members = self._members = {h for segment in self._heads.values() for h in segment.hashes}
+        elif self._queued:
             for segment in self._queued.values():
                 members.update(segment.hashes)
             self._queued.clear()
-        return block_hash in self._members
+        return block_hash in members
 
     def _heads_live(self, segment: SegmentT) -> bool:
         return self._heads.get(segment.hashes[0]) is segment
@@ -189,6 +203,9 @@ class BlockLookup(Generic[SegmentT]):
         for segment in self._queued.values():
             assert self._heads_live(segment), "a deleted segment is still queued"
         queued = {h for s in self._queued.values() for h in s.hashes}
-        assert self._members | queued == {h for s in segments for h in s.hashes}, "members differ from the tree"
+        if self._members is None:
+            assert not queued, "segments queued for a membership set not built"
+        else:
+            assert self._members | queued == {h for s in segments for h in s.hashes}, "members differ from the tree"
         if self._full is not None:
             self._full.check_invariants(segments)

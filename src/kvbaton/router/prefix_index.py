@@ -174,7 +174,8 @@ class GlobalPrefixIndex(PrefixTree):
             parent = self._segment_ending_at(event.parent_hash) if event.parent_hash is not None else None
             if parent is not None:
                 self._add_worker_upwards(parent, worker)  # the worker's cache is prefix-closed
-            path = self._insert(worker, parent, event.block_hashes, count_routed=False)
+            path = self._insert(worker, parent, event.block_hashes, count_routed=False,
+                                after_unindexed=event.parent_hash is not None)
             if parent is None and event.parent_hash is not None and path and path[0].parent is None:
                 self._register_orphan(path[0].hashes[0], event.parent_hash)
             self._touch(worker, path)

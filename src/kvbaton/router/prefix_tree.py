@@ -79,11 +79,13 @@ class PrefixTree:
         block_hashes: Sequence[int],
         count_routed: bool,
         walked: list[Segment] | None = None,
+        after_unindexed: bool = False,
     ) -> list[Segment]:
         """Add `worker` along block_hashes below `start` (None: from the roots); returns the segments on the path.
 
         `walked`: the leading segments already known to match block_hashes whole (from `match`,
-        index unchanged since), taken without comparing again.
+        index unchanged since), taken without comparing again. `after_unindexed`: with no `start`, the block
+        before block_hashes[0] is named and known not to be indexed (a KV event's parent that is not).
         """
         if not isinstance(block_hashes, list):
             block_hashes = list(block_hashes)  # slices must be lists to compare equal to a segment's run
@@ -103,10 +105,12 @@ class PrefixTree:
             if segment is None and parent is not None and head in self._roots:
                 segment = self._adopt(parent, self._roots[head])  # a root whose parent no event named
             if segment is None:
-                # A worker reported a block indexed elsewhere: never fork a chain's hash. Below a parent that ends
-                # just before it, the block can be indexed only as a root's head (taken above): where else it sat,
-                # its predecessor, this parent's last block, would be indexed twice. So only at the top it is looked up.
-                if not count_routed and parent is None and self._segment_of(head) is not None:
+                # A worker reported a block indexed elsewhere: never fork a chain's hash. Where the block before it is
+                # known (this parent's last block, or one that is not indexed), the block can be indexed only as a
+                # root's head, taken above: anywhere else, that block before it would be indexed there (twice, or
+                # at all). So only a run stored with no parent named has its first block looked up.
+                if (not count_routed and parent is None and not after_unindexed
+                        and self._segment_of(head) is not None):
                     break
                 # Only a root's head can be indexed further on: hashes are chained, so an indexed block
                 # has the same predecessor in the tree as here, and every indexed block but a root's head
@@ -228,6 +232,8 @@ class PrefixTree:
                 del self._orphans[parent_hash]
 
     def _segment_ending_at(self, block_hash: int) -> Segment | None:
+        if block_hash in self._orphans:  # orphans wait on it, so it is not indexed (a cache key's root hash, mostly)
+            return None
         segment = self._segment_of(block_hash)
         if segment is None:
             return None

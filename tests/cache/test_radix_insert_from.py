@@ -1,4 +1,5 @@
-"""RadixCache.insert_from: same tree, events, LRU order and block ids as re-inserting the whole prefix.
+"""RadixCache.insert_from: same cached blocks, events, LRU order and block ids as re-inserting the whole prefix
+(its tree may hold them in fewer nodes: it grows a node its caller alone locks).
 
 The `*_blocks` variants (the sequence pre-split into token tuples) must match the token-list calls exactly.
 """
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbaton.cache.block_pool import BlockPool
+from kvbaton.cache.events import KVEvent
 from kvbaton.cache.hashing import CacheKey
 from kvbaton.cache.radix_cache import RadixCache
 
@@ -27,9 +29,10 @@ class _World:
     else (the op sequence, admissions, evictions) is identical, so two worlds must stay identical.
     """
 
-    def __init__(self, incremental: bool, use_blocks: bool = False) -> None:
+    def __init__(self, incremental: bool, use_blocks: bool = False, grow: bool = False) -> None:
         self.incremental = incremental
         self.use_blocks = use_blocks  # call match_prefix_blocks / insert_blocks / insert_from_blocks
+        self.grow = grow  # insert_from(..., grow=True): the held node grows when this request alone locks it
         self.pool = BlockPool(NUM_BLOCKS)
         self.cache = RadixCache(self.pool, BLOCK_SIZE)
         self.tokens: dict[int, list[int]] = {}
@@ -68,9 +71,10 @@ class _World:
         if self.incremental and hold is not None:
             tokens = self.tokens[rid][done * BLOCK_SIZE : num_full * BLOCK_SIZE]
             if self.use_blocks:
-                match = self.cache.insert_from_blocks(hold, _blocks(tokens), self.block_ids[rid][done:num_full])
+                match = self.cache.insert_from_blocks(hold, _blocks(tokens), self.block_ids[rid][done:num_full],
+                                                      grow=self.grow)
             else:
-                match = self.cache.insert_from(hold, tokens, self.block_ids[rid][done:num_full])
+                match = self.cache.insert_from(hold, tokens, self.block_ids[rid][done:num_full], grow=self.grow)
         else:
             tokens = self.tokens[rid][: num_full * BLOCK_SIZE]
             if self.use_blocks:
@@ -93,17 +97,29 @@ class _World:
 
     def state(self) -> tuple[object, ...]:
         self.cache.check_invariants()
-        return (self.pool.free_block_ids(), self.cache.take_events(), self.cache.snapshot(),
+        return (self.pool.free_block_ids(), self.cache.take_events(), _cached_blocks(self.cache.snapshot()),
                 sorted(self.block_ids.items()))
+
+
+def _cached_blocks(snapshot: list[KVEvent]) -> list[tuple[int, int | None, int]]:
+    """A snapshot block by block: (hash, the hash before it, seq). Its events are one per node, and insert_from grows
+    a node its caller alone locks where a whole-prefix insert adds a child: the same blocks in other runs."""
+    blocks = []
+    for event in snapshot:
+        parent = event.parent_hash
+        for block_hash in event.block_hashes:
+            blocks.append((block_hash, parent, event.seq))
+            parent = block_hash
+    return sorted(blocks, key=lambda block: (block[0], block[1] or 0))
 
 
 def _blocks(tokens: list[int]) -> list[tuple[int, ...]]:
     return [tuple(tokens[i : i + BLOCK_SIZE]) for i in range(0, len(tokens), BLOCK_SIZE)]
 
 
-def _run(seed: int, use_blocks: bool = False) -> None:
+def _run(seed: int, use_blocks: bool = False, grow: bool = False) -> None:
     rng = random.Random(seed)
-    full, incremental = _World(incremental=False), _World(incremental=True, use_blocks=use_blocks)
+    full, incremental = _World(incremental=False), _World(incremental=True, use_blocks=use_blocks, grow=grow)
     next_rid = 0
     for _ in range(60):
         growable = sorted(rid for rid, n in full.num_cached_blocks.items() if n < len(full.block_ids[rid]))
@@ -135,6 +151,38 @@ def test_insert_from_matches_whole_prefix_insert(seed: int) -> None:
 @given(seed=st.integers(0, 2**32 - 1))
 def test_block_tuple_calls_match_token_list_calls(seed: int) -> None:
     _run(seed, use_blocks=True)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), use_blocks=st.booleans())
+def test_growing_the_held_node_matches_whole_prefix_insert(seed: int, use_blocks: bool) -> None:
+    """grow=True (a request's next blocks appended to the node it alone locks) leaves the same free queue, events,
+    cached blocks and tables as inserting the whole prefix each time, evictions and shared prefixes between."""
+    _run(seed, use_blocks=use_blocks, grow=True)
+
+
+def test_grow_appends_to_a_leaf_only_its_caller_locks() -> None:
+    pool = BlockPool(8)
+    cache = RadixCache(pool, BLOCK_SIZE)
+    mine = pool.allocate(4)
+    first = cache.insert(KEY, [1, 2], mine[:1])
+    cache.lock(first.node)
+    grown = cache.insert_from(first.node, [3, 4], mine[1:2], grow=True)
+    assert grown.node is first.node and grown.block_ids == (mine[1],)
+    assert [e.block_hashes for e in cache.take_events()] == [first.block_hashes, grown.block_hashes]
+    cache.lock(first.node)  # a second lock: the next blocks go below, in a node of their own
+    below = cache.insert_from(first.node, [5, 6], mine[2:3], grow=True)
+    assert below.node is not first.node
+    cache.lock(below.node)
+    cache.unlock(first.node)
+    cache.unlock(first.node)
+    cache.lock(first.node)  # alone again, but a node follows it now: no growth either
+    assert cache.insert_from(first.node, [5, 6, 7, 8], mine[2:4], grow=True).node is not first.node
+    assert cache.match_prefix(KEY, [1, 2, 3, 4, 5, 6, 7, 8], touch=False).block_ids == tuple(mine)
+    cache.unlock(first.node)
+    cache.unlock(below.node)
+    pool.release(mine)
+    cache.check_invariants()
 
 
 def test_block_tuple_calls_reject_ragged_blocks_and_change_nothing() -> None:

@@ -20,7 +20,9 @@ handle that is locked stays valid across later splits. Eviction only ever trims 
 tail of an unlocked leaf; a leaf that becomes empty leaves the tree. Nodes are not merged back.
 Hence a locked handle always ends exactly where it ended when taken, and `insert_from(node, ...)`
 (a request caching its next full blocks) can walk on from it with the same effect as `insert` of
-the whole sequence from the root.
+the whole sequence from the root. The one exception is asked for: `insert_from(..., grow=True)` by
+the holder of a leaf's only lock, who moves that lock to the result, appends the blocks to the leaf
+itself (the request's chunks and decode blocks then make one node, not one each).
 
 A `PrefixMatch` (and its node handle) is valid until the next `evict`/`clear` unless its node is
 locked; locking a node that has left the tree raises ValueError.
@@ -168,13 +170,20 @@ class RadixCache:
         self._check_blocks(token_blocks, block_ids)
         return self._insert_below(self._root(key), token_blocks, block_ids, block_hashes)
 
-    def insert_from(self, node: object, token_ids: Sequence[int], block_ids: Sequence[int]) -> PrefixMatch:
+    def insert_from(self, node: object, token_ids: Sequence[int], block_ids: Sequence[int], *,
+                    grow: bool = False) -> PrefixMatch:
         """`insert` of a path that continues below `node`, given only the blocks after it.
 
         `node` must be a node handle the caller holds locked (so root..node is exactly the prefix
         before `token_ids`, see the module docstring); the result, events, ticks and splits are
         identical to `insert` of the whole sequence, without re-walking (and re-tupling) the
         prefix. The returned match covers only the blocks after `node`; its node is the deepest.
+
+        `grow=True`: the caller moves its lock to the returned node (lock it, unlock `node`), as a request caching
+        its next blocks does. When that lock is `node`'s only one and nothing follows `node`, the new blocks are
+        appended to `node` itself, which is returned: the same cached blocks, events and LRU order in one node
+        fewer (no node to create, lock and unlock; a shallower tree to walk). `node` then ends past the prefix it
+        was taken for: only its caller, whose next prefix that is, may use it.
         """
         start = self._check_node(node)
         if start.lock_ref == 0:
@@ -183,10 +192,10 @@ class RadixCache:
             raise ValueError(
                 f"{len(token_ids)} tokens do not fill {len(block_ids)} blocks of {self.block_size} tokens"
             )
-        return self._insert_below(start, self._token_blocks(token_ids), block_ids)
+        return self._insert_below(start, self._token_blocks(token_ids), block_ids, grow=grow)
 
-    def insert_from_blocks(self, node: object, token_blocks: list[BlockTokens],
-                           block_ids: Sequence[int], block_hashes: Sequence[int] = ()) -> PrefixMatch:
+    def insert_from_blocks(self, node: object, token_blocks: list[BlockTokens], block_ids: Sequence[int],
+                           block_hashes: Sequence[int] = (), *, grow: bool = False) -> PrefixMatch:
         """`insert_from` of blocks already split into token tuples: one tuple per block id.
 
         `block_hashes`: known chained hashes of the leading blocks of `token_blocks`, as in `insert_blocks`.
@@ -195,17 +204,18 @@ class RadixCache:
         if start.lock_ref == 0:
             raise ValueError("insert_from needs a locked node: an unlocked one may be trimmed or split")
         self._check_blocks(token_blocks, block_ids)
-        return self._insert_below(start, token_blocks, block_ids, block_hashes)
+        return self._insert_below(start, token_blocks, block_ids, block_hashes, grow)
 
     def _check_blocks(self, token_blocks: list[BlockTokens], block_ids: Sequence[int]) -> None:
         if len(token_blocks) != len(block_ids) or set(map(len, token_blocks)) - {self.block_size}:
             raise ValueError(f"{len(token_blocks)} token blocks for {len(block_ids)} block ids; every block "
                              f"must hold {self.block_size} tokens")
 
-    def _insert_below(self, start: RadixNode, token_blocks: list[BlockTokens],
-                      block_ids: Sequence[int], block_hashes: Sequence[int] = ()) -> PrefixMatch:
+    def _insert_below(self, start: RadixNode, token_blocks: list[BlockTokens], block_ids: Sequence[int],
+                      block_hashes: Sequence[int] = (), grow: bool = False) -> PrefixMatch:
         """Shared body of `insert`/`insert_from`: walk down from `start`, adopt the blocks past the
-        cached path, touch the end node. `block_hashes`: known hashes of leading `token_blocks`."""
+        cached path, touch the end node. `block_hashes`: known hashes of leading `token_blocks`; `grow`: as in
+        `insert_from`."""
         node, num_in_node, path_ids, path_hashes = self._walk(start, token_blocks)
         num_path = len(path_ids)
         new_ids = list(block_ids[num_path:])
@@ -224,13 +234,19 @@ class RadixCache:
             node = self._split(node, num_in_node)
         if new_ids:
             parent_hash = node.tail_hash
-            node = self._add_child(node, token_blocks[num_path:], new_ids, known_hashes)
+            if (grow and node is start and node.lock_ref == 1 and node.num_direct_locks == 1 and not node.children
+                    and node.parent is not None):
+                # nothing matched below the caller's node, which it alone locks: the node grows (`insert_from`)
+                new_hashes = self._extend(node, token_blocks[num_path:], new_ids, known_hashes)
+            else:
+                node = self._add_child(node, token_blocks[num_path:], new_ids, known_hashes)
+                new_hashes = node.block_hashes
             path_ids.extend(new_ids)
-            path_hashes.extend(node.block_hashes)
+            path_hashes.extend(new_hashes)
             if self.tier is not None:
                 # the KV store writes them through
-                self.tier.on_cached(tuple(node.block_hashes), parent_hash, node.namespace, tuple(node.block_ids))
-            self._emit(KVEventKind.STORED, tuple(node.block_hashes), parent_hash)
+                self.tier.on_cached(tuple(new_hashes), parent_hash, node.namespace, tuple(new_ids))
+            self._emit(KVEventKind.STORED, tuple(new_hashes), parent_hash)
         self._lru.touch(node, self._num_nodes)
         return PrefixMatch(tuple(path_ids), tuple(path_hashes), node)
 
@@ -470,6 +486,20 @@ class RadixCache:
         self._num_cached_blocks += len(block_ids)
         self._num_nodes += 1
         return child
+
+    def _extend(self, node: RadixNode, token_blocks: list[BlockTokens], block_ids: list[int],
+                known_hashes: Sequence[int] = ()) -> list[int]:
+        """Append blocks at the tail of a locked leaf (its one lock the caller's); returns their hashes."""
+        hashes = list(known_hashes)
+        if len(hashes) < len(token_blocks):
+            hashes.extend(chain_hashes(hashes[-1] if hashes else node.tail_hash, token_blocks[len(hashes):]))
+        node.token_blocks.extend(token_blocks)
+        node.block_ids.extend(block_ids)
+        node.block_hashes.extend(hashes)
+        self._cached_block_ids.update(block_ids)
+        self._num_cached_blocks += len(block_ids)
+        self._num_locked_blocks += len(block_ids)
+        return hashes
 
     def _check_node(self, node: object) -> RadixNode:
         if not isinstance(node, RadixNode):

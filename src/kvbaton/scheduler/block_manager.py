@@ -166,13 +166,15 @@ class BlockManager:
         if hold is None:
             match = cache.insert_blocks(key, token_blocks[:num_loaded], block_ids, taken)
         else:
-            match = cache.insert_from_blocks(hold.node, token_blocks[:num_loaded], block_ids, taken)
-        cache.lock(match.node)  # the new node before the old one is unlocked: no evictable gap
+            match = cache.insert_from_blocks(hold.node, token_blocks[:num_loaded], block_ids, taken, grow=True)
         if hold is None:
+            cache.lock(match.node)
             self._holds[request.request_id] = _CacheHold(match.node, num_device + num_loaded)
         else:
-            cache.unlock(hold.node)
-            hold.node = match.node
+            if match.node is not hold.node:  # else the hold's node grew in place
+                cache.lock(match.node)  # the new node before the old one is unlocked: no evictable gap
+                cache.unlock(hold.node)
+                hold.node = match.node
             hold.num_blocks = num_device + num_loaded
         request.block_ids = request.block_ids + block_ids
         request.num_computed_tokens = (num_device + num_loaded) * self.block_size
@@ -215,13 +217,15 @@ class BlockManager:
             # the blocks after it need walking: same result as re-inserting the whole prefix.
             token_blocks = self._blocks_of(request, num_full, hold.num_blocks)
             match = self.cache.insert_from_blocks(hold.node, token_blocks, request.block_ids[hold.num_blocks : num_full],
-                                                  hashes[hold.num_blocks : num_full])
-        self.cache.lock(match.node)  # lock the new node before unlocking the old: no evictable gap
+                                                  hashes[hold.num_blocks : num_full], grow=True)
         if hold is None:
+            self.cache.lock(match.node)
             self._holds[request.request_id] = _CacheHold(match.node, num_full)
         else:
-            self.cache.unlock(hold.node)
-            hold.node = match.node  # the hold moves deeper in place (it is the request's own record)
+            if match.node is not hold.node:  # else the cache grew the hold's node (the request's alone) in place
+                self.cache.lock(match.node)  # lock the new node before unlocking the old: no evictable gap
+                self.cache.unlock(hold.node)
+                hold.node = match.node  # the hold moves deeper in place (it is the request's own record)
             hold.num_blocks = num_full
         # The blocks the cache already held come first in the inserted range (the walk matches from its start), so
         # the first one tells whether there are any.

@@ -63,18 +63,24 @@ def test_block_aligned_parts_hashed_part_by_part_give_the_whole_prompts(parts_of
                                                                         tenants: list[str], chain_memo_tokens: int,
                                                                         seed: int) -> None:
     """Prompts of block-aligned parts (16 and 48 tokens; 5, 33, 70 are not) then any last part: `prompt` takes each
-    aligned part from its memo under the hash before it (bounded in tokens), and gives what the general path
-    gives, in any order, under any tenant, with a memo too small to keep anything or every part."""
+    aligned part from its memo under the hash before it (bounded in tokens, a part kept from its second sighting),
+    and gives what the general path gives, in any order, under any tenant, with a memo too small to keep anything or
+    every part."""
     rng = np.random.default_rng(seed)
     requests = _workload([heads + [last] for heads, last in parts_of], tenants, rng)
     prompts = SimPrompts(CacheKey("m", "l"), 16, chain_memo_tokens=chain_memo_tokens)
+    once = _workload([[1, 3, 0]], [""], np.random.default_rng(seed + 10))[0]  # parts of its own, seen once
+    prompts.prompt(once)
+    assert not prompts._chain
     for wr in requests * 2:
         prompt, blocks = prompts.prompt(wr)
         assert prompt == wr.prompt_array.tolist()
         assert blocks == hash_prompt(CacheKey("m", "l").with_tenant(wr.tenant), prompt, 16)
         held = sum(len(part) for part, _, _, _ in prompts._chain.values())
         assert held == prompts._chain_tokens <= chain_memo_tokens
-    if chain_memo_tokens >= 1 << 20:  # every aligned head part after its prefix is kept once
+        assert sum(prompts._seen.values()) == prompts._seen_tokens <= 2 * chain_memo_tokens
+        assert not prompts._seen.keys() & prompts._chain.keys()
+    if chain_memo_tokens >= 1 << 20:  # every aligned head part after its prefix, seen twice, is kept once
         aligned = {(wr.tenant, tuple(map(id, wr.prompt_parts[:i + 1]))) for wr in requests
                    for i in range(len(wr.prompt_parts) - 1)}
         assert len(prompts._chain) == len(aligned)

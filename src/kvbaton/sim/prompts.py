@@ -16,8 +16,10 @@ A prompt whose parts but the last each fill whole blocks (a Mooncake trace's: on
 its `hash_ids`) goes part by part instead (`prompt`): each such part is kept with its ids, block tuples and
 chained hashes under the hash of the block before it, so the same part after the same prefix is neither converted
 nor hashed again, whatever follows it. 64 % of the synthetic trace's parts repeat so; reuse distances are long
-(an LRU of 8,192 parts catches 40 % of them), so these are kept up to `CHAIN_MEMO_TOKENS` tokens, their tuples
-shared with the requests and radix caches that hold the same blocks (the whole run's peak memory grows ~4 %).
+(8,192 parts kept catch 40 % of them), so these are kept up to `CHAIN_MEMO_TOKENS` tokens, least recently used
+first, their tuples shared with the requests and radix caches that hold the same blocks (the whole run's peak
+memory grows ~4 %). A part is kept from its second sighting on (the keys of parts seen once are remembered, up to
+twice as many tokens): as many hits on that trace, and a trace of parts that never repeat keeps none.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class SimPrompts:
                                                         tuple[int, ...]]] = OrderedDict()
         self.chain_memo_tokens = chain_memo_tokens
         self._chain_tokens = 0
+        self._seen: OrderedDict[tuple[int, int], int] = OrderedDict()  # keys of parts seen once, and their lengths
+        self._seen_tokens = 0
 
     def prompt(self, wr: WorkloadRequest) -> tuple[list[int], HashedBlocks]:
         """`ids(wr)` and `hashed` of them; part by part, from the memo of block-aligned parts, when every part but
@@ -73,12 +77,20 @@ class SimPrompts:
                 ids = part.tolist()
                 blocks = tuple(split_blocks(ids, block_size))
                 entry = (part, ids, blocks, tuple(chain_hashes(parent_hash, blocks)))
-                if len(part) <= self.chain_memo_tokens:  # the entry keeps its part: its id is not reused
-                    memo[memo_key] = entry
-                    self._chain_tokens += len(part)
-                    while self._chain_tokens > self.chain_memo_tokens:
-                        _, (dropped, _, _, _) = memo.popitem(last=False)
-                        self._chain_tokens -= len(dropped)  # type: ignore[arg-type]
+                seen = self._seen
+                if seen.pop(memo_key, None) is None:  # first seen (or not for long): remembered, not kept
+                    seen[memo_key] = len(part)
+                    self._seen_tokens += len(part)
+                    while self._seen_tokens > 2 * self.chain_memo_tokens:
+                        self._seen_tokens -= seen.popitem(last=False)[1]
+                else:
+                    self._seen_tokens -= len(part)
+                    if len(part) <= self.chain_memo_tokens:  # the entry keeps its part: its id is not reused
+                        memo[memo_key] = entry
+                        self._chain_tokens += len(part)
+                        while self._chain_tokens > self.chain_memo_tokens:
+                            _, (dropped, _, _, _) = memo.popitem(last=False)
+                            self._chain_tokens -= len(dropped)  # type: ignore[arg-type]
             else:
                 memo.move_to_end(memo_key)
             prompt += entry[1]

@@ -20,9 +20,9 @@ handle that is locked stays valid across later splits. Eviction only ever trims 
 tail of an unlocked leaf; a leaf that becomes empty leaves the tree. Nodes are not merged back.
 Hence a locked handle always ends exactly where it ended when taken, and `insert_from(node, ...)`
 (a request caching its next full blocks) can walk on from it with the same effect as `insert` of
-the whole sequence from the root. The one exception is asked for: `insert_from(..., grow=True)` by
-the holder of a leaf's only lock, who moves that lock to the result, appends the blocks to the leaf
-itself (the request's chunks and decode blocks then make one node, not one each).
+the whole sequence from the root. The one exception is asked for: with `insert_from(..., grow=True)`
+the holder of a leaf's only lock, who moves that lock to the result, has the blocks appended to the
+leaf itself (a request's chunks and decode blocks then make one node, not one each).
 
 A `PrefixMatch` (and its node handle) is valid until the next `evict`/`clear` unless its node is
 locked; locking a node that has left the tree raises ValueError.

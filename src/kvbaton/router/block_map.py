@@ -179,8 +179,8 @@ class BlockLookup(Generic[SegmentT]):
 
     def contains(self, block_hash: int) -> bool:
         """Whether `block_hash` is indexed (the queued segments' hashes join the set first). The first few times,
-        by a scan of the tree's segments: a KV event names no block it does not know where to find but in rare
-        cases, and a set of every indexed hash costs every created, trimmed and deleted segment its hashes."""
+        by a scan of the tree's segments: KV events rarely name a block that no segment ends or begins with, and a
+        set of every indexed hash costs every created, trimmed and deleted segment its hashes."""
         members = self._members
         if members is None:
             self._num_scans += 1

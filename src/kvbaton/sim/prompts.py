@@ -78,13 +78,14 @@ class SimPrompts:
                 blocks = tuple(split_blocks(ids, block_size))
                 entry = (part, ids, blocks, tuple(chain_hashes(parent_hash, blocks)))
                 seen = self._seen
-                if seen.pop(memo_key, None) is None:  # first seen (or not for long): remembered, not kept
+                seen_tokens = seen.pop(memo_key, None)
+                if seen_tokens is None:  # first seen (or not for long): remembered, not kept
                     seen[memo_key] = len(part)
                     self._seen_tokens += len(part)
                     while self._seen_tokens > 2 * self.chain_memo_tokens:
                         self._seen_tokens -= seen.popitem(last=False)[1]
-                else:
-                    self._seen_tokens -= len(part)
+                else:  # (a key's id may be a dead part's: then this one is kept at once, harmlessly)
+                    self._seen_tokens -= seen_tokens
                     if len(part) <= self.chain_memo_tokens:  # the entry keeps its part: its id is not reused
                         memo[memo_key] = entry
                         self._chain_tokens += len(part)

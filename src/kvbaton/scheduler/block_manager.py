@@ -167,15 +167,7 @@ class BlockManager:
             match = cache.insert_blocks(key, token_blocks[:num_loaded], block_ids, taken)
         else:
             match = cache.insert_from_blocks(hold.node, token_blocks[:num_loaded], block_ids, taken, grow=True)
-        if hold is None:
-            cache.lock(match.node)
-            self._holds[request.request_id] = _CacheHold(match.node, num_device + num_loaded)
-        else:
-            if match.node is not hold.node:  # else the hold's node grew in place
-                cache.lock(match.node)  # the new node before the old one is unlocked: no evictable gap
-                cache.unlock(hold.node)
-                hold.node = match.node
-            hold.num_blocks = num_device + num_loaded
+        self._hold_through(request.request_id, hold, match.node, num_device + num_loaded)
         request.block_ids = request.block_ids + block_ids
         request.num_computed_tokens = (num_device + num_loaded) * self.block_size
 
@@ -218,20 +210,26 @@ class BlockManager:
             token_blocks = self._blocks_of(request, num_full, hold.num_blocks)
             match = self.cache.insert_from_blocks(hold.node, token_blocks, request.block_ids[hold.num_blocks : num_full],
                                                   hashes[hold.num_blocks : num_full], grow=True)
-        if hold is None:
-            self.cache.lock(match.node)
-            self._holds[request.request_id] = _CacheHold(match.node, num_full)
-        else:
-            if match.node is not hold.node:  # else the cache grew the hold's node (the request's alone) in place
-                self.cache.lock(match.node)  # lock the new node before unlocking the old: no evictable gap
-                self.cache.unlock(hold.node)
-                hold.node = match.node  # the hold moves deeper in place (it is the request's own record)
-            hold.num_blocks = num_full
+        self._hold_through(request.request_id, hold, match.node, num_full)
         # The blocks the cache already held come first in the inserted range (the walk matches from its start), so
         # the first one tells whether there are any.
         first = num_full - len(match.block_ids)
         if match.block_ids and match.block_ids[0] != request.block_ids[first]:
             self._share_cached_blocks(request, first, match.block_ids)
+
+    def _hold_through(self, request_id: str, hold: _CacheHold | None, node: object, num_blocks: int) -> None:
+        """The request's cached blocks now end at `node` (an insert's result): its lock moves there."""
+        cache = self.cache
+        assert cache is not None
+        if hold is None:
+            cache.lock(node)
+            self._holds[request_id] = _CacheHold(node, num_blocks)
+            return
+        if node is not hold.node:  # else the cache grew the hold's node (the request's alone) in place
+            cache.lock(node)  # lock the new node before unlocking the old: no evictable gap
+            cache.unlock(hold.node)
+            hold.node = node  # the hold moves deeper in place (it is the request's own record)
+        hold.num_blocks = num_blocks
 
     def _share_cached_blocks(self, request: Request, first: int, cached_ids: tuple[int, ...]) -> None:
         """The cache already held some of the blocks the request just computed (another request computed the same

@@ -374,8 +374,9 @@ class RadixCache:
         for node in self._iter_nodes(ordered=False):
             parent = node.parent
             assert parent is not None and node.attached, "tree node is detached"
+            assert node.key is not None and node.token_blocks and node.key == node.token_blocks[0], \
+                "empty node or wrong key"
             assert parent.children.get(node.key) is node, "node is not its parent's child under its key"
-            assert node.token_blocks and node.key == node.token_blocks[0], "empty node or wrong key"
             assert len(node.token_blocks) == len(node.block_ids) == len(node.block_hashes), "ragged node"
             assert node.parent_hash == parent.tail_hash, "hash chain broken between nodes"
             assert node.namespace is parent.namespace, "node in another tree than its parent"

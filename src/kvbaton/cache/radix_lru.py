@@ -16,13 +16,14 @@ import heapq
 import itertools
 from collections.abc import Mapping
 
+from kvbaton.cache.hashing import CacheKey
 from kvbaton.cache.radix_node import RadixNode
 
 
 class LruLeaves:
     """Recency marks on a radix tree and the heap of its evictable leaves, least recently used first."""
 
-    def __init__(self, roots: Mapping[object, RadixNode]) -> None:
+    def __init__(self, roots: Mapping[CacheKey, RadixNode]) -> None:
         self.tick = 0  # the logical LRU clock: advanced by every `touch`
         self._roots = roots  # the cache's roots (its own dict, read on a rebuild; no reference back to the cache)
         self._pushes = itertools.count()  # unique third heap field: entries never compare nodes

@@ -10,6 +10,7 @@ docstring.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 BlockTokens = tuple[int, ...]
@@ -21,7 +22,7 @@ class PrefixMatch:
 
     block_ids: tuple[int, ...]  # cached blocks covering the matched prefix, in order
     block_hashes: tuple[int, ...]  # their chained hashes (kvbaton.cache.hashing)
-    node: object  # opaque handle for lock/unlock: the deepest node of the path (root if empty)
+    node: Any  # opaque handle for lock/unlock: the deepest node of the path (root if empty); mypyc: Any, not object
 
     @property
     def num_blocks(self) -> int:

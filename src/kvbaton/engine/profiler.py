@@ -23,7 +23,6 @@ import torch
 
 from kvbaton.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.core.sampling import SamplingParams
-from kvbaton.core.step import StepPlan
 from kvbaton.engine.engine import Engine
 from kvbaton.sim.costs.base import BatchShape
 from kvbaton.sim.costs.fit import StepSample, fit_linear, fit_quality, read_step_samples
@@ -46,18 +45,10 @@ QUICK_GRID = ProfileGrid((16, 64, 128), (0, 64), (1, 2), (1, 4), (32, 128), 3, 1
 
 
 class _Recorder:
-    """Wraps the engine's scheduler so each step's plan is kept with the step's wall time."""
+    """Steps the engine until idle, keeping each step's plan (the engine's `last_plan`) with its wall time."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.plan: StepPlan | None = None
-        original = engine.scheduler.schedule
-
-        def schedule(now: float) -> StepPlan:
-            self.plan = original(now)
-            return self.plan
-
-        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
 
     def run(self, samples: list[StepSample] | None) -> None:
         """Step until idle; keep (shape, seconds) of every non-empty step when `samples` is given."""
@@ -65,8 +56,9 @@ class _Recorder:
             started = time.perf_counter()
             self.engine.step()
             elapsed_s = time.perf_counter() - started
-            if samples is not None and self.plan is not None and not self.plan.is_empty:
-                samples.append(StepSample(BatchShape.of_plan(self.plan), elapsed_s))
+            plan = self.engine.last_plan
+            if samples is not None and plan is not None and not plan.is_empty:
+                samples.append(StepSample(BatchShape.of_plan(plan), elapsed_s))
 
 
 def _tokens(seed: int, n: int, vocab: int) -> list[int]:

@@ -155,6 +155,7 @@ class PrebleE2Policy(BasePolicy):
         longest = self._longest_live(matched, workers)
         longest_tokens = state.matched_tokens(request, longest)
         group: int | None = None
+        candidates: Sequence[WorkerId]
         if longest_tokens > num_prompt - longest_tokens:
             group = request.block_hashes[longest - 1]
             allocated = self._allocation(request, longest, workers)

@@ -42,8 +42,7 @@ class GlobalPrefixIndex(PrefixTree):
         return self._num_mutations
 
     def num_worker_blocks(self, worker: WorkerId) -> int:
-        lru = self._worker_lru.get(worker, {})
-        return sum(len(self._lru[h].hashes) for h in lru)
+        return sum(len(self._lru[h].hashes) for h in self._worker_lru.get(worker, ()))
 
     def holders(self, block_hash: int) -> frozenset[WorkerId]:
         segment = self._segment_of(block_hash)

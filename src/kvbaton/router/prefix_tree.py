@@ -93,6 +93,7 @@ class PrefixTree:
         path: list[Segment] = []
         parent = start
         depth = 0
+        segment: Segment | None
         for segment in walked or ():
             self._visit(segment, worker, worker_lru, count_routed)
             path.append(segment)

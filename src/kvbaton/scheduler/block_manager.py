@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvbaton.cache.block_pool import BlockPool
 from kvbaton.cache.hashing import CacheKey, HashedBlocks
@@ -33,7 +34,7 @@ def _tokens_between(request: Request, start: int, end: int) -> list[int]:
 
 @dataclass(slots=True)
 class _CacheHold:
-    node: object  # deepest cached node of the request's prefix; locked while held
+    node: Any  # deepest cached node of the request's prefix; locked while held (an opaque handle)
     num_blocks: int  # leading blocks of the request's table known to be cached under `node`
 
 

@@ -33,6 +33,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from collections import deque
 from dataclasses import replace
+from typing import Any
 
 from kvbaton.bench.records import RequestRecord
 from kvbaton.bench.workloads.base import WorkloadRequest
@@ -55,7 +56,7 @@ from kvbaton.sim.config import SimConfig, StoreReport, WorkerHardware, WorkerRep
 from kvbaton.sim.handoff import Delivery, HandoffEvent, SimHandoffs, check_same_layout
 from kvbaton.sim.links import get_link
 from kvbaton.sim.prompts import SimPrompts
-from kvbaton.sim.spec import ClusterSpec, WorkerSpec
+from kvbaton.sim.spec import ClusterSpec
 from kvbaton.sim.store_io import StoreLinks, kv_read_s_per_token, router_prefill_model
 from kvbaton.sim.worker import SimWorker, TokenFn
 from kvbaton.transfer import AdoptedKV
@@ -84,11 +85,11 @@ class ClusterSim:
         costs = {w.worker_id: hardware[w.worker_id].cost_model if w.worker_id in hardware else cost_model
                  for w in spec.workers}
         check_same_layout(costs)
-
-        def cache_of(worker: WorkerSpec) -> CacheConfig:
-            cache = decode_cache if worker.role == "decode" else config.cache
-            own = hardware.get(worker.worker_id)
-            return cache if own is None else replace(cache, num_blocks=own.num_blocks)
+        caches: dict[str, CacheConfig] = {}  # per worker: its role's cache, with its own pool's size
+        for w in spec.workers:
+            own = hardware.get(w.worker_id)
+            cache = decode_cache if w.role == "decode" else config.cache
+            caches[w.worker_id] = cache if own is None else replace(cache, num_blocks=own.num_blocks)
 
         self.front_ids = [w.worker_id for w in spec.workers if w.role in ("mixed", "prefill")]
         # The KV store: one node per front worker's host, named by the worker's id, and per node the store holding
@@ -109,12 +110,13 @@ class ClusterSim:
                 raise InvalidRequestError(f"no store node {loss.node_id!r} to lose: the store's nodes are the mixed "
                                           f"and prefill workers' hosts ({', '.join(self.front_ids)})"
                                           if self.store_of else "a store node loss needs a KV store")
-            if loss.node_id in back_at and (back_at[loss.node_id] is None or back_at[loss.node_id] >= loss.at_s):
+            last_back_at = back_at.get(loss.node_id, float("-inf"))
+            if loss.node_id in back_at and (last_back_at is None or last_back_at >= loss.at_s):
                 raise InvalidRequestError(f"store node {loss.node_id} is lost at {loss.at_s} s while lost already")
             back_at[loss.node_id] = loss.back_at_s
         self.num_store_node_losses = 0
-        self.workers = {w.worker_id: SimWorker(w, sched, cache_of(w), config.cache_key, costs[w.worker_id], token_for,
-                                               random.Random(f"{config.seed}:{w.worker_id}"),
+        self.workers = {w.worker_id: SimWorker(w, sched, caches[w.worker_id], config.cache_key, costs[w.worker_id],
+                                               token_for, random.Random(f"{config.seed}:{w.worker_id}"),
                                                self.store_of.get(w.worker_id), config.store_prices, self.store_links)
                         for w in spec.workers}
         for rank, worker in enumerate(self.workers.values(), start=1):  # simultaneous step ends: in worker order
@@ -167,7 +169,7 @@ class ClusterSim:
             token_for.prompt_of = self.prompt_of  # type: ignore[attr-defined]
         self._forget_tokens: Callable[[str], None] | None = getattr(token_for, "forget", None)
 
-    def _calibration(self, cost_model: CostModel, sched: SchedulerConfig, config: SimConfig) -> dict[str, object]:
+    def _calibration(self, cost_model: CostModel, sched: SchedulerConfig, config: SimConfig) -> dict[str, Any]:
         """The router's time models fitted to the cost model, for placements that weigh seconds of this GPU (the
         store's loads, the conductor's TTFT); other runs keep the router's defaults, as before the store."""
         if not self.store_of and config.policy != "conductor":
@@ -194,7 +196,7 @@ class ClusterSim:
         # Arrivals wait in their own list, sorted by (time, seq) as the heap would order them, and merge with the
         # heap's head: the same total order on (time, seq), from a heap ~requests-in-flight deep instead of
         # holding every future arrival.
-        arrivals = []
+        arrivals: list[tuple[float, int, int, int, object]] = []
         for request in requests:
             self._seq += 1
             arrivals.append((request.arrival_s, 0, self._seq, _ARRIVAL, request))
@@ -241,9 +243,9 @@ class ClusterSim:
             elif kind == DELIVERY:
                 self._on_delivery(payload, now)  # type: ignore[arg-type]
             elif kind == RETRY:
-                self._start_handoff(self._flights.get(payload), now)  # type: ignore[arg-type]
+                self._start_handoff(self._flights.get(payload), now)  # type: ignore[arg-type, call-overload]
             else:
-                self._on_store_node(*payload, now)  # type: ignore[misc]
+                self._on_store_node(*payload, now)  # type: ignore[misc, call-arg]
             if handoffs is not None and now >= self._next_expiry_at:
                 self._expire(now)
 
@@ -313,7 +315,7 @@ class ClusterSim:
             return
         placement = self.placement.place(RouteRequest(rid, prompt_blocks.block_hashes, len(prompt),
                                                             wr.output_tokens), now)
-        if type(placement) is Refusal:
+        if isinstance(placement, Refusal):
             flight = self._flights[rid] = Flight(wr, "", prompt, prompt_blocks)
             self._reject(flight, placement.reason, now)
             return
@@ -454,8 +456,8 @@ class ClusterSim:
                 placement.apply_snapshot(worker.worker_id, worker.cache.snapshot())
         store = self.store_of.get(worker.worker_id)
         if store is not None:  # the worker's host is a store node: its events travel with the heartbeat
-            events = store.take_events(worker.worker_id)
-            if events and not placement.on_store_events(worker.worker_id, events):
+            store_events = store.take_events(worker.worker_id)
+            if store_events and not placement.on_store_events(worker.worker_id, store_events):
                 placement.apply_store_snapshot(worker.worker_id, store.snapshot(worker.worker_id))
 
     def prompt_of(self, request_id: str) -> list[int]:
@@ -662,4 +664,5 @@ class ClusterSim:
         if self._on_record is not None:
             self._on_record(record)
         if self._unreserved:  # late reservation: its front's FIFO may move on now (its head, or tokens ahead, ended)
+            assert record.finish_s is not None, "a record is emitted when its request ends"
             self._reserve_in_turn(flight.front, record.finish_s)

@@ -62,8 +62,8 @@ class SimPrompts:
         parts = wr.prompt_parts
         block_size = self.block_size
         if len(parts) < 2 or any(not len(part) or len(part) % block_size for part in parts[:-1]):
-            prompt = self.ids(wr)
-            return prompt, self.hashed(wr, prompt)
+            ids = self.ids(wr)
+            return ids, self.hashed(wr, ids)
         key = self.cache_key.with_tenant(wr.tenant)
         memo = self._chain
         prompt: list[int] = []

@@ -67,8 +67,9 @@ class RooflineCostModel(CostModel):
         num_tokens = sum(prefill_new_tokens) + num_decodes if prefill_new_tokens else num_decodes
         if not num_tokens:
             return 0.0
-        attention_pairs = shape.decode_context_tokens
-        context_read = attention_pairs
+        # an int while only decodes add to it: integer figures stay exact until the one rounding in _price
+        attention_pairs: int | float = shape.decode_context_tokens
+        context_read = shape.decode_context_tokens
         for n, ctx in zip(prefill_new_tokens, shape.prefill_context_tokens):
             attention_pairs += n * (ctx + n / 2)
             context_read += ctx
@@ -92,7 +93,7 @@ class RooflineCostModel(CostModel):
                 prefill_ctx += start_pos
         if not num_tokens:
             return 0.0
-        attention_pairs = decode_ctx
+        attention_pairs: int | float = decode_ctx  # as in step_s
         for pairs in prefill_pairs:  # added after the decodes' sum, in chunk order, as step_s does
             attention_pairs += pairs
         return self._price(num_tokens, num_chunks, attention_pairs, decode_ctx + prefill_ctx, parallel)
@@ -126,6 +127,7 @@ class RooflineCostModel(CostModel):
     def _one_gpu_decode_pricer(self) -> Callable[[int, int], float]:
         """decode_s's arithmetic for one GPU and integer per-sequence FLOPs, bound to this model's constants."""
         flops_per_seq = self._flops_per_seq
+        assert flops_per_seq is not None, "only built for integer per-sequence FLOPs"
         attention_flops_per_pair = self._attention_flops_per_pair
         weight_bytes, kv_bytes_per_token = self._weight_bytes, self.kv_bytes_per_token
         s_per_flop, s_per_byte, step_overhead_s = self._s_per_flop, self._s_per_byte, self._step_overhead_s
@@ -139,7 +141,7 @@ class RooflineCostModel(CostModel):
 
         return decode_s
 
-    def _price(self, num_tokens: int, num_sampled: int, attention_pairs: float, context_read: int,
+    def _price(self, num_tokens: int, num_sampled: int, attention_pairs: int | float, context_read: int,
                parallel: Parallelism) -> float:
         flops = (self._flops_per_token * num_tokens + self._flops_per_sampled_row * num_sampled
                  + self._attention_flops_per_pair * attention_pairs)

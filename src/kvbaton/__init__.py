@@ -4,7 +4,14 @@ The heavy entry point (`LLM`, which imports torch) is resolved lazily so that im
 policy-core module never pulls torch in.
 """
 
-from kvbaton.core.sampling import SamplingParams
+import os as _os
+
+if _os.path.exists(_os.path.join(_os.path.dirname(__file__), "compiled_manifest.json")):  # `make compiled` ran
+    from kvbaton.compiled import check_fresh as _check_fresh
+
+    _check_fresh()  # compiled modules older than their sources: ImportError, never stale code
+
+from kvbaton.core.sampling import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams"]
 

@@ -113,8 +113,10 @@ def build(src: Path = _SRC, jobs: int | None = None) -> list[Path]:
     with tempfile.TemporaryDirectory(prefix="kvbaton-mypyc-") as work:
         os.chdir(src)  # mypyc names modules by their paths relative to the working directory
         try:
-            # mypy checks the modules compiled; what they import is read for its types only
-            options = ["--follow-imports=silent", "--ignore-missing-imports"]
+            # mypy checks the modules compiled and reads kvbaton's other modules for their types only; installed
+            # packages are not read at all (their names are Any here, as torch is where the modules name it): with
+            # torch's sources to analyse, the build took 4.5 minutes instead of half of one, for the same code
+            options = ["--follow-imports=silent", "--ignore-missing-imports", "--no-site-packages"]
             extensions = mypycify([*options, *MODULES], opt_level="3", group_name=GROUP, multi_file=True,
                                   target_dir=os.path.join(work, "c"))
             dist = Distribution({"name": GROUP, "ext_modules": extensions})

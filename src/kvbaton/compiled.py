@@ -9,7 +9,7 @@ same objects, and every `kvbaton sim --json` is byte-identical compiled or not (
 - `python src/kvbaton/compiled.py build [SRC]` (`make compiled`) compiles `MODULES` in place under SRC (the checkout's
   `src/` by default), next to each `.py`, which the import system then loads instead, and writes a manifest of
   the sources' hashes. It needs mypy (the `compile` extra) and a C compiler.
-- `python src/kvbaton/compiled.py clean [SRC]` (`make uncompiled`) removes them; `status` says which are loaded.
+- `python src/kvbaton/compiled.py clean [SRC]` (`make uncompiled`) removes them; `status` says whether a build is there.
 - Importing kvbaton with a manifest whose sources have changed since the build raises ImportError, naming the
   stale modules, rather than run code that no longer matches its source. (So the commands above run this file as
   a script, which imports nothing of kvbaton.)
@@ -102,7 +102,8 @@ def clean(src: Path = _SRC) -> list[Path]:
 
 def build(src: Path = _SRC, jobs: int | None = None) -> list[Path]:
     """Compile MODULES in place under `src` (mypyc, then the C compiler) and write the manifest; returns the
-    extensions built. A failed build leaves no manifest behind, so nothing half-built is mistaken for fresh."""
+    extensions built. A failed build removes whatever it had put in place: no extension is left without a manifest
+    (which would load unchecked)."""
     from mypyc.build import mypycify  # the `compile` extra: imported here, as only a build needs it
     from setuptools import Distribution
 
@@ -126,6 +127,9 @@ def build(src: Path = _SRC, jobs: int | None = None) -> list[Path]:
             command.build_lib = os.path.join(work, "lib")
             command.parallel = jobs or os.cpu_count() or 1
             dist.run_command("build_ext")
+        except BaseException:
+            clean(src)
+            raise
         finally:
             os.chdir(cwd)
     built = [path for path in _artifacts(src) if path.name != MANIFEST]

@@ -4,7 +4,8 @@ One build into a copy of the sources (a minute on two cores), then: every simula
 byte-identical to the checkout's on configurations that reach the compiled modules' paths (mixed workers with
 preble at full context, PD pairs with handoffs, the KV store and the conductor, admission with a pool balancer);
 the compiled extensions are what those runs imported; a changed source makes importing kvbaton fail until the
-build is redone or removed, and `clean` leaves plain sources that import again.
+build is redone or removed, and `clean` leaves plain sources that import again; a build that fails (a type error
+mypy refuses) leaves no extension behind, nor a manifest.
 """
 
 from __future__ import annotations
@@ -103,3 +104,13 @@ def test_a_changed_source_makes_the_build_stale_until_it_is_cleaned(built: Path,
     proc = _run(src, "-c", "import json, kvbaton.sim.run; from kvbaton import compiled; "
                            "print(json.dumps(compiled.loaded()))")
     assert proc.returncode == 0 and json.loads(proc.stdout) == [], proc.stderr[-3000:]
+
+
+def test_a_failed_build_leaves_nothing_that_would_load_unchecked(built: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(built, src, symlinks=True)  # a build in place, which the failed one must remove too
+    module = src / "kvbaton" / "sim" / "prompts.py"
+    module.write_text(module.read_text() + "\nBROKEN: int = 'not an int'\n")  # mypy refuses it: nothing compiles
+    proc = _run(src, str(src / "kvbaton" / "compiled.py"), "build", str(src), timeout=900)
+    assert proc.returncode != 0 and "kvbaton/sim/prompts.py" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert not list(src.rglob("*.so")) and not (src / "kvbaton" / compiled.MANIFEST).exists()

@@ -110,8 +110,8 @@ class ClusterSim:
                 raise InvalidRequestError(f"no store node {loss.node_id!r} to lose: the store's nodes are the mixed "
                                           f"and prefill workers' hosts ({', '.join(self.front_ids)})"
                                           if self.store_of else "a store node loss needs a KV store")
-            last_back_at = back_at.get(loss.node_id, float("-inf"))
-            if loss.node_id in back_at and (last_back_at is None or last_back_at >= loss.at_s):
+            last_back_at = back_at.get(loss.node_id, float("-inf"))  # -inf: not lost before (at_s is finite, >= 0)
+            if last_back_at is None or last_back_at >= loss.at_s:
                 raise InvalidRequestError(f"store node {loss.node_id} is lost at {loss.at_s} s while lost already")
             back_at[loss.node_id] = loss.back_at_s
         self.num_store_node_losses = 0

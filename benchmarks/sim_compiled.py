@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from kvbaton import compiled
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 TRACE = SRC.parent.parent / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
@@ -48,9 +49,7 @@ def _loaded(src: Path) -> list[str]:
 
 
 def _build(work: Path) -> tuple[Path, float]:
-    src = work / "src"
-    shutil.copytree(SRC / "kvbaton", src / "kvbaton",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "compiled_manifest.json"))
+    src = compiled.copy_sources(work / "src", SRC)
     started = time.perf_counter()
     _run(src, [str(src / "kvbaton" / "compiled.py"), "build", str(src)], 1800)
     return src, time.perf_counter() - started

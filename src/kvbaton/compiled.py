@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -90,6 +91,14 @@ def _artifacts(src: Path) -> list[Path]:
         found += [path for path in stem.parent.glob(stem.name + ".*") if path.suffix in suffixes]
     manifest = src / "kvbaton" / MANIFEST
     return found + ([manifest] if manifest.exists() else [])
+
+
+def copy_sources(dest: Path, src: Path = _SRC) -> Path:
+    """A copy of `src`'s kvbaton package under `dest` without any build (extensions, manifest, bytecode): a source
+    root to build in apart from the checkout (the compiled-core test and benchmark). Returns it."""
+    shutil.copytree(src / "kvbaton", dest / "kvbaton",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", MANIFEST))
+    return dest
 
 
 def clean(src: Path = _SRC) -> list[Path]:

@@ -56,9 +56,7 @@ def _sim(src: Path, args: list[str]) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the checkout's sources with the compiled core built in it."""
-    src = tmp_path_factory.mktemp("compiled") / "src"
-    shutil.copytree(SRC / "kvbaton", src / "kvbaton", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd",
-                                                                                   compiled.MANIFEST))
+    src = compiled.copy_sources(tmp_path_factory.mktemp("compiled") / "src")
     proc = _run(src, str(src / "kvbaton" / "compiled.py"), "build", str(src), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return src

@@ -133,6 +133,27 @@ def test_the_served_document_lists_the_fuzzed_operations(api_schema: schemathesi
     assert served_operations == set(OPERATIONS)
 
 
+# Valid bodies that once killed the worker drawing their first token (a NaN distribution), then the worker the call
+# migrated to: the first a CI run's fuzz found (its examples are not this machine's), the second the sampler's
+# search over every accepted range (tests/engine/test_sampler_ranges.py).
+FOUND = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\u00ae4\u00ec9"}], "top_p": 5e-324,
+                              "temperature": 1.0, "max_tokens": 8}),
+    # token 5 is in the prompt and banned until min_tokens: its -inf logit times a penalty float32 holds as 0
+    ("/v1/completions", {"prompt": [5, 6, 7], "stop_token_ids": [5], "min_tokens": 4, "repetition_penalty": 5e-324,
+                         "max_tokens": 8}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), FOUND, ids=[path for path, _ in FOUND])
+def test_bodies_a_fuzz_run_found_are_answered(served: Served, path: str, body: dict[str, Any]) -> None:
+    with httpx.Client(timeout=60, headers=AUTH) as http:
+        answer = http.post(f"{served.url}{path}", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert http.get(f"{served.url}/ready").status_code == 200
+
+
 def test_the_server_still_serves_after_the_fuzz_with_nothing_held(served: Served) -> None:
     # Module order: the fuzz above ran first (pytest keeps file order).
     with httpx.Client(timeout=60, headers=AUTH) as http:

@@ -288,6 +288,12 @@ class Engine:
                 allowed = ([None if t.grammar is None else t.grammar.allowed() for t in tracked]
                            if any(t.grammar is not None for t in tracked) else None)
                 sampled.update(zip(row_ids, self.sampler.sample(logits, row_ids, params, requests, allowed)))
+            for request_id, why in self.sampler.take_failed().items():
+                # Its own failure (see engine/sampler.py), not the step's: it ends here, its token unused; update()
+                # passes over a finished request's chunk and the others go on.
+                sampled.pop(request_id, None)
+                accepted.pop(request_id, None)
+                self.scheduler.finish_request(request_id, FinishReason.ERROR, self._clock(), why)
         self._step_id += 1
         result = StepResult(plan.step_id, sampled, time.perf_counter() - started, accepted)
         token_outputs = self.scheduler.update(plan, result, self._clock())

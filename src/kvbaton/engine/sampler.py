@@ -9,6 +9,10 @@ the output's tokens (HF/CTRL: a positive logit divided by it, a negative one mul
 presence penalties over the output's tokens (OpenAI: minus frequency x count, minus presence once). Greedy
 and sampled tokens are drawn from the adjusted logits; logprobs are of the raw model distribution (before
 any adjustment, temperature, top-k or top-p, but after the grammar mask), as vLLM v1 reports them by default.
+
+A row whose token cannot be drawn (a distribution torch refuses: none should reach it, tests/engine/
+test_sampler_ranges.py searches every parameter range for one) fails its own request, never the step: the row
+gets greedy's token, and `take_failed` gives the engine its request id and the reason to end that request with.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ def adjust_logits(row: torch.Tensor, p: SamplingParams, prompt_token_ids: Sequen
         seen = torch.tensor(sorted(set(prompt_token_ids).union(output_token_ids)), dtype=torch.long)
         if seen.numel():
             values = row[seen]
-            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            # At least the dtype's smallest normal: a float32 product with a penalty that rounds to 0 would turn a
+            # masked (-inf) logit into NaN, which no token can be drawn from.
+            penalty = max(p.repetition_penalty, torch.finfo(row.dtype).tiny)
+            row[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if (p.frequency_penalty or p.presence_penalty) and output_token_ids:
         ids, counts = torch.unique(torch.tensor(list(output_token_ids), dtype=torch.long), return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
@@ -62,10 +69,16 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self._positions: dict[str, int] = {}  # a seeded request's next output position
+        self._failed: dict[str, str] = {}  # requests whose token could not be drawn, with why, until taken
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
         self._positions.pop(request_id, None)
+
+    def take_failed(self) -> dict[str, str]:
+        """The requests whose token could not be drawn since the last call, with why (their rows got greedy's)."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def skip_draws(self, request_id: str, p: SamplingParams, num_tokens: int) -> None:
         """`num_tokens` tokens of this request were drawn elsewhere (a handoff's first token, on the prefill worker;
@@ -109,7 +122,10 @@ class Sampler:
         tokens: list[int] = greedy_ids.tolist()
         for i, p in enumerate(params):
             if not p.greedy:
-                tokens[i] = self._sample_row(logits[i], p, request_ids[i])
+                try:
+                    tokens[i] = self._sample_row(logits[i], p, request_ids[i])
+                except RuntimeError as exc:
+                    self._failed[request_ids[i]] = f"its next token could not be drawn ({exc})"
         return [_sampled(tokens[i], None if logprobs is None else logprobs[i], p) for i, p in enumerate(params)]
 
     def verify(self, rows: torch.Tensor, drafts: Sequence[int], p: SamplingParams,
@@ -135,8 +151,13 @@ class Sampler:
             # a draft is kept when it is that token, with probability p(draft), and the chunk ends at the first
             # that is not. Every token is distributed as p, and a seeded request's tokens do not depend on drafts.
             for i in range(len(drafts) + 1):
-                tokens.append(int(torch.multinomial(self._probs(rows[i], p), 1,
-                                                    generator=self._generator_for(request_id, p)).item()))
+                try:
+                    tokens.append(int(torch.multinomial(self._probs(rows[i], p), 1,
+                                                        generator=self._generator_for(request_id, p)).item()))
+                except RuntimeError as exc:
+                    self._failed[request_id] = f"its next token could not be drawn ({exc})"
+                    tokens.append(int(torch.argmax(rows[i])))
+                    break
                 if i == len(drafts) or tokens[-1] != drafts[i]:
                     break
         return [_sampled(t, None if logprobs is None else logprobs[i], p) for i, t in enumerate(tokens)]
@@ -164,6 +185,7 @@ class Sampler:
             cumulative = torch.cumsum(sorted_probs, dim=-1)
             # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
             drop = cumulative - sorted_probs >= p.top_p
+            drop[0] = False  # the most likely stays: a top_p below float32's least value is 0 here
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             # renormalised: `verify` accepts a draft with its probability, which must be its share of the nucleus
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs / sorted_probs.sum())

@@ -154,6 +154,20 @@ def test_bodies_a_fuzz_run_found_are_answered(served: Served, path: str, body: d
         assert http.get(f"{served.url}/ready").status_code == 200
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4}),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 4}),
+    ("/v1/responses", {"input": "hi", "stream": True, "max_output_tokens": 4}),
+], ids=["chat", "completions", "responses"])
+def test_a_streamed_answer_is_what_the_document_says(served: Served, api_schema: schemathesis.BaseSchema, path: str,
+                                                    body: dict[str, Any]) -> None:
+    # Each server-sent event against the stream's event schema (a fuzz run once found the document said a string)
+    case = api_schema[path]["POST"].Case(body=body)
+    response = case.call(base_url=served.url, headers=AUTH, timeout=60)
+    assert response.status_code == 200 and response.content.startswith((b"data: ", b"event: ")), response.content[:200]
+    case.validate_response(response, checks=CHECKS)
+
+
 def test_the_server_still_serves_after_the_fuzz_with_nothing_held(served: Served) -> None:
     # Module order: the fuzz above ran first (pytest keeps file order).
     with httpx.Client(timeout=60, headers=AUTH) as http:

@@ -217,6 +217,12 @@ _GENERATED: Schema = {"type": "object", "required": ["id", "object", "created", 
     "usage": _OBJECT}}
 
 
+# One server-sent event of a stream, as OpenAPI before 3.2 has a text/event-stream's `schema` describe each event
+# (3.2's `itemSchema`): its data (a JSON chunk, or [DONE]) and, for /v1/responses, the event's type.
+_SSE_EVENT: Schema = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def _json(schema: Schema) -> Schema:
     return {"application/json": {"schema": schema}}
 
@@ -225,7 +231,7 @@ def _operation(summary: str, ok: Schema, body: Schema | None = None, *, open_rou
                stream: bool = False, with_keys: bool = False, media_type: str = "application/json") -> Schema:
     ok_content = {media_type: {"schema": ok}}
     if stream:
-        ok_content["text/event-stream"] = {"schema": {"type": "string"}}
+        ok_content["text/event-stream"] = {"schema": _SSE_EVENT}
     errors = {status: {"description": why, "content": _json(_ERROR)} for status, why in _ERROR_STATUSES.items()
               if (with_keys and not open_route) or status not in ("401", "403")}
     operation: Schema = {"summary": summary, "responses": {"200": {"description": "OK", "content": ok_content},

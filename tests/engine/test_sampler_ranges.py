@@ -19,7 +19,6 @@ from kvbaton.engine.sampler import Sampler
 
 VOCAB = 16
 EOS = 2
-NEG_INF = float("-inf")
 
 
 def _request(prompt: list[int], output: list[int], params: SamplingParams) -> Request:
